@@ -1,0 +1,81 @@
+"""The ``chameleon`` command.
+
+Each sub-command lives in its own module of this package with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
+command runs, so ``chameleon estimate`` never pays for importing torch.
+
+Bad input raises ``ValueError`` anywhere below; it is printed as one line on stderr and the
+command exits with status 2. No traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, str] = {
+    "estimate": "Estimate step time, throughput and memory of a job, failure-free or rerouted.",
+    "plan": "Decide how to recover from a failure: every candidate, priced, and the choice.",
+    "simulate": "Replay failure traces against every policy side by side.",
+    "train": "Train a GPT on worker processes and survive killed or hung workers.",
+    "worker": "Join a running `chameleon train` from another host.",
+}
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (imports every command module)."""
+    parser = _Parser(prog="chameleon", description="Adaptive fault tolerance for LLM training.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"chameleon_ft.cli.{name}_cmd")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+    return parser
+
+
+def _version() -> str:
+    from chameleon_ft import __version__
+
+    return f"chameleon {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``chameleon`` console script."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    if command in COMMANDS:
+        # Import only the command that runs.
+        parser = _Parser(prog="chameleon")
+        sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+        module = importlib.import_module(f"chameleon_ft.cli.{command}_cmd")
+        p = sub.add_parser(command, help=COMMANDS[command], description=COMMANDS[command])
+        module.add_arguments(p)
+    else:
+        parser = build_parser()
+        module = None
+    args = parser.parse_args(args_list)
+    if module is None:
+        parser.print_help()
+        return EXIT_USAGE if args_list and args_list[0] not in ("-h", "--help") else 0
+    try:
+        return int(module.run(args))
+    except ValueError as exc:
+        print(f"chameleon {command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"chameleon {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""``ExecutionPlan``: who runs which layers of which pipeline, on how many micro-batches.
+
+A plan is an immutable value consumed alike by the estimator, the simulator and the
+runtime. Pipelines may differ in length (after a dynamic recovery), and a stage whose
+worker died may be *rerouted*: its micro-batches run on live workers holding the same
+layers in other pipelines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A contiguous range of layers ``[first_layer, end_layer)`` run by one worker."""
+
+    worker: int
+    first_layer: int
+    end_layer: int
+
+    @property
+    def layers(self) -> range:
+        """The layer indices of this stage."""
+        return range(self.first_layer, self.end_layer)
+
+    @property
+    def num_layers(self) -> int:
+        """How many layers the stage holds."""
+        return self.end_layer - self.first_layer
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """One data-parallel replica: stages covering every layer, and its micro-batch count."""
+
+    stages: tuple[Stage, ...]
+    num_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        """Stages in this pipeline."""
+        return len(self.stages)
+
+    @property
+    def layout(self) -> tuple[tuple[int, int], ...]:
+        """Layer bounds of each stage, without the workers."""
+        return tuple((s.first_layer, s.end_layer) for s in self.stages)
+
+
+@dataclass(frozen=True, slots=True)
+class Reroute:
+    """The stage ``stage`` of pipeline ``pipeline`` lost its worker; peers run its work.
+
+    ``shares`` lists ``(peer worker, number of micro-batches)``; every peer holds exactly
+    the dead stage's layers as a live stage of another pipeline.
+    """
+
+    pipeline: int
+    stage: int
+    shares: tuple[tuple[int, int], ...]
+
+    def assignment(self) -> tuple[int, ...]:
+        """The peer that runs each micro-batch of the pipeline, in micro-batch order.
+
+        Smooth weighted round robin: each peer gets exactly its share, spread evenly over
+        the step so that no peer receives a burst.
+        """
+        total = sum(n for _, n in self.shares)
+        credit = [0] * len(self.shares)
+        out: list[int] = []
+        for _ in range(total):
+            for i, (_, n) in enumerate(self.shares):
+                credit[i] += n
+            best = max(range(len(self.shares)), key=lambda i: (credit[i], -i))
+            credit[best] -= total
+            out.append(self.shares[best][0])
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Pipelines -> stages -> (worker, layer range), micro-batches, and the reroute map."""
+
+    num_layers: int
+    """Layers of the model (embedding + blocks + head)."""
+    pipelines: tuple[Pipeline, ...]
+    """The data-parallel replicas; may differ in length."""
+    reroutes: tuple[Reroute, ...] = ()
+    """Dead stage replicas whose micro-batches run on peers."""
+    micro_batch: int = 1
+    """Samples per micro-batch."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b`` or ``gpipe``."""
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        dp: int,
+        pp: int,
+        num_layers: int,
+        num_microbatches: int,
+        micro_batch: int = 1,
+        placement: str = "stage-major",
+        layer_bounds: Sequence[tuple[int, int]] | None = None,
+        schedule: str = "1f1b",
+    ) -> ExecutionPlan:
+        """The failure-free dp x pp layout.
+
+        Args:
+            dp: pipelines.
+            pp: stages per pipeline.
+            num_layers: layers of the model.
+            num_microbatches: micro-batches per step over all pipelines (divisible by dp).
+            micro_batch: samples per micro-batch.
+            placement: ``stage-major`` numbers workers ``s * dp + p``; ``pipeline-major``
+                ``p * pp + s``.
+            layer_bounds: ``(first, end)`` per stage; default: as even as possible.
+            schedule: ``1f1b`` or ``gpipe``.
+
+        Raises:
+            ValueError: when the shapes do not fit.
+        """
+        if pp > num_layers:
+            raise ValueError(f"job.pp: {pp} stages need at least {pp} layers, the model has "
+                             f"{num_layers}")
+        if num_microbatches % dp:
+            raise ValueError(f"job.global_batch: {num_microbatches} micro-batches do not split "
+                             f"evenly over {dp} pipelines")
+        bounds = list(layer_bounds) if layer_bounds is not None else even_bounds(num_layers, pp)
+        if len(bounds) != pp:
+            raise ValueError(f"layer_bounds: {len(bounds)} stages given, pp is {pp}")
+        per_pipeline = num_microbatches // dp
+        pipelines = []
+        for p in range(dp):
+            stages = []
+            for s, (lo, hi) in enumerate(bounds):
+                worker = p * pp + s if placement == "pipeline-major" else s * dp + p
+                stages.append(Stage(worker, lo, hi))
+            pipelines.append(Pipeline(tuple(stages), per_pipeline))
+        plan = cls(num_layers=num_layers, pipelines=tuple(pipelines), micro_batch=micro_batch,
+                   schedule=schedule)
+        plan.validate()
+        return plan
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_pipelines(self) -> int:
+        """Data-parallel replicas."""
+        return len(self.pipelines)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step over all pipelines."""
+        return sum(p.num_microbatches for p in self.pipelines)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step."""
+        return self.num_microbatches * self.micro_batch
+
+    @cached_property
+    def reroute_map(self) -> dict[tuple[int, int], Reroute]:
+        """``(pipeline, stage) -> Reroute`` for every rerouted stage."""
+        return {(r.pipeline, r.stage): r for r in self.reroutes}
+
+    @cached_property
+    def dead_workers(self) -> frozenset[int]:
+        """Workers named by rerouted stages (they no longer run anything)."""
+        return frozenset(self.pipelines[r.pipeline].stages[r.stage].worker for r in self.reroutes)
+
+    @cached_property
+    def workers(self) -> tuple[int, ...]:
+        """Live workers that run something, sorted."""
+        out = {
+            st.worker
+            for p, pipe in enumerate(self.pipelines)
+            for s, st in enumerate(pipe.stages)
+            if (p, s) not in self.reroute_map
+        }
+        return tuple(sorted(out))
+
+    @cached_property
+    def layers_by_worker(self) -> dict[int, range]:
+        """The layer range each live worker holds."""
+        return {
+            st.worker: st.layers
+            for p, pipe in enumerate(self.pipelines)
+            for s, st in enumerate(pipe.stages)
+            if (p, s) not in self.reroute_map
+        }
+
+    @cached_property
+    def stage_of_worker(self) -> dict[int, tuple[int, int]]:
+        """``worker -> (pipeline, stage)`` for every live worker."""
+        return {
+            st.worker: (p, s)
+            for p, pipe in enumerate(self.pipelines)
+            for s, st in enumerate(pipe.stages)
+            if (p, s) not in self.reroute_map
+        }
+
+    def holders(self, layer: int) -> tuple[int, ...]:
+        """Live workers holding ``layer`` (they all-reduce its gradient), sorted."""
+        return tuple(w for w, r in sorted(self.layers_by_worker.items()) if layer in r)
+
+    def microbatch_offsets(self) -> tuple[int, ...]:
+        """Index of each pipeline's first micro-batch in the global step's micro-batch list.
+
+        Pipeline p runs global micro-batches ``offsets[p] .. offsets[p] + m_p - 1``; the
+        runtime draws each step's samples by global index, so every plan sees the same data.
+        """
+        out, acc = [], 0
+        for pipe in self.pipelines:
+            out.append(acc)
+            acc += pipe.num_microbatches
+        return tuple(out)
+
+    def executor(self, pipeline: int, stage: int) -> tuple[int, ...]:
+        """The worker running each micro-batch of ``(pipeline, stage)``."""
+        pipe = self.pipelines[pipeline]
+        reroute = self.reroute_map.get((pipeline, stage))
+        if reroute is None:
+            return (pipe.stages[stage].worker,) * pipe.num_microbatches
+        return reroute.assignment()
+
+    def iter_stages(self) -> Iterator[tuple[int, int, Stage]]:
+        """Yield ``(pipeline, stage index, stage)`` over the whole plan."""
+        for p, pipe in enumerate(self.pipelines):
+            for s, st in enumerate(pipe.stages):
+                yield p, s, st
+
+    # ---------------------------------------------------------------- checks
+    def validate(self) -> None:
+        """Check the plan's invariants.
+
+        Raises:
+            ValueError: saying which pipeline, stage, worker or reroute is wrong.
+        """
+        if self.num_layers < 1:
+            raise ValueError(f"plan.num_layers: must be >= 1, got {self.num_layers}")
+        if not self.pipelines:
+            raise ValueError("plan.pipelines: a plan needs at least one pipeline")
+        if self.micro_batch < 1:
+            raise ValueError(f"plan.micro_batch: must be >= 1, got {self.micro_batch}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"plan.schedule: unknown schedule {self.schedule!r}")
+        rerouted = set()
+        for r in self.reroutes:
+            key = (r.pipeline, r.stage)
+            if key in rerouted:
+                raise ValueError(f"plan.reroutes: pipeline {r.pipeline} stage {r.stage} is "
+                                 "rerouted twice")
+            rerouted.add(key)
+        seen: dict[int, tuple[int, int]] = {}
+        for p, pipe in enumerate(self.pipelines):
+            if pipe.num_microbatches < 1:
+                raise ValueError(f"plan.pipelines[{p}]: needs at least one micro-batch, "
+                                 f"has {pipe.num_microbatches}")
+            if not pipe.stages:
+                raise ValueError(f"plan.pipelines[{p}]: has no stages")
+            expected = 0
+            for s, st in enumerate(pipe.stages):
+                if st.first_layer != expected:
+                    raise ValueError(
+                        f"plan.pipelines[{p}].stages[{s}]: starts at layer {st.first_layer}, "
+                        f"expected {expected} (layers must be contiguous, each exactly once)")
+                if st.end_layer <= st.first_layer:
+                    raise ValueError(f"plan.pipelines[{p}].stages[{s}]: empty layer range "
+                                     f"[{st.first_layer}, {st.end_layer})")
+                expected = st.end_layer
+                if (p, s) in rerouted:
+                    continue
+                if st.worker in seen:
+                    q, t = seen[st.worker]
+                    raise ValueError(f"plan: worker {st.worker} is used twice (pipeline {q} "
+                                     f"stage {t} and pipeline {p} stage {s})")
+                seen[st.worker] = (p, s)
+            if expected != self.num_layers:
+                raise ValueError(f"plan.pipelines[{p}]: covers layers 0..{expected - 1}, the "
+                                 f"model has {self.num_layers}")
+        for r in self.reroutes:
+            self._validate_reroute(r, seen, rerouted)
+
+    def _validate_reroute(self, r: Reroute, live: dict[int, tuple[int, int]],
+                          rerouted: set[tuple[int, int]]) -> None:
+        where = f"plan.reroutes[pipeline {r.pipeline} stage {r.stage}]"
+        if not 0 <= r.pipeline < len(self.pipelines):
+            raise ValueError(f"{where}: no such pipeline")
+        pipe = self.pipelines[r.pipeline]
+        if not 0 <= r.stage < len(pipe.stages):
+            raise ValueError(f"{where}: no such stage")
+        dead = pipe.stages[r.stage]
+        if not r.shares:
+            raise ValueError(f"{where}: no peer workers")
+        total = 0
+        peers = set()
+        for worker, count in r.shares:
+            if count < 1:
+                raise ValueError(f"{where}: peer {worker} has {count} micro-batches; list only "
+                                 "peers with at least one")
+            if worker in peers:
+                raise ValueError(f"{where}: peer {worker} listed twice")
+            peers.add(worker)
+            total += count
+            if worker not in live:
+                raise ValueError(f"{where}: peer {worker} is not a live worker of the plan")
+            q, t = live[worker]
+            if q == r.pipeline:
+                raise ValueError(f"{where}: peer {worker} belongs to the same pipeline")
+            held = self.pipelines[q].stages[t]
+            if (held.first_layer, held.end_layer) != (dead.first_layer, dead.end_layer):
+                raise ValueError(
+                    f"{where}: peer {worker} holds layers [{held.first_layer}, {held.end_layer}), "
+                    f"the stage needs [{dead.first_layer}, {dead.end_layer})")
+        if total != pipe.num_microbatches:
+            raise ValueError(f"{where}: shares sum to {total} micro-batches, the pipeline runs "
+                             f"{pipe.num_microbatches}")
+        if dead.worker in live:
+            raise ValueError(f"{where}: the dead worker {dead.worker} still runs another stage")
+
+    # ---------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {
+            "num_layers": self.num_layers,
+            "micro_batch": self.micro_batch,
+            "schedule": self.schedule,
+            "pipelines": [
+                {"num_microbatches": p.num_microbatches,
+                 "stages": [[st.worker, st.first_layer, st.end_layer] for st in p.stages]}
+                for p in self.pipelines
+            ],
+            "reroutes": [
+                {"pipeline": r.pipeline, "stage": r.stage, "shares": [list(x) for x in r.shares]}
+                for r in self.reroutes
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> ExecutionPlan:
+        """Inverse of :meth:`to_dict` (validates)."""
+        plan = cls(
+            num_layers=int(doc["num_layers"]),
+            micro_batch=int(doc.get("micro_batch", 1)),
+            schedule=str(doc.get("schedule", "1f1b")),
+            pipelines=tuple(
+                Pipeline(tuple(Stage(int(w), int(a), int(b)) for w, a, b in p["stages"]),
+                         int(p["num_microbatches"]))
+                for p in doc["pipelines"]
+            ),
+            reroutes=tuple(
+                Reroute(int(r["pipeline"]), int(r["stage"]),
+                        tuple((int(w), int(n)) for w, n in r["shares"]))
+                for r in doc.get("reroutes", [])
+            ),
+        )
+        plan.validate()
+        return plan
+
+    def to_json(self) -> str:
+        """Compact JSON text."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def describe(self) -> str:
+        """A short human-readable summary, one line per pipeline."""
+        lines = []
+        for p, pipe in enumerate(self.pipelines):
+            parts = []
+            for s, st in enumerate(pipe.stages):
+                tag = f"w{st.worker}[{st.first_layer}:{st.end_layer}]"
+                if (p, s) in self.reroute_map:
+                    peers = ",".join(f"w{w}x{n}" for w, n in self.reroute_map[(p, s)].shares)
+                    tag = f"dead w{st.worker}[{st.first_layer}:{st.end_layer}]->{peers}"
+                parts.append(tag)
+            lines.append(f"pipeline {p} ({pipe.num_microbatches} mb): " + " | ".join(parts))
+        return "\n".join(lines)
+
+
+def even_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Split ``num_layers`` into ``num_stages`` contiguous ranges differing by at most one."""
+    base, extra = divmod(num_layers, num_stages)
+    out, lo = [], 0
+    for s in range(num_stages):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def workers_of(plans: Iterable[ExecutionPlan]) -> set[int]:
+    """All live workers used by any of ``plans``."""
+    out: set[int] = set()
+    for plan in plans:
+        out.update(plan.workers)
+    return out

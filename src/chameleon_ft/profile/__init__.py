@@ -1,0 +1,46 @@
+"""Per-layer cost profiles: analytic (FLOPs and bytes), uniform (tests) and measured (file)."""
+
+from __future__ import annotations
+
+from chameleon_ft.profile.analytic import analytic_profile
+from chameleon_ft.profile.profile import LayerCost, Profile, stage_sums, uniform_profile
+from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.profile_source import ProfileKind
+
+
+def build_profile(config: Config) -> Profile:
+    """The profile a job file asks for (its ``[profile]`` table).
+
+    Raises:
+        ValueError: when the profile cannot be built (missing file, layer count mismatch).
+    """
+    source = config.profile
+    if source.kind == ProfileKind.UNIFORM:
+        return uniform_profile(
+            source.num_layers,
+            fwd_s=source.fwd_s,
+            bwd_input_s=source.bwd_input_s,
+            bwd_weight_s=source.bwd_weight_s,
+            param_bytes=source.param_bytes,
+            optimizer_bytes=source.optimizer_bytes,
+            activation_bytes=source.activation_bytes,
+            output_bytes=source.output_bytes,
+            optimizer_step_s=source.optimizer_step_s,
+            tokens_per_sample=config.model.seq_len if config.model else 0,
+        )
+    if source.kind == ProfileKind.FILE:
+        profile = Profile.load(config.resolve(source.path))
+        if profile.num_layers < config.job.pp:
+            raise ValueError(f"profile.path: the profile has {profile.num_layers} layers, fewer "
+                             f"than job.pp = {config.job.pp} stages")
+        if config.model is not None and profile.num_layers != config.model.num_layers:
+            raise ValueError(f"profile.path: the profile has {profile.num_layers} layers but the "
+                             f"model has {config.model.num_layers}; re-profile this model")
+        return profile
+    assert config.model is not None and config.cluster.device is not None  # Config checks it
+    return analytic_profile(config.model, config.cluster.device, micro_batch=config.job.micro_batch,
+                            tp=config.job.tp, cluster=config.cluster, recompute=source.recompute)
+
+
+__all__ = ["LayerCost", "Profile", "analytic_profile", "build_profile", "stage_sums",
+           "uniform_profile"]

@@ -1,0 +1,231 @@
+"""The job configuration file: TOML with ``[model]``, ``[cluster]``, ``[job]`` and more.
+
+A minimal file::
+
+    [model]
+    preset = "llama2-7b"
+
+    [cluster]
+    num_nodes = 4
+    devices_per_node = 8
+    device = "a100-80g"
+
+    [job]
+    pp = 4
+    dp = 8
+    global_batch = 256
+
+Unknown tables and keys are errors; every error names the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from chameleon_ft.spec._fields import fail, from_mapping, prefixed
+from chameleon_ft.spec.cluster import ClusterSpec
+from chameleon_ft.spec.device import DeviceSpec, device_preset
+from chameleon_ft.spec.job import JobSpec
+from chameleon_ft.spec.model import ModelSpec, model_preset
+from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource
+from chameleon_ft.spec.recovery import PolicySpec, RecoverySpec
+from chameleon_ft.spec.train import TrainSpec
+
+EXTRA_SECTIONS = ("simulation", "failures")
+"""Tables that belong to other commands (the simulator); kept raw and validated there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole job: what is trained, on what, how, and how failures are handled."""
+
+    model: ModelSpec | None
+    """The model; ``None`` when the profile is ``uniform`` or ``file``."""
+    cluster: ClusterSpec
+    job: JobSpec
+    profile: ProfileSource = field(default_factory=ProfileSource)
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    extra: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Raw tables listed in ``EXTRA_SECTIONS``."""
+    base_dir: str = "."
+    """Folder of the config file; relative paths inside it resolve from here."""
+
+    def __post_init__(self) -> None:
+        job, cluster = self.job, self.cluster
+        if job.tp > cluster.devices_per_node or cluster.devices_per_node % job.tp:
+            fail("job.tp", f"{job.tp} must divide cluster.devices_per_node "
+                 f"{cluster.devices_per_node}: a worker lives inside one node")
+        if job.dp * job.pp * job.tp != cluster.num_devices:
+            fail("job.dp", f"dp x pp x tp = {job.dp} x {job.pp} x {job.tp} = "
+                 f"{job.dp * job.pp * job.tp} does not match the cluster's "
+                 f"{cluster.num_nodes} x {cluster.devices_per_node} = {cluster.num_devices} devices")
+        if self.profile.kind == ProfileKind.ANALYTIC:
+            if self.model is None:
+                fail("model", 'is required for the analytic profile; add a [model] table or '
+                     'set [profile] kind = "uniform" or "file"')
+            if cluster.device is None:
+                fail("cluster.device", "is required for the analytic profile; name a preset "
+                     "such as \"h100-80g\" or give a [cluster.device] table")
+        num_layers = self.num_layers
+        if num_layers is not None and job.pp > num_layers:
+            fail("job.pp", f"{job.pp} stages need at least as many layers, the model has "
+                 f"{num_layers}")
+
+    @property
+    def workers_per_node(self) -> int:
+        """Workers (tensor-parallel groups) per node."""
+        return self.cluster.devices_per_node // self.job.tp
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the cluster."""
+        return self.cluster.num_nodes * self.workers_per_node
+
+    @property
+    def num_layers(self) -> int | None:
+        """Planner layers, when known without building the profile."""
+        if self.profile.kind == ProfileKind.UNIFORM:
+            return self.profile.num_layers
+        if self.model is not None:
+            return self.model.num_layers
+        return None
+
+    def resolve(self, path: str) -> Path:
+        """Resolve a path written in the config file."""
+        p = Path(path)
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+
+def _model(data: Mapping[str, Any]) -> ModelSpec:
+    data = dict(data)
+    preset = data.pop("preset", None)
+    if preset is None:
+        return from_mapping(ModelSpec, data, "model")
+    if not isinstance(preset, str):
+        fail("model.preset", f"must be a string, got {preset!r}")
+    base = model_preset(preset)
+    if not data:
+        return base
+    overrides = from_mapping(_ModelOverrides, data, "model")
+    try:
+        return replace(base, **{k: v for k, v in vars(overrides).items() if v is not None})
+    except ValueError as exc:
+        raise prefixed("model", exc) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ModelOverrides:
+    """Keys that may follow ``preset`` in ``[model]`` to adjust it."""
+
+    name: str | None = None
+    num_blocks: int | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    ffn_size: int | None = None
+    vocab_size: int | None = None
+    seq_len: int | None = None
+    mlp: str | None = None
+    tied_embeddings: bool | None = None
+
+
+def _cluster(data: Mapping[str, Any]) -> ClusterSpec:
+    if not isinstance(data, Mapping):
+        fail("cluster", "must be a table")
+    data = dict(data)
+    device_value = data.pop("device", None)
+    device: DeviceSpec | None
+    if device_value is None:
+        device = None
+    elif isinstance(device_value, str):
+        device = device_preset(device_value)
+    elif isinstance(device_value, Mapping):
+        device_data = dict(device_value)
+        base_name = device_data.pop("preset", None)
+        if base_name is not None:
+            base = device_preset(str(base_name))
+            merged = {"name": base.name, "peak_flops": base.peak_flops, "mfu": base.mfu,
+                      "memory_bytes": base.memory_bytes,
+                      "memory_gb_per_s": base.memory_gb_per_s}
+            merged.update(device_data)
+            device_data = merged
+        try:
+            device = from_mapping(DeviceSpec, device_data, "cluster.device")
+        except ValueError as exc:
+            raise prefixed("cluster.device", exc) from None
+    else:
+        fail("cluster.device", f"must be a preset name or a table, got {device_value!r}")
+    try:
+        spec = from_mapping(ClusterSpec, data, "cluster")
+    except ValueError as exc:
+        raise prefixed("cluster", exc) from None
+    return replace(spec, device=device)
+
+
+def _section(cls: type[Any], data: Any, name: str) -> Any:
+    try:
+        return from_mapping(cls, data, name)
+    except ValueError as exc:
+        raise prefixed(name, exc) from None
+
+
+def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
+    """Build a :class:`Config` from parsed TOML.
+
+    Raises:
+        ValueError: naming the field for unknown tables or keys and invalid values.
+    """
+    known = {"model", "cluster", "job", "profile", "recovery", "policy", "train",
+             *EXTRA_SECTIONS}
+    for key in data:
+        if key not in known:
+            fail(key, f"unknown table; known tables are: {', '.join(sorted(known))}")
+    for required in ("cluster", "job"):
+        if required not in data:
+            fail(required, f"the [{required}] table is required")
+    profile = _section(ProfileSource, data.get("profile", {}), "profile")
+    model = None
+    if "model" in data:
+        try:
+            model = _model(data["model"])
+        except ValueError as exc:
+            raise prefixed("model", exc) from None
+    extra = {k: data[k] for k in EXTRA_SECTIONS if k in data}
+    try:
+        return Config(
+            model=model,
+            cluster=_cluster(data["cluster"]),
+            job=_section(JobSpec, data["job"], "job"),
+            profile=profile,
+            recovery=_section(RecoverySpec, data.get("recovery", {}), "recovery"),
+            policy=_section(PolicySpec, data.get("policy", {}), "policy"),
+            train=_section(TrainSpec, data.get("train", {}), "train"),
+            extra=extra,
+            base_dir=base_dir,
+        )
+    except TypeError as exc:  # pragma: no cover - guarded by from_mapping
+        raise ValueError(str(exc)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML job file.
+
+    Raises:
+        ValueError: for a missing file, invalid TOML, or any invalid field.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"config: cannot read {str(p)!r}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config: {p.name} is not valid TOML: {exc}") from None
+    return config_from_mapping(data, base_dir=str(p.parent))

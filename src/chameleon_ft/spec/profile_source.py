@@ -1,0 +1,65 @@
+"""Where a job's per-layer profile comes from (section ``[profile]``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
+
+
+class ProfileKind(StrEnum):
+    """Profile sources."""
+
+    ANALYTIC = "analytic"
+    UNIFORM = "uniform"
+    FILE = "file"
+
+
+class Recompute(StrEnum):
+    """Activation recomputation assumed by the analytic profile."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSource:
+    """The ``[profile]`` table."""
+
+    kind: str = ProfileKind.ANALYTIC.value
+    """``analytic`` (from the model and device), ``uniform`` (identical layers) or ``file``."""
+    path: str = ""
+    """JSON profile to read, for ``kind = "file"`` (relative to the config file)."""
+    recompute: str = Recompute.SELECTIVE.value
+    """For ``analytic``: activation recomputation, ``none``, ``selective`` or ``full``."""
+    num_layers: int = 0
+    """For ``uniform``: number of identical layers."""
+    fwd_s: float = 0.0
+    """For ``uniform``: forward seconds per layer per micro-batch."""
+    bwd_input_s: float = 0.0
+    """For ``uniform``: input-gradient seconds per layer per micro-batch."""
+    bwd_weight_s: float = 0.0
+    """For ``uniform``: weight-gradient seconds per layer per micro-batch."""
+    param_bytes: float = 0.0
+    """For ``uniform``: parameter bytes per layer per device."""
+    optimizer_bytes: float = 0.0
+    """For ``uniform``: optimizer-state bytes per layer per device."""
+    activation_bytes: float = 0.0
+    """For ``uniform``: activation bytes kept per in-flight micro-batch per layer."""
+    output_bytes: float = 0.0
+    """For ``uniform``: bytes sent to the next stage per micro-batch."""
+    optimizer_step_s: float = 0.0
+    """For ``uniform``: optimizer-step seconds for the whole model on one worker."""
+
+    def __post_init__(self) -> None:
+        check_choice("kind", self.kind, [k.value for k in ProfileKind])
+        check_choice("recompute", self.recompute, [r.value for r in Recompute])
+        for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "param_bytes", "optimizer_bytes",
+                     "activation_bytes", "output_bytes", "optimizer_step_s"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        if self.kind == ProfileKind.UNIFORM:
+            check_int("num_layers", self.num_layers)
+        if self.kind == ProfileKind.FILE and not self.path:
+            fail("path", 'is required when kind = "file"; give the JSON profile to read')

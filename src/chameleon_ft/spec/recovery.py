@@ -1,0 +1,72 @@
+"""Recovery and policy settings: transition-cost terms and the horizon estimate.
+
+Defaults come from published measurements (see the project's reference notes):
+communicator rebuild well under a second to a few seconds (ElasWave < 1 s; gloo ~20 ms on
+a few ranks; NCCL at thousands of ranks takes seconds), active failure inspection ~30 s
+(ByteRobust), job restart 5-15 min at scale, checkpoints every ~1 h, node MTBF ~264 days
+(Llama 3: 419 interruptions in 54 days on 2,048 nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chameleon_ft.spec._fields import check_positive, fail
+
+LLAMA3_NODE_MTBF_HOURS = 2048 * 54 * 24 / 419
+"""Llama 3's unexpected-interruption rate per 8-GPU node: about 6,335 hours (264 days)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoverySpec:
+    """The named terms of a transition, in seconds unless stated (section ``[recovery]``)."""
+
+    detect_s: float = 30.0
+    """Time from a failure to its detection (heartbeat deadline or collective error)."""
+    rebuild_s: float = 5.0
+    """Tearing down and rebuilding the communicators of the new plan."""
+    restart_s: float = 600.0
+    """Restarting every process of the job (scheduler, container, imports, init)."""
+    checkpoint_load_s: float = 120.0
+    """Reading the last checkpoint back into device memory."""
+    checkpoint_interval_s: float = 3600.0
+    """Time between periodic checkpoints; restart loses half of it on average."""
+    checkpoint: bool = True
+    """Whether periodic checkpoints exist; without them restart is impossible."""
+    migration_efficiency: float = 0.8
+    """Fraction of the link bandwidth state migration achieves."""
+    background_share: float = 0.5
+    """Share of the bandwidth ``reroute-then-dynamic`` may use while training runs."""
+    search_hidden: bool = True
+    """Whether plan search for likely failures runs ahead of time while training is healthy."""
+
+    def __post_init__(self) -> None:
+        for name in ("detect_s", "rebuild_s", "restart_s", "checkpoint_load_s"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("checkpoint_interval_s", self.checkpoint_interval_s)
+        for name in ("migration_efficiency", "background_share"):
+            value = getattr(self, name)
+            check_positive(name, value)
+            if value > 1:
+                fail(name, f"is a fraction and must be <= 1, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicySpec:
+    """How a decision is taken (section ``[policy]``)."""
+
+    name: str = "chameleon"
+    """``chameleon`` (adaptive) or a fixed strategy: reroute, dynamic, restart, shrink."""
+    horizon_s: float | None = None
+    """Fixed time until the plan next changes; unset means estimate it."""
+    node_mtbf_hours: float = LLAMA3_NODE_MTBF_HOURS
+    """Prior mean time between failures of one node, hours."""
+    repair_hours: float | None = None
+    """Expected time for a failed node to come back; caps the horizon. Unset: no cap."""
+
+    def __post_init__(self) -> None:
+        if self.horizon_s is not None:
+            check_positive("horizon_s", self.horizon_s)
+        check_positive("node_mtbf_hours", self.node_mtbf_hours)
+        if self.repair_hours is not None:
+            check_positive("repair_hours", self.repair_hours)
