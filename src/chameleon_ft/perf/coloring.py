@@ -1,0 +1,65 @@
+"""DSATUR greedy graph colouring (Brelaz 1979).
+
+Used twice: per-layer gradient all-reduces that share a worker cannot run at once, and
+migration transfers that share a sender or receiver cannot either. Each colour is a round
+of concurrent operations; rounds run one after another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def dsatur(num_vertices: int, edges: Iterable[tuple[int, int]]) -> list[int]:
+    """Colour vertices ``0..num_vertices-1`` so that no edge joins two equal colours.
+
+    Picks, at each step, the uncoloured vertex with the most distinct colours among its
+    neighbours (saturation), ties broken by degree, then by the lowest index, and gives
+    it the smallest free colour. Deterministic.
+
+    Returns:
+        The colour (0-based round number) of each vertex.
+    """
+    neighbours: list[set[int]] = [set() for _ in range(num_vertices)]
+    for a, b in edges:
+        if a != b:
+            neighbours[a].add(b)
+            neighbours[b].add(a)
+    colour = [-1] * num_vertices
+    saturation: list[set[int]] = [set() for _ in range(num_vertices)]
+    uncoloured = set(range(num_vertices))
+    while uncoloured:
+        v = max(uncoloured, key=lambda u: (len(saturation[u]), len(neighbours[u]), -u))
+        used = saturation[v]
+        c = 0
+        while c in used:
+            c += 1
+        colour[v] = c
+        uncoloured.discard(v)
+        for u in neighbours[v]:
+            if colour[u] < 0:
+                saturation[u].add(c)
+    return colour
+
+
+def conflict_edges(groups: Sequence[Iterable[int]]) -> list[tuple[int, int]]:
+    """Edges between groups (sets of workers) that share a worker."""
+    by_member: dict[int, list[int]] = {}
+    for i, group in enumerate(groups):
+        for member in set(group):
+            by_member.setdefault(member, []).append(i)
+    edges: set[tuple[int, int]] = set()
+    for members in by_member.values():
+        for x in range(len(members)):
+            for y in range(x + 1, len(members)):
+                edges.add((members[x], members[y]))
+    return sorted(edges)
+
+
+def rounds(groups: Sequence[Iterable[int]]) -> list[list[int]]:
+    """Partition groups into rounds where no two groups of a round share a worker."""
+    colours = dsatur(len(groups), conflict_edges(groups))
+    out: list[list[int]] = [[] for _ in range(max(colours, default=-1) + 1)]
+    for i, c in enumerate(colours):
+        out[c].append(i)
+    return out

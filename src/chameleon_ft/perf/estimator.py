@@ -1,0 +1,358 @@
+"""The unified performance model: step time and per-device memory of ANY plan.
+
+``estimate(plan, profile, topology)`` prices failure-free, rerouted and heterogeneous plans
+with one ruler (DESIGN.md section 3):
+
+1. the compute phase: the dependency graph of every pipeline's forward and backward
+   operations, list-scheduled per worker (:mod:`chameleon_ft.perf.schedule`), with P2P
+   transfers by link type;
+2. gradient synchronisation: one ring all-reduce per *bucket* of layers held by the same
+   set of workers (a layer's gradient is reduced over every live worker holding it);
+   buckets sharing a worker cannot run together, so they are grouped into rounds by DSATUR
+   colouring; a bucket starts when all its workers are done with compute and with their
+   earlier rounds;
+3. the optimizer step of each worker, in proportion to the parameters it holds.
+
+Symmetry: pipelines untouched by reroutes are independent, and pipelines with the same
+stage layout, speeds and link pattern have identical timelines, so each distinct one is
+simulated once. A 16,384-device failure-free plan costs one pipeline's simulation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from chameleon_ft.perf.coloring import rounds
+from chameleon_ft.perf.network import Topology
+from chameleon_ft.perf.schedule import Bucket, Op, Timeline, simulate
+from chameleon_ft.plan.plan import ExecutionPlan
+from chameleon_ft.profile.profile import Profile, stage_sums
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the step's time goes, along its critical path.
+
+    ``compute_s + p2p_s + allreduce_s + optimizer_s == step_s``: the compute phase's
+    critical path split into operation time and transfer time (transfers include any
+    wait that is not computation), then the gradient synchronisation and the optimizer
+    step of the worker that finishes last. ``idle_s`` is separate: the mean time a worker
+    spends neither computing, reducing nor stepping (the pipeline bubble).
+    """
+
+    compute_s: float
+    p2p_s: float
+    allreduce_s: float
+    optimizer_s: float
+    idle_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready form."""
+        return {"compute_s": self.compute_s, "p2p_s": self.p2p_s,
+                "allreduce_s": self.allreduce_s, "optimizer_s": self.optimizer_s,
+                "idle_s": self.idle_s}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The estimator's answer for one plan."""
+
+    step_s: float
+    """Seconds per optimizer step."""
+    throughput_samples_s: float
+    """Samples per second: global batch / step_s."""
+    throughput_tokens_s: float
+    """Tokens per second (0 when the profile does not know the sequence length)."""
+    bubble_fraction: float
+    """Mean idle share of a worker's step."""
+    peak_memory_bytes: Mapping[int, float]
+    """Per live worker, the peak bytes on each of its devices."""
+    max_memory_bytes: float
+    """The largest of ``peak_memory_bytes``."""
+    memory_capacity_bytes: float
+    """One device's memory (infinite when unknown)."""
+    memory_fits: bool
+    """Whether every worker fits in its devices' memory."""
+    breakdown: Breakdown
+    sync_rounds: tuple[tuple[Bucket, ...], ...] = field(repr=False, default=())
+    """The gradient all-reduce rounds."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (memory capacity ``null`` when unknown)."""
+        cap = self.memory_capacity_bytes
+        return {
+            "step_s": self.step_s,
+            "throughput_samples_s": self.throughput_samples_s,
+            "throughput_tokens_s": self.throughput_tokens_s,
+            "bubble_fraction": self.bubble_fraction,
+            "memory_fits": self.memory_fits,
+            "peak_memory_bytes": self.max_memory_bytes,
+            "memory_capacity_bytes": None if math.isinf(cap) else cap,
+            "breakdown": self.breakdown.to_dict(),
+        }
+
+
+def sync_buckets(plan: ExecutionPlan, profile: Profile) -> list[tuple[Bucket, float]]:
+    """Group layers by the set of live workers holding them, with each bucket's bytes.
+
+    Returns:
+        ``(bucket, gradient bytes per device)`` pairs, in layer order.
+    """
+    by_holders: dict[tuple[int, ...], list[int]] = {}
+    for layer in range(plan.num_layers):
+        by_holders.setdefault(plan.holders(layer), []).append(layer)
+    out = []
+    for holders, layers in by_holders.items():
+        grad_bytes = sum(profile.layers[i].param_bytes for i in layers)
+        out.append((Bucket(holders, tuple(layers)), grad_bytes))
+    return out
+
+
+def sync_rounds(plan: ExecutionPlan, profile: Profile) -> tuple[tuple[Bucket, ...], ...]:
+    """The gradient all-reduce rounds of ``plan`` (buckets with more than one worker)."""
+    buckets = [b for b, _ in sync_buckets(plan, profile) if len(b.workers) > 1]
+    groups = rounds([b.workers for b in buckets])
+    return tuple(tuple(buckets[i] for i in group) for group in groups)
+
+
+def _components(plan: ExecutionPlan) -> list[list[int]]:
+    """Pipelines that must be simulated together: linked by reroutes (union-find)."""
+    parent = list(range(plan.num_pipelines))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for r in plan.reroutes:
+        for worker, _ in r.shares:
+            q, _ = plan.stage_of_worker[worker]
+            a, b = find(r.pipeline), find(q)
+            if a != b:
+                parent[a] = b
+    groups: dict[int, list[int]] = {}
+    for p in range(plan.num_pipelines):
+        groups.setdefault(find(p), []).append(p)
+    return list(groups.values())
+
+
+class Estimator:
+    """Estimates plans for one profile and topology, memoising identical pipelines.
+
+    Args:
+        profile: per-layer costs.
+        topology: workers, nodes and links.
+        cache_size: how many whole-plan estimates to keep.
+    """
+
+    def __init__(self, profile: Profile, topology: Topology, cache_size: int = 4096) -> None:
+        self.profile = profile
+        self.topology = topology
+        self._plans: OrderedDict[tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
+                                 Estimate] = OrderedDict()
+        self._pipelines: dict[tuple[Any, ...], Timeline] = {}
+        self._stage: dict[tuple[int, int], Any] = {}
+        self._cache_size = cache_size
+
+    def _stage_cost(self, lo: int, hi: int) -> Any:
+        key = (lo, hi)
+        cost = self._stage.get(key)
+        if cost is None:
+            cost = stage_sums(self.profile, range(lo, hi))
+            self._stage[key] = cost
+        return cost
+
+    def _single_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
+                         brute_force: bool) -> Timeline:
+        """Timeline of a pipeline without reroutes, shared by all identical pipelines."""
+        pipe = plan.pipelines[p]
+        workers = [st.worker for st in pipe.stages]
+        topo = self.topology
+        key = (
+            plan.schedule,
+            pipe.num_microbatches,
+            tuple((st.first_layer, st.end_layer, speeds.get(st.worker, 1.0)) for st in pipe.stages),
+            tuple(topo.node_of(a) == topo.node_of(b) for a, b in zip(workers, workers[1:],
+                                                                         strict=False)),
+        )
+        cached = None if brute_force else self._pipelines.get(key)
+        if cached is None:
+            # Simulate on canonical workers 0..S-1 of one plan holding only this pipeline;
+            # the link pattern is part of the key, so reuse is exact.
+            costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
+                     for s, st in enumerate(pipe.stages)}
+            cached = simulate(plan, self.profile, topo, [p], speeds, costs)
+            cached = _relabel(cached, {w: s for s, w in enumerate(workers)})
+            if not brute_force:
+                self._pipelines[key] = cached
+        return _relabel(cached, dict(enumerate(workers)), pipeline=p)
+
+    def timelines(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
+                  brute_force: bool = False) -> list[Timeline]:
+        """Simulate the compute phase, one timeline per connected group of pipelines."""
+        speeds = speeds or {}
+        out = []
+        for group in _components(plan):
+            if len(group) == 1 and not any(r.pipeline == group[0] for r in plan.reroutes):
+                out.append(self._single_pipeline(plan, group[0], speeds, brute_force))
+            else:
+                costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
+                         for p in group for s, st in enumerate(plan.pipelines[p].stages)}
+                out.append(simulate(plan, self.profile, self.topology, group, speeds, costs))
+        return out
+
+    def estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
+                 brute_force: bool = False) -> Estimate:
+        """Estimate ``plan``.
+
+        Args:
+            plan: a valid plan.
+            speeds: relative speed per worker (default 1.0).
+            brute_force: simulate every pipeline, without the symmetry shortcut or caches
+                (for tests).
+
+        Returns:
+            Step time, throughput, memory and breakdown.
+        """
+        speeds = dict(speeds or {})
+        key = (plan, tuple(sorted(speeds.items())))
+        if not brute_force:
+            hit = self._plans.get(key)
+            if hit is not None:
+                self._plans.move_to_end(key)
+                return hit
+        result = self._estimate(plan, speeds, brute_force)
+        if not brute_force:
+            self._plans[key] = result
+            if len(self._plans) > self._cache_size:
+                self._plans.popitem(last=False)
+        return result
+
+    def _estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float],
+                  brute_force: bool) -> Estimate:
+        profile, topo = self.profile, self.topology
+        finish: dict[int, float] = {}
+        busy: dict[int, float] = {}
+        act_peak: dict[int, float] = {}
+        makespan = critical_compute = critical_p2p = 0.0
+        for tl in self.timelines(plan, speeds, brute_force):
+            finish.update(tl.finish_s)
+            busy.update(tl.busy_s)
+            act_peak.update(tl.peak_activation_bytes)
+            if tl.makespan_s >= makespan:
+                makespan = tl.makespan_s
+                critical_compute, critical_p2p = tl.critical_compute_s, tl.critical_p2p_s
+
+        # Gradient synchronisation, round by round.
+        buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
+        groups = rounds([b.workers for b, _ in buckets])
+        ready = dict(finish)
+        sync_s = {w: 0.0 for w in finish}
+        for group in groups:
+            for i in group:
+                bucket, num_bytes = buckets[i]
+                t = topo.allreduce_s(bucket.workers, num_bytes)
+                start = max(ready[w] for w in bucket.workers)
+                for w in bucket.workers:
+                    ready[w] = start + t
+                    sync_s[w] += t
+        # Optimizer step.
+        end = {}
+        opt_s = {}
+        for w, layers in plan.layers_by_worker.items():
+            opt_s[w] = profile.optimizer_s(layers) / speeds.get(w, 1.0)
+            end[w] = ready[w] + opt_s[w]
+        last = max(end, key=lambda w: (end[w], -w))
+        step_s = end[last]
+        tail = step_s - makespan
+        optimizer = min(opt_s[last], tail)
+        allreduce = tail - optimizer
+
+        # Memory per device: parameters, gradients and optimizer state of the layers held,
+        # plus the activations of the micro-batches in flight at the worst moment.
+        peak_memory: dict[int, float] = {}
+        for w, layers in plan.layers_by_worker.items():
+            static = sum(profile.layers[i].static_bytes for i in layers)
+            peak_memory[w] = static + act_peak.get(w, 0.0)
+        capacity = topo.memory_capacity_bytes
+        max_memory = max(peak_memory.values(), default=0.0)
+
+        workers = list(plan.layers_by_worker)
+        idle = sum(step_s - busy.get(w, 0.0) - sync_s.get(w, 0.0) - opt_s[w] for w in workers)
+        idle_s = max(0.0, idle / len(workers))
+        samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
+        return Estimate(
+            step_s=step_s,
+            throughput_samples_s=samples_s,
+            throughput_tokens_s=samples_s * profile.tokens_per_sample,
+            bubble_fraction=idle_s / step_s if step_s > 0 else 0.0,
+            peak_memory_bytes=peak_memory,
+            max_memory_bytes=max_memory,
+            memory_capacity_bytes=capacity,
+            memory_fits=max_memory <= capacity,
+            breakdown=Breakdown(compute_s=critical_compute, p2p_s=critical_p2p,
+                                allreduce_s=allreduce, optimizer_s=optimizer, idle_s=idle_s),
+            sync_rounds=tuple(tuple(buckets[i][0] for i in group) for group in groups),
+        )
+
+
+def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None) -> Timeline:
+    """Rename a timeline's workers (and optionally its ops' pipeline index)."""
+    def ops(seq: list[Op]) -> list[Op]:
+        if pipeline is None:
+            return seq
+        return [Op(op.kind, pipeline, op.stage, op.microbatch) for op in seq]
+
+    return Timeline(
+        ops={mapping[w]: ops(v) for w, v in tl.ops.items()},
+        finish_s={mapping[w]: v for w, v in tl.finish_s.items()},
+        busy_s={mapping[w]: v for w, v in tl.busy_s.items()},
+        peak_activation_bytes={mapping[w]: v for w, v in tl.peak_activation_bytes.items()},
+        makespan_s=tl.makespan_s,
+        critical_compute_s=tl.critical_compute_s,
+        critical_p2p_s=tl.critical_p2p_s,
+    )
+
+
+_ESTIMATORS: OrderedDict[tuple[int, int], Estimator] = OrderedDict()
+
+
+def estimator_for(profile: Profile, topology: Topology) -> Estimator:
+    """A shared :class:`Estimator` for this (profile, topology) pair (kept for reuse)."""
+    key = (id(profile), id(topology))
+    est = _ESTIMATORS.get(key)
+    if est is None or est.profile is not profile or est.topology is not topology:
+        est = Estimator(profile, topology)
+        _ESTIMATORS[key] = est
+        if len(_ESTIMATORS) > 8:
+            _ESTIMATORS.popitem(last=False)
+    return est
+
+
+def estimate(plan: ExecutionPlan, profile: Profile, topology: Topology, *,
+             speeds: Mapping[int, float] | None = None, brute_force: bool = False) -> Estimate:
+    """Estimate the step time and per-device memory of ``plan``.
+
+    Args:
+        plan: any valid plan: failure-free, rerouted or heterogeneous.
+        profile: per-layer costs.
+        topology: workers, nodes and links (``Topology.from_config(config)``).
+        speeds: relative speed per worker (default 1.0).
+        brute_force: skip the symmetry shortcut and caches (for tests).
+
+    Returns:
+        An :class:`Estimate`.
+
+    Raises:
+        ValueError: when a worker of the plan does not exist in the topology.
+    """
+    for w in plan.workers:
+        if not 0 <= w < topology.num_workers:
+            raise ValueError(f"plan: worker {w} is outside the cluster's "
+                             f"{topology.num_workers} workers")
+    return estimator_for(profile, topology).estimate(plan, speeds, brute_force)
