@@ -20,6 +20,7 @@ simulated once. A 16,384-device failure-free plan costs one pipeline's simulatio
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -177,8 +178,7 @@ class Estimator:
             plan.schedule,
             pipe.num_microbatches,
             tuple((st.first_layer, st.end_layer, speeds.get(st.worker, 1.0)) for st in pipe.stages),
-            tuple(topo.node_of(a) == topo.node_of(b) for a, b in zip(workers, workers[1:],
-                                                                         strict=False)),
+            tuple(topo.node_of(a) == topo.node_of(b) for a, b in itertools.pairwise(workers)),
         )
         cached = None if brute_force else self._pipelines.get(key)
         if cached is None:

@@ -261,8 +261,8 @@ def simulate(
     for w in stream_of_worker:
         try_start(w, 0.0)
     while events:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == 1:
+        t, _, event, payload = heapq.heappop(events)
+        if event == 1:
             if wake_at.get(payload) == t:
                 del wake_at[payload]
             try_start(payload, t)
