@@ -77,7 +77,8 @@ def analytic_profile(
     activation = {
         Recompute.NONE.value: s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)),
         Recompute.SELECTIVE.value: 34 * s * b * h / tp,
-        Recompute.FULL.value: 2 * s * b * h,
+        # Only the block input is kept; with sequence parallelism each device keeps 1/t.
+        Recompute.FULL.value: BF16_BYTES * s * b * h / tp,
     }[recompute]
     boundary_bytes = BF16_BYTES * s * b * h / tp  # scatter-gather: each device sends 1/t
 

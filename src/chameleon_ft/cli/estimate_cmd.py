@@ -1,0 +1,82 @@
+"""``chameleon estimate``: the failure-free estimate of a job and, with ``--fail``, the
+rerouted plan's estimate and the gap between them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from chameleon_ft.cli.common import (
+    check_workers,
+    dumps,
+    human_bytes,
+    human_seconds,
+    parse_workers,
+    table,
+)
+from chameleon_ft.perf import Estimate, Topology, estimate
+from chameleon_ft.plan import initial_plan
+from chameleon_ft.plan.reroute import reroute_plan
+from chameleon_ft.profile import build_profile
+from chameleon_ft.spec import load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``chameleon estimate``."""
+    parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
+    parser.add_argument("--fail", metavar="W[,W...]",
+                        help="failed worker ids: also estimate the rerouted plan")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _rows(label: str, est: Estimate) -> list[str]:
+    b = est.breakdown
+    return [
+        label,
+        human_seconds(est.step_s),
+        f"{est.throughput_samples_s:.4g}",
+        f"{est.throughput_tokens_s:.4g}" if est.throughput_tokens_s else "-",
+        f"{est.bubble_fraction:.1%}",
+        human_bytes(est.max_memory_bytes),
+        "yes" if est.memory_fits else "NO",
+        f"{human_seconds(b.compute_s)} / {human_seconds(b.p2p_s)} / "
+        f"{human_seconds(b.allreduce_s)} / {human_seconds(b.optimizer_s)}",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit status."""
+    config = load_config(args.config)
+    failed = parse_workers(args.fail) if args.fail else []
+    check_workers(failed, config.num_workers)
+    profile = build_profile(config)
+    topology = Topology.from_config(config)
+    plan = initial_plan(config, profile)
+    base = estimate(plan, profile, topology)
+    doc: dict[str, Any] = base.to_dict()
+    doc["num_workers"] = len(plan.workers)
+    rerouted = None
+    if failed:
+        rerouted_plan = reroute_plan(plan, failed)
+        rerouted = estimate(rerouted_plan, profile, topology)
+        doc["rerouted"] = rerouted.to_dict()
+        doc["rerouted"]["failed"] = failed
+        doc["rerouted"]["gap"] = 1 - rerouted.throughput_samples_s / base.throughput_samples_s
+    if args.json:
+        print(dumps(doc))
+        return 0
+    job = config.job
+    model = config.model.name if config.model else f"{profile.num_layers} uniform layers"
+    print(f"{model} on {config.cluster.num_nodes} x {config.cluster.devices_per_node} "
+          f"{config.cluster.device.name if config.cluster.device else 'devices'}: "
+          f"tp {job.tp} x pp {job.pp} x dp {job.dp}, global batch {job.global_batch}, "
+          f"micro-batch {job.micro_batch}, {job.schedule}")
+    header = ["plan", "step", "samples/s", "tokens/s", "bubble", "peak mem/device", "fits",
+              "compute / p2p / all-reduce / optimizer"]
+    rows = [_rows("failure-free", base)]
+    if rerouted is not None:
+        rows.append(_rows(f"rerouted (fail {','.join(map(str, failed))})", rerouted))
+    print(table(rows, header))
+    if rerouted is not None:
+        print(f"gap: rerouted throughput is {doc['rerouted']['gap']:.2%} below failure-free")
+    return 0
