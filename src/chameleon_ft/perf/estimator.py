@@ -29,7 +29,7 @@ from typing import Any
 
 from chameleon_ft.perf.coloring import rounds
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.perf.schedule import Bucket, Op, Timeline, simulate
+from chameleon_ft.perf.schedule import Bucket, Op, Timeline, best_timeline, simulate
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile, stage_sums
 
@@ -203,7 +203,7 @@ class Estimator:
             else:
                 costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
                          for p in group for s, st in enumerate(plan.pipelines[p].stages)}
-                out.append(simulate(plan, self.profile, self.topology, group, speeds, costs))
+                out.append(best_timeline(plan, self.profile, self.topology, group, speeds, costs))
         return out
 
     def estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,

@@ -11,9 +11,11 @@ over the dependency graph of DESIGN.md section 3.1:
 
 A worker normally runs one stream, so its order is exactly 1F1B and the step time is the
 longest path of the graph (paper Eq. 11). A worker that also runs a rerouted stage's
-micro-batches runs several streams; when it is free it starts the stream head that is
-ready first (backward before forward on ties), so the merge never deadlocks and never
-idles while work is ready. The resulting per-worker op lists are what the runtime
+micro-batches runs several streams; when it is free it starts one of the stream heads
+that are ready, chosen by a priority rule, so the merge never deadlocks (list scheduling
+of a DAG) and never idles while work is ready. :func:`best_timeline` tries every rule
+and keeps the fastest; serving rerouted work first keeps a rerouted step within Eq. 13
+computed with whole micro-batches. The resulting per-worker op lists are what the runtime
 executes, so the runtime runs exactly the schedule the estimator timed.
 
 Backward operations are fused (input gradient and weight gradient back to back), so
@@ -75,6 +77,27 @@ def stream_order(num_stages: int, stage: int, num_microbatches: int,
     return order
 
 
+def _rerouted_first(ready_s: float, op: Op, rerouted: bool) -> tuple[float, ...]:
+    # The dead pipeline waits on its peers while a peer's own pipeline can absorb a delay
+    # in its bubble, so serving rerouted work first keeps the step within Eq. 13.
+    return (0 if rerouted else 1, 0 if op.kind is OpKind.B else 1, op.microbatch, ready_s,
+            op.pipeline, op.stage)
+
+
+def _backward_first(ready_s: float, op: Op, rerouted: bool) -> tuple[float, ...]:
+    return (0 if op.kind is OpKind.B else 1, op.microbatch, ready_s, op.pipeline, op.stage)
+
+
+def _ready_first(ready_s: float, op: Op, rerouted: bool) -> tuple[float, ...]:
+    return (ready_s, 0 if op.kind is OpKind.B else 1, op.microbatch, op.pipeline, op.stage)
+
+
+PRIORITIES = {"rerouted-first": _rerouted_first, "backward-first": _backward_first,
+              "ready-first": _ready_first}
+"""How a worker running several streams picks among operations that are ready now.
+A worker with one stream has no choice: it runs its 1F1B order."""
+
+
 @dataclass
 class Timeline:
     """The result of simulating some pipelines of a plan (one connected component)."""
@@ -106,6 +129,7 @@ def simulate(
     pipelines: Sequence[int] | None = None,
     speeds: Mapping[int, float] | None = None,
     costs: Mapping[tuple[int, int], LayerCost] | None = None,
+    rule: str = "rerouted-first",
 ) -> Timeline:
     """List-schedule the operations of ``pipelines`` (default: all) of ``plan``.
 
@@ -119,6 +143,7 @@ def simulate(
         pipelines: which pipelines to simulate.
         speeds: relative speed of each worker (default 1.0): durations are divided by it.
         costs: precomputed per-(pipeline, stage) sums (an optimisation).
+        rule: a key of :data:`PRIORITIES`, for workers that run several streams.
 
     Returns:
         The timed per-worker schedule.
@@ -184,6 +209,8 @@ def simulate(
                     edge(index[(OpKind.B, p, s + 1, j)], b, out_bytes)
 
     # ---- list scheduling
+    priority = PRIORITIES[rule]
+    rerouted = set(plan.reroute_map)
     num_ops = len(op_list)
     stream_id = [0] * num_ops
     next_in_stream = [-1] * num_ops
@@ -217,23 +244,23 @@ def simulate(
         if running[w]:
             return
         best = -1
-        best_key: tuple[float, int, int, int, int] | None = None
+        best_key: tuple[float, ...] | None = None
+        wait = float("inf")
         for sid in stream_of_worker[w]:
             op_id = head[sid]
             if op_id < 0 or pending[op_id]:
                 continue
+            if ready[op_id] > now + 1e-12:
+                wait = min(wait, ready[op_id])
+                continue
             op = op_list[op_id]
-            key = (ready[op_id], 0 if op.kind is OpKind.B else 1, op.microbatch, op.pipeline,
-                   op.stage)
+            key = priority(ready[op_id], op, (op.pipeline, op.stage) in rerouted)
             if best_key is None or key < best_key:
                 best, best_key = op_id, key
         if best < 0:
-            return
-        t_ready = ready[best]
-        if t_ready > now + 1e-15:
-            if wake_at.get(w, float("inf")) > t_ready:
-                wake_at[w] = t_ready
-                heapq.heappush(events, (t_ready, seq, 1, w))
+            if wait < float("inf") and wake_at.get(w, float("inf")) > wait:
+                wake_at[w] = wait
+                heapq.heappush(events, (wait, seq, 1, w))
                 seq += 1
             return
         t0 = max(now, busy_until[w])
@@ -313,3 +340,29 @@ class Schedule:
     """Per live worker, forward and (fused) backward operations in execution order."""
     sync_rounds: tuple[tuple[Bucket, ...], ...]
     """Gradient all-reduce rounds; the buckets of one round share no worker."""
+
+
+def best_timeline(
+    plan: ExecutionPlan,
+    profile: Profile,
+    topology: Topology,
+    pipelines: Sequence[int] | None = None,
+    speeds: Mapping[int, float] | None = None,
+    costs: Mapping[tuple[int, int], LayerCost] | None = None,
+) -> Timeline:
+    """:func:`simulate` with every priority rule; the fastest timeline (first on ties).
+
+    Only workers that run several streams (rerouted peers) depend on the rule, so plans
+    without reroutes are simulated once.
+    """
+    chosen = list(range(plan.num_pipelines)) if pipelines is None else list(pipelines)
+    rules = list(PRIORITIES)
+    if not any(r.pipeline in chosen for r in plan.reroutes):
+        rules = rules[:1]
+    best: Timeline | None = None
+    for rule in rules:
+        timeline = simulate(plan, profile, topology, chosen, speeds, costs, rule)
+        if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
+            best = timeline
+    assert best is not None
+    return best

@@ -237,8 +237,12 @@ class ExecutionPlan:
                 yield p, s, st
 
     # ---------------------------------------------------------------- checks
-    def validate(self) -> None:
+    def validate(self, num_microbatches: int | None = None) -> None:
         """Check the plan's invariants.
+
+        Args:
+            num_microbatches: when given, the micro-batches of all pipelines must sum to it
+                (the global batch is kept through every recovery).
 
         Raises:
             ValueError: saying which pipeline, stage, worker or reroute is wrong.
@@ -287,6 +291,9 @@ class ExecutionPlan:
                                  f"model has {self.num_layers}")
         for r in self.reroutes:
             self._validate_reroute(r, seen, rerouted)
+        if num_microbatches is not None and self.num_microbatches != num_microbatches:
+            raise ValueError(f"plan: pipelines run {self.num_microbatches} micro-batches per "
+                             f"step, the global batch needs {num_microbatches}")
 
     def _validate_reroute(self, r: Reroute, live: dict[int, tuple[int, int]],
                           rerouted: set[tuple[int, int]]) -> None:

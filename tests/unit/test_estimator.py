@@ -1,0 +1,233 @@
+"""The estimator against the paper's closed forms, brute force and monotonicity."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from chameleon_ft.perf import Topology, build_schedule, estimate
+from chameleon_ft.perf.closed_form import stage_memory, step_1f1b, step_rerouted
+from chameleon_ft.perf.schedule import OpKind, stream_order
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.reroute import reroute_plan
+from chameleon_ft.profile import uniform_profile
+from chameleon_ft.spec import ClusterSpec, DeviceSpec
+
+
+def topology(num_workers: int, *, ideal: bool = True, per_node: int = 4,
+             memory_bytes: float | None = None) -> Topology:
+    nodes = -(-num_workers // per_node)
+    device = None if memory_bytes is None else DeviceSpec(peak_flops=1e12,
+                                                          memory_bytes=memory_bytes)
+    cluster = ClusterSpec(num_nodes=nodes, devices_per_node=per_node, ideal_network=ideal,
+                          device=device, inter_node_gb_per_s=1e-9, intra_node_gb_per_s=1e-8,
+                          inter_node_latency_us=3e5, intra_node_latency_us=1e5)
+    return Topology(cluster, per_node)
+
+
+shapes = st.tuples(
+    st.integers(1, 6),      # stages
+    st.integers(1, 4),      # layers per stage
+    st.integers(1, 4),      # pipelines
+    st.integers(1, 12),     # micro-batches per pipeline
+    st.floats(0.1, 3.0),    # fwd per layer
+    st.floats(0.1, 3.0),    # bwd input per layer
+    st.floats(0.0, 3.0),    # bwd weight per layer
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(shapes)
+def test_uniform_plan_equals_eq9(shape: tuple[int, int, int, int, float, float, float]) -> None:
+    stages, per_stage, dp, m, f, bi, bw = shape
+    layers = stages * per_stage
+    profile = uniform_profile(layers, fwd_s=f, bwd_input_s=bi, bwd_weight_s=bw)
+    plan = ExecutionPlan.uniform(dp=dp, pp=stages, num_layers=layers, num_microbatches=m * dp)
+    est = estimate(plan, profile, topology(dp * stages))
+    expected = step_1f1b(stages, m, per_stage * f, per_stage * (bi + bw))
+    assert est.step_s == pytest.approx(expected, rel=1e-12)
+    assert est.bubble_fraction == pytest.approx((stages - 1) / (stages + m - 1), abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(0, 4), st.integers(1, 1000),
+       st.integers(0, 1000), st.integers(1, 1000))
+def test_memory_equals_eq14(stages: int, per_stage: int, extra_mb: int, mp: int, mo: int,
+                            ma: int) -> None:
+    layers = stages * per_stage
+    m = stages + extra_mb  # Eq. 14 assumes at least S micro-batches in flight on stage 0
+    profile = uniform_profile(layers, fwd_s=1.0, bwd_input_s=1.0, param_bytes=mp,
+                              optimizer_bytes=mo, activation_bytes=ma)
+    plan = ExecutionPlan.uniform(dp=1, pp=stages, num_layers=layers, num_microbatches=m)
+    est = estimate(plan, profile, topology(stages))
+    for i in range(stages):
+        worker = plan.pipelines[0].stages[i].worker
+        assert est.peak_memory_bytes[worker] == stage_memory(i, stages, per_stage, mp, mo, ma)
+
+
+@settings(max_examples=80, deadline=None)
+@given(shapes, st.data())
+def test_rerouted_lies_between_busiest_worker_and_eq13(
+        shape: tuple[int, int, int, int, float, float, float], data: st.DataObject) -> None:
+    stages, per_stage, dp, m, f, bi, bw = shape
+    assume(dp >= 2)
+    layers = stages * per_stage
+    profile = uniform_profile(layers, fwd_s=f, bwd_input_s=bi, bwd_weight_s=bw)
+    plan = ExecutionPlan.uniform(dp=dp, pp=stages, num_layers=layers, num_microbatches=m * dp)
+    workers = list(plan.workers)
+    failed = data.draw(st.lists(st.sampled_from(workers), min_size=1, max_size=len(workers),
+                                unique=True))
+    per_stage_failed = [sum(1 for w in failed if w // dp == s) for s in range(stages)]
+    if any(n >= dp for n in per_stage_failed):
+        with pytest.raises(ValueError, match="no live replica"):
+            reroute_plan(plan, failed)
+        assert math.isinf(step_rerouted(stages, m, dp, per_stage_failed, 1.0, 1.0))
+        return
+    rerouted = reroute_plan(plan, failed)
+    est = estimate(rerouted, profile, topology(dp * stages))
+    t_mb = per_stage * (f + bi + bw)
+    load: dict[int, int] = {w: m for w in rerouted.workers}
+    for r in rerouted.reroutes:
+        for w, n in r.shares:
+            load[w] += n
+    busiest = max(load.values()) * t_mb
+    whole = sum(math.ceil(m * n / (dp - n)) for n in per_stage_failed)
+    eq13_whole = (stages + m - 1 + whole) * t_mb
+    assert busiest - 1e-9 <= est.step_s <= eq13_whole + 1e-9
+    assert step_rerouted(stages, m, dp, per_stage_failed, per_stage * f,
+                         per_stage * (bi + bw)) <= eq13_whole + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.data(), st.booleans())
+def test_throughput_never_rises_when_a_failure_is_added(
+        shape: tuple[int, int, int, int, float, float, float], data: st.DataObject,
+        ideal: bool) -> None:
+    """With free links, or links whose costs are small next to compute (a real cluster).
+
+    A failure also shrinks the ring of a gradient all-reduce, which is a real saving; it
+    only outweighs the extra rerouted compute when synchronisation dwarfs computation, so
+    the property is checked where computation dominates.
+    """
+    stages, per_stage, dp, m, f, bi, bw = shape
+    assume(dp >= 2)
+    layers = stages * per_stage
+    profile = uniform_profile(layers, fwd_s=f, bwd_input_s=bi, bwd_weight_s=bw,
+                              param_bytes=1e6, output_bytes=1e5)
+    plan = ExecutionPlan.uniform(dp=dp, pp=stages, num_layers=layers, num_microbatches=m * dp)
+    cluster = ClusterSpec(num_nodes=dp * stages, devices_per_node=1, ideal_network=ideal)
+    topo = Topology(cluster, 1)
+    previous = estimate(plan, profile, topo).throughput_samples_s
+    failed: list[int] = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        candidates = [w for w in plan.workers if w not in failed]
+        failed.append(data.draw(st.sampled_from(candidates)))
+        try:
+            rerouted = reroute_plan(plan, failed)
+        except ValueError:
+            break
+        now = estimate(rerouted, profile, topo).throughput_samples_s
+        assert now <= previous * (1 + 1e-12)
+        previous = now
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(1, 6), st.data(),
+       st.booleans())
+def test_symmetric_and_brute_force_agree(lengths: list[int], m: int, data: st.DataObject,
+                                         ideal: bool) -> None:
+    """Heterogeneous pipelines, optional reroutes, real links: the shortcut changes nothing."""
+    num_layers = 6
+    profile = uniform_profile(num_layers, fwd_s=1.0, bwd_input_s=0.7, bwd_weight_s=0.5,
+                              param_bytes=1e3, optimizer_bytes=2e3, activation_bytes=10,
+                              output_bytes=1e2, optimizer_step_s=0.3)
+    pipelines, worker = [], 0
+    for length in lengths:
+        bounds = [round(i * num_layers / length) for i in range(length + 1)]
+        stages = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            stages.append(Stage(worker, lo, hi))
+            worker += 1
+        pipelines.append(Pipeline(tuple(stages), m))
+    plan = ExecutionPlan(num_layers=num_layers, pipelines=tuple(pipelines))
+    plan.validate()
+    if data.draw(st.booleans()):
+        failed = data.draw(st.sampled_from(list(plan.workers)))
+        try:
+            plan = reroute_plan(plan, [failed])
+        except ValueError:
+            pass
+    topo = topology(worker, ideal=ideal, per_node=3)
+    fast = estimate(plan, profile, topo)
+    slow = estimate(plan, profile, topo, brute_force=True)
+    assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)
+    assert dict(fast.peak_memory_bytes) == pytest.approx(dict(slow.peak_memory_bytes))
+    b = fast.breakdown
+    assert b.compute_s + b.p2p_s + b.allreduce_s + b.optimizer_s == pytest.approx(fast.step_s)
+
+
+def test_heterogeneous_plan_is_its_slowest_pipeline() -> None:
+    """Eq. 10: with no synchronisation cost a plan takes as long as its slowest pipeline."""
+    profile = uniform_profile(6, fwd_s=1.0, bwd_input_s=2.0)
+    long = Pipeline((Stage(0, 0, 2), Stage(1, 2, 4), Stage(2, 4, 6)), 4)
+    short = Pipeline((Stage(3, 0, 3), Stage(4, 3, 6)), 3)
+    plan = ExecutionPlan(num_layers=6, pipelines=(long, short))
+    est = estimate(plan, profile, topology(5))
+    alone = [estimate(ExecutionPlan(num_layers=6, pipelines=(p,)), profile, topology(5)).step_s
+             for p in (long, short)]
+    assert est.step_s == pytest.approx(max(alone))
+    assert alone == [pytest.approx(step_1f1b(3, 4, 2.0, 4.0)),
+                     pytest.approx(step_1f1b(2, 3, 3.0, 6.0))]
+
+
+def test_communication_and_sync_are_charged() -> None:
+    profile = uniform_profile(4, fwd_s=1.0, bwd_input_s=1.0, param_bytes=1e9,
+                              output_bytes=1e6, optimizer_step_s=0.5)
+    plan = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=8)
+    cluster = ClusterSpec(num_nodes=2, devices_per_node=2)
+    est = estimate(plan, profile, Topology(cluster, 2))
+    ideal = estimate(plan, profile, Topology(dataclasses.replace(cluster, ideal_network=True), 2))
+    assert est.step_s > ideal.step_s
+    assert est.breakdown.allreduce_s > 0 and est.breakdown.p2p_s > 0
+    # two layers of 1 GB per stage, over two workers on one node (stage-major placement)
+    ring = 2 * (2 - 1) / 2 * 2e9 / (cluster.intra_node_gb_per_s * 1e9) + 2e-6 * 5
+    assert est.breakdown.allreduce_s == pytest.approx(ring)
+    assert est.breakdown.optimizer_s == pytest.approx(0.25)
+
+
+def test_memory_fit_is_reported() -> None:
+    profile = uniform_profile(4, fwd_s=1.0, param_bytes=100, activation_bytes=10)
+    plan = ExecutionPlan.uniform(dp=1, pp=2, num_layers=4, num_microbatches=4)
+    assert estimate(plan, profile, topology(2, memory_bytes=1000)).memory_fits
+    small = estimate(plan, profile, topology(2, memory_bytes=300))
+    assert not small.memory_fits and small.max_memory_bytes == 2 * 200 + 2 * 2 * 10
+
+
+def test_schedule_is_1f1b_and_covers_every_op() -> None:
+    profile = uniform_profile(4, fwd_s=1.0, bwd_input_s=1.0)
+    plan = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=8)
+    rerouted = reroute_plan(plan, [3])
+    sched = build_schedule(rerouted, profile, topology(4))
+    assert set(sched.ops) == set(rerouted.workers)
+    ops = [op for seq in sched.ops.values() for op in seq]
+    assert len(ops) == len(set(ops)) == 2 * 2 * 2 * 4
+    own = [(op.kind, op.microbatch) for op in sched.ops[0]]
+    assert own == stream_order(2, 0, 4)
+    assert stream_order(3, 0, 4)[:4] == [(OpKind.F, 0), (OpKind.F, 1), (OpKind.F, 2),
+                                        (OpKind.B, 0)]
+
+
+def test_closed_form_errors() -> None:
+    with pytest.raises(ValueError, match="num_stages"):
+        step_1f1b(0, 4, 1.0, 1.0)
+    with pytest.raises(ValueError, match="fwd_s"):
+        step_1f1b(2, 4, -1.0, 1.0)
+    with pytest.raises(ValueError, match="failed_per_stage"):
+        step_rerouted(2, 4, 2, [0], 1.0, 1.0)
+    with pytest.raises(ValueError, match="stage_index"):
+        stage_memory(3, 3, 1, 1, 1, 1)
+    assert step_rerouted(2, 4, 4, [0, 1], 1.0, 1.0) == pytest.approx((2 + 4 - 1 + 4 / 3) * 2)

@@ -1,0 +1,165 @@
+"""Profiles (analytic, uniform, JSON) and execution plans (construction, validation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage, balanced_bounds
+from chameleon_ft.plan.reroute import reroute_plan, split_evenly
+from chameleon_ft.profile import Profile, analytic_profile, uniform_profile
+from chameleon_ft.spec import ClusterSpec, device_preset, model_preset
+
+
+def test_profile_json_round_trip(tmp_path: Path) -> None:
+    profile = analytic_profile(model_preset("llama3-8b"), device_preset("h100-80g"), tp=2,
+                               cluster=ClusterSpec(num_nodes=1, devices_per_node=8))
+    path = tmp_path / "p.json"
+    profile.save(path)
+    again = Profile.load(path)
+    assert again == profile
+    assert again.meta["model"] == "llama3-8b"
+
+
+def test_profile_rejects_malformed_documents(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Profile.from_json("{")
+    with pytest.raises(ValueError, match="format"):
+        Profile.from_json('{"format": "other"}')
+    doc = uniform_profile(2, fwd_s=1.0).to_json().replace('"fwd_s": 1.0', '"fwd_s": -1.0')
+    with pytest.raises(ValueError, match="fwd_s"):
+        Profile.from_json(doc)
+    with pytest.raises(ValueError, match="cannot read"):
+        Profile.load(tmp_path / "none.json")
+
+
+def test_analytic_profile_matches_the_formulas() -> None:
+    model, device = model_preset("llama2-7b"), device_preset("a100-80g")
+    profile = analytic_profile(model, device, recompute="none")
+    assert profile.num_layers == model.num_layers
+    params = sum(layer.param_bytes for layer in profile.layers) / 2
+    assert 6.6e9 < params < 6.9e9  # Llama 2 7B has 6.74 B parameters
+    b, s, h, f = 1, model.seq_len, model.hidden_size, model.ffn
+    flops = 2 * b * s * (4 * h * h + 3 * h * f + 2 * h) + 4 * b * s * s * h
+    assert profile.layers[1].fwd_s == pytest.approx(flops / device.flops)
+    assert profile.layers[1].bwd_s == pytest.approx(2 * flops / device.flops)
+    # tensor parallelism divides compute and per-device bytes (free links here)
+    tp2 = analytic_profile(model, device, tp=2, recompute="none")
+    assert tp2.layers[1].fwd_s == pytest.approx(profile.layers[1].fwd_s / 2)
+    assert tp2.layers[1].param_bytes == pytest.approx(profile.layers[1].param_bytes / 2)
+    # ... and costs communication when the links are not free
+    cluster = ClusterSpec(num_nodes=1, devices_per_node=8)
+    tp2c = analytic_profile(model, device, tp=2, cluster=cluster, recompute="none")
+    assert tp2c.layers[1].fwd_s > tp2.layers[1].fwd_s
+    full = analytic_profile(model, device, recompute="full")
+    assert full.layers[1].activation_bytes < profile.layers[1].activation_bytes
+    assert full.layers[1].bwd_input_s > profile.layers[1].bwd_input_s
+
+
+def test_uniform_plan_layout() -> None:
+    plan = ExecutionPlan.uniform(dp=3, pp=2, num_layers=5, num_microbatches=12)
+    assert plan.pipelines[1].stages[1].worker == 1 * 3 + 1
+    assert [st.layers for st in plan.pipelines[0].stages] == [range(0, 3), range(3, 5)]
+    assert plan.microbatch_offsets() == (0, 4, 8)
+    assert plan.holders(4) == (3, 4, 5)
+    major = ExecutionPlan.uniform(dp=3, pp=2, num_layers=5, num_microbatches=12,
+                                  placement="pipeline-major")
+    assert major.pipelines[1].stages[0].worker == 2
+    assert ExecutionPlan.from_dict(plan.to_dict()) == plan
+
+
+def _plan(*pipelines: tuple[tuple[tuple[int, int, int], ...], int],
+          reroutes: tuple[Reroute, ...] = ()) -> ExecutionPlan:
+    return ExecutionPlan(
+        num_layers=4,
+        pipelines=tuple(Pipeline(tuple(Stage(*s) for s in stages), m) for stages, m in pipelines),
+        reroutes=reroutes,
+    )
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (_plan((((0, 0, 2), (1, 3, 4)), 2)), "starts at layer 3"),
+        (_plan((((0, 0, 2), (1, 2, 3)), 2)), "covers layers 0..2"),
+        (_plan((((0, 0, 2), (1, 2, 4)), 2), (((1, 0, 4),), 2)), "worker 1 is used twice"),
+        (_plan((((0, 0, 4),), 0)), "at least one micro-batch"),
+        (_plan((((0, 0, 2), (1, 2, 4)), 2), (((2, 0, 1), (3, 1, 4)), 2),
+               reroutes=(Reroute(0, 1, ((3, 2),)),)), "holds layers [1, 4)"),
+        (_plan((((0, 0, 2), (1, 2, 4)), 2), (((2, 0, 2), (3, 2, 4)), 2),
+               reroutes=(Reroute(0, 1, ((3, 1),)),)), "shares sum to 1"),
+        (_plan((((0, 0, 2), (1, 2, 4)), 2), (((2, 0, 2), (3, 2, 4)), 2),
+               reroutes=(Reroute(0, 1, ((0, 2),)),)), "same pipeline"),
+    ],
+)
+def test_validate_says_what_is_wrong(plan: ExecutionPlan, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        plan.validate()
+
+
+def test_validate_checks_the_global_batch() -> None:
+    plan = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=8)
+    plan.validate(num_microbatches=8)
+    with pytest.raises(ValueError, match="needs 10"):
+        plan.validate(num_microbatches=10)
+
+
+def test_reroute_assignment_gives_each_peer_its_share() -> None:
+    r = Reroute(0, 1, ((4, 3), (5, 1), (7, 2)))
+    order = r.assignment()
+    assert sorted(order) == [4, 4, 4, 5, 7, 7]
+    assert order[0] != order[1]  # spread, not in bursts
+
+
+def test_reroute_plan_spreads_and_fails_without_replica() -> None:
+    plan = ExecutionPlan.uniform(dp=4, pp=2, num_layers=4, num_microbatches=16)
+    rerouted = reroute_plan(plan, [5])  # stage 1 of pipeline 1
+    (r,) = rerouted.reroutes
+    assert (r.pipeline, r.stage) == (1, 1)
+    assert sorted(n for _, n in r.shares) == [1, 1, 2]
+    assert 5 not in rerouted.workers
+    with pytest.raises(ValueError, match="no live replica"):
+        reroute_plan(plan, [4, 5, 6, 7])
+
+
+def _all_bounds(n: int, k: int) -> list[list[tuple[int, int]]]:
+    out = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *cuts, n]
+        out.append(list(itertools.pairwise(edges)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=8), st.integers(1, 8))
+def test_balanced_bounds_is_optimal(costs: list[int], num_stages: int) -> None:
+    if num_stages > len(costs):
+        with pytest.raises(ValueError):
+            balanced_bounds(costs, num_stages)
+        return
+    bounds = balanced_bounds(costs, num_stages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(costs)
+    assert all(lo < hi for lo, hi in bounds)
+    best = min(max(sum(costs[lo:hi]) for lo, hi in b) for b in _all_bounds(len(costs),
+                                                                            num_stages))
+    assert max(sum(costs[lo:hi]) for lo, hi in bounds) == best
+
+
+@given(st.integers(0, 50), st.lists(st.floats(0.1, 5), min_size=1, max_size=6))
+def test_split_evenly_conserves_the_total(total: int, weights: list[float]) -> None:
+    parts = split_evenly(total, weights)
+    assert sum(parts) == total
+    scale = total / sum(weights)
+    assert all(abs(p - w * scale) < 1 + 1e-9 for p, w in zip(parts, weights, strict=True))
+
+
+def test_plan_is_a_value() -> None:
+    plan = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_layers = 5  # type: ignore[misc]
+    assert hash(plan) == hash(ExecutionPlan.from_dict(plan.to_dict()))
