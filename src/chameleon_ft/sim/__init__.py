@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator: failure traces replayed against every policy."""

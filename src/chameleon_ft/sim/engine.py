@@ -1,0 +1,355 @@
+"""The discrete-event loop: one trace, one policy, exact accounting of the work done.
+
+Semantics (DESIGN.md section 6, issue 4):
+
+- At each failure the policy decides from the last COMMITTED plan (the one running, or
+  the one a transition started from). The step in flight is lost: the engine tracks the
+  step phase, so the lost work is exactly the time since the last step boundary.
+- The transition (``Choice.stall_s``) makes no progress; then samples accrue at the chosen
+  plan's throughput until the next event. A failure during a transition aborts it and
+  decides again from the committed plan with every failure since.
+- A restart rolls the samples back to the last checkpoint. Checkpoints are taken at every
+  multiple of ``checkpoint_interval_s`` of wall time and hold the last completed step.
+- A repair brings a node's workers back and asks the policy whether to use them (a rejoin
+  during a transition waits for it to end). A job-level software fault restarts every
+  process on the same plan from the checkpoint.
+- Time lost is booked by cause in failure-free-equivalent seconds, so the causes add up to
+  ``duration_s - samples / failure_free_throughput``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chameleon_ft.sim.events import Commit, EventKind, Trace, TraceEvent
+from chameleon_ft.sim.policies import DOWN, Choice, EventContext, SimPolicy, software_restart
+from chameleon_ft.spec.recovery import RecoverySpec
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one policy achieved on one trace."""
+
+    name: str
+    """The policy."""
+    duration_s: float
+    """Simulated time."""
+    samples: float
+    """Samples trained (committed work) by the end."""
+    failure_free_samples_s: float
+    """Throughput of the failure-free plan without any policy overhead."""
+    time_lost_s: tuple[tuple[str, float], ...]
+    """Failure-free-equivalent seconds lost, by cause, sorted by cause."""
+    decisions: tuple[tuple[str, int], ...]
+    """Decisions taken, by strategy, sorted by strategy."""
+    num_software_restarts: int
+    """Job-level software faults that restarted the job."""
+    timeline: tuple[tuple[float, float], ...]
+    """``(time_s, samples_s)`` where the throughput changes; it holds until the next point."""
+
+    @property
+    def avg_throughput_samples_s(self) -> float:
+        """Samples per second over the whole duration."""
+        return self.samples / self.duration_s
+
+    @property
+    def relative_to_failure_free(self) -> float:
+        """Average throughput over the failure-free throughput."""
+        return self.avg_throughput_samples_s / self.failure_free_samples_s
+
+    @property
+    def num_decisions(self) -> int:
+        """Every decision the policy took."""
+        return sum(n for _, n in self.decisions)
+
+
+class _Run:
+    """Mutable state of one simulation; private to :func:`simulate`."""
+
+    def __init__(self, trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
+                 recovery: RecoverySpec, workers_per_node: int, num_workers: int) -> None:
+        self.trace = trace
+        self.policy = policy
+        self.ff = failure_free_samples_s
+        self.recovery = recovery
+        self.workers_per_node = workers_per_node
+        self.alive: set[int] = set(range(num_workers))
+        self.now = 0.0
+        self.samples = 0.0
+        self.committed = policy.start()
+        self.pending: Choice | None = None
+        self.pending_failed: frozenset[int] = frozenset()
+        self.deferred_returned: set[int] = set()
+        self.token = 0
+        self.run_start_s = 0.0
+        self.run_start_samples = 0.0
+        self.checkpoint_samples = 0.0
+        self.since_checkpoint_s = 0.0
+        self.lost: dict[str, float] = {}
+        self.decisions: dict[str, int] = {}
+        self.num_software = 0
+        self.timeline: list[tuple[float, float]] = []
+        self.queue: list[tuple[float, int, TraceEvent | Commit]] = []
+        self.seq = 0
+        self._mark()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _book(self, cause: str, seconds: float) -> None:
+        if seconds:
+            self.lost[cause] = self.lost.get(cause, 0.0) + seconds
+
+    def _rate(self) -> float:
+        if self.pending is not None or self.committed.plan is None:
+            return 0.0
+        return self.committed.throughput_samples_s
+
+    def _mark(self) -> None:
+        rate = self._rate()
+        if self.timeline and self.timeline[-1][0] == self.now:
+            self.timeline[-1] = (self.now, rate)
+        elif not self.timeline or self.timeline[-1][1] != rate:
+            self.timeline.append((self.now, rate))
+
+    def _push(self, time_s: float, item: TraceEvent | Commit) -> None:
+        heapq.heappush(self.queue, (time_s, self.seq, item))
+        self.seq += 1
+
+    def _completed_samples(self, at_s: float) -> float:
+        """Samples at ``at_s`` counting only whole steps of the running plan."""
+        choice = self.committed
+        steps = math.floor((at_s - self.run_start_s) / choice.step_s + 1e-9)
+        return self.run_start_samples + steps * choice.step_s * choice.throughput_samples_s
+
+    def advance(self, to_s: float) -> None:
+        """Let time run to ``to_s`` in the current state."""
+        dt = to_s - self.now
+        if dt <= 0:
+            return
+        interval = self.recovery.checkpoint_interval_s
+        checkpoint_s = math.floor(to_s / interval) * interval
+        crosses = self.recovery.checkpoint and checkpoint_s > self.now
+        if self.pending is not None or self.committed.plan is None:
+            if self.pending is None:
+                self._book("down_s", dt)
+            elif self.pending.terms:
+                total = self.pending.stall_s
+                for cause, seconds in self.pending.terms:
+                    self._book(cause, dt * seconds / total)
+            else:
+                self._book("transition_other_s", dt)
+            if crosses:
+                # Nothing ran since the last step: the checkpoint holds the current state.
+                self.checkpoint_samples = self.samples
+                self.since_checkpoint_s = 0.0
+        else:
+            rate = self.committed.throughput_samples_s
+            self.samples += rate * dt
+            self._book("degraded_s", dt * (self.ff - rate) / self.ff)
+            self.since_checkpoint_s += dt
+            if crosses:
+                # The checkpoint holds the last step completed before it.
+                self.checkpoint_samples = self._completed_samples(checkpoint_s)
+                self.since_checkpoint_s = (self.samples - self.checkpoint_samples) / rate
+        self.now = to_s
+
+    def interrupt(self) -> None:
+        """Lose the step in flight of the running plan (if one runs)."""
+        if self.pending is not None or self.committed.plan is None:
+            return
+        completed = self._completed_samples(self.now)
+        lost = self.samples - completed
+        if lost > 0:
+            self.samples = completed
+            self._book("partial_step_s", lost / self.ff)
+            self.since_checkpoint_s = max(
+                0.0, self.since_checkpoint_s - lost / self.committed.throughput_samples_s)
+
+    def context(self, next_event_s: float) -> EventContext:
+        return EventContext(alive=frozenset(self.alive), now_s=self.now,
+                            next_event_in_s=next_event_s - self.now,
+                            since_checkpoint_s=self.since_checkpoint_s)
+
+    def apply(self, choice: Choice, *, decided: bool = True) -> None:
+        """Start the transition to ``choice`` (or go down); count it if a policy decided it."""
+        if decided:
+            self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
+        if choice.rollback:
+            lost = self.samples - self.checkpoint_samples
+            if lost > 0:
+                self._book("lost_work_s", lost / self.ff)
+                self.samples = self.checkpoint_samples
+            self.since_checkpoint_s = 0.0
+        self.token += 1
+        if choice.plan is None:
+            self.committed = Choice(strategy=DOWN, plan=None)
+            self.pending = None
+            self.pending_failed = frozenset()
+            return
+        self.pending = choice
+        if choice.stall_s <= 0:
+            self.commit()
+        else:
+            self._push(self.now + choice.stall_s, Commit(self.now + choice.stall_s, self.token))
+
+    def commit(self) -> None:
+        """The pending transition ends; its plan runs from now."""
+        assert self.pending is not None
+        self.committed = self.pending
+        self.pending = None
+        self.pending_failed = frozenset()
+        self.run_start_s = self.now
+        self.run_start_samples = self.samples
+
+    # ------------------------------------------------------------------ events
+    def on_failure(self, event: TraceEvent, next_event_s: float) -> None:
+        if event.kind == EventKind.WORKER_FAIL:
+            hit = set(event.target)
+        else:
+            per = self.workers_per_node
+            hit = {w for n in event.target for w in range(n * per, (n + 1) * per)}
+        hit &= self.alive
+        self.alive -= hit
+        self.deferred_returned -= hit
+        base_plan = self.committed.plan
+        if base_plan is None:
+            if self.pending is not None and self.pending.plan is not None and (
+                    hit & set(self.pending.plan.workers)):
+                # The job was restarting from down on a worker that just died: start over.
+                self.token += 1
+                self.pending = None
+                self.rejoin(set(self.alive), next_event_s)
+            return
+        in_use = set(base_plan.workers)
+        if self.pending is not None and self.pending.plan is not None:
+            in_use |= set(self.pending.plan.workers)
+        if not hit & in_use:
+            return  # only idle workers died: nothing runs differently
+        failed = (self.pending_failed | hit) & set(base_plan.workers)
+        self.interrupt()
+        if not failed:
+            # Only workers the aborted transition was bringing in died: resume the old plan.
+            self.token += 1
+            self.pending = self.committed
+            self.commit()
+            return
+        choice = self.policy.on_failure(self.committed, frozenset(failed),
+                                        self.context(next_event_s))
+        if choice.keep:
+            return
+        self.apply(choice)
+        if self.pending is not None:
+            self.pending_failed = frozenset(failed)
+
+    def on_software(self) -> None:
+        if self.committed.plan is None and self.pending is None:
+            return
+        self.num_software += 1
+        self.interrupt()
+        failed = self.pending_failed
+        if self.pending is not None:
+            # The transition in progress starts over after the restart.
+            base = self.pending
+        else:
+            running = self.committed
+            base = Choice(strategy="restart", plan=running.plan, step_s=running.step_s,
+                          throughput_samples_s=running.throughput_samples_s,
+                          state=running.state)
+        self.apply(software_restart(base, self.recovery), decided=False)
+        if self.pending is not None:
+            self.pending_failed = failed
+
+    def on_repair(self, event: TraceEvent, next_event_s: float) -> None:
+        per = self.workers_per_node
+        returned = {w for n in event.target for w in range(n * per, (n + 1) * per)} - self.alive
+        self.alive |= returned
+        if self.pending is not None:
+            self.deferred_returned |= returned
+            return
+        self.rejoin(returned, next_event_s)
+
+    def rejoin(self, returned: set[int], next_event_s: float) -> None:
+        if not returned:
+            return
+        choice = self.policy.on_rejoin(self.committed, frozenset(returned),
+                                       self.context(next_event_s))
+        if choice.keep:
+            self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
+            return
+        self.interrupt()
+        self.apply(choice)
+
+    def on_commit(self, commit: Commit, next_event_s: float) -> None:
+        if commit.token != self.token or self.pending is None:
+            return  # an aborted transition
+        self.commit()
+        if self.deferred_returned:
+            plan = self.committed.plan
+            used = set(plan.workers) if plan is not None else set()
+            returned = (self.deferred_returned & self.alive) - used
+            self.deferred_returned = set()
+            self.rejoin(returned, next_event_s)
+
+
+def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
+             recovery: RecoverySpec, num_workers: int, workers_per_node: int,
+             progress: Callable[[int], None] | None = None) -> RunResult:
+    """Replay ``trace`` against ``policy``.
+
+    Args:
+        trace: the failure trace (validated against the cluster).
+        policy: the policy; its ``start()`` gives the failure-free plan.
+        failure_free_samples_s: the failure-free throughput, the yardstick of lost time.
+        recovery: checkpoint interval and the software-restart costs.
+        num_workers: workers of the cluster.
+        workers_per_node: workers per node.
+        progress: called with the number of trace events handled so far, now and then.
+
+    Returns:
+        The policy's result.
+
+    Raises:
+        ValueError: for a non-positive failure-free throughput.
+    """
+    if not failure_free_samples_s > 0:
+        raise ValueError(f"failure-free throughput must be positive, got {failure_free_samples_s}")
+    run = _Run(trace, policy, failure_free_samples_s=failure_free_samples_s, recovery=recovery,
+               workers_per_node=workers_per_node, num_workers=num_workers)
+    events = trace.events
+    for event in events:
+        run._push(event.time_s, event)
+    handled = 0  # trace events popped so far
+
+    def next_trace_s() -> float:
+        """Time of the next trace event not yet handled (the oracle's true horizon)."""
+        return events[handled].time_s if handled < len(events) else trace.duration_s
+
+    while run.queue:
+        time_s, _, item = heapq.heappop(run.queue)
+        if time_s >= trace.duration_s:
+            break
+        run.advance(time_s)
+        if isinstance(item, Commit):
+            run.on_commit(item, next_trace_s())
+        else:
+            handled += 1
+            if item.kind == EventKind.REPAIR:
+                run.on_repair(item, next_trace_s())
+            elif item.kind == EventKind.SOFTWARE:
+                run.on_software()
+            else:
+                run.on_failure(item, next_trace_s())
+            if progress is not None and handled % 64 == 0:
+                progress(handled)
+        run._mark()
+    run.advance(trace.duration_s)
+    if progress is not None:
+        progress(len(events))
+    return RunResult(
+        name=policy.name, duration_s=trace.duration_s, samples=run.samples,
+        failure_free_samples_s=failure_free_samples_s,
+        time_lost_s=tuple(sorted(run.lost.items())),
+        decisions=tuple(sorted(run.decisions.items())),
+        num_software_restarts=run.num_software, timeline=tuple(run.timeline))

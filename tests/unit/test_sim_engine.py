@@ -1,0 +1,172 @@
+"""The simulator's event loop against a tiny hand-made policy with round numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.sim.engine import simulate
+from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
+from chameleon_ft.sim.policies import KEEP, Choice, EventContext
+from chameleon_ft.spec.recovery import RecoverySpec
+
+# 2 nodes x 2 workers; 2 pipelines x 2 stages, stage-major: worker s*2+p.
+NUM_WORKERS, PER_NODE = 4, 2
+FF_STEP_S, BATCH = 2.0, 8  # 4 samples/s failure-free
+FF = BATCH / FF_STEP_S
+RECOVERY = RecoverySpec(detect_s=1.0, rebuild_s=2.0, restart_s=50.0, checkpoint_load_s=10.0,
+                        checkpoint_interval_s=1000.0)
+
+
+def one_pipeline(workers: list[int]) -> ExecutionPlan:
+    return ExecutionPlan(num_layers=4, pipelines=(
+        Pipeline((Stage(workers[0], 0, 2), Stage(workers[1], 2, 4)), 8),))
+
+
+class FakePolicy:
+    """Any failure: drop to one pipeline on two live workers at half speed after a 3 s stall
+    (or restart when ``restart``); a rejoin returns to the full plan after 3 s."""
+
+    def __init__(self, *, restart: bool = False, rejoin: bool = True) -> None:
+        self.name = "fake"
+        self.restart = restart
+        self.rejoin = rejoin
+        self.calls: list[tuple[str, float, frozenset[int], float]] = []
+        self.full = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=8)
+
+    def start(self) -> Choice:
+        return Choice(strategy="initial", plan=self.full, step_s=FF_STEP_S,
+                      throughput_samples_s=FF)
+
+    def on_failure(self, base: Choice, failed: frozenset[int], ctx: EventContext) -> Choice:
+        self.calls.append(("fail", ctx.now_s, failed, ctx.since_checkpoint_s))
+        alive = sorted(ctx.alive)
+        if len(alive) < 2:
+            return Choice(strategy="down", plan=None)
+        if self.restart:
+            return Choice(strategy="restart", plan=one_pipeline(alive), step_s=4.0,
+                          throughput_samples_s=2.0, stall_s=60.0,
+                          terms=(("load_s", 10.0), ("restart_s", 50.0)), rollback=True)
+        return Choice(strategy="shrink", plan=one_pipeline(alive), step_s=4.0,
+                      throughput_samples_s=2.0, stall_s=3.0,
+                      terms=(("detect_s", 1.0), ("rebuild_s", 2.0)))
+
+    def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
+        self.calls.append(("rejoin", ctx.now_s, returned, ctx.next_event_in_s))
+        if not self.rejoin or len(ctx.alive) < NUM_WORKERS:
+            return Choice(strategy=KEEP, plan=None)
+        return Choice(strategy="dynamic", plan=self.full, step_s=FF_STEP_S,
+                      throughput_samples_s=FF, stall_s=3.0, terms=(("rebuild_s", 3.0),))
+
+
+def run(events: list[TraceEvent], duration_s: float, policy: FakePolicy | None = None):
+    policy = policy or FakePolicy()
+    result = simulate(Trace(tuple(events), duration_s), policy, failure_free_samples_s=FF,
+                      recovery=RECOVERY, num_workers=NUM_WORKERS, workers_per_node=PER_NODE)
+    return result, policy
+
+
+def lost_total(result) -> float:
+    return sum(v for _, v in result.time_lost_s)
+
+
+def test_no_failure_is_failure_free():
+    result, _ = run([], 1000.0)
+    assert result.samples == pytest.approx(FF * 1000.0)
+    assert result.relative_to_failure_free == pytest.approx(1.0)
+    assert result.num_decisions == 0
+    assert lost_total(result) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_single_failure_hand_computed():
+    # Fail worker 1 at t=101: 50 whole steps (100 s) are done, 1 s of the 51st is lost.
+    result, policy = run([TraceEvent(101.0, EventKind.WORKER_FAIL, (1,))], 501.0)
+    # After a 3 s stall the shrunk plan runs 397 s at 2 samples/s.
+    assert result.samples == pytest.approx(50 * BATCH + 397 * 2.0)
+    lost = dict(result.time_lost_s)
+    assert lost["partial_step_s"] == pytest.approx(1.0)
+    assert lost["detect_s"] == pytest.approx(1.0)
+    assert lost["rebuild_s"] == pytest.approx(2.0)
+    assert lost["degraded_s"] == pytest.approx(397 * 0.5)
+    assert lost_total(result) == pytest.approx(501.0 - result.samples / FF)
+    assert dict(result.decisions) == {"shrink": 1}
+    assert policy.calls[0][2] == frozenset({1})
+    assert result.timeline == ((0.0, FF), (101.0, 0.0), (104.0, 2.0))
+
+
+def test_failure_during_transition_redecides_from_committed_plan():
+    # Restart of 60 s from t=10; a second failure at t=30 aborts it and decides again with
+    # both failures from the original plan.
+    events = [TraceEvent(10.0, EventKind.WORKER_FAIL, (1,)),
+              TraceEvent(30.0, EventKind.WORKER_FAIL, (3,))]
+    result, policy = run(events, 200.0, FakePolicy(restart=True))
+    assert [c[2] for c in policy.calls] == [frozenset({1}), frozenset({1, 3})]
+    # Everything since the checkpoint at t=0 is rolled back; the plan runs from t=90.
+    assert result.samples == pytest.approx((200.0 - 90.0) * 2.0)
+    lost = dict(result.time_lost_s)
+    assert lost["lost_work_s"] == pytest.approx(10.0)
+    assert lost["restart_s"] + lost["load_s"] == pytest.approx(20.0 + 60.0)
+    assert lost_total(result) == pytest.approx(200.0 - result.samples / FF)
+
+
+def test_restart_loses_work_since_last_checkpoint():
+    # Checkpoint at t=1000 holds 500 steps; failure at 1301 loses 150 steps plus 1 s.
+    result, policy = run([TraceEvent(1301.0, EventKind.WORKER_FAIL, (0,))], 2000.0,
+                         FakePolicy(restart=True))
+    assert policy.calls[0][3] == pytest.approx(300.0)  # since the checkpoint
+    assert result.samples == pytest.approx(500 * BATCH + (2000.0 - 1361.0) * 2.0)
+    lost = dict(result.time_lost_s)
+    assert lost["lost_work_s"] == pytest.approx(300.0)
+    assert lost["partial_step_s"] == pytest.approx(1.0)
+
+
+def test_repair_rejoins_and_oracle_horizon_is_true():
+    events = [TraceEvent(100.0, EventKind.NODE_FAIL, (1,)),
+              TraceEvent(400.0, EventKind.REPAIR, (1,))]
+    result, policy = run(events, 1000.0)
+    assert policy.calls[1][:3] == ("rejoin", 400.0, frozenset({2, 3}))
+    assert policy.calls[1][3] == pytest.approx(600.0)
+    # 50 steps, stall 3, 296 s at 2/s, rejoin loses the partial step in flight.
+    shrunk_steps = math.floor(296.0 / 4.0)
+    expected = 50 * BATCH + shrunk_steps * BATCH + (1000.0 - 403.0) * FF
+    assert result.samples == pytest.approx(expected)
+    assert dict(result.decisions) == {"dynamic": 1, "shrink": 1}
+
+
+def test_repair_during_transition_waits_for_it():
+    events = [TraceEvent(100.0, EventKind.NODE_FAIL, (1,)),
+              TraceEvent(101.0, EventKind.REPAIR, (1,))]
+    result, policy = run(events, 1000.0)
+    assert [c[:2] for c in policy.calls] == [("fail", 100.0), ("rejoin", 103.0)]
+    assert result.samples == pytest.approx(100.0 * FF + (1000.0 - 106.0) * FF)
+
+
+def test_software_fault_restarts_same_plan_from_checkpoint():
+    result, policy = run([TraceEvent(1500.0, EventKind.SOFTWARE)], 3000.0)
+    assert policy.calls == []
+    assert result.num_software_restarts == 1
+    assert result.num_decisions == 0
+    stall = RECOVERY.detect_s + RECOVERY.restart_s + RECOVERY.checkpoint_load_s
+    # Rolled back to t=1000; progress resumes at 1500 + stall.
+    assert result.samples == pytest.approx(1000.0 * FF + (3000.0 - 1500.0 - stall) * FF)
+    assert lost_total(result) == pytest.approx(3000.0 - result.samples / FF)
+
+
+def test_failure_of_idle_worker_changes_nothing():
+    events = [TraceEvent(100.0, EventKind.WORKER_FAIL, (1,)),
+              TraceEvent(200.0, EventKind.WORKER_FAIL, (3,))]  # idle after the shrink
+    result, policy = run(events, 300.0, FakePolicy())
+    assert len(policy.calls) == 1
+    assert result.samples == pytest.approx(50 * BATCH + (300.0 - 103.0) * 2.0)
+
+
+def test_down_until_repair():
+    events = [TraceEvent(100.0, EventKind.NODE_FAIL, (0,)),
+              TraceEvent(200.0, EventKind.WORKER_FAIL, (2,)),
+              TraceEvent(500.0, EventKind.REPAIR, (0,))]
+    result, policy = run(events, 1000.0, FakePolicy(rejoin=False))
+    lost = dict(result.time_lost_s)
+    assert lost["down_s"] > 0
+    assert lost_total(result) == pytest.approx(1000.0 - result.samples / FF)
