@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chameleon_ft.sim.events import Commit, EventKind, Trace, TraceEvent
+from chameleon_ft.sim.events import Commit, EventKind, Switch, Trace, TraceEvent
 from chameleon_ft.sim.policies import DOWN, Choice, EventContext, SimPolicy, software_restart
 from chameleon_ft.spec.recovery import RecoverySpec
 
@@ -92,7 +92,7 @@ class _Run:
         self.decisions: dict[str, int] = {}
         self.num_software = 0
         self.timeline: list[tuple[float, float]] = []
-        self.queue: list[tuple[float, int, TraceEvent | Commit]] = []
+        self.queue: list[tuple[float, int, TraceEvent | Commit | Switch]] = []
         self.seq = 0
         self._mark()
 
@@ -113,7 +113,7 @@ class _Run:
         elif not self.timeline or self.timeline[-1][1] != rate:
             self.timeline.append((self.now, rate))
 
-    def _push(self, time_s: float, item: TraceEvent | Commit) -> None:
+    def _push(self, time_s: float, item: TraceEvent | Commit | Switch) -> None:
         heapq.heappush(self.queue, (time_s, self.seq, item))
         self.seq += 1
 
@@ -202,6 +202,20 @@ class _Run:
         self.pending_failed = frozenset()
         self.run_start_s = self.now
         self.run_start_samples = self.samples
+        then = self.committed.then
+        if then is not None:
+            # Switch at the first step boundary once the background migration is done.
+            steps = math.ceil(self.committed.then_after_s / self.committed.step_s - 1e-9)
+            at_s = self.now + max(steps, 0) * self.committed.step_s
+            self._push(at_s, Switch(at_s, self.token))
+
+    def on_switch(self, switch: Switch) -> None:
+        """Second phase of a two-phase recovery: pause briefly, then run the final plan."""
+        then = self.committed.then
+        if switch.token != self.token or self.pending is not None or then is None:
+            return  # a later event changed the plan
+        self.interrupt()
+        self.apply(then, decided=False)
 
     # ------------------------------------------------------------------ events
     def on_failure(self, event: TraceEvent, next_event_s: float) -> None:
@@ -333,6 +347,8 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
         run.advance(time_s)
         if isinstance(item, Commit):
             run.on_commit(item, next_trace_s())
+        elif isinstance(item, Switch):
+            run.on_switch(item)
         else:
             handled += 1
             if item.kind == EventKind.REPAIR:

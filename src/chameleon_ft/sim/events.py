@@ -74,3 +74,12 @@ class Commit:
 
     time_s: float
     token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """Internal engine event: a two-phase recovery's background migration is done and the
+    job switches to the final plan (ignored when ``token`` is stale)."""
+
+    time_s: float
+    token: int

@@ -16,11 +16,14 @@ own only the decision.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.policy import candidate_score
+from chameleon_ft.recovery.transition import migration_s
 from chameleon_ft.spec.recovery import RecoverySpec
 
 KEEP = "keep"
@@ -49,6 +52,11 @@ class Choice:
     """Restart from the last checkpoint: the engine discards the work done since it."""
     state: Any = field(default=None, compare=False)
     """Policy-private data carried to the next decision (Bamboo's covered stages)."""
+    then: Choice | None = None
+    """A second phase: after ``plan`` has run ``then_after_s`` (rounded up to whole steps),
+    switch to this choice (its ``stall_s`` is the switch pause). For reroute-then-dynamic."""
+    then_after_s: float = 0.0
+    """How long ``plan`` runs before ``then`` takes over."""
 
     @property
     def keep(self) -> bool:
@@ -160,40 +168,75 @@ class PlannerLike(Protocol):
                       horizon_s: float | None = None, policy: str | None = None) -> Any: ...
 
 
-def decision_choice(decision: Any) -> Choice:
-    """Turn a planner ``Decision`` into a :class:`Choice`.
+_STRATEGY_ORDER = ("keep", "reroute", "reroute-then-dynamic", "dynamic", "shrink", "restart")
+"""The planner's tie-break between equal scores (cheaper, less disruptive first)."""
 
-    The chosen candidate is the feasible one with the decision's strategy and plan; its
-    step time, throughput and transition terms price the choice.
+
+def _without_search(candidate: Any, recovery: RecoverySpec) -> Any:
+    """``candidate`` with plan search treated as hidden (0 s).
+
+    The planner charges the measured wall time of a dynamic search that missed its cache.
+    A simulation must not depend on how fast this machine searched (a replay would differ
+    in the last digits, and near-ties could flip), and DESIGN.md 3.5 precomputes plans for
+    likely failures while training is healthy, so the simulator prices search as hidden.
+    """
+    if not candidate.feasible:
+        return candidate
+    changed: dict[str, Any] = {}
+    if "search_s" in candidate.terms:
+        terms = {k: v for k, v in candidate.terms.items() if k != "search_s"}
+        changed.update(terms=terms, transition_s=math.fsum(terms.values()))
+    if candidate.interim_step_s is not None and candidate.migration is not None:
+        changed["interim_s"] = migration_s(candidate.migration.time_s, recovery, background=True)
+    return replace(candidate, **changed) if changed else candidate
+
+
+def decision_choice(decision: Any, recovery: RecoverySpec, *, rescore: bool) -> Choice:
+    """Turn a planner ``Decision`` into a :class:`Choice`.
 
     Args:
         decision: a ``chameleon_ft.policy.Decision``.
+        recovery: the job's recovery settings.
+        rescore: pick again among the candidates with search priced as hidden (for the
+            score-driven policies, chameleon and oracle); otherwise keep the decision's
+            strategy (fixed policies do not look at scores).
 
     Returns:
-        The choice; ``keep`` for a rejoin not worth it, ``down`` when no plan is feasible.
+        The choice; ``keep`` for a rejoin not worth it.
     """
-    strategy = str(decision.strategy)
+    candidates = [_without_search(c, recovery) for c in decision.candidates]
+    feasible = [c for c in candidates if c.feasible]
+    if rescore:
+        batch = decision.plan.global_batch
+
+        def rank(c: Any) -> tuple[float, float, float, int]:
+            score = candidate_score(c, batch, horizon_s=decision.horizon_s,
+                                    expected=decision.horizon_expected)
+            return (-score, c.transition_s, c.step_s, _STRATEGY_ORDER.index(str(c.strategy)))
+
+        chosen = min(feasible, key=rank)
+    else:
+        chosen = next(c for c in feasible if str(c.strategy) == str(decision.strategy))
+    strategy = str(chosen.strategy)
     if strategy == KEEP:
         return Choice(strategy=KEEP, plan=None)
-    plan = decision.plan
-    if plan is None:
-        return Choice(strategy=DOWN, plan=None)
-    chosen = None
-    for cand in decision.candidates:
-        if cand.feasible and str(cand.strategy) == strategy and cand.plan is plan:
-            chosen = cand
-            break
-    if chosen is None:
-        for cand in decision.candidates:
-            if cand.feasible and str(cand.strategy) == strategy and cand.plan == plan:
-                chosen = cand
-                break
-    if chosen is None:
-        raise AssertionError(f"decision {strategy!r} names no feasible candidate with its plan")
-    return terms_choice(strategy, plan, step_s=chosen.step_s,
-                        throughput_samples_s=chosen.throughput_samples_s,
-                        transition_s=chosen.transition_s, terms=chosen.terms,
-                        rollback=strategy == "restart")
+    rollback = strategy == "restart"
+    if chosen.interim_step_s is None:
+        return terms_choice(strategy, chosen.plan, step_s=chosen.step_s,
+                            throughput_samples_s=chosen.throughput_samples_s,
+                            transition_s=chosen.transition_s, terms=chosen.terms,
+                            rollback=rollback)
+    # Two phases: the interim (rerouted) plan runs while state migrates in the background,
+    # then a short switch to the final plan.
+    final = terms_choice(strategy, chosen.plan, step_s=chosen.step_s,
+                         throughput_samples_s=chosen.throughput_samples_s,
+                         transition_s=chosen.switch_s, terms={"rebuild_s": chosen.switch_s},
+                         rollback=False)
+    first = terms_choice(strategy, chosen.interim_plan, step_s=chosen.interim_step_s,
+                         throughput_samples_s=decision.plan.global_batch / chosen.interim_step_s,
+                         transition_s=chosen.transition_s, terms=chosen.terms,
+                         rollback=rollback)
+    return replace(first, then=final, then_after_s=chosen.interim_s)
 
 
 class PlannerPolicy:
@@ -213,6 +256,7 @@ class PlannerPolicy:
         self._policy = "chameleon" if name == "oracle" else name
         self._oracle = name == "oracle"
         self._recovery = recovery
+        self._rescore = self._policy == "chameleon"
 
     def start(self) -> Choice:
         """The initial plan at its failure-free speed."""
@@ -227,11 +271,16 @@ class PlannerPolicy:
         """The planner's decision from ``base.plan``."""
         if base.plan is None:
             return base
-        decision = self._planner.decide(
-            base.plan, tuple(sorted(failed)), alive=tuple(sorted(ctx.alive)), now_s=ctx.now_s,
-            horizon_s=self._horizon(ctx), policy=self._policy,
-            since_checkpoint_s=ctx.since_checkpoint_s)
-        return decision_choice(decision)
+        try:
+            decision = self._planner.decide(
+                base.plan, tuple(sorted(failed)), alive=tuple(sorted(ctx.alive)),
+                now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
+                since_checkpoint_s=ctx.since_checkpoint_s)
+        except ValueError:
+            # No feasible recovery (too few workers, or a layer lost without checkpoints):
+            # the job waits for hardware to come back.
+            return Choice(strategy=DOWN, plan=None)
+        return decision_choice(decision, self._recovery, rescore=self._rescore)
 
     def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
         """The planner's rejoin decision, or a restart from the checkpoint when down."""
@@ -239,7 +288,7 @@ class PlannerPolicy:
             decision = self._planner.decide_rejoin(
                 base.plan, tuple(sorted(returned)), alive=tuple(sorted(ctx.alive)),
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy)
-            return decision_choice(decision)
+            return decision_choice(decision, self._recovery, rescore=self._rescore)
         # The job was down: it can only restart from its checkpoint on what is alive now.
         initial = self._planner.initial_plan
         missing = frozenset(initial.workers) - ctx.alive
@@ -252,10 +301,14 @@ class PlannerPolicy:
                                 terms={"restart_s": rec.restart_s,
                                        "load_s": rec.checkpoint_load_s},
                                 rollback=True)
-        decision = self._planner.decide(
-            initial, tuple(sorted(missing)), alive=tuple(sorted(ctx.alive)), now_s=ctx.now_s,
-            horizon_s=self._horizon(ctx), policy="restart", since_checkpoint_s=0.0)
-        return decision_choice(decision)
+        try:
+            decision = self._planner.decide(
+                initial, tuple(sorted(missing)), alive=tuple(sorted(ctx.alive)),
+                now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy="restart",
+                since_checkpoint_s=0.0)
+        except ValueError:
+            return Choice(strategy=DOWN, plan=None)
+        return decision_choice(decision, self._recovery, rescore=False)
 
 
 # ----------------------------------------------------------------------- Bamboo

@@ -1,0 +1,376 @@
+"""Reports of a scenario run: JSON, a Markdown table, PNG plots, and a progress bar.
+
+This is the simulator's only module that does I/O. Every file is rendered in memory first
+and written (to a temporary name, then renamed) only after the whole run succeeded, so a
+failed run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from chameleon_ft.sim.engine import RunResult
+from chameleon_ft.sim.runner import CellRun, ScenarioRun
+
+BASELINES = ("reroute", "dynamic", "restart", "shrink", "bamboo")
+"""Fixed-strategy policies Chameleon is compared with."""
+PAPER_RATIOS = {"reroute": 1.355, "dynamic": 1.229}
+"""The paper's average-throughput ratios of Chameleon to ReCycle and Oobleck (32 devices)."""
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _std(values: Sequence[float]) -> float:
+    return statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def _results(cell: CellRun, name: str) -> list[RunResult]:
+    return [r for run in cell.runs for r in run.results if r.name == name]
+
+
+def policy_summary(cell: CellRun, name: str) -> dict[str, Any]:
+    """One policy's figures in one cell: means over seeds, with their spread.
+
+    Args:
+        cell: the cell.
+        name: the policy.
+
+    Returns:
+        ``name``, ``avg_throughput_samples_s`` (mean), ``avg_throughput_std``,
+        ``relative_to_failure_free`` (mean), ``relative_std``, ``time_lost_s`` by cause
+        (mean), ``num_decisions`` (mean), ``decisions`` by strategy (mean),
+        ``num_software_restarts`` (mean) and ``per_seed``.
+    """
+    results = _results(cell, name)
+    seeds = [run.seed for run in cell.runs]
+    throughput = [r.avg_throughput_samples_s for r in results]
+    relative = [r.relative_to_failure_free for r in results]
+    causes = sorted({c for r in results for c, _ in r.time_lost_s})
+    strategies = sorted({s for r in results for s, _ in r.decisions})
+    n = len(results)
+    return {
+        "name": name,
+        "avg_throughput_samples_s": _mean(throughput),
+        "avg_throughput_std": _std(throughput),
+        "relative_to_failure_free": _mean(relative),
+        "relative_std": _std(relative),
+        "time_lost_s": {c: math.fsum(dict(r.time_lost_s).get(c, 0.0) for r in results) / n
+                        for c in causes},
+        "num_decisions": _mean([float(r.num_decisions) for r in results]),
+        "decisions": {s: math.fsum(dict(r.decisions).get(s, 0) for r in results) / n
+                      for s in strategies},
+        "num_software_restarts": _mean([float(r.num_software_restarts) for r in results]),
+        "per_seed": [{"seed": seed, "avg_throughput_samples_s": r.avg_throughput_samples_s,
+                      "relative_to_failure_free": r.relative_to_failure_free,
+                      "samples": r.samples}
+                     for seed, r in zip(seeds, results, strict=True)],
+    }
+
+
+def _ratios(policies: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Chameleon's mean average throughput over each other policy's."""
+    if "chameleon" not in policies:
+        return {}
+    ours = policies["chameleon"]["avg_throughput_samples_s"]
+    return {f"chameleon/{name}": ours / p["avg_throughput_samples_s"]
+            for name, p in policies.items()
+            if name != "chameleon" and p["avg_throughput_samples_s"] > 0}
+
+
+def _cell_doc(run: ScenarioRun, cell: CellRun) -> dict[str, Any]:
+    policies = {name: policy_summary(cell, name) for name in run.policies}
+    traces = []
+    for seed_run in cell.runs:
+        kinds: dict[str, int] = {}
+        for event in seed_run.trace.events:
+            kinds[event.kind.value] = kinds.get(event.kind.value, 0) + 1
+        traces.append({"seed": seed_run.seed, "num_events": len(seed_run.trace.events),
+                       "num_failures": seed_run.trace.num_failures,
+                       "events_by_kind": dict(sorted(kinds.items()))})
+    return {
+        "node_mtbf_hours": cell.node_mtbf_hours,
+        "repair_hours": cell.repair_hours,
+        "traces": traces,
+        "policies": list(policies.values()),
+        "ratios": _ratios(policies),
+    }
+
+
+def report_doc(run: ScenarioRun) -> dict[str, Any]:
+    """The JSON report of a scenario run.
+
+    Args:
+        run: the results.
+
+    Returns:
+        A JSON-ready mapping: the scenario, the failure-free figures, and per cell the traces,
+        every policy's summary (:func:`policy_summary`) and Chameleon's ratios. A single-cell
+        scenario also has its ``policies`` and ``ratios`` at the top level.
+    """
+    scenario = run.scenario
+    config = scenario.config
+    doc: dict[str, Any] = {
+        "scenario": scenario.name,
+        "job": {
+            "model": config.model.name if config.model is not None else None,
+            "num_nodes": config.cluster.num_nodes,
+            "devices_per_node": config.cluster.devices_per_node,
+            "tp": config.job.tp, "pp": config.job.pp, "dp": config.job.dp,
+            "global_batch": config.job.global_batch,
+        },
+        "duration_s": scenario.simulation.duration_s,
+        "policies_run": list(run.policies),
+        "failure_free_samples_s": run.failure_free_samples_s,
+        "failure_free_step_s": run.failure_free_step_s,
+        "cells": [_cell_doc(run, cell) for cell in run.cells],
+    }
+    if len(run.cells) == 1:
+        doc["policies"] = doc["cells"][0]["policies"]
+        doc["ratios"] = doc["cells"][0]["ratios"]
+    return doc
+
+
+def report_json(run: ScenarioRun) -> str:
+    """The JSON report as text: deterministic for a deterministic run (no timings)."""
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(report_doc(run)), indent=2) + "\n"
+
+
+def _repair_label(hours: float | None) -> str:
+    if hours is None:
+        return "never"
+    return f"{hours * 60:.0f} min" if hours < 1 else f"{hours:g} h"
+
+
+def report_markdown(run: ScenarioRun) -> str:
+    """A Markdown report: one table per cell (policies as rows), and Chameleon's ratios.
+
+    Args:
+        run: the results.
+
+    Returns:
+        The Markdown text.
+    """
+    scenario = run.scenario
+    seeds = len(run.cells[0].runs)
+    lines = [f"# Scenario `{scenario.name}`", "",
+             f"{scenario.simulation.days:g} days, {seeds} seed(s); failure-free throughput "
+             f"{run.failure_free_samples_s:.4g} samples/s (step {run.failure_free_step_s:.4g} s).",
+             ""]
+    sweep = scenario.simulation.is_sweep
+    if sweep:
+        lines += ["Relative throughput (mean over seeds) per cell:", "",
+                  "| node MTBF | repair | " + " | ".join(run.policies) + " |",
+                  "|---|---|" + "---|" * len(run.policies)]
+        for cell in run.cells:
+            rel = [policy_summary(cell, n)["relative_to_failure_free"] for n in run.policies]
+            lines.append(f"| {cell.node_mtbf_hours:g} h | {_repair_label(cell.repair_hours)} | "
+                         + " | ".join(f"{r:.3f}" for r in rel) + " |")
+        lines.append("")
+        return "\n".join(lines)
+    cell = run.cells[0]
+    failures = [r.trace.num_failures for r in cell.runs]
+    lines += [f"Failures per trace: {', '.join(str(f) for f in failures)}.", "",
+              "| policy | avg samples/s | spread | relative | decisions | "
+              "main time lost (h) |",
+              "|---|---|---|---|---|---|"]
+    summaries = {n: policy_summary(cell, n) for n in run.policies}
+    for name, s in summaries.items():
+        lost = sorted(s["time_lost_s"].items(), key=lambda kv: -kv[1])[:3]
+        lost_text = ", ".join(f"{c.removesuffix('_s')} {v / 3600:.2f}" for c, v in lost) or "-"
+        decisions = ", ".join(f"{k} {v:g}" for k, v in s["decisions"].items()) or "-"
+        lines.append(f"| {name} | {s['avg_throughput_samples_s']:.4g} | "
+                     f"±{s['avg_throughput_std']:.2g} | {s['relative_to_failure_free']:.4f} | "
+                     f"{decisions} | {lost_text} |")
+    ratios = _ratios(summaries)
+    if ratios:
+        lines += ["", "Chameleon's average throughput over each policy's:", ""]
+        for key, value in ratios.items():
+            other = key.split("/", 1)[1]
+            paper = f" (paper: {PAPER_RATIOS[other]}x)" if other in PAPER_RATIOS else ""
+            lines.append(f"- {key}: {value:.3f}x{paper}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _figure_png(fig: Any) -> bytes:
+    buffer = io.BytesIO()
+    # Fixed metadata keeps the bytes stable from run to run.
+    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": None})
+    return buffer.getvalue()
+
+
+def timeline_png(run: ScenarioRun) -> bytes:
+    """Throughput over time of every policy on the first seed of the first cell, one chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cell = run.cells[0]
+    first = cell.runs[0]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    scale = 86400.0 if first.trace.duration_s > 4 * 86400 else 3600.0
+    unit = "days" if scale == 86400.0 else "hours"
+    for result in first.results:
+        xs = [t / scale for t, _ in result.timeline] + [result.duration_s / scale]
+        ys = [rate for _, rate in result.timeline]
+        ys.append(ys[-1])
+        ax.step(xs, ys, where="post", label=result.name, linewidth=1.0)
+    ax.axhline(run.failure_free_samples_s, color="black", linestyle=":", linewidth=0.8,
+               label="failure-free")
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{run.scenario.name}: throughput over time (seed {first.seed})")
+    ax.legend(loc="lower left", fontsize=8, ncol=4)
+    fig.tight_layout()
+    data = _figure_png(fig)
+    plt.close(fig)
+    return data
+
+
+def relative_png(run: ScenarioRun) -> bytes:
+    """Relative throughput per policy: bars for one cell, lines over the sweep grid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not run.scenario.simulation.is_sweep:
+        cell = run.cells[0]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        summaries = [policy_summary(cell, n) for n in run.policies]
+        ax.bar([s["name"] for s in summaries], [s["relative_to_failure_free"] for s in summaries],
+               yerr=[s["relative_std"] for s in summaries], capsize=3)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("average / failure-free throughput")
+        ax.set_title(f"{run.scenario.name}: relative throughput per policy")
+    else:
+        repairs: list[float | None] = []
+        for cell in run.cells:
+            if cell.repair_hours not in repairs:
+                repairs.append(cell.repair_hours)
+        fig, axes = plt.subplots(1, len(repairs), figsize=(4 * len(repairs), 4), sharey=True,
+                                 squeeze=False)
+        for ax, repair in zip(axes[0], repairs, strict=True):
+            cells = [c for c in run.cells if c.repair_hours == repair]
+            xs = [c.node_mtbf_hours for c in cells]
+            for name in run.policies:
+                ys = [policy_summary(c, name)["relative_to_failure_free"] for c in cells]
+                ax.plot(xs, ys, marker="o", label=name, linewidth=1.0)
+            ax.set_xscale("log")
+            ax.set_xlabel("node MTBF (h)")
+            ax.set_title(f"repair {_repair_label(repair)}")
+        axes[0][0].set_ylabel("average / failure-free throughput")
+        axes[0][-1].legend(fontsize=8)
+        fig.suptitle(f"{run.scenario.name}: relative throughput across the sweep")
+    fig.tight_layout()
+    data = _figure_png(fig)
+    plt.close(fig)
+    return data
+
+
+def render(run: ScenarioRun) -> dict[str, bytes]:
+    """Every report file of a run, by file name, rendered in memory.
+
+    Args:
+        run: the results.
+
+    Returns:
+        ``report.json``, ``report.md``, ``relative.png`` (and ``timeline.png`` unless a sweep).
+    """
+    files = {"report.json": report_json(run).encode(),
+             "report.md": report_markdown(run).encode(),
+             "relative.png": relative_png(run)}
+    if not run.scenario.simulation.is_sweep:
+        files["timeline.png"] = timeline_png(run)
+    return files
+
+
+def write_files(out_dir: str | Path, files: dict[str, bytes]) -> list[Path]:
+    """Write rendered files into ``out_dir``, each atomically (temporary name, then rename).
+
+    Args:
+        out_dir: the folder (created if missing).
+        files: contents by file name.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        ValueError: when the folder cannot be created or written.
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        temps = []
+        for name, data in files.items():
+            temp = out / f".{name}.tmp"
+            temp.write_bytes(data)
+            temps.append((temp, out / name))
+        for temp, final in temps:
+            os.replace(temp, final)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write to {str(out)!r}: {exc.strerror}") from None
+    return [final for _, final in temps]
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr that appears only once a run takes a while."""
+
+    def __init__(self, label: str, *, stream: TextIO | None = None, after_s: float = 2.0,
+                 width: int = 30) -> None:
+        """Prepare the bar.
+
+        Args:
+            label: text before the bar.
+            stream: where to draw (default stderr).
+            after_s: stay silent until the run has taken this long.
+            width: characters of the bar.
+        """
+        self._label = label
+        self._stream = stream if stream is not None else sys.stderr
+        self._after_s = after_s
+        self._width = width
+        self._start = time.monotonic()
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        """Redraw with ``done`` of ``total`` units (at most ten times a second)."""
+        now = time.monotonic()
+        if now - self._start < self._after_s or (now - self._last < 0.1 and done < total):
+            return
+        self._last = now
+        fraction = done / total if total else 1.0
+        filled = int(self._width * fraction)
+        bar = "#" * filled + "-" * (self._width - filled)
+        self._stream.write(f"\r{self._label} [{bar}] {fraction:4.0%} "
+                           f"{now - self._start:5.1f} s")
+        self._stream.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        """End the line if the bar was drawn."""
+        if self._shown:
+            self._stream.write("\n")
+            self._stream.flush()
