@@ -1,17 +1,26 @@
-"""Recovery and policy settings: transition-cost terms and the horizon estimate.
+"""Recovery and policy settings: transition-cost terms, plan-search limits, the horizon.
 
-Defaults come from published measurements (see the project's reference notes):
-communicator rebuild well under a second to a few seconds (ElasWave < 1 s; gloo ~20 ms on
-a few ranks; NCCL at thousands of ranks takes seconds), active failure inspection ~30 s
-(ByteRobust), job restart 5-15 min at scale, checkpoints every ~1 h, node MTBF ~264 days
-(Llama 3: 419 interruptions in 54 days on 2,048 nodes).
+Defaults come from published measurements (see ``reference/landscape.md``):
+
+- detection: about 30 s with active inspection (ByteRobust; default collective timeouts
+  take about 10 min); a killed gloo peer is seen in 10-50 ms, a hung one only at the
+  timeout, so 30 s is the realistic figure for a production job;
+- communicator rebuild: gloo about 20 ms on a few ranks (measured), ElasWave < 1 s with
+  partial rebuild, NCCL at thousands of ranks several seconds: 5 s by default;
+- job restart: 5-15 min at scale (scheduler, containers, imports, NCCL init): 10 min;
+- checkpoint load: about 2 min for a large model from remote storage;
+- checkpoints every ~1 h (Clockwork's TorchPass page assumes 1.5 h), so restart loses half;
+- node MTBF about 264 days (Llama 3: 419 unexpected interruptions in 54 days on 2,048 nodes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chameleon_ft.spec._fields import check_positive, fail
+from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
+
+POLICY_NAMES = ("chameleon", "reroute", "dynamic", "restart", "shrink", "reroute-then-dynamic")
+"""Accepted values of ``policy.name``."""
 
 LLAMA3_NODE_MTBF_HOURS = 2048 * 54 * 24 / 419
 """Llama 3's unexpected-interruption rate per 8-GPU node: about 6,335 hours (264 days)."""
@@ -22,11 +31,14 @@ class RecoverySpec:
     """The named terms of a transition, in seconds unless stated (section ``[recovery]``)."""
 
     detect_s: float = 30.0
-    """Time from a failure to its detection (heartbeat deadline or collective error)."""
+    """Time from a failure to its detection (heartbeat deadline or collective error);
+    about 30 s with active inspection (ByteRobust)."""
     rebuild_s: float = 5.0
-    """Tearing down and rebuilding the communicators of the new plan."""
+    """Tearing down and rebuilding the communicators of the new plan (gloo ~20 ms,
+    ElasWave < 1 s, NCCL at scale seconds)."""
     restart_s: float = 600.0
-    """Restarting every process of the job (scheduler, container, imports, init)."""
+    """Restarting every process of the job (scheduler, container, imports, init); 5-15 min
+    at scale."""
     checkpoint_load_s: float = 120.0
     """Reading the last checkpoint back into device memory."""
     checkpoint_interval_s: float = 3600.0
@@ -39,8 +51,19 @@ class RecoverySpec:
     """Share of the bandwidth ``reroute-then-dynamic`` may use while training runs."""
     search_hidden: bool = True
     """Whether plan search for likely failures runs ahead of time while training is healthy."""
+    search_extra_stages: int = 2
+    """Dynamic search: the longest pipeline considered is the job's ``pp`` plus this."""
+    search_exhaustive_workers: int = 16
+    """Dynamic search: up to this many survivors every integer partition into pipeline
+    lengths is tried; above it at most two distinct lengths are mixed (see
+    ``recovery/dynamic.py``)."""
+    migration_max_parts: int = 2
+    """A migrated layer is split across at most this many live replicas (senders)."""
 
     def __post_init__(self) -> None:
+        check_int("search_extra_stages", self.search_extra_stages, minimum=0)
+        check_int("search_exhaustive_workers", self.search_exhaustive_workers, minimum=1)
+        check_int("migration_max_parts", self.migration_max_parts)
         for name in ("detect_s", "rebuild_s", "restart_s", "checkpoint_load_s"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("checkpoint_interval_s", self.checkpoint_interval_s)
@@ -65,6 +88,7 @@ class PolicySpec:
     """Expected time for a failed node to come back; caps the horizon. Unset: no cap."""
 
     def __post_init__(self) -> None:
+        check_choice("name", self.name, POLICY_NAMES)
         if self.horizon_s is not None:
             check_positive("horizon_s", self.horizon_s)
         check_positive("node_mtbf_hours", self.node_mtbf_hours)

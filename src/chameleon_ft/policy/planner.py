@@ -1,0 +1,481 @@
+"""The planner: prices every recovery strategy for a failure and picks one.
+
+``Planner(config)`` builds the profile, the topology, the failure-free plan and the
+pipeline templates once. ``decide(plan, failed)`` builds (or takes from the cache) the
+candidates of every strategy from the CURRENT plan, scores them for the horizon and picks
+one with the policy:
+
+- ``chameleon``: the highest score among all feasible candidates. With a horizon given
+  (argument or ``policy.horizon_s``) the score is Eq. 8; otherwise it is the expected
+  work over an exponential horizon whose mean comes from the failure-rate estimate
+  (``horizon.py``), divided by that mean.
+- ``reroute`` / ``dynamic`` / ``restart`` / ``shrink`` / ``reroute-then-dynamic``: that
+  strategy; ``restart`` only when it is infeasible.
+
+Expedient search: ``precompute(plan)`` fills the cache for every single-worker and
+single-node failure while training is healthy; a decision that hits the cache only
+re-scores (the dynamic search time then counts as hidden, 0 s).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from chameleon_ft.perf import Estimate, Topology, estimator_for
+from chameleon_ft.plan import ExecutionPlan, initial_plan
+from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
+from chameleon_ft.policy.score import candidate_score
+from chameleon_ft.profile import Profile, build_profile
+from chameleon_ft.recovery import dynamic, reroute, restart, shrink
+from chameleon_ft.recovery.reroute_then_dynamic import combine
+from chameleon_ft.recovery.templates import Templates
+from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
+from chameleon_ft.recovery.types import (
+    Candidate,
+    Migration,
+    RecoveryState,
+    Strategy,
+    candidate_from_estimate,
+    infeasible,
+)
+from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.recovery import POLICY_NAMES
+
+_ORDER = {s: i for i, s in enumerate(
+    (Strategy.KEEP, Strategy.REROUTE, Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC,
+     Strategy.SHRINK, Strategy.RESTART))}
+"""Final tie-break between equal scores: cheaper, less disruptive strategies first."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after a failure (or a rejoin), with every candidate and why."""
+
+    strategy: str
+    plan: ExecutionPlan
+    candidates: tuple[Candidate, ...]
+    reason: str
+    """One line: why this candidate won."""
+    transition_s: float
+    horizon_s: float
+    """The window used: given, or the expected time to the next change."""
+    search_s: float
+    """Seconds this decision spent building candidates (about 0 on a cache hit)."""
+    cache_hit: bool
+    migration: Migration | None
+    horizon_expected: bool = False
+    """True when ``horizon_s`` is an estimated mean (expected-work rule), not given."""
+
+    @property
+    def chosen(self) -> Candidate:
+        """The winning candidate."""
+        for candidate in self.candidates:
+            if candidate.strategy == self.strategy and candidate.feasible:
+                return candidate
+        raise AssertionError("a decision always lists its choice")  # pragma: no cover
+
+    def to_dict(self, *, with_plans: bool = False) -> dict[str, Any]:
+        """A JSON-ready form (the chosen plan and migration included)."""
+        return {
+            "strategy": self.strategy,
+            "reason": self.reason,
+            "transition_s": self.transition_s,
+            "horizon_s": self.horizon_s if math.isfinite(self.horizon_s) else None,
+            "horizon_expected": self.horizon_expected,
+            "search_s": self.search_s,
+            "cache_hit": self.cache_hit,
+            "candidates": [c.to_dict(with_plan=with_plans) for c in self.candidates],
+            "plan": self.plan.to_dict(),
+            "migration": self.migration.to_dict() if self.migration is not None else None,
+        }
+
+
+_CacheKey = tuple[ExecutionPlan, frozenset[int], frozenset[int], str]
+
+
+class Planner:
+    """Recovery planning for one job.
+
+    Args:
+        config: the job.
+        profile: per-layer costs; default: built from the config.
+        policy: overrides ``config.policy.name``.
+
+    Raises:
+        ValueError: for an unknown policy or a job that does not fit.
+    """
+
+    def __init__(self, config: Config, *, profile: Profile | None = None,
+                 policy: str | None = None) -> None:
+        self.config = config
+        self._profile = profile if profile is not None else build_profile(config)
+        self._topology = Topology.from_config(config)
+        self.policy = _check_policy(policy if policy is not None else config.policy.name)
+        self._estimator = estimator_for(self._profile, self._topology)
+        self._initial_plan = initial_plan(config, self._profile)
+        self._failure_free = self._estimator.estimate(self._initial_plan)
+        self.templates = Templates(
+            self._profile, capacity_bytes=self._topology.memory_capacity_bytes,
+            micro_batch=config.job.micro_batch, schedule=config.job.schedule,
+            num_workers=self._topology.num_workers,
+            workers_per_node=self._topology.workers_per_node,
+            pipeline_estimate=self._pipeline_estimate)
+        self._cache: dict[_CacheKey, tuple[Candidate, ...]] = {}
+        self._failure_events: set[tuple[float, frozenset[int]]] = set()
+        start = time.perf_counter()
+        self._warm_templates()
+        self.setup_s = time.perf_counter() - start
+        """Seconds spent building the pipeline templates (once per job)."""
+
+    def _warm_templates(self) -> None:
+        """Time every template at the micro-batch counts a single-worker or single-node
+        failure asks for, so a decision only prices whole plans (once per job)."""
+        plan = self._initial_plan
+        spec = self.config.recovery
+        n = len(plan.workers)
+        if n <= spec.search_exhaustive_workers:
+            return  # small jobs: the search is cheap enough to fill the table itself
+        longest = min(n, self._profile.num_layers, self.config.job.pp + spec.search_extra_stages)
+        total = plan.num_microbatches
+        for length in self.templates.feasible_lengths(longest):
+            layout = self.templates.layout(length)
+            assert layout is not None
+            for lost in sorted({1, self._topology.workers_per_node}):
+                survivors = n - lost
+                if survivors < length:
+                    continue
+                share = total * length / survivors
+                wanted = set(range(max(1, math.floor(share) - 1), math.ceil(share) + 3))
+                base = max(1, total // max(1, survivors // length))
+                wanted.update((base, base + 1))
+                for m in sorted(wanted):
+                    self.templates.step_s(layout, m)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def initial_plan(self) -> ExecutionPlan:
+        """The failure-free plan of the job."""
+        return self._initial_plan
+
+    @property
+    def failure_free(self) -> Estimate:
+        """The estimate of the failure-free plan."""
+        return self._failure_free
+
+    @property
+    def topology(self) -> Topology:
+        """Workers, nodes and links."""
+        return self._topology
+
+    @property
+    def profile(self) -> Profile:
+        """Per-layer costs."""
+        return self._profile
+
+    @property
+    def num_failure_events(self) -> int:
+        """Failure events observed by :meth:`decide` (for the rate estimate)."""
+        return len(self._failure_events)
+
+    def estimate(self, plan: ExecutionPlan) -> Estimate:
+        """The estimator's view of ``plan`` (shared cache)."""
+        return self._estimator.estimate(plan)
+
+    def _pipeline_estimate(self, plan: ExecutionPlan) -> tuple[float, bool]:
+        est = self._estimator.estimate(plan)
+        return est.step_s, est.memory_fits
+
+    # ------------------------------------------------------------------ checks
+    def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
+        out = set()
+        n = self._topology.num_workers
+        for w in workers:
+            if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
+                raise ValueError(f"{field}: worker {w!r} is not in the cluster (workers 0.."
+                                 f"{n - 1})")
+            out.add(w)
+        return frozenset(out)
+
+    @staticmethod
+    def _horizon(horizon_s: float | None) -> float | None:
+        if horizon_s is None:
+            return None
+        if isinstance(horizon_s, bool) or not isinstance(horizon_s, (int, float)) or (
+                math.isnan(horizon_s) or horizon_s < 0):
+            raise ValueError(f"horizon_s: must be a number >= 0, got {horizon_s!r}")
+        return float(horizon_s)
+
+    def _state(self, plan: ExecutionPlan, alive: frozenset[int],
+               since_checkpoint_s: float | None) -> RecoveryState:
+        return RecoveryState(config=self.config, profile=self._profile,
+                             topology=self._topology, plan=plan, alive=alive,
+                             templates=self.templates, estimate=self._estimator.estimate,
+                             since_checkpoint_s=since_checkpoint_s)
+
+    # ------------------------------------------------------------------ candidates
+    def _raw_candidates(self, state: RecoveryState, failed: frozenset[int]) -> tuple[Candidate, ...]:
+        """reroute, dynamic, restart, shrink, from the current plan (not yet combined or
+        scored; restart priced with the default lost work)."""
+        out: list[Candidate] = []
+        out.extend(reroute.candidates(state, failed))
+        out.extend(dynamic.candidates(state, failed))
+        out.extend(restart.candidates(state, failed))
+        out.extend(shrink.candidates(state, failed))
+        return tuple(out)
+
+    def _lookup(self, key: _CacheKey, state: RecoveryState,
+                failed: frozenset[int]) -> tuple[tuple[Candidate, ...], bool, float]:
+        start = time.perf_counter()
+        cached = self._cache.get(key)
+        if cached is not None:
+            # Precomputed while healthy: the search is hidden behind training.
+            hidden = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
+                           else c for c in cached)
+            return hidden, True, time.perf_counter() - start
+        raw = self._raw_candidates(state, failed)
+        self._cache[key] = raw
+        return raw, False, time.perf_counter() - start
+
+    def precompute(self, plan: ExecutionPlan, *,
+                   failures: Iterable[Iterable[int]] | None = None) -> float:
+        """Fill the cache for likely failures of ``plan`` while training is healthy.
+
+        Args:
+            plan: the plan now running.
+            failures: failure sets to prepare; default: every single live worker and every
+                node's live workers.
+
+        Returns:
+            Seconds spent.
+        """
+        start = time.perf_counter()
+        if failures is None:
+            sets = [frozenset({w}) for w in plan.workers]
+            by_node: dict[int, set[int]] = {}
+            for w in plan.workers:
+                by_node.setdefault(self._topology.node_of(w), set()).add(w)
+            sets.extend(frozenset(ws) for ws in by_node.values() if len(ws) > 1)
+        else:
+            sets = [self._workers("failures", ws) for ws in failures]
+        base_alive = frozenset(plan.workers)
+        for failed in dict.fromkeys(sets):
+            alive = base_alive - failed
+            key = (plan, failed, alive, "fail")
+            if key in self._cache or not alive:
+                continue
+            state = self._state(plan, alive, None)
+            if state.missing_layers():
+                continue  # only restart is possible; nothing worth preparing
+            self._cache[key] = self._raw_candidates(state, failed)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ decisions
+    def horizon(self, *, num_live: int, now_s: float) -> float:
+        """The expected time to the next change for ``num_live`` workers (``horizon.py``)."""
+        rate = worker_rate_per_s(self.config.policy,
+                                 workers_per_node=self._topology.workers_per_node,
+                                 num_workers=self._topology.num_workers,
+                                 num_failures=len(self._failure_events), now_s=now_s)
+        return mean_horizon_s(rate, num_live, self.config.policy.repair_hours)
+
+    def decide(self, plan: ExecutionPlan, failed: Iterable[int], *,
+               alive: Iterable[int] | None = None, now_s: float = 0.0,
+               horizon_s: float | None = None, policy: str | None = None,
+               since_checkpoint_s: float | None = None) -> Decision:
+        """Choose how to recover from ``failed`` starting from the CURRENT ``plan``.
+
+        Args:
+            plan: the plan running when the failure happened (may be rerouted or
+                heterogeneous).
+            failed: the newly failed workers.
+            alive: every live worker after the failure, idle ones included; default: the
+                plan's workers minus ``failed``.
+            now_s: seconds since the job began (updates the failure-rate estimate).
+            horizon_s: the window for Eq. 8; default ``policy.horizon_s``, else estimated.
+            policy: overrides the planner's policy for this decision.
+            since_checkpoint_s: exact progress since the last checkpoint (restart's lost
+                work); default: half the checkpoint interval.
+
+        Returns:
+            The decision with every candidate.
+
+        Raises:
+            ValueError: for a worker outside the cluster, a negative horizon, an unknown
+                policy, or a layer left without replicas when checkpoints are off.
+        """
+        failed_set = self._workers("failed", failed)
+        horizon = self._horizon(horizon_s)
+        if since_checkpoint_s is not None:
+            lost_progress_s(self.config.recovery, since_checkpoint_s)  # validates
+        if now_s < 0 or math.isnan(now_s):
+            raise ValueError(f"now_s: must be >= 0, got {now_s}")
+        chosen_policy = _check_policy(policy if policy is not None else self.policy)
+        alive_set = (frozenset(plan.workers) if alive is None
+                     else self._workers("alive", alive)) - failed_set
+        if not alive_set:
+            raise ValueError("failed: no worker is left alive")
+        if failed_set:
+            self._failure_events.add((float(now_s), failed_set))
+        state = self._state(plan, alive_set, since_checkpoint_s)
+        missing = state.missing_layers()
+        if missing and not self.config.recovery.checkpoint:
+            raise ValueError(
+                f"failed: losing workers {sorted(failed_set)} leaves layer {missing[0]} with no "
+                "live replica and recovery.checkpoint is false, so nothing can restore it")
+        raw, hit, search_s = self._lookup((plan, failed_set, alive_set, "fail"), state,
+                                          failed_set)
+        if since_checkpoint_s is not None:
+            raw = tuple(_restart_with(c, restart_terms(self.config.recovery, since_checkpoint_s))
+                        if c.strategy == Strategy.RESTART and c.feasible else c for c in raw)
+        by_strategy = {c.strategy: c for c in raw}
+        two_phase = combine(state, by_strategy[Strategy.REROUTE], by_strategy[Strategy.DYNAMIC])
+        candidates = (*raw, two_phase)
+        return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
+                            num_live=len(alive_set), now_s=now_s, search_s=search_s,
+                            cache_hit=hit)
+
+    def decide_rejoin(self, plan: ExecutionPlan, returned: Iterable[int], *,
+                      alive: Iterable[int] | None = None, now_s: float = 0.0,
+                      horizon_s: float | None = None, policy: str | None = None) -> Decision:
+        """Decide whether and how to use workers that came back (repaired).
+
+        Candidates: ``keep`` (the current plan, no transition), ``dynamic`` (re-plan over
+        every live worker, copying state to the returned ones; no detection term, the
+        return is announced) and ``reroute-then-dynamic`` (keep training on the current
+        plan while the state is copied in the background, then switch). The same rule as
+        :meth:`decide` picks one; ``keep`` wins when using the workers does not pay off.
+
+        Args:
+            plan: the plan now running.
+            returned: the workers that came back.
+            alive: every live worker including the returned ones; default: the plan's
+                workers plus ``returned``.
+            now_s: seconds since the job began.
+            horizon_s: the window; default as in :meth:`decide`.
+            policy: a fixed-strategy policy keeps the plan unless it is ``dynamic``.
+
+        Returns:
+            The decision (strategy ``keep`` when not worth it).
+
+        Raises:
+            ValueError: for a worker outside the cluster or a negative horizon.
+        """
+        returned_set = self._workers("returned", returned)
+        horizon = self._horizon(horizon_s)
+        if now_s < 0 or math.isnan(now_s):
+            raise ValueError(f"now_s: must be >= 0, got {now_s}")
+        chosen_policy = _check_policy(policy if policy is not None else self.policy)
+        alive_set = (frozenset(plan.workers) | returned_set if alive is None
+                     else self._workers("alive", alive) | returned_set)
+        state = self._state(plan, alive_set, None)
+        start = time.perf_counter()
+        key = (plan, returned_set, alive_set, "rejoin")
+        cached = self._cache.get(key)
+        hit = cached is not None
+        if cached is None:
+            current = self._estimator.estimate(plan)
+            keep = candidate_from_estimate(Strategy.KEEP, plan, current, {},
+                                           "keep the current plan; returned workers stay idle")
+            dyn = dynamic.candidates(state, frozenset())[0]
+            if dyn.feasible:
+                dyn = replace(dyn, terms={k: v for k, v in dyn.terms.items() if k != "detect_s"},
+                              transition_s=sum(v for k, v in dyn.terms.items()
+                                               if k != "detect_s"))
+            cached = (keep, dyn)
+            self._cache[key] = cached
+        else:
+            cached = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
+                           else c for c in cached)
+        keep, dyn = cached
+        two_phase = combine(state, replace(keep, terms={}, transition_s=0.0), dyn)
+        search_s = time.perf_counter() - start
+        candidates = (keep, dyn, two_phase)
+        if chosen_policy not in ("chameleon", "dynamic"):
+            chosen_policy = "keep"
+        return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
+                            num_live=len(alive_set), now_s=now_s, search_s=search_s,
+                            cache_hit=hit)
+
+    def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
+                horizon_s: float | None, num_live: int, now_s: float, search_s: float,
+                cache_hit: bool) -> Decision:
+        if horizon_s is None:
+            horizon_s = self.config.policy.horizon_s
+        expected = horizon_s is None
+        window = self.horizon(num_live=num_live, now_s=now_s) if horizon_s is None else horizon_s
+        batch = plan.global_batch
+        scored = tuple(replace(c, score=candidate_score(c, batch, horizon_s=window,
+                                                        expected=expected))
+                       for c in candidates)
+        feasible = [c for c in scored if c.feasible]
+        if not feasible:
+            reasons = "; ".join(f"{c.strategy}: {c.reason}" for c in scored)
+            raise ValueError(f"failed: no feasible recovery ({reasons})")
+
+        def rank(c: Candidate) -> tuple[float, float, float, int]:
+            return (-c.score, c.transition_s, c.step_s, _ORDER[c.strategy])
+
+        best = min(feasible, key=rank)
+        window_text = (f"expected horizon {_duration(window)}" if expected
+                       else f"horizon {_duration(window)}")
+        if policy == "chameleon":
+            runner_up = min((c for c in feasible if c is not best), key=rank, default=None)
+            versus = (f" vs {runner_up.strategy} {runner_up.score:.4g}"
+                      if runner_up is not None else "")
+            reason = (f"{best.strategy} scores {best.score:.4g} samples/s over the "
+                      f"{window_text}{versus} (step {best.step_s:.3f} s, transition "
+                      f"{best.transition_s:.1f} s)")
+        else:
+            wanted = Strategy(policy)
+            own = next((c for c in feasible if c.strategy == wanted), None)
+            fallback = next((c for c in feasible if c.strategy == Strategy.RESTART), None)
+            if own is not None:
+                best = own
+                reason = f"policy {policy}: fixed strategy (step {best.step_s:.3f} s)"
+            elif fallback is not None:
+                best = fallback
+                why = next(c.reason for c in scored if c.strategy == wanted)
+                reason = f"policy {policy}: infeasible ({why}); falling back to restart"
+            else:
+                why = next(c.reason for c in scored if c.strategy == wanted)
+                reason = (f"policy {policy}: infeasible ({why}) and restart too; taking the "
+                          f"best feasible, {best.strategy}")
+        assert best.plan is not None
+        return Decision(strategy=str(best.strategy), plan=best.plan, candidates=scored,
+                        reason=reason, transition_s=best.transition_s, horizon_s=window,
+                        search_s=search_s, cache_hit=cache_hit, migration=best.migration,
+                        horizon_expected=expected)
+
+
+def _check_policy(name: str) -> str:
+    if name not in (*POLICY_NAMES, "keep"):
+        raise ValueError(f"policy: unknown policy {name!r}; choose one of "
+                         f"{', '.join(POLICY_NAMES)}")
+    return name
+
+
+def _with_term(candidate: Candidate, name: str, value: float) -> Candidate:
+    if not candidate.feasible or name not in candidate.terms:
+        return candidate
+    terms = dict(candidate.terms)
+    terms[name] = value
+    return replace(candidate, terms=terms, transition_s=sum(terms.values()))
+
+
+def _restart_with(candidate: Candidate, terms: dict[str, float]) -> Candidate:
+    return replace(candidate, terms=terms, transition_s=sum(terms.values()))
+
+
+def _duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "inf"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2g} h"
+    return f"{seconds:.0f} s"
+
+
+__all__ = ["Decision", "Planner", "infeasible"]

@@ -1,0 +1,308 @@
+"""``dynamic``: re-form the survivors into pipelines of possibly different lengths.
+
+The search (paper Algorithm 1 and Oobleck's templates, generalised):
+
+1. **Lengths.** A pipeline of ``l`` stages uses the job's template for ``l`` (a min-max
+   balanced layer split over the profile's per-layer costs, memory-checked; see
+   ``templates.py``). Lengths without a fitting template are never used.
+2. **Partitions of the survivors into pipeline lengths.**
+   - Up to ``recovery.search_exhaustive_workers`` survivors (16): every multiset of
+     feasible lengths whose sum is at most the number of survivors (idle survivors
+     allowed, since a shorter pipeline may not fit memory or a pipeline may not pay off).
+   - Above it the space is astronomically large (2,047 survivors in pipelines of 14-18
+     stages), so it is restricted, and the restriction is: lengths within
+     ``[shortest feasible, max(job pp, longest current pipeline) + search_extra_stages]``;
+     at most two distinct lengths per plan; the pipeline counts are set by the survivors
+     (for each pair of lengths and each count of the second length, as many pipelines of
+     the first length as fit, leaving fewer idle survivors than the first length). The
+     partitions are ranked by a continuous relaxation (each length's step time fitted as
+     ``a + b m``), and the best ``_EXACT_PARTITIONS`` get the exact micro-batch split.
+3. **Micro-batch split.** In proportion to each pipeline's speed, then refined to the
+   exact min-max split over one-pipeline estimates (``templates.allocate``).
+4. **Refinement.** The best ``_FULL_ESTIMATES`` partitions become real plans: survivors
+   are matched to slots by the restorer (fewest bytes moved), the whole plan is priced by
+   the estimator (per-layer gradient all-reduce, real placement), and the fastest wins
+   (ties: fewer bytes moved). Plans over device memory are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from chameleon_ft.perf import Estimate
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.recovery.restorer import assign_workers, schedule_migration
+from chameleon_ft.recovery.templates import Layout, Templates, allocate
+from chameleon_ft.recovery.transition import dynamic_terms, migration_s
+from chameleon_ft.recovery.types import (
+    Candidate,
+    Migration,
+    RecoveryState,
+    Strategy,
+    candidate_from_estimate,
+    infeasible,
+)
+
+_EXACT_PARTITIONS = 12
+"""Large searches: partitions (ranked by the relaxation) that get the exact batch split."""
+_FULL_ESTIMATES = 3
+"""Partitions (ranked by the exact split) priced as whole plans by the estimator."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best dynamic plan found, with what the search cost."""
+
+    plan: ExecutionPlan
+    estimate: Estimate
+    migration: Migration
+    lengths: tuple[int, ...]
+    num_partitions: int
+    search_s: float
+
+
+def partitions_all(total: int, lengths: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Every non-empty multiset of ``lengths`` summing to at most ``total`` (descending)."""
+    ordered = sorted(set(lengths), reverse=True)
+
+    def rec(start: int, left: int, acc: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        if acc:
+            yield acc
+        for i in range(start, len(ordered)):
+            length = ordered[i]
+            if length <= left:
+                yield from rec(i, left - length, (*acc, length))
+
+    yield from rec(0, total, ())
+
+
+def partitions_two_lengths(total: int, lengths: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
+    """Partitions with at most two distinct lengths that leave fewer idle survivors than
+    the primary length (see the module docstring), as ``((length, count), ...)``."""
+    ordered = sorted(set(lengths))
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    for primary in ordered:
+        for secondary in [0, *ordered]:
+            if secondary == primary:
+                continue
+            max_second = 0 if secondary == 0 else total // secondary
+            for num_second in range(max_second + 1):
+                num_primary = (total - num_second * secondary) // primary
+                groups = [(n, c) for n, c in ((primary, num_primary), (secondary, num_second))
+                          if n and c]
+                if groups:
+                    seen.add(tuple(sorted(groups, reverse=True)))
+    return sorted(seen, reverse=True)
+
+
+def _expand(groups: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(n for n, c in groups for _ in range(c))
+
+
+def _relaxed_step_s(groups: tuple[tuple[int, int], ...], num_microbatches: int,
+                    fits: dict[int, tuple[float, float]]) -> float:
+    """Continuous relaxation: with ``T_l(m) ~ a_l + b_l m`` the equal-finish time ``tau``
+    solves ``sum_j (tau - a_j) / b_j = M``."""
+    num = float(num_microbatches)
+    den = 0.0
+    for length, count in groups:
+        a, b = fits[length]
+        if not math.isfinite(a) or b <= 0:
+            return math.inf
+        num += count * a / b
+        den += count / b
+    return num / den
+
+
+def _affine_fit(templates: Templates, layout: Layout, m: int) -> tuple[float, float]:
+    t0, t1 = templates.step_s(layout, m), templates.step_s(layout, m + 1)
+    b = t1 - t0
+    return t0 - b * m, b
+
+
+def _intact_lengths(state: RecoveryState) -> dict[int, int]:
+    """Pipelines of the current plan that lost nothing, counted by length."""
+    damaged = {p for p, s, st in state.plan.iter_stages()
+               if (p, s) in state.plan.reroute_map or st.worker not in state.alive}
+    out: dict[int, int] = {}
+    for p, pipe in enumerate(state.plan.pipelines):
+        if p not in damaged:
+            out[pipe.num_stages] = out.get(pipe.num_stages, 0) + 1
+    return out
+
+
+def _anchored(intact: dict[int, int], num_alive: int,
+              lengths: Sequence[int]) -> list[tuple[int, ...]]:
+    """Keep every intact pipeline; form the freed survivors into pipelines of one length."""
+    kept = [n for n, c in intact.items() for _ in range(c) if n in lengths]
+    free = num_alive - sum(kept)
+    out = [tuple(sorted(kept, reverse=True))]
+    for length in lengths:
+        if length <= free:
+            out.append(tuple(sorted(kept + [length] * (free // length), reverse=True)))
+    return out
+
+
+def _rebuilt(intact: dict[int, int], lengths: Sequence[int]) -> int:
+    """Pipelines of a partition that cannot reuse an intact pipeline of the same length."""
+    wanted: dict[int, int] = {}
+    for n in lengths:
+        wanted[n] = wanted.get(n, 0) + 1
+    return sum(max(0, c - intact.get(n, 0)) for n, c in wanted.items())
+
+
+def _rounded(step_s: float) -> float:
+    """Step times equal up to float noise compare equal (so tie-breaks apply)."""
+    return float(f"{step_s:.9g}") if math.isfinite(step_s) else step_s
+
+
+def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int],
+             micro_batch: int, schedule: str) -> ExecutionPlan:
+    """A plan of the given pipeline lengths and micro-batch counts with placeholder workers
+    (``-1 - slot``); the restorer puts real survivors in."""
+    pipelines = []
+    slot = 0
+    for length, m in zip(lengths, counts, strict=True):
+        layout = templates.layout(length)
+        assert layout is not None  # only feasible lengths reach here
+        stages = []
+        for lo, hi in layout:
+            stages.append(Stage(-1 - slot, lo, hi))
+            slot += 1
+        pipelines.append(Pipeline(tuple(stages), m))
+    return ExecutionPlan(num_layers=templates.num_layers, pipelines=tuple(pipelines),
+                         micro_batch=micro_batch, schedule=schedule)
+
+
+def max_length(state: RecoveryState) -> int:
+    """The longest pipeline the searches consider over ``state.alive`` (module docstring)."""
+    spec = state.config.recovery
+    longest = min(len(state.alive), state.templates.num_layers)
+    if len(state.alive) > spec.search_exhaustive_workers:
+        current = max(p.num_stages for p in state.plan.pipelines)
+        longest = min(longest, max(state.config.job.pp, current) + spec.search_extra_stages)
+    return longest
+
+
+def search(state: RecoveryState) -> SearchResult | None:
+    """The best dynamic plan over ``state.alive``; ``None`` when nothing fits.
+
+    The survivors must hold every layer between them (checked by :func:`candidates`).
+    """
+    start = time.perf_counter()
+    templates = state.templates
+    spec = state.config.recovery
+    plan = state.plan
+    num_alive = len(state.alive)
+    num_microbatches = plan.num_microbatches
+    exhaustive = num_alive <= spec.search_exhaustive_workers
+    lengths = templates.feasible_lengths(max_length(state))
+    if not lengths:
+        return None
+    layout_of = {length: templates.layout(length) for length in lengths}
+    intact = _intact_lengths(state)
+    if exhaustive:
+        pool = list(partitions_all(num_alive, lengths))
+        shortlisted = pool
+        num_partitions = len(pool)
+    else:
+        groups = [g for g in partitions_two_lengths(num_alive, lengths)
+                  if sum(c for _, c in g) <= num_microbatches]
+        fits: dict[int, tuple[float, float]] = {}
+        for length in lengths:
+            layout = layout_of[length]
+            assert layout is not None
+            share = max(1, round(num_microbatches * length / num_alive))
+            fits[length] = _affine_fit(templates, layout, share)
+        groups.sort(key=lambda g: (_relaxed_step_s(g, num_microbatches, fits),
+                                   -sum(c for _, c in g)))
+        pool = [_expand(g) for g in groups[:_EXACT_PARTITIONS]]
+        num_partitions = len(groups)
+        # The relaxation ignores that micro-batches are whole, so near-ties abound; the
+        # partitions that keep the intact pipelines (Oobleck's re-instantiation) and the
+        # homogeneous ones are always priced exactly as well.
+        shortlisted = list(dict.fromkeys(
+            [*pool, *_anchored(intact, num_alive, lengths),
+             *(tuple([n] * (num_alive // n)) for n in lengths)]))
+        shortlisted = [p for p in shortlisted if 0 < len(p) <= num_microbatches]
+    exact: list[tuple[float, int, int, int, tuple[int, ...], list[int]]] = []
+    for lengths_of_plan in shortlisted:
+        layouts = []
+        for length in lengths_of_plan:
+            layout = layout_of[length]
+            assert layout is not None
+            layouts.append(layout)
+        step_s, counts = allocate(layouts, num_microbatches, templates.step_s)
+        if counts:
+            # Ties (common: micro-batches are whole) go to the partition that rebuilds the
+            # fewest pipelines (least migration), then fewer distinct lengths (fewer
+            # all-reduce buckets), then fewer busy workers.
+            exact.append((step_s, _rebuilt(intact, lengths_of_plan),
+                          len(set(lengths_of_plan)), sum(lengths_of_plan), lengths_of_plan,
+                          counts))
+    if not exact:
+        return None
+    exact.sort(key=lambda item: (_rounded(item[0]), item[1], item[2], item[3]))
+    held = {w: state.plan.layers_by_worker.get(w, range(0)) for w in state.alive}
+    layer_bytes = [layer.state_bytes for layer in state.profile.layers]
+    best: tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]] | None = None
+    for *_, lengths_of_plan, counts in exact[:_FULL_ESTIMATES]:
+        shape = skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)
+        new_plan, moved = assign_workers(shape, held, layer_bytes)
+        new_plan.validate()
+        est = state.estimate(new_plan)
+        if not est.memory_fits:
+            continue
+        key = (est.step_s, moved)
+        if best is None or key < (best[0], best[1]):
+            best = (est.step_s, moved, new_plan, est, lengths_of_plan)
+    if best is None:
+        return None
+    _, _, new_plan, est, lengths_of_plan = best
+    migration = schedule_migration(new_plan, held, state.profile, state.topology,
+                                   max_parts=spec.migration_max_parts)
+    return SearchResult(plan=new_plan, estimate=est, migration=migration,
+                        lengths=lengths_of_plan, num_partitions=num_partitions,
+                        search_s=time.perf_counter() - start)
+
+
+def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
+    """The best dynamic plan, priced, or why there is none.
+
+    Args:
+        state: the job and the current plan; ``state.alive`` excludes ``failed``.
+        failed: the newly failed workers.
+
+    Returns:
+        One candidate (feasible or not).
+    """
+    missing = state.missing_layers()
+    if missing:
+        return [infeasible(Strategy.DYNAMIC, f"layer {missing[0]} has no live replica")]
+    result = search(state)
+    if result is None:
+        return [infeasible(Strategy.DYNAMIC,
+                           f"no arrangement of the {len(state.alive)} survivors into pipelines "
+                           "fits device memory")]
+    return [dynamic_candidate(state, result)]
+
+
+def dynamic_candidate(state: RecoveryState, result: SearchResult) -> Candidate:
+    """Price a search result: the measured search time (the policy zeroes it when the
+    decision came from the precomputed cache) plus migration."""
+    spec = state.config.recovery
+    terms = dynamic_terms(spec, search_s=result.search_s,
+                          migrate_s=migration_s(result.migration.time_s, spec))
+    lengths = result.lengths
+    shape = "+".join(f"{lengths.count(n)}x{n}" for n in sorted(set(lengths), reverse=True))
+    idle = len(state.alive) - sum(lengths)
+    reason = (f"{shape} stages, {idle} idle; moves {result.migration.moved_bytes / 2**30:.2f} GiB"
+              f" in {len(result.migration.rounds)} round(s)")
+    return candidate_from_estimate(
+        Strategy.DYNAMIC, result.plan, result.estimate, terms, reason,
+        migration=result.migration,
+        extra={"pipeline_lengths": list(lengths), "num_partitions": result.num_partitions,
+               "search_s": result.search_s, "idle_workers": idle})

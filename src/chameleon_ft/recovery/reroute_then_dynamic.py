@@ -1,0 +1,59 @@
+"""``reroute-then-dynamic``: reroute at once, migrate in the background, then switch.
+
+Training resumes after the reroute's transition and runs at the rerouted step time while
+the dynamic plan's state is copied with the bandwidth training leaves over
+(``recovery.background_share`` of it, at ``migration_efficiency``); un-hidden search time
+also runs in the background. Then training pauses for one communicator rebuild and runs
+the dynamic plan. The policy scores the two phases (see ``policy/score.py``).
+
+During the background copy a receiving worker holds its rerouted-plan memory plus the
+incoming state; the candidate is infeasible when that does not fit.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from chameleon_ft.recovery.transition import migration_s
+from chameleon_ft.recovery.types import Candidate, RecoveryState, Strategy, infeasible
+
+
+def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate) -> Candidate:
+    """The two-phase candidate from a reroute and a dynamic candidate.
+
+    Args:
+        state: the job (for the recovery settings and device memory).
+        reroute: the rerouted plan (first phase).
+        dynamic: the dynamic plan (second phase) with its migration.
+
+    Returns:
+        One candidate (feasible or not).
+    """
+    if not reroute.feasible:
+        return infeasible(Strategy.REROUTE_THEN_DYNAMIC, f"reroute: {reroute.reason}")
+    if not dynamic.feasible or dynamic.migration is None or dynamic.plan is None:
+        return infeasible(Strategy.REROUTE_THEN_DYNAMIC, f"dynamic: {dynamic.reason}")
+    assert reroute.estimate is not None
+    spec = state.config.recovery
+    incoming: dict[int, float] = defaultdict(float)
+    for transfer in dynamic.migration.transfers:
+        incoming[transfer.dst] += transfer.num_bytes
+    peaks = reroute.estimate.peak_memory_bytes
+    capacity = state.topology.memory_capacity_bytes
+    staged_peak = max((peaks.get(w, 0.0) + b for w, b in incoming.items()), default=0.0)
+    peak = max(staged_peak, reroute.peak_memory_bytes, dynamic.peak_memory_bytes)
+    if staged_peak > capacity:
+        return infeasible(Strategy.REROUTE_THEN_DYNAMIC,
+                          f"no room to stage migrated state beside rerouted training "
+                          f"({staged_peak / 2**30:.1f} GiB > {capacity / 2**30:.1f} GiB)")
+    background_s = (migration_s(dynamic.migration.time_s, spec, background=True)
+                    + dynamic.terms.get("search_s", 0.0))
+    return Candidate(
+        strategy=Strategy.REROUTE_THEN_DYNAMIC, feasible=True, plan=dynamic.plan,
+        estimate=dynamic.estimate, step_s=dynamic.step_s,
+        throughput_samples_s=dynamic.throughput_samples_s,
+        transition_s=reroute.transition_s, terms=dict(reroute.terms),
+        peak_memory_bytes=peak,
+        reason=f"reroute now, migrate in the background for {background_s:.1f} s, then switch",
+        migration=dynamic.migration, interim_step_s=reroute.step_s, interim_s=background_s,
+        switch_s=spec.rebuild_s, interim_plan=reroute.plan)

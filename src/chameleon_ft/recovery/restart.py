@@ -1,0 +1,89 @@
+"""``restart``: reload the last checkpoint on the survivors with the best uniform layout.
+
+Every pipeline gets the same length ``l`` (the job's template for ``l``); there are
+``floor(survivors / l)`` of them (the rest idle), ``l`` within the dynamic search's length
+range, and the global batch is split as evenly as
+the pipelines allow. The length with the smallest estimated step wins. The only option
+when some layer has no live replica; impossible without checkpoints. Workers are placed
+as the job's ``placement`` says, over the survivors in id order (all state is reloaded, so
+who held what before does not matter).
+"""
+
+from __future__ import annotations
+
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.recovery.dynamic import max_length
+from chameleon_ft.recovery.templates import allocate
+from chameleon_ft.recovery.transition import restart_terms
+from chameleon_ft.recovery.types import (
+    Candidate,
+    RecoveryState,
+    Strategy,
+    candidate_from_estimate,
+    infeasible,
+)
+from chameleon_ft.spec.job import Placement
+
+_FULL_ESTIMATES = 2
+"""Lengths (ranked by one-pipeline estimates) priced as whole plans."""
+
+
+def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
+    """The restart plan, or why there is none.
+
+    Args:
+        state: the job and the current plan; ``state.alive`` excludes ``failed``.
+        failed: the newly failed workers.
+
+    Returns:
+        One candidate (feasible or not).
+    """
+    spec = state.config.recovery
+    if not spec.checkpoint:
+        return [infeasible(Strategy.RESTART, "recovery.checkpoint is false: no checkpoint to "
+                                             "restart from")]
+    templates = state.templates
+    plan = state.plan
+    workers = sorted(state.alive)
+    num_microbatches = plan.num_microbatches
+    ranked = []
+    for length in templates.feasible_lengths(max_length(state)):
+        layout = templates.layout(length)
+        assert layout is not None
+        num_pipelines = min(len(workers) // length, num_microbatches)
+        step_s, counts = allocate([layout] * num_pipelines, num_microbatches, templates.step_s)
+        if counts:
+            ranked.append((step_s, length, counts))
+    if not ranked:
+        return [infeasible(Strategy.RESTART, f"no uniform layout of the {len(workers)} "
+                                             "survivors fits device memory")]
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    best: Candidate | None = None
+    terms = restart_terms(spec, state.since_checkpoint_s)
+    for _, length, counts in ranked[:_FULL_ESTIMATES]:
+        layout = templates.layout(length)
+        assert layout is not None
+        dp = len(counts)
+        stage_major = state.config.job.placement == Placement.STAGE_MAJOR
+        pipelines = []
+        for p, m in enumerate(counts):
+            stages = []
+            for s, (lo, hi) in enumerate(layout):
+                index = s * dp + p if stage_major else p * length + s
+                stages.append(Stage(workers[index], lo, hi))
+            pipelines.append(Pipeline(tuple(stages), m))
+        new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
+                                 micro_batch=plan.micro_batch, schedule=plan.schedule)
+        new_plan.validate()
+        est = state.estimate(new_plan)
+        idle = len(workers) - dp * length
+        candidate = candidate_from_estimate(
+            Strategy.RESTART, new_plan, est, terms,
+            f"restart from the checkpoint as {dp}x{length} stages, {idle} idle",
+            extra={"pipeline_lengths": [length] * dp, "idle_workers": idle})
+        if candidate.feasible and (best is None or candidate.step_s < best.step_s):
+            best = candidate
+    if best is None:
+        return [infeasible(Strategy.RESTART, "no uniform layout of the survivors fits device "
+                                             "memory")]
+    return [best]

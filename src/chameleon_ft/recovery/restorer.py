@@ -1,0 +1,195 @@
+"""The restorer: which survivor takes which slot of a new plan, and how its state arrives.
+
+Two steps (DESIGN.md section 3.3, the paper's Restorer and Figure 3):
+
+1. :func:`match_workers` assigns survivors to the new plan's slots so that the fewest
+   bytes of parameters and optimizer state move (Hungarian assignment,
+   ``scipy.optimize.linear_sum_assignment``). The cost of putting survivor ``i`` on slot
+   ``j`` is the bytes of the layers slot ``j`` wants that ``i`` does not hold.
+2. :func:`schedule_migration` pulls every missing layer from live replicas, split across
+   up to ``migration_max_parts`` of them, and groups the transfers into rounds where no
+   worker sends or receives twice (DSATUR colouring from ``perf.coloring``); the time is
+   the sum over rounds of each round's slowest transfer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from chameleon_ft.perf.coloring import rounds as colour_rounds
+from chameleon_ft.perf.network import Topology
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.profile import Profile
+from chameleon_ft.recovery.types import Migration, Transfer
+
+
+@dataclass(frozen=True)
+class Matching:
+    """The result of :func:`match_workers`."""
+
+    assignment: dict[int, int]
+    """``held index -> wanted index`` for every slot; unassigned survivors are absent."""
+    moved_bytes: float
+    """Bytes that must move: per slot, the wanted layers its survivor lacks."""
+
+
+def _missing_bytes(have: Collection[int], want: Collection[int],
+                   layer_bytes: Sequence[float]) -> float:
+    return float(sum(layer_bytes[layer] for layer in want if layer not in have))
+
+
+def match_workers(held: list[set[int]], wanted: list[set[int]],
+                  layer_bytes: Sequence[float]) -> Matching:
+    """Assign survivors (``held``: the layers each holds) to slots (``wanted``) moving the
+    fewest bytes.
+
+    A survivor whose held set equals a slot's wanted set is matched to it first: by the
+    triangle inequality of set difference (``A\\C`` is inside ``(A\\B) | (B\\C)``) an exact
+    match never costs an optimal solution anything, and it keeps the Hungarian problem
+    small when most survivors keep their stage (thousands of workers, one failure).
+
+    Args:
+        held: per survivor, the layers it holds (empty for a new or idle worker).
+        wanted: per slot, the layers the slot needs.
+        layer_bytes: bytes per layer (parameters plus optimizer state).
+
+    Returns:
+        The assignment (survivor index -> slot index) and the bytes it moves.
+
+    Raises:
+        ValueError: when there are more slots than survivors or a layer index is unknown.
+    """
+    if len(wanted) > len(held):
+        raise ValueError(f"wanted: {len(wanted)} slots but only {len(held)} workers to fill "
+                         "them")
+    num_layers = len(layer_bytes)
+    for name, sets in (("held", held), ("wanted", wanted)):
+        for i, layers in enumerate(sets):
+            for layer in layers:
+                if not 0 <= layer < num_layers:
+                    raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
+    assignment: dict[int, int] = {}
+    free_by_set: dict[frozenset[int], list[int]] = defaultdict(list)
+    for i in reversed(range(len(held))):
+        free_by_set[frozenset(held[i])].append(i)  # popped in increasing index order
+    rest_cols: list[int] = []
+    for j, want in enumerate(wanted):
+        pool = free_by_set.get(frozenset(want))
+        if pool:
+            assignment[pool.pop()] = j
+        else:
+            rest_cols.append(j)
+    moved = 0.0
+    if rest_cols:
+        rest_rows = sorted(i for pool in free_by_set.values() for i in pool)
+        sizes = np.asarray(layer_bytes, dtype=float)
+        have = np.zeros((len(rest_rows), num_layers))
+        for r, i in enumerate(rest_rows):
+            have[r, list(held[i])] = 1.0
+        want_bytes = np.zeros((len(rest_cols), num_layers))
+        for c, j in enumerate(rest_cols):
+            idx = list(wanted[j])
+            want_bytes[c, idx] = sizes[idx]
+        # cost[r, c] = bytes slot c wants minus those survivor r already holds
+        cost = want_bytes.sum(axis=1)[None, :] - have @ want_bytes.T
+        rows, cols = linear_sum_assignment(cost)
+        for r, c in zip(rows, cols, strict=True):
+            i, j = rest_rows[int(r)], rest_cols[int(c)]
+            assignment[i] = j
+            moved += _missing_bytes(held[i], wanted[j], layer_bytes)
+    return Matching(assignment=dict(sorted(assignment.items())), moved_bytes=moved)
+
+
+def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
+                   layer_bytes: Sequence[float]) -> tuple[ExecutionPlan, float]:
+    """Put real workers into a plan whose stage workers are placeholders.
+
+    Args:
+        skeleton: the new plan's shape (pipelines, layer ranges, micro-batches); its worker
+            ids are ignored. It must have no reroutes.
+        held: every live worker (idle ones too) and the layers it holds now.
+        layer_bytes: bytes per layer that move when a layer migrates.
+
+    Returns:
+        The plan with survivors matched to slots, and the bytes that must move.
+    """
+    workers = sorted(held)
+    slots = [(p, s, st) for p, s, st in skeleton.iter_stages()]
+    matching = match_workers([set(held[w]) for w in workers],
+                             [set(st.layers) for _, _, st in slots], layer_bytes)
+    worker_of_slot = {j: workers[i] for i, j in matching.assignment.items()}
+    pipelines = []
+    slot = 0
+    for pipe in skeleton.pipelines:
+        stages = []
+        for st in pipe.stages:
+            stages.append(Stage(worker_of_slot[slot], st.first_layer, st.end_layer))
+            slot += 1
+        pipelines.append(Pipeline(tuple(stages), pipe.num_microbatches))
+    plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
+                         micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
+    return plan, matching.moved_bytes
+
+
+def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
+                       profile: Profile, topology: Topology, *,
+                       max_parts: int = 4) -> Migration:
+    """Transfers that bring every worker of ``plan`` the layers it lacks, in rounds.
+
+    Each missing layer is split into ``k = min(max_parts, replicas)`` equal slices pulled
+    from ``k`` distinct live replicas, preferring replicas on the receiver's node, then
+    those that have sent the fewest bytes so far (so no sender becomes the bottleneck).
+
+    Args:
+        plan: the new plan with real workers (no reroutes).
+        held: live workers before the change and the layers they hold.
+        profile: gives each layer's parameter plus optimizer-state bytes.
+        topology: link costs.
+        max_parts: most replicas one layer is split across.
+
+    Returns:
+        The migration: slots, transfers, DSATUR rounds, time at full link bandwidth.
+
+    Raises:
+        ValueError: when a needed layer has no live replica.
+    """
+    holders: dict[int, list[int]] = defaultdict(list)
+    for worker in sorted(held):
+        for layer in held[worker]:
+            holders[layer].append(worker)
+    sent_bytes: dict[int, float] = defaultdict(float)
+    transfers: list[Transfer] = []
+    moved = 0.0
+    slots = []
+    for p, s, st in plan.iter_stages():
+        slots.append((st.worker, p, s))
+        have = held.get(st.worker, ())
+        dst_node = topology.node_of(st.worker)
+        for layer in st.layers:
+            if layer in have:
+                continue
+            sources = holders.get(layer, [])
+            if not sources:
+                raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
+            size = profile.layers[layer].state_bytes
+            moved += size
+            parts = min(max_parts, len(sources))
+            chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
+                                                    sent_bytes[w], w))[:parts]
+            for part, src in enumerate(chosen):
+                sent_bytes[src] += size / parts
+                transfers.append(Transfer(layer=layer, src=src, dst=st.worker, part=part,
+                                          num_parts=parts, num_bytes=size / parts))
+    groups = [(t.src, t.dst) for t in transfers]
+    round_lists = colour_rounds(groups) if transfers else []
+    time_s = 0.0
+    for members in round_lists:
+        time_s += max(topology.p2p_s(transfers[i].src, transfers[i].dst, transfers[i].num_bytes)
+                      for i in members)
+    return Migration(slots=tuple(slots), moved_bytes=moved, transfers=tuple(transfers),
+                     rounds=tuple(tuple(r) for r in round_lists), time_s=time_s)

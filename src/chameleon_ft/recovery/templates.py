@@ -1,0 +1,254 @@
+"""Pipeline templates: one balanced layer split per pipeline length, timed per micro-batch
+count, computed once per job (they do not depend on which worker failed).
+
+A template for length ``l`` is the min-max balanced split of the profile's per-layer
+costs (``plan.balanced_bounds``); when it does not fit device memory (early stages keep
+more micro-batches in flight under 1F1B), a memory-constrained min-max split is used
+instead. The step time of one pipeline of a given layout running ``m`` micro-batches comes
+from the estimator on a one-pipeline plan and is memoised, so a search asks the estimator
+about each ``(layout, m)`` once per job.
+
+:func:`allocate` splits the global batch's micro-batches over pipelines to minimise the
+slowest pipeline, exactly, for any step-time functions that do not decrease with ``m``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage, balanced_bounds, layer_costs
+from chameleon_ft.profile import Profile
+
+Layout = tuple[tuple[int, int], ...]
+"""Layer bounds ``(first, end)`` of each stage of a pipeline."""
+
+PipelineEstimate = Callable[[ExecutionPlan], tuple[float, bool]]
+"""``one-pipeline plan -> (step_s, memory fits)``."""
+
+
+def stage_memory_bytes(profile: Profile, lo: int, hi: int, in_flight: int) -> float:
+    """Eq. 14 for one stage: static bytes plus ``in_flight`` micro-batches of activations."""
+    layers = profile.layers[lo:hi]
+    return sum(c.static_bytes + in_flight * c.activation_bytes for c in layers)
+
+
+def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
+                  schedule: str = "1f1b") -> Layout | None:
+    """Min-max balanced split subject to Eq. 14 memory per stage; ``None`` when none fits.
+
+    Stage ``i`` keeps ``num_stages - i`` micro-batches in flight under 1F1B (all of them
+    under GPipe, bounded here by ``num_stages`` as a conservative cap).
+    """
+    costs = layer_costs(profile)
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    # best[k][i]: smallest max stage cost placing layers [0, i) in stages 0..k-1
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[-1] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        in_flight = num_stages - (k - 1) if schedule == "1f1b" else num_stages
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                if stage_memory_bytes(profile, j, i, in_flight) > capacity_bytes:
+                    continue
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    if best[num_stages][n] == inf:
+        return None
+    bounds = []
+    i = n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    return tuple(reversed(bounds))
+
+
+class Templates:
+    """Per-length layouts and memoised one-pipeline step times for one job."""
+
+    def __init__(self, profile: Profile, *, capacity_bytes: float, micro_batch: int,
+                 schedule: str, num_workers: int, workers_per_node: int,
+                 pipeline_estimate: PipelineEstimate) -> None:
+        """Args:
+            profile: per-layer costs.
+            capacity_bytes: one device's memory.
+            micro_batch: samples per micro-batch of the job.
+            schedule: ``1f1b`` or ``gpipe``.
+            num_workers: workers in the cluster (placeholder ids stay within it).
+            workers_per_node: to place a template's stages on distinct nodes.
+            pipeline_estimate: prices a one-pipeline plan.
+        """
+        self.profile = profile
+        self.capacity_bytes = capacity_bytes
+        self.micro_batch = micro_batch
+        self.schedule = schedule
+        self.num_workers = num_workers
+        self.workers_per_node = workers_per_node
+        self._pipeline_estimate = pipeline_estimate
+        self._layouts: dict[int, Layout | None] = {}
+        self._steps: dict[tuple[Layout, int], float] = {}
+        self.num_estimates = 0
+        """How many one-pipeline estimates were run (for benchmarks)."""
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the model."""
+        return self.profile.num_layers
+
+    def _placeholders(self, length: int) -> list[int]:
+        # Spread stages over nodes as a stage-major job does, so P2P is priced over the
+        # inter-node link (the conservative case); ids stay inside the cluster.
+        num_nodes = max(1, self.num_workers // self.workers_per_node)
+        return [(i % num_nodes) * self.workers_per_node + i // num_nodes for i in range(length)]
+
+    def one_pipeline(self, layout: Layout, num_microbatches: int) -> ExecutionPlan:
+        """A plan of one pipeline with ``layout`` (placeholder workers)."""
+        workers = self._placeholders(len(layout))
+        stages = tuple(Stage(w, lo, hi) for w, (lo, hi) in zip(workers, layout, strict=True))
+        return ExecutionPlan(num_layers=self.num_layers,
+                             pipelines=(Pipeline(stages, num_microbatches),),
+                             micro_batch=self.micro_batch, schedule=self.schedule)
+
+    def step_s(self, layout: Layout, num_microbatches: int) -> float:
+        """Step seconds of one pipeline with ``layout`` running ``num_microbatches``;
+        infinity when it does not fit memory."""
+        key = (layout, num_microbatches)
+        value = self._steps.get(key)
+        if value is None:
+            self.num_estimates += 1
+            step, fits = self._pipeline_estimate(self.one_pipeline(layout, num_microbatches))
+            value = step if fits else math.inf
+            self._steps[key] = value
+        return value
+
+    def layout(self, length: int) -> Layout | None:
+        """The template of ``length`` stages, or ``None`` when no split fits memory."""
+        if length in self._layouts:
+            return self._layouts[length]
+        result: Layout | None = None
+        if 1 <= length <= self.num_layers and length <= self.num_workers:
+            costs = layer_costs(self.profile)
+            if any(costs):
+                balanced: Layout = tuple(balanced_bounds(costs, length))
+            else:
+                base, extra = divmod(self.num_layers, length)
+                bounds, lo = [], 0
+                for s in range(length):
+                    hi = lo + base + (1 if s >= length - extra else 0)
+                    bounds.append((lo, hi))
+                    lo = hi
+                balanced = tuple(bounds)
+            # Full in-flight depth is reached at ``length`` micro-batches under 1F1B.
+            if math.isfinite(self.step_s(balanced, length)):
+                result = balanced
+            else:
+                alternative = memory_bounds(self.profile, length, self.capacity_bytes,
+                                            self.schedule)
+                if alternative is not None and math.isfinite(self.step_s(alternative, length)):
+                    result = alternative
+        self._layouts[length] = result
+        return result
+
+    def feasible_lengths(self, max_length: int) -> list[int]:
+        """Lengths ``1..max_length`` that have a template fitting memory."""
+        return [length for length in range(1, max_length + 1) if self.layout(length) is not None]
+
+
+def allocate(layouts: Sequence[Layout], num_microbatches: int,
+             step_s: Callable[[Layout, int], float]) -> tuple[float, list[int]]:
+    """Split ``num_microbatches`` over pipelines minimising the slowest one's step time.
+
+    Start from the split in proportion to each pipeline's speed (its marginal seconds per
+    micro-batch), fill the remainder greedily, then move one micro-batch at a time from a
+    slowest pipeline to the pipeline that would finish soonest with one more, while that
+    lowers the maximum. The result is optimal when every ``step_s(layout, m)`` is
+    non-decreasing in ``m``: at the fixed point no pipeline can take one more micro-batch
+    and stay below the maximum, so any split with a smaller maximum would have to give
+    some pipeline more and exceed it.
+
+    Args:
+        layouts: the layout of each pipeline.
+        num_microbatches: micro-batches per step over all pipelines.
+        step_s: one pipeline's step time for ``(layout, m)``.
+
+    Returns:
+        ``(slowest pipeline's step seconds, micro-batches per pipeline)``; infinity when
+        there are more pipelines than micro-batches or nothing fits.
+    """
+    k = len(layouts)
+    if k == 0 or num_microbatches < k:
+        return math.inf, []
+    # Group identical layouts: their pipelines are interchangeable, so only the counts of
+    # pipelines at each micro-batch count matter.
+    kinds = sorted(set(layouts))
+    count_of = {kind: 0 for kind in kinds}
+    for layout in layouts:
+        count_of[layout] += 1
+    rate = {}
+    for kind in kinds:
+        base = max(1, num_microbatches // k)
+        marginal = step_s(kind, base + 1) - step_s(kind, base)
+        rate[kind] = 1.0 / marginal if marginal > 0 and math.isfinite(marginal) else 0.0
+    total_rate = sum(rate[kind] * count_of[kind] for kind in kinds)
+    # counts[(kind, m)] = pipelines of that kind running m micro-batches
+    counts: dict[tuple[Layout, int], int] = {}
+    assigned = 0
+    for kind in kinds:
+        share = (num_microbatches * rate[kind] / total_rate) if total_rate > 0 else 1.0
+        m = max(1, math.floor(share))
+        counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
+        assigned += m * count_of[kind]
+    # Never start above the total: take back from the largest shares first.
+    while assigned > num_microbatches:
+        kind, m = max((key for key, c in counts.items() if c and key[1] > 1),
+                      key=lambda key: (key[1], key[0]))
+        _move(counts, kind, m, m - 1)
+        assigned -= 1
+    heap = [(step_s(kind, m + 1), kind, m) for (kind, m), c in counts.items() if c]
+    heapq.heapify(heap)
+    while assigned < num_microbatches:
+        value, kind, m = heapq.heappop(heap)
+        if counts.get((kind, m), 0) == 0:
+            continue  # stale entry
+        if not math.isfinite(value):
+            return math.inf, []
+        _move(counts, kind, m, m + 1)
+        assigned += 1
+        heapq.heappush(heap, (step_s(kind, m + 2), kind, m + 1))
+        if counts.get((kind, m), 0):
+            heapq.heappush(heap, (step_s(kind, m + 1), kind, m))
+    while True:
+        live = [key for key, c in counts.items() if c]
+        worst = max(live, key=lambda key: (step_s(*key), -key[1]))
+        worst_s = step_s(*worst)
+        if worst[1] <= 1:
+            break
+        candidates = [key for key in live if key != worst or counts[key] > 1]
+        if not candidates:
+            break  # a single pipeline takes everything
+        best = min(candidates, key=lambda key: (step_s(key[0], key[1] + 1), key[1]))
+        if not step_s(best[0], best[1] + 1) < worst_s:
+            break
+        _move(counts, worst[0], worst[1], worst[1] - 1)
+        _move(counts, best[0], best[1], best[1] + 1)
+    slowest = max(step_s(*key) for key, c in counts.items() if c)
+    pools: dict[Layout, list[int]] = {kind: [] for kind in kinds}
+    for (kind, m), c in sorted(counts.items(), key=lambda item: -item[0][1]):
+        pools[kind].extend([m] * c)
+    out = [pools[layout].pop(0) for layout in layouts]
+    return slowest, out
+
+
+def _move(counts: dict[tuple[Layout, int], int], kind: Layout, src: int, dst: int) -> None:
+    counts[(kind, src)] -= 1
+    counts[(kind, dst)] = counts.get((kind, dst), 0) + 1

@@ -1,0 +1,208 @@
+"""Values shared by the recovery strategies: strategy names, candidates, migrations, state.
+
+A strategy turns ``(state, failed workers)`` into :class:`Candidate` values; the policy
+scores them. Everything here is an immutable value so decisions can be cached and compared.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from chameleon_ft.perf import Estimate
+from chameleon_ft.plan import ExecutionPlan
+
+if TYPE_CHECKING:
+    from chameleon_ft.perf.network import Topology
+    from chameleon_ft.profile import Profile
+    from chameleon_ft.recovery.templates import Templates
+    from chameleon_ft.spec.config import Config
+
+
+class Strategy(StrEnum):
+    """Ways to recover (DESIGN.md section 2); ``keep`` only answers a rejoin."""
+
+    REROUTE = "reroute"
+    DYNAMIC = "dynamic"
+    RESTART = "restart"
+    SHRINK = "shrink"
+    REROUTE_THEN_DYNAMIC = "reroute-then-dynamic"
+    KEEP = "keep"
+
+
+EstimateFn = Callable[[ExecutionPlan], Estimate]
+"""``plan -> estimate`` with the job's profile and topology already bound."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One piece of one layer's state moving between two workers during migration."""
+
+    layer: int
+    src: int
+    dst: int
+    part: int
+    """Which slice of the layer (0-based) this transfer carries."""
+    num_parts: int
+    """How many replicas the layer is split across."""
+    num_bytes: float
+    """Per-device bytes of this slice (parameters plus optimizer state)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {"layer": self.layer, "src": self.src, "dst": self.dst, "part": self.part,
+                "num_parts": self.num_parts, "num_bytes": self.num_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """How state moves into a new plan: who takes which slot, which bytes move, in what rounds."""
+
+    slots: tuple[tuple[int, int, int], ...]
+    """``(worker, pipeline, stage)`` for every slot of the new plan."""
+    moved_bytes: float
+    """Per-device bytes received over all workers."""
+    transfers: tuple[Transfer, ...]
+    rounds: tuple[tuple[int, ...], ...]
+    """Indices into ``transfers``; no worker sends or receives twice within a round."""
+    time_s: float
+    """Sum over rounds of the slowest transfer of the round, at full migration bandwidth."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {
+            "slots": [list(s) for s in self.slots],
+            "moved_bytes": self.moved_bytes,
+            "transfers": [t.to_dict() for t in self.transfers],
+            "rounds": [list(r) for r in self.rounds],
+            "time_s": self.time_s,
+        }
+
+
+def _num(value: float) -> float | None:
+    """JSON has no infinity or NaN: report them as null."""
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to recover, priced: the plan, its step time, memory and transition cost."""
+
+    strategy: Strategy
+    feasible: bool
+    plan: ExecutionPlan | None
+    estimate: Estimate | None
+    step_s: float
+    """Estimated step time after the transition (the final plan's for two-phase); inf when
+    infeasible."""
+    throughput_samples_s: float
+    transition_s: float
+    """Time during which no training happens: the sum of ``terms``."""
+    terms: Mapping[str, float]
+    """The named transition terms (detect_s, rebuild_s, search_s, migrate_s, ...)."""
+    peak_memory_bytes: float
+    """Largest per-device peak over the plan's workers."""
+    reason: str
+    """Why infeasible, or what the plan does (one line)."""
+    score: float = 0.0
+    """Set by the policy: average samples/s over the horizon (Eq. 8 or its expectation)."""
+    migration: Migration | None = None
+    interim_plan: ExecutionPlan | None = None
+    """Two-phase only: the rerouted plan that runs while state migrates."""
+    interim_step_s: float | None = None
+    """Two-phase only: the step time while state migrates in the background."""
+    interim_s: float = 0.0
+    """Two-phase only: seconds of background migration (run at ``interim_step_s``)."""
+    switch_s: float = 0.0
+    """Two-phase only: the pause when switching to the final plan (communicator rebuild)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form details for reports (e.g. the pipeline lengths of a dynamic plan)."""
+
+    def to_dict(self, *, with_plan: bool = False) -> dict[str, Any]:
+        """A JSON-ready form (infinities become null)."""
+        out: dict[str, Any] = {
+            "strategy": str(self.strategy),
+            "feasible": self.feasible,
+            "step_s": _num(self.step_s),
+            "throughput_samples_s": _num(self.throughput_samples_s),
+            "transition_s": _num(self.transition_s),
+            "terms": {k: _num(v) for k, v in self.terms.items()},
+            "score": _num(self.score),
+            "peak_memory_bytes": _num(self.peak_memory_bytes),
+            "reason": self.reason,
+        }
+        if self.interim_step_s is not None:
+            out["interim_step_s"] = _num(self.interim_step_s)
+            out["interim_s"] = _num(self.interim_s)
+            out["switch_s"] = _num(self.switch_s)
+        if self.extra:
+            out["extra"] = dict(self.extra)
+        if with_plan and self.plan is not None:
+            out["plan"] = self.plan.to_dict()
+        return out
+
+
+def infeasible(strategy: Strategy, reason: str) -> Candidate:
+    """A candidate that cannot be used, with the reason."""
+    return Candidate(strategy=strategy, feasible=False, plan=None, estimate=None,
+                     step_s=math.inf, throughput_samples_s=0.0, transition_s=math.inf,
+                     terms={}, peak_memory_bytes=0.0, reason=reason)
+
+
+@dataclass(frozen=True)
+class RecoveryState:
+    """Everything a strategy needs: the job, the CURRENT plan, who is alive.
+
+    ``alive`` already excludes the failed workers; it may contain idle workers that the
+    current plan does not use (for instance after a shrink, or a returned node).
+    """
+
+    config: Config
+    profile: Profile
+    topology: Topology
+    plan: ExecutionPlan
+    alive: frozenset[int]
+    templates: Templates
+    estimate: EstimateFn
+    since_checkpoint_s: float | None = None
+    """Exact progress since the last checkpoint, when the caller knows it."""
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step, constant through every recovery."""
+        return self.plan.global_batch
+
+    def held_layers(self) -> dict[int, range]:
+        """Layers held by each live worker of the current plan (idle workers hold none)."""
+        return {w: r for w, r in self.plan.layers_by_worker.items() if w in self.alive}
+
+    def missing_layers(self) -> list[int]:
+        """Layers with no live replica."""
+        covered = [False] * self.plan.num_layers
+        for layers in self.held_layers().values():
+            for layer in layers:
+                covered[layer] = True
+        return [i for i, c in enumerate(covered) if not c]
+
+
+def candidate_from_estimate(strategy: Strategy, plan: ExecutionPlan, est: Estimate,
+                            terms: Mapping[str, float], reason: str,
+                            migration: Migration | None = None,
+                            extra: Mapping[str, Any] | None = None) -> Candidate:
+    """A feasible candidate, or an infeasible one when the plan does not fit memory."""
+    if not est.memory_fits:
+        return Candidate(strategy=strategy, feasible=False, plan=plan, estimate=est,
+                         step_s=est.step_s, throughput_samples_s=est.throughput_samples_s,
+                         transition_s=sum(terms.values()), terms=dict(terms),
+                         peak_memory_bytes=est.max_memory_bytes,
+                         reason=f"does not fit device memory ({est.max_memory_bytes / 2**30:.1f} "
+                                f"GiB peak); {reason}", migration=migration,
+                         extra=dict(extra or {}))
+    return Candidate(strategy=strategy, feasible=True, plan=plan, estimate=est,
+                     step_s=est.step_s, throughput_samples_s=est.throughput_samples_s,
+                     transition_s=sum(terms.values()), terms=dict(terms),
+                     peak_memory_bytes=est.max_memory_bytes, reason=reason,
+                     migration=migration, extra=dict(extra or {}))
