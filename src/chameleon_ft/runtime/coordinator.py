@@ -23,6 +23,7 @@ import multiprocessing.connection
 import os
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,18 +95,35 @@ class ManualDecision:
                 "plan": self.plan.to_dict()}
 
 
-def planner_decide(config: Config, profile: Profile, policy: str) -> Decide:
-    """The project's policy (``chameleon_ft.policy.Planner``) as a :data:`Decide`."""
-    from chameleon_ft.policy import Planner  # the pure core: imported only when training
+class PlannerDecide:
+    """The project's policy (``chameleon_ft.policy.Planner``) as a :data:`Decide`.
 
-    planner = Planner(config, profile=profile, policy=policy)
+    :meth:`precompute` prepares the candidates of likely failures of a plan on a background
+    thread while training is healthy, so a decision at failure time is a cache look-up.
+    """
 
-    def decide(plan: ExecutionPlan, failed: frozenset[int], alive: frozenset[int],
-               now_s: float, since_checkpoint_s: float | None) -> DecisionLike:
-        return planner.decide(plan, sorted(failed), alive=sorted(alive), now_s=now_s,
-                              since_checkpoint_s=since_checkpoint_s)
+    def __init__(self, config: Config, profile: Profile, policy: str) -> None:
+        from chameleon_ft.policy import Planner  # pure core: imported only when training
 
-    return decide
+        self.planner = Planner(config, profile=profile, policy=policy)
+        self.lock = threading.Lock()
+
+    def __call__(self, plan: ExecutionPlan, failed: frozenset[int], alive: frozenset[int],
+                 now_s: float, since_checkpoint_s: float | None) -> DecisionLike:
+        with self.lock:
+            decision: DecisionLike = self.planner.decide(
+                plan, sorted(failed), alive=sorted(alive), now_s=now_s,
+                since_checkpoint_s=since_checkpoint_s)
+            return decision
+
+    def precompute(self, plan: ExecutionPlan) -> None:
+        """Start filling the planner's cache for ``plan`` in the background."""
+
+        def work() -> None:
+            with self.lock, contextlib.suppress(Exception):
+                self.planner.precompute(plan)
+
+        threading.Thread(target=work, daemon=True, name="chameleon-precompute").start()
 
 
 @dataclass
@@ -337,6 +355,9 @@ class Coordinator:
                      "load": load}
         self.plan = plan
         self.world = world
+        precompute = getattr(self._decide_fn(), "precompute", None)
+        if precompute is not None:
+            precompute(plan)
         self.gen_started_s = self.now()
         self.ready_s: float | None = None
         self.store.set(proto.directive_key(self.gen), proto.dumps(directive))
@@ -470,7 +491,7 @@ class Coordinator:
     # ------------------------------------------------------------------ recovery
     def _decide_fn(self) -> Decide:
         if self._decide is None:
-            self._decide = planner_decide(self.config, self.profile, self.policy)
+            self._decide = PlannerDecide(self.config, self.profile, self.policy)
         return self._decide
 
     def _recover(self, outcome: Coordinator._Outcome, next_step: int) -> int:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the conventional name
+import torch.nn.functional as F
 from torch import nn
 
 from chameleon_ft.spec.model import ModelSpec

@@ -25,6 +25,7 @@ then fail at once. :func:`break_connections` uses that to tear a generation down
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -238,8 +239,7 @@ class Worker:
         watched = -1
         while True:
             with self.gen_changed:
-                self.gen_changed.wait_for(lambda: self.current is not None
-                                          and self.current.gen != watched)
+                self.gen_changed.wait_for(functools.partial(self._moved_past, watched))
                 gen = self.current
             assert gen is not None
             watched = gen.gen
@@ -248,6 +248,9 @@ class Worker:
             except Exception:
                 os._exit(3)
             gen.break_all()
+
+    def _moved_past(self, gen: int) -> bool:
+        return self.current is not None and self.current.gen != gen
 
     def _report(self, fatal: bool, peer: int | None, message: str, gen: int) -> None:
         report = proto.ErrorReport(worker=self.id, fatal=fatal, peer=peer, message=message)
@@ -390,13 +393,18 @@ class Worker:
                 tag = _MIGRATION_TAG + index
                 if src == self.id:
                     piece = torch.tensor_split(layers[layer].flat(), num_parts)[part].contiguous()
-                    works.append((group.send([piece], self.world_rank[dst], tag), dst, piece))
+                    works.append((self._send(group, piece, dst, tag), dst, piece))
                 elif dst == self.id:
                     size = torch.tensor_split(torch.empty(self._new_layer(layer).numel()),
                                               num_parts)[part].numel()
                     buf = torch.empty(size, dtype=self.dtype, device=self.device)
                     parts.setdefault(layer, {})[part] = buf
-                    works.append((group.recv([buf], self.world_rank[src], tag), src, None))
+                    try:
+                        work = group.recv([buf], self.world_rank[src], tag)
+                    except RuntimeError as exc:
+                        raise CommError(f"worker {self.id}: migration from {src} failed: "
+                                        f"{exc}", src) from None
+                    works.append((work, src, None))
             for work, peer, _ in works:
                 self._wait(work, peer, "migration")
         expected = {t[0]: t[4] for t in transfers if t[2] == self.id}
@@ -413,6 +421,24 @@ class Worker:
         except RuntimeError as exc:
             raise CommError(f"worker {self.id}: {what} with worker {peer} failed: "
                             f"{str(exc).splitlines()[0][:200]}", peer) from None
+
+    def _send(self, group: dist.ProcessGroup, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Post a send (it fails at once on a pair that is already closed)."""
+        try:
+            return group.send([tensor], self.world_rank[dst], tag)
+        except RuntimeError as exc:
+            raise CommError(f"worker {self.id}: send to worker {dst} failed: "
+                            f"{str(exc).splitlines()[0][:200]}", dst) from None
+
+    def _recv(self, group: dist.ProcessGroup, tensor: torch.Tensor, src: int, tag: int,
+              what: str) -> None:
+        """Receive into ``tensor`` and wait for it."""
+        try:
+            work = group.recv([tensor], self.world_rank[src], tag)
+        except RuntimeError as exc:
+            raise CommError(f"worker {self.id}: {what} from worker {src} failed: "
+                            f"{str(exc).splitlines()[0][:200]}", src) from None
+        self._wait(work, src, what)
 
     # ------------------------------------------------------------------ one step
     def _run_step(self, gen: int, step: int, plan: ExecutionPlan, d: dict[str, Any],
@@ -456,8 +482,7 @@ class Worker:
                 else:
                     src = executor(p, s - 1, m)
                     x = torch.empty((b, t, h), dtype=self.dtype, device=self.device)
-                    self._wait(group.recv([x], self.world_rank[src], tag(0, p, s, m)), src,
-                               "activation receive")
+                    self._recv(group, x, src, tag(0, p, s, m), "activation receive")
                     x.requires_grad_(True)
                 out = self.stage(x)
                 if s == num_stages - 1:
@@ -467,8 +492,8 @@ class Worker:
                 else:
                     dst = executor(p, s + 1, m)
                     payload = out.detach().contiguous()
-                    sends.append((group.send([payload], self.world_rank[dst],
-                                             tag(0, p, s + 1, m)), dst, payload))
+                    sends.append((self._send(group, payload, dst, tag(0, p, s + 1, m)), dst,
+                                  payload))
                 inflight[(p, s, m)] = (x, out)
                 if not seen_forward:
                     seen_forward = True
@@ -480,15 +505,14 @@ class Worker:
                 else:
                     src = executor(p, s + 1, m)
                     grad = torch.empty_like(out)
-                    self._wait(group.recv([grad], self.world_rank[src], tag(1, p, s, m)), src,
-                               "gradient receive")
+                    self._recv(group, grad, src, tag(1, p, s, m), "gradient receive")
                     out.backward(grad)
                 if s > 0:
                     dst = executor(p, s - 1, m)
                     assert x.grad is not None
                     payload = x.grad.contiguous()
-                    sends.append((group.send([payload], self.world_rank[dst],
-                                             tag(1, p, s - 1, m)), dst, payload))
+                    sends.append((self._send(group, payload, dst, tag(1, p, s - 1, m)), dst,
+                                  payload))
                 if not seen_backward:
                     seen_backward = True
                     self._maybe_fault(step, "backward")
@@ -523,7 +547,12 @@ class Worker:
                     continue
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 group = self.buckets[tuple(workers)]
-                self._wait(group.allreduce([flat]), None, f"all-reduce over {workers}")
+                try:
+                    work = group.allreduce([flat])
+                except RuntimeError as exc:
+                    raise CommError(f"worker {self.id}: all-reduce over {workers} failed: "
+                                    f"{exc}", None) from None
+                self._wait(work, None, f"all-reduce over {workers}")
                 offset = 0
                 for g in grads:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
