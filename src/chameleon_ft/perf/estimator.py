@@ -158,7 +158,23 @@ class Estimator:
                                  Estimate] = OrderedDict()
         self._pipelines: dict[tuple[Any, ...], Timeline] = {}
         self._stage: dict[tuple[int, int], Any] = {}
+        self._opt: dict[tuple[int, int], float] = {}
+        self._static: dict[tuple[int, int], float] = {}
         self._cache_size = cache_size
+
+    def _optimizer_s(self, layers: range) -> float:
+        key = (layers.start, layers.stop)
+        value = self._opt.get(key)
+        if value is None:
+            value = self._opt[key] = self.profile.optimizer_s(layers)
+        return value
+
+    def _static_bytes(self, layers: range) -> float:
+        key = (layers.start, layers.stop)
+        value = self._static.get(key)
+        if value is None:
+            value = self._static[key] = sum(self.profile.layers[i].static_bytes for i in layers)
+        return value
 
     def _stage_cost(self, lo: int, hi: int) -> Any:
         key = (lo, hi)
@@ -169,7 +185,7 @@ class Estimator:
         return cost
 
     def _single_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
-                         brute_force: bool) -> Timeline:
+                         brute_force: bool, with_ops: bool) -> Timeline:
         """Timeline of a pipeline without reroutes, shared by all identical pipelines."""
         pipe = plan.pipelines[p]
         workers = [st.worker for st in pipe.stages]
@@ -190,16 +206,22 @@ class Estimator:
             cached = _relabel(cached, {w: s for s, w in enumerate(workers)})
             if not brute_force:
                 self._pipelines[key] = cached
-        return _relabel(cached, dict(enumerate(workers)), pipeline=p)
+        return _relabel(cached, dict(enumerate(workers)), pipeline=p, keep_ops=with_ops)
 
     def timelines(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
-                  brute_force: bool = False) -> list[Timeline]:
-        """Simulate the compute phase, one timeline per connected group of pipelines."""
+                  brute_force: bool = False, with_ops: bool = True) -> list[Timeline]:
+        """Simulate the compute phase, one timeline per connected group of pipelines.
+
+        With ``with_ops`` false the per-worker operation lists of shared (symmetric)
+        pipelines may be left empty: the estimate only needs the timings.
+        """
         speeds = speeds or {}
         out = []
+        rerouted = {r.pipeline for r in plan.reroutes}
         for group in _components(plan):
-            if len(group) == 1 and not any(r.pipeline == group[0] for r in plan.reroutes):
-                out.append(self._single_pipeline(plan, group[0], speeds, brute_force))
+            if len(group) == 1 and group[0] not in rerouted:
+                out.append(self._single_pipeline(plan, group[0], speeds, brute_force,
+                                                 with_ops))
             else:
                 costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
                          for p in group for s, st in enumerate(plan.pipelines[p].stages)}
@@ -240,7 +262,7 @@ class Estimator:
         busy: dict[int, float] = {}
         act_peak: dict[int, float] = {}
         makespan = critical_compute = critical_p2p = 0.0
-        for tl in self.timelines(plan, speeds, brute_force):
+        for tl in self.timelines(plan, speeds, brute_force, with_ops=False):
             finish.update(tl.finish_s)
             busy.update(tl.busy_s)
             act_peak.update(tl.peak_activation_bytes)
@@ -265,7 +287,7 @@ class Estimator:
         end = {}
         opt_s = {}
         for w, layers in plan.layers_by_worker.items():
-            opt_s[w] = profile.optimizer_s(layers) / speeds.get(w, 1.0)
+            opt_s[w] = self._optimizer_s(layers) / speeds.get(w, 1.0)
             end[w] = ready[w] + opt_s[w]
         last = max(end, key=lambda w: (end[w], -w))
         step_s = end[last]
@@ -277,8 +299,7 @@ class Estimator:
         # plus the activations of the micro-batches in flight at the worst moment.
         peak_memory: dict[int, float] = {}
         for w, layers in plan.layers_by_worker.items():
-            static = sum(profile.layers[i].static_bytes for i in layers)
-            peak_memory[w] = static + act_peak.get(w, 0.0)
+            peak_memory[w] = self._static_bytes(layers) + act_peak.get(w, 0.0)
         capacity = topo.memory_capacity_bytes
         max_memory = max(peak_memory.values(), default=0.0)
 
@@ -301,15 +322,17 @@ class Estimator:
         )
 
 
-def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None) -> Timeline:
-    """Rename a timeline's workers (and optionally its ops' pipeline index)."""
+def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None,
+             keep_ops: bool = True) -> Timeline:
+    """Rename a timeline's workers (and optionally its ops' pipeline index; the op lists are
+    dropped unless ``keep_ops``)."""
     def ops(seq: list[Op]) -> list[Op]:
         if pipeline is None:
             return seq
         return [Op(op.kind, pipeline, op.stage, op.microbatch) for op in seq]
 
     return Timeline(
-        ops={mapping[w]: ops(v) for w, v in tl.ops.items()},
+        ops={mapping[w]: ops(v) for w, v in tl.ops.items()} if keep_ops else {},
         finish_s={mapping[w]: v for w, v in tl.finish_s.items()},
         busy_s={mapping[w]: v for w, v in tl.busy_s.items()},
         peak_activation_bytes={mapping[w]: v for w, v in tl.peak_activation_bytes.items()},

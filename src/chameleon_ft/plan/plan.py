@@ -206,9 +206,18 @@ class ExecutionPlan:
             if (p, s) not in self.reroute_map
         }
 
+    @cached_property
+    def holders_by_layer(self) -> tuple[tuple[int, ...], ...]:
+        """For each layer, the live workers holding it, sorted."""
+        out: list[list[int]] = [[] for _ in range(self.num_layers)]
+        for w, layers in sorted(self.layers_by_worker.items()):
+            for layer in layers:
+                out[layer].append(w)
+        return tuple(tuple(ws) for ws in out)
+
     def holders(self, layer: int) -> tuple[int, ...]:
         """Live workers holding ``layer`` (they all-reduce its gradient), sorted."""
-        return tuple(w for w, r in sorted(self.layers_by_worker.items()) if layer in r)
+        return self.holders_by_layer[layer]
 
     def microbatch_offsets(self) -> tuple[int, ...]:
         """Index of each pipeline's first micro-batch in the global step's micro-batch list.

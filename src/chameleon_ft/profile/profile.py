@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ class Profile:
         """Number of planner layers."""
         return len(self.layers)
 
-    @property
+    @cached_property
     def total_param_bytes(self) -> float:
         """Parameter bytes of the whole model per device."""
         return sum(layer.param_bytes for layer in self.layers)
