@@ -246,3 +246,12 @@ def test_closed_form_errors() -> None:
     with pytest.raises(ValueError, match="stage_index"):
         stage_memory(3, 3, 1, 1, 1, 1)
     assert step_rerouted(2, 4, 4, [0, 1], 1.0, 1.0) == pytest.approx((2 + 4 - 1 + 4 / 3) * 2)
+
+
+def test_gpipe_takes_as_long_as_1f1b_but_holds_every_microbatch() -> None:
+    profile = uniform_profile(4, fwd_s=1.0, bwd_input_s=2.0, activation_bytes=1.0)
+    one = ExecutionPlan.uniform(dp=1, pp=4, num_layers=4, num_microbatches=8)
+    gpipe = dataclasses.replace(one, schedule="gpipe")
+    a, b = estimate(one, profile, topology(4)), estimate(gpipe, profile, topology(4))
+    assert b.step_s == pytest.approx(a.step_s) == pytest.approx(step_1f1b(4, 8, 1.0, 2.0))
+    assert b.peak_memory_bytes[0] == 8 and a.peak_memory_bytes[0] == 4

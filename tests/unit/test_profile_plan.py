@@ -163,3 +163,23 @@ def test_plan_is_a_value() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.num_layers = 5  # type: ignore[misc]
     assert hash(plan) == hash(ExecutionPlan.from_dict(plan.to_dict()))
+
+
+def test_file_profile_through_the_config(tmp_path: Path) -> None:
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec import config_from_mapping
+
+    uniform_profile(6, fwd_s=0.5, bwd_input_s=0.5, param_bytes=10).save(tmp_path / "p.json")
+    doc = {
+        "cluster": {"num_nodes": 1, "devices_per_node": 4},
+        "job": {"pp": 2, "dp": 2, "global_batch": 8},
+        "profile": {"kind": "file", "path": "p.json"},
+    }
+    config = config_from_mapping(doc, base_dir=str(tmp_path))
+    assert build_profile(config).num_layers == 6
+    doc["model"] = {"preset": "gpt3-1.3b"}
+    with pytest.raises(ValueError, match=r"^profile\.path: .*26"):
+        build_profile(config_from_mapping(doc, base_dir=str(tmp_path)))
+    doc["profile"] = {"kind": "file"}
+    with pytest.raises(ValueError, match=r"^profile\.path"):
+        config_from_mapping(doc)
