@@ -91,6 +91,8 @@ def partitions_two_lengths(total: int, lengths: Sequence[int]) -> list[tuple[tup
             max_second = 0 if secondary == 0 else total // secondary
             for num_second in range(max_second + 1):
                 num_primary = (total - num_second * secondary) // primary
+                if num_primary == 0 and num_second > 0:
+                    continue  # the single-length case with ``secondary`` as primary
                 groups = [(n, c) for n, c in ((primary, num_primary), (secondary, num_second))
                           if n and c]
                 if groups:

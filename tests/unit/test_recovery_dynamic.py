@@ -1,0 +1,181 @@
+"""The dynamic search against brute force on small jobs (<= 8 workers, <= 8 layers)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from chameleon_ft.perf import estimate
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.policy import Planner
+from chameleon_ft.profile import LayerCost, Profile
+from chameleon_ft.recovery import dynamic
+from chameleon_ft.spec.config import Config, config_from_mapping
+
+GIB = 2**30
+
+
+def make_config(*, num_nodes: int, per_node: int, pp: int, dp: int, global_batch: int,
+                num_layers: int, memory_bytes: float | None = None,
+                ideal: bool = True) -> Config:
+    cluster: dict[str, object] = {"num_nodes": num_nodes, "devices_per_node": per_node,
+                                  "ideal_network": ideal}
+    if memory_bytes is not None:
+        cluster["device"] = {"name": "test", "peak_flops": 1e12, "mfu": 0.5,
+                             "memory_bytes": int(memory_bytes), "memory_gb_per_s": 100.0}
+    return config_from_mapping({
+        "cluster": cluster,
+        "job": {"pp": pp, "dp": dp, "global_batch": global_batch},
+        "profile": {"kind": "uniform", "num_layers": num_layers, "fwd_s": 1.0,
+                    "bwd_input_s": 1.0, "bwd_weight_s": 1.0},
+    })
+
+
+def varied_profile(num_layers: int, *, param_gib: float = 1.0) -> Profile:
+    """Layers of unequal cost (so the layer split matters) with memory figures."""
+    layers = []
+    for i in range(num_layers):
+        scale = 1.0 + 0.5 * ((i * 7) % 3)  # 1.0, 2.0, 1.5, 1.0, ...
+        layers.append(LayerCost(name=f"l{i}", fwd_s=0.1 * scale, bwd_input_s=0.1 * scale,
+                                bwd_weight_s=0.1 * scale, param_bytes=param_gib * GIB,
+                                optimizer_bytes=2 * param_gib * GIB,
+                                activation_bytes=0.25 * GIB, output_bytes=1e6))
+    return Profile(layers=tuple(layers), optimizer_step_s=0.05)
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered split of ``total`` into ``parts`` positive integers."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+def layouts(num_layers: int, num_stages: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    for sizes in compositions(num_layers, num_stages):
+        out, lo = [], 0
+        for size in sizes:
+            out.append((lo, lo + size))
+            lo += size
+        yield tuple(out)
+
+
+def partitions(total: int, largest: int) -> Iterator[tuple[int, ...]]:
+    """Every multiset of positive parts <= ``largest`` summing to at most ``total``."""
+    def rec(left: int, cap: int, acc: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        if acc:
+            yield acc
+        for part in range(min(left, cap), 0, -1):
+            yield from rec(left - part, part, (*acc, part))
+    yield from rec(total, largest, ())
+
+
+def build(num_layers: int, pipes: list[tuple[tuple[tuple[int, int], ...], int]]) -> ExecutionPlan:
+    worker = 0
+    pipelines = []
+    for layout, m in pipes:
+        stages = []
+        for lo, hi in layout:
+            stages.append(Stage(worker, lo, hi))
+            worker += 1
+        pipelines.append(Pipeline(tuple(stages), m))
+    return ExecutionPlan(num_layers=num_layers, pipelines=tuple(pipelines))
+
+
+def step_or_inf(planner: Planner, plan: ExecutionPlan) -> float:
+    est = estimate(plan, planner.profile, planner.topology, brute_force=True)
+    return est.step_s if est.memory_fits else math.inf
+
+
+def dynamic_step(planner: Planner, failed: list[int]) -> float:
+    decision = planner.decide(planner.initial_plan, failed, horizon_s=1e9)
+    cand = next(c for c in decision.candidates if c.strategy == "dynamic")
+    assert cand.feasible, cand.reason
+    assert cand.plan is not None
+    assert set(cand.plan.workers) <= set(planner.initial_plan.workers) - set(failed)
+    return cand.step_s
+
+
+def test_full_brute_force_whole_plans() -> None:
+    """6 workers, 4 layers, 6 micro-batches: every whole plan priced by the estimator."""
+    config = make_config(num_nodes=1, per_node=6, pp=2, dp=3, global_batch=6, num_layers=4,
+                         memory_bytes=12 * GIB)
+    planner = Planner(config, profile=varied_profile(4))
+    survivors = 5
+    num_mb = 6
+    best = math.inf
+    count = 0
+    for lengths in partitions(survivors, 4):
+        if len(lengths) > num_mb:
+            continue
+        layout_choices = [list(layouts(4, n)) for n in lengths]
+        for split in compositions(num_mb, len(lengths)):
+            for chosen in itertools.product(*layout_choices):
+                plan = build(4, list(zip(chosen, split, strict=True)))
+                best = min(best, step_or_inf(planner, plan))
+                count += 1
+    assert count == 343  # the enumeration really ran (every partition x split x layout)
+    assert math.isfinite(best)
+    assert dynamic_step(planner, [3]) == pytest.approx(best, rel=1e-9)
+
+
+def test_whole_plan_is_at_least_its_slowest_pipeline() -> None:
+    """With an ideal network a plan's step is at least its slowest pipeline's (the gradient
+    all-reduce is a barrier between replicas, so it can only add): the premise of the
+    per-pipeline brute force below, whose optimum is thus a lower bound on every plan."""
+    config = make_config(num_nodes=1, per_node=8, pp=2, dp=4, global_batch=8, num_layers=8)
+    planner = Planner(config, profile=varied_profile(8))
+    for pipes in ([(((0, 3), (3, 8)), 3), (((0, 8),), 2), (((0, 2), (2, 5), (5, 8)), 3)],
+                  [(((0, 4), (4, 8)), 5), (((0, 1), (1, 8)), 3)]):
+        whole = step_or_inf(planner, build(8, pipes))
+        parts = [step_or_inf(planner, build(8, [p])) for p in pipes]
+        assert whole >= max(parts) - 1e-12
+
+
+@pytest.mark.parametrize(("failed", "memory_gib"), [([5], None), ([0, 7], None), ([2], 9.0)])
+def test_per_pipeline_brute_force(failed: list[int], memory_gib: float | None) -> None:
+    """8 workers, 8 layers, 8 micro-batches: every partition of the survivors into pipeline
+    lengths, every layer split and every batch split.
+
+    Per pipeline the best layer split is taken independently; the resulting optimum is a
+    lower bound on every whole plan (see the test above), so a dynamic plan whose whole-plan
+    estimate reaches it is optimal."""
+    config = make_config(num_nodes=2, per_node=4, pp=2, dp=4, global_batch=8, num_layers=8,
+                         memory_bytes=None if memory_gib is None else memory_gib * GIB)
+    planner = Planner(config, profile=varied_profile(8))
+    num_layers = num_mb = 8
+    survivors = 8 - len(failed)
+    best_single: dict[tuple[int, int], float] = {}
+    for length in range(1, min(survivors, num_layers) + 1):
+        for m in range(1, num_mb + 1):
+            best_single[(length, m)] = min(step_or_inf(planner, build(num_layers, [(lay, m)]))
+                                           for lay in layouts(num_layers, length))
+    best = math.inf
+    for lengths in partitions(survivors, num_layers):
+        if len(lengths) > num_mb:
+            continue
+        for split in compositions(num_mb, len(lengths)):
+            best = min(best, max(best_single[(n, m)] for n, m in zip(lengths, split, strict=True)))
+    assert math.isfinite(best)
+    assert dynamic_step(planner, failed) == pytest.approx(best, rel=1e-9)
+
+
+def test_partitions_restricted_above_threshold() -> None:
+    """The large-job restriction: at most two distinct lengths, few idle survivors."""
+    groups = dynamic.partitions_two_lengths(31, [3, 4, 5, 6])
+    assert groups
+    for g in groups:
+        assert len(g) <= 2
+        used = sum(n * c for n, c in g)
+        assert used <= 31
+        assert 31 - used < g[0][0] or 31 - used < g[-1][0]
+    assert ((4, 7), (3, 1)) in groups
+    assert ((3, 10),) in groups
+
+
+def test_all_partitions_enumerates_every_multiset() -> None:
+    got = set(dynamic.partitions_all(5, [1, 2, 3]))
+    expected = {p for p in partitions(5, 3)}
+    assert got == expected

@@ -1,0 +1,113 @@
+"""The restorer: Hungarian matching against brute force, and the migration schedule."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chameleon_ft.perf import Topology
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.profile import uniform_profile
+from chameleon_ft.recovery import match_workers, schedule_migration
+from chameleon_ft.spec.cluster import ClusterSpec
+
+
+def brute_force_moved(held: list[set[int]], wanted: list[set[int]],
+                      layer_bytes: list[int]) -> float:
+    best = float("inf")
+    for rows in itertools.permutations(range(len(held)), len(wanted)):
+        cost = sum(layer_bytes[x] for j, i in enumerate(rows) for x in wanted[j] - held[i])
+        best = min(best, cost)
+    return best
+
+
+layer_sets = st.sets(st.integers(0, 5), max_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(held=st.lists(layer_sets, min_size=1, max_size=6),
+       wanted_count=st.integers(1, 6),
+       wanted_pool=st.lists(st.sets(st.integers(0, 5), min_size=1, max_size=4), min_size=6,
+                            max_size=6),
+       layer_bytes=st.lists(st.integers(1, 100), min_size=6, max_size=6))
+def test_matching_equals_brute_force(held: list[set[int]], wanted_count: int,
+                                     wanted_pool: list[set[int]], layer_bytes: list[int]) -> None:
+    wanted = wanted_pool[:min(wanted_count, len(held))]
+    result = match_workers(held, wanted, layer_bytes)
+    assert result.moved_bytes == brute_force_moved(held, wanted, layer_bytes)
+    # a proper assignment: every slot once, every survivor at most once
+    assert sorted(result.assignment.values()) == list(range(len(wanted)))
+    assert len(set(result.assignment)) == len(result.assignment)
+    recomputed = sum(layer_bytes[x] for i, j in result.assignment.items()
+                     for x in wanted[j] - held[i])
+    assert recomputed == result.moved_bytes
+
+
+def test_matching_prefers_exact_holders() -> None:
+    held = [{0, 1}, {2, 3}, {4, 5}, set()]
+    wanted = [{2, 3}, {0, 1, 2}, {4, 5}]
+    result = match_workers(held, wanted, [10] * 6)
+    assert result.assignment[1] == 0 and result.assignment[2] == 2
+    assert result.moved_bytes == 10  # survivor 0 adds layer 2
+
+
+def test_matching_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="wanted"):
+        match_workers([{0}], [{0}, {1}], [1, 1])
+    with pytest.raises(ValueError, match=r"held\[0\]"):
+        match_workers([{7}], [{0}], [1, 1])
+
+
+def _topology() -> Topology:
+    cluster = ClusterSpec(num_nodes=2, devices_per_node=4, intra_node_gb_per_s=100.0,
+                          inter_node_gb_per_s=10.0)
+    return Topology(cluster=cluster, workers_per_node=4)
+
+
+def test_migration_schedule_is_conflict_free_and_complete() -> None:
+    profile = uniform_profile(8, param_bytes=1e9, optimizer_bytes=2e9)
+    topo = _topology()
+    # before: two pipelines of 4 stages (2 layers each); worker 3 died
+    held = {0: range(0, 2), 1: range(2, 4), 2: range(4, 6),
+            4: range(0, 2), 5: range(2, 4), 6: range(4, 6), 7: range(6, 8)}
+    # after: one 4-stage pipeline kept, and a 3-stage pipeline re-formed from 0, 1, 2
+    plan = ExecutionPlan(num_layers=8, pipelines=(
+        Pipeline((Stage(4, 0, 2), Stage(5, 2, 4), Stage(6, 4, 6), Stage(7, 6, 8)), 4),
+        Pipeline((Stage(0, 0, 3), Stage(1, 3, 6), Stage(2, 6, 8)), 2)))
+    plan.validate()
+    mig = schedule_migration(plan, held, profile, topo, max_parts=2)
+    # every missing layer arrives in full
+    got: dict[tuple[int, int], float] = defaultdict(float)
+    for t in mig.transfers:
+        got[(t.dst, t.layer)] += t.num_bytes
+        assert t.layer in held[t.src]
+        assert 1 <= t.num_parts <= 2 and 0 <= t.part < t.num_parts
+    expected = {(0, 2), (1, 4), (1, 5), (2, 6), (2, 7)}
+    assert set(got) == expected
+    for value in got.values():
+        assert value == pytest.approx(3e9)
+    assert mig.moved_bytes == pytest.approx(5 * 3e9)
+    # rounds cover each transfer once and no worker sends or receives twice in a round
+    flat = sorted(i for r in mig.rounds for i in r)
+    assert flat == list(range(len(mig.transfers)))
+    for r in mig.rounds:
+        senders = [mig.transfers[i].src for i in r]
+        receivers = [mig.transfers[i].dst for i in r]
+        assert len(set(senders)) == len(senders)
+        assert len(set(receivers)) == len(receivers)
+    # time = sum over rounds of the slowest transfer
+    expected_s = sum(max(topo.p2p_s(mig.transfers[i].src, mig.transfers[i].dst,
+                                    mig.transfers[i].num_bytes) for i in r) for r in mig.rounds)
+    assert mig.time_s == pytest.approx(expected_s)
+    assert {s[0] for s in mig.slots} == {0, 1, 2, 4, 5, 6, 7}
+
+
+def test_migration_fails_without_replica() -> None:
+    profile = uniform_profile(2, param_bytes=1.0)
+    plan = ExecutionPlan(num_layers=2, pipelines=(Pipeline((Stage(0, 0, 2),), 1),))
+    with pytest.raises(ValueError, match="layer 1 has no live replica"):
+        schedule_migration(plan, {0: range(0, 1)}, profile, _topology())
