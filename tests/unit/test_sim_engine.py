@@ -166,7 +166,7 @@ def test_down_until_repair():
     events = [TraceEvent(100.0, EventKind.NODE_FAIL, (0,)),
               TraceEvent(200.0, EventKind.WORKER_FAIL, (2,)),
               TraceEvent(500.0, EventKind.REPAIR, (0,))]
-    result, policy = run(events, 1000.0, FakePolicy(rejoin=False))
+    result, _ = run(events, 1000.0, FakePolicy(rejoin=False))
     lost = dict(result.time_lost_s)
     assert lost["down_s"] > 0
     assert lost_total(result) == pytest.approx(1000.0 - result.samples / FF)

@@ -202,12 +202,17 @@ class _Run:
         self.pending_failed = frozenset()
         self.run_start_s = self.now
         self.run_start_samples = self.samples
-        then = self.committed.then
-        if then is not None:
-            # Switch at the first step boundary once the background migration is done.
-            steps = math.ceil(self.committed.then_after_s / self.committed.step_s - 1e-9)
-            at_s = self.now + max(steps, 0) * self.committed.step_s
-            self._push(at_s, Switch(at_s, self.token))
+        self._schedule_switch()
+
+    def _schedule_switch(self) -> None:
+        """For a two-phase choice: switch at the first step boundary after the migration."""
+        running = self.committed
+        if running.then is None:
+            return
+        done_s = self.now + running.then_after_s
+        steps = math.ceil((done_s - self.run_start_s) / running.step_s - 1e-9)
+        at_s = self.run_start_s + max(steps, 0) * running.step_s
+        self._push(at_s, Switch(at_s, self.token))
 
     def on_switch(self, switch: Switch) -> None:
         """Second phase of a two-phase recovery: pause briefly, then run the final plan."""
@@ -291,6 +296,15 @@ class _Run:
                                        self.context(next_event_s))
         if choice.keep:
             self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
+            return
+        if (choice.stall_s == 0 and choice.plan is self.committed.plan
+                and self.pending is None and not choice.rollback):
+            # Reroute-then-dynamic onto the running plan: training goes on while state is
+            # copied in the background; the step in flight is not lost.
+            self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
+            self.token += 1
+            self.committed = choice
+            self._schedule_switch()
             return
         self.interrupt()
         self.apply(choice)
