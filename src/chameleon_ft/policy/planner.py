@@ -391,7 +391,8 @@ class Planner:
             cached = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
                            else c for c in cached)
         keep, dyn = cached
-        two_phase = combine(state, replace(keep, terms={}, transition_s=0.0), dyn)
+        two_phase = combine(state, replace(keep, terms={}, transition_s=0.0), dyn,
+                            first_phase="keep the current plan")
         search_s = time.perf_counter() - start
         candidates = (keep, dyn, two_phase)
         if chosen_policy not in ("chameleon", "dynamic"):
@@ -424,9 +425,9 @@ class Planner:
                        else f"horizon {_duration(window)}")
         if policy == "chameleon":
             runner_up = min((c for c in feasible if c is not best), key=rank, default=None)
-            versus = (f" vs {runner_up.strategy} {runner_up.score:.4g}"
+            versus = (f" vs {runner_up.strategy} {runner_up.score:.6g}"
                       if runner_up is not None else "")
-            reason = (f"{best.strategy} scores {best.score:.4g} samples/s over the "
+            reason = (f"{best.strategy} scores {best.score:.6g} samples/s over the "
                       f"{window_text}{versus} (step {best.step_s:.3f} s, transition "
                       f"{best.transition_s:.1f} s)")
         else:

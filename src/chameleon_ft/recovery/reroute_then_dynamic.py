@@ -18,13 +18,15 @@ from chameleon_ft.recovery.transition import migration_s
 from chameleon_ft.recovery.types import Candidate, RecoveryState, Strategy, infeasible
 
 
-def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate) -> Candidate:
+def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate, *,
+            first_phase: str = "reroute now") -> Candidate:
     """The two-phase candidate from a reroute and a dynamic candidate.
 
     Args:
         state: the job (for the recovery settings and device memory).
-        reroute: the rerouted plan (first phase).
+        reroute: the rerouted plan (first phase); for a rejoin, the current plan.
         dynamic: the dynamic plan (second phase) with its migration.
+        first_phase: how the reason names the first phase.
 
     Returns:
         One candidate (feasible or not).
@@ -54,6 +56,6 @@ def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate) -> Can
         throughput_samples_s=dynamic.throughput_samples_s,
         transition_s=reroute.transition_s, terms=dict(reroute.terms),
         peak_memory_bytes=peak,
-        reason=f"reroute now, migrate in the background for {background_s:.1f} s, then switch",
+        reason=f"{first_phase}, migrate in the background for {background_s:.1f} s, then switch",
         migration=dynamic.migration, interim_step_s=reroute.step_s, interim_s=background_s,
         switch_s=spec.rebuild_s, interim_plan=reroute.plan)

@@ -1,0 +1,113 @@
+"""``chameleon plan``: every recovery candidate for a failure, priced, and the decision."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+from typing import Any
+
+from chameleon_ft.cli.common import (
+    check_workers,
+    dumps,
+    human_bytes,
+    human_seconds,
+    parse_workers,
+    table,
+)
+from chameleon_ft.policy import Planner
+from chameleon_ft.spec import load_config
+from chameleon_ft.spec.recovery import POLICY_NAMES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``chameleon plan``."""
+    parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
+    parser.add_argument("--fail", required=True, metavar="W[,W...]",
+                        help="failed worker ids (of the job's failure-free plan)")
+    window = parser.add_mutually_exclusive_group()
+    window.add_argument("--horizon-s", type=float, metavar="D",
+                        help="time until the plan next changes (Eq. 8); default: estimated")
+    window.add_argument("--node-mtbf-hours", type=float, metavar="H",
+                        help="prior mean time between failures of one node, for the estimate")
+    parser.add_argument("--policy", choices=[p for p in POLICY_NAMES],
+                        help="chameleon (adaptive) or a fixed strategy; default: the config's")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fmt(value: float, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else "-"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit status.
+
+    Raises:
+        ValueError: for bad flags or a failure nothing can recover from.
+    """
+    config = load_config(args.config)
+    if args.horizon_s is not None and (math.isnan(args.horizon_s) or args.horizon_s < 0):
+        raise ValueError(f"--horizon-s: must be >= 0, got {args.horizon_s}")
+    if args.node_mtbf_hours is not None:
+        if not args.node_mtbf_hours > 0 or math.isinf(args.node_mtbf_hours):
+            raise ValueError(f"--node-mtbf-hours: must be a finite number > 0, got "
+                             f"{args.node_mtbf_hours}")
+        config = replace(config, policy=replace(config.policy,
+                                                node_mtbf_hours=args.node_mtbf_hours))
+    failed = parse_workers(args.fail)
+    check_workers(failed, config.num_workers)
+    planner = Planner(config, policy=args.policy)
+    decision = planner.decide(planner.initial_plan, failed, horizon_s=args.horizon_s)
+    base = planner.failure_free
+    if args.json:
+        doc: dict[str, Any] = {
+            "decision": {"strategy": decision.strategy, "reason": decision.reason,
+                         "transition_s": decision.transition_s,
+                         "horizon_s": decision.horizon_s,
+                         "horizon_expected": decision.horizon_expected,
+                         "cache_hit": decision.cache_hit,
+                         "plan": decision.plan.to_dict(),
+                         "migration": (decision.migration.to_dict()
+                                       if decision.migration is not None else None)},
+            "candidates": [c.to_dict() for c in decision.candidates],
+            "failure_free": {"step_s": base.step_s,
+                             "throughput_samples_s": base.throughput_samples_s},
+            "failed": failed,
+            "policy": planner.policy,
+            "search_s": decision.search_s,
+            "setup_s": planner.setup_s,
+        }
+        print(dumps(doc))
+        return 0
+    job = config.job
+    print(f"failure-free: tp {job.tp} x pp {job.pp} x dp {job.dp}, step "
+          f"{human_seconds(base.step_s)}, {base.throughput_samples_s:.4g} samples/s")
+    horizon = ("expected " if decision.horizon_expected else "") + human_seconds(
+        decision.horizon_s)
+    print(f"failed workers: {','.join(map(str, failed))}; policy {planner.policy}; "
+          f"horizon {horizon}")
+    header = ["strategy", "feasible", "step", "samples/s", "vs failure-free", "transition",
+              "score", "peak mem/device", "why"]
+    rows = []
+    for c in decision.candidates:
+        mark = "*" if c.strategy == decision.strategy and c.feasible else " "
+        rows.append([
+            f"{mark} {c.strategy}",
+            "yes" if c.feasible else "no",
+            human_seconds(c.step_s) if math.isfinite(c.step_s) else "-",
+            _fmt(c.throughput_samples_s, ".4g") if c.feasible else "-",
+            (f"{c.throughput_samples_s / base.throughput_samples_s:.1%}"
+             if c.feasible else "-"),
+            human_seconds(c.transition_s) if math.isfinite(c.transition_s) else "-",
+            _fmt(c.score, ".4g"),
+            human_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-",
+            c.reason,
+        ])
+    print(table(rows, header))
+    chosen = decision.chosen
+    terms = ", ".join(f"{k} {human_seconds(v)}" for k, v in chosen.terms.items())
+    print(f"decision: {decision.strategy}: {decision.reason}")
+    print(f"transition: {terms or 'none'}")
+    print(f"search: {human_seconds(decision.search_s)} (templates: "
+          f"{human_seconds(planner.setup_s)}, once per job)")
+    return 0
