@@ -267,10 +267,7 @@ class Planner:
             key = (plan, failed, alive, "fail")
             if key in self._cache or not alive:
                 continue
-            state = self._state(plan, alive, None)
-            if state.missing_layers():
-                continue  # only restart is possible; nothing worth preparing
-            self._cache[key] = self._raw_candidates(state, failed)
+            self._cache[key] = self._raw_candidates(self._state(plan, alive, None), failed)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions
@@ -417,8 +414,9 @@ class Planner:
             reasons = "; ".join(f"{c.strategy}: {c.reason}" for c in scored)
             raise ValueError(f"failed: no feasible recovery ({reasons})")
 
-        def rank(c: Candidate) -> tuple[float, float, float, int]:
-            return (-c.score, c.transition_s, c.step_s, _ORDER[c.strategy])
+        def rank(c: Candidate) -> tuple[float, float, int, float]:
+            # exact ties (e.g. a window shorter than any switch) go to the least disruptive
+            return (-c.score, c.transition_s, _ORDER[c.strategy], c.step_s)
 
         best = min(feasible, key=rank)
         window_text = (f"expected horizon {_duration(window)}" if expected

@@ -1,0 +1,58 @@
+"""``chameleon plan`` end to end, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def chameleon(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "chameleon_ft", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, check=False)
+
+
+def test_plan_json() -> None:
+    result = chameleon("plan", "--config", "examples/paper32.toml", "--fail", "5",
+                       "--horizon-s", "36000", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["decision"]["strategy"] in {"reroute", "dynamic", "restart", "shrink",
+                                           "reroute-then-dynamic"}
+    assert doc["decision"]["reason"]
+    strategies = [c["strategy"] for c in doc["candidates"]]
+    assert strategies == ["reroute", "dynamic", "restart", "shrink", "reroute-then-dynamic"]
+    for c in doc["candidates"]:
+        for key in ("feasible", "step_s", "throughput_samples_s", "transition_s", "score",
+                    "peak_memory_bytes"):
+            assert key in c
+    chosen = next(c for c in doc["candidates"] if c["strategy"] == doc["decision"]["strategy"])
+    assert chosen["score"] == max(c["score"] for c in doc["candidates"])
+    free = doc["failure_free"]
+    assert free["step_s"] > 0 and free["throughput_samples_s"] > 0
+    assert chosen["throughput_samples_s"] >= 0.94 * free["throughput_samples_s"]
+    assert doc["search_s"] >= 0
+
+
+def test_plan_table_and_fixed_policy() -> None:
+    result = chameleon("plan", "--config", "examples/paper32.toml", "--fail", "5,6",
+                       "--policy", "reroute", "--node-mtbf-hours", "100")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "* reroute" in out
+    assert "decision: reroute" in out
+    for name in ("dynamic", "restart", "shrink", "reroute-then-dynamic"):
+        assert name in out
+
+
+def test_plan_bad_input_is_one_line_exit_2() -> None:
+    for args, field in ((["--fail", "99"], "--fail"), (["--fail", "5", "--horizon-s", "-1"],
+                                                       "--horizon-s")):
+        result = chameleon("plan", "--config", "examples/paper32.toml", *args)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and field in lines[0], result.stderr
+        assert "Traceback" not in result.stderr
