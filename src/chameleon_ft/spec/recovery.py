@@ -57,8 +57,11 @@ class RecoverySpec:
     """Dynamic search: up to this many survivors every integer partition into pipeline
     lengths is tried; above it at most two distinct lengths are mixed (see
     ``recovery/dynamic.py``)."""
-    migration_max_parts: int = 2
-    """A migrated layer is split across at most this many live replicas (senders)."""
+    migration_max_parts: int = 1
+    """A migrated layer is split across at most this many live replicas (senders). 1 by
+    default: the restorer already spreads a receiver's layers over different senders, and
+    the receiver's own link bounds the time, so splitting barely shortens migration while
+    the DSATUR colouring of the transfers grows quadratically with their number."""
 
     def __post_init__(self) -> None:
         check_int("search_extra_stages", self.search_extra_stages, minimum=0)
