@@ -10,8 +10,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
+from chameleon_ft.profile import build_profile
 from chameleon_ft.sim.engine import RunResult, simulate
 from chameleon_ft.sim.events import Trace
 from chameleon_ft.sim.policies import BambooPolicy, PlannerPolicy, SimPolicy
@@ -130,9 +132,7 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
     num_seeds = seeds if seeds is not None else sim.seeds
     first_seed = seed if seed is not None else sim.seed
     config = scenario.config
-    base = Planner(config)
-    profile = base.profile
-    ff = base.failure_free
+    profile = build_profile(config)
     cells_in = _cell_specs(scenario)
     if trace is not None and len(cells_in) != 1:
         raise ValueError("--trace: a replayed trace cannot drive a sweep")
@@ -149,6 +149,7 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
     total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
     done = 0
     cells = []
+    failure_free: Estimate | None = None
     for (failures, cell_config), cell_traces in zip(cells_in, traces, strict=True):
         runs = []
         for s, cell_trace in cell_traces:
@@ -158,6 +159,9 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
             # scores, the oracle passes the true horizon): chameleon runs first, on the
             # fresh planner, so it sees exactly its own history.
             planner = Planner(cell_config, profile=profile)
+            if failure_free is None:
+                failure_free = planner.failure_free
+            ff = failure_free
             order = sorted(names, key=lambda n: n != "chameleon")
             by_name: dict[str, RunResult] = {}
             for name in order:
@@ -182,6 +186,8 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
             repair = failures.repair_hours
         cells.append(CellRun(node_mtbf_hours=failures.node_mtbf_hours, repair_hours=repair,
                              runs=tuple(runs)))
+    assert failure_free is not None  # there is at least one cell and one seed
+    ff = failure_free
     return ScenarioRun(scenario=scenario, policies=names,
                        failure_free_samples_s=float(ff.throughput_samples_s),
                        failure_free_step_s=float(ff.step_s), cells=tuple(cells))
