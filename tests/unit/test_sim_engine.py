@@ -170,3 +170,36 @@ def test_down_until_repair():
     lost = dict(result.time_lost_s)
     assert lost["down_s"] > 0
     assert lost_total(result) == pytest.approx(1000.0 - result.samples / FF)
+
+
+class TwoPhasePolicy(FakePolicy):
+    """A failure: reroute-then-dynamic: 3 s stall, the interim plan at 1 sample/s for ~10 s,
+    a 2 s switch, then the final plan at 2 samples/s."""
+
+    def on_failure(self, base: Choice, failed: frozenset[int], ctx: EventContext) -> Choice:
+        alive = sorted(ctx.alive)
+        final = Choice(strategy="reroute-then-dynamic", plan=one_pipeline(alive[-2:]), step_s=4.0,
+                       throughput_samples_s=2.0, stall_s=2.0, terms=(("rebuild_s", 2.0),))
+        return Choice(strategy="reroute-then-dynamic", plan=one_pipeline(alive[:2]), step_s=8.0,
+                      throughput_samples_s=1.0, stall_s=3.0, terms=(("detect_s", 3.0),),
+                      then=final, then_after_s=10.0)
+
+
+def test_two_phase_switches_at_a_step_boundary_after_the_migration():
+    result, _ = run([TraceEvent(100.0, EventKind.WORKER_FAIL, (1,))], 1000.0, TwoPhasePolicy())
+    # Interim from 103: 10 s of migration round up to 2 interim steps (16 s), then 2 s pause.
+    assert result.samples == pytest.approx(50 * BATCH + 16 * 1.0 + (1000.0 - 121.0) * 2.0)
+    assert dict(result.decisions) == {"reroute-then-dynamic": 1}
+    assert result.timeline == ((0.0, FF), (100.0, 0.0), (103.0, 1.0), (119.0, 0.0),
+                               (121.0, 2.0))
+
+
+def test_failure_during_interim_phase_cancels_the_switch():
+    events = [TraceEvent(100.0, EventKind.WORKER_FAIL, (1,)),
+              TraceEvent(110.0, EventKind.WORKER_FAIL, (2,))]
+    result, _ = run(events, 1000.0, TwoPhasePolicy())
+    # The second failure at 110 loses the interim step in flight (7 s of 8) and decides
+    # again from the interim plan: no switch at 119; interim 113-129, final from 131.
+    assert (119.0, 0.0) not in result.timeline
+    assert result.samples == pytest.approx(50 * BATCH + 16 * 1.0 + (1000.0 - 131.0) * 2.0)
+    assert dict(result.time_lost_s)["partial_step_s"] == pytest.approx(7.0 / FF)
