@@ -193,3 +193,18 @@ def test_decision_is_json_ready(paper32: Planner) -> None:
     mig = decision.migration
     if mig is not None:
         assert math.isfinite(mig.time_s)
+
+
+def test_idle_survivors_in_alive_are_used_by_dynamic() -> None:
+    planner = Planner(small_config())
+    shrunk = planner.decide(planner.initial_plan, [1], policy="shrink", horizon_s=600.0).plan
+    idle = set(planner.initial_plan.workers) - set(shrunk.workers) - {1}
+    assert idle  # the dropped pipeline's survivor idles
+    alive = set(planner.initial_plan.workers) - {1, 2}
+    decision = planner.decide(shrunk, [2], alive=alive, policy="dynamic", horizon_s=600.0)
+    assert decision.strategy == "dynamic"
+    assert idle & set(decision.plan.workers)
+    assert set(decision.plan.workers) <= alive
+    # the idle worker holds nothing, so everything it runs is migrated to it
+    assert decision.migration is not None
+    assert any(t.dst in idle for t in decision.migration.transfers)
