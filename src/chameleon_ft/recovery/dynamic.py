@@ -258,8 +258,8 @@ def search(state: RecoveryState) -> SearchResult | None:
         est = state.estimate(new_plan)
         if not est.memory_fits:
             continue
-        key = (est.step_s, moved)
-        if best is None or key < (best[0], best[1]):
+        key = (_rounded(est.step_s), moved)
+        if best is None or key < (_rounded(best[0]), best[1]):
             best = (est.step_s, moved, new_plan, est, lengths_of_plan)
     if best is None:
         return None
