@@ -225,7 +225,8 @@ class Coordinator:
             raise ValueError(f"profile: {self.profile.num_layers} layers, the model has "
                              f"{config.model.num_layers}")
         self.policy = policy or config.policy.name
-        self._decide = decide
+        self._decide = decide if decide is not None else PlannerDecide(config, self.profile,
+                                                                       self.policy)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.host, self.port = host, port
         self.log = log or (lambda _msg: None)

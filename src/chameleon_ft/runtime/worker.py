@@ -58,6 +58,7 @@ from chameleon_ft.runtime.model import (
 _BREAK_TAG = 2_000_000_000
 """Tag of the throw-away receive that closes a pair (never sent by anyone)."""
 _MIGRATION_TAG = 1_000_000_000
+_WARMUP_TAG = 1_500_000_000
 
 
 class InjectedError(RuntimeError):
@@ -217,6 +218,27 @@ class Worker:
         self.graveyard: list[_Generation] = []  # old groups: destroying them could block
         self.gen_changed = threading.Condition()
         self.num_tokens_global = self.job.global_batch * self.job.shape.seq_len
+        self._warm_up_kernels()
+
+    def _warm_up_kernels(self) -> None:
+        """One throw-away forward and backward through every layer kind, before joining.
+
+        CPU matmul kernels are prepared per shape on first use (a float64 stage's first
+        backward costs ~0.6 s); running the real micro-batch shapes once at start keeps
+        that out of step 0 and out of the first step after a recovery that hands this
+        worker a new kind of layer.
+        """
+        stage = StageModel()
+        last = self.job.shape.num_layers - 1
+        for i in sorted({0, min(1, last), last}):
+            stage.layers[str(i)] = build_layer(self.job.shape, i, seed=0,
+                                               dtype=self.dtype).to(self.device)
+        x, y = self.corpus.microbatch(0, 0, self.job.micro_batch)
+        loss_sum(stage(x.to(self.device)), y.to(self.device), 1).backward()
+        # The first backward from a non-scalar output with a given gradient (what every
+        # stage but the last runs) is slow once per process, whatever the shapes.
+        hidden = stage.layers["0"](x.to(self.device))
+        hidden.backward(torch.ones_like(hidden))
 
     # ------------------------------------------------------------------ plumbing
     def _connect(self) -> dist.TCPStore:
@@ -311,6 +333,7 @@ class Worker:
             world_group = self._build_groups(gen, generation, world, d["rounds"])
             self._load_state(gen, d, plan, world, world_group)
             self.store.add(proto.ready_key(gen), 1)
+            _debug(f"w{self.id} gen {gen} ready")
             for step in range(d["step"], d["steps"]):
                 if not self._run_step(gen, step, plan, d, world, world_group):
                     return
@@ -343,7 +366,29 @@ class Worker:
             raise CommError(f"building the groups of generation {gen} failed: {exc}",
                             None) from None
         self.world_rank = {w: i for i, w in enumerate(world)}
+        self._warm_up(world_group, world)
         return world_group
+
+    def _warm_up(self, group: dist.ProcessGroup, world: list[int]) -> None:
+        """Exchange one tiny message with every peer in both directions.
+
+        Gloo's first transfer on each direction of a pair is slow (hundreds of ms on a
+        loaded 2-core machine); paying it here keeps it out of the first step.
+        """
+        works = []
+        for peer in world:
+            if peer == self.id:
+                continue
+            out, into = torch.zeros(1, device=self.device), torch.zeros(1, device=self.device)
+            works.append((self._send(group, out, peer, _WARMUP_TAG), peer, out))
+            try:
+                works.append((group.recv([into], self.world_rank[peer], _WARMUP_TAG), peer,
+                              into))
+            except RuntimeError as exc:
+                raise CommError(f"worker {self.id}: warm-up with {peer} failed: {exc}",
+                                peer) from None
+        for work, peer, _ in works:
+            self._wait(work, peer, "warm-up")
 
     # ------------------------------------------------------------------ state
     def _set_layers(self, layers: dict[int, LayerState]) -> None:
@@ -521,6 +566,7 @@ class Worker:
         self._all_reduce(d["rounds"])
         if losses:
             self.store.set(proto.loss_key(gen, step, self.id), json.dumps(losses))
+        _debug(f"w{self.id} step {step} reduced")
         self.store.add(proto.reduced_key(gen, step), 1)
         verdict = self.store.get(proto.verdict_key(gen, step)).decode()
         if verdict != proto.COMMIT:
@@ -584,6 +630,11 @@ class Worker:
             buf = io.BytesIO()
             torch.save(named, buf)
             self.store.set(proto.final_layer_key(int(layer)), buf.getvalue())
+
+
+def _debug(message: str) -> None:
+    if os.environ.get("CHAMELEON_DEBUG"):
+        print(f"[{time.time():.3f}] {message}", file=sys.stderr, flush=True)
 
 
 def local_address(host: str, port: int) -> str:
