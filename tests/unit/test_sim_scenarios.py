@@ -127,3 +127,11 @@ def test_write_files_replaces_atomically(tmp_path):
     write_files(out, {"a.txt": b"two", "b.txt": b"x"})
     assert (out / "a.txt").read_bytes() == b"two"
     assert sorted(p.name for p in out.iterdir()) == ["a.txt", "b.txt"]
+
+
+def test_binned_throughput_integrates_the_timeline():
+    from chameleon_ft.sim.report import binned_throughput
+
+    edges, rates = binned_throughput([(0.0, 4.0), (5.0, 0.0), (7.5, 2.0)], 10.0, num_bins=2)
+    assert edges == [0.0, 5.0, 10.0]
+    assert rates == pytest.approx([4.0, (2.5 * 2.0) / 5.0])
