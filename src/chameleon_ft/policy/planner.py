@@ -142,8 +142,6 @@ class Planner:
         longest = min(n, self._profile.num_layers, self.config.job.pp + spec.search_extra_stages)
         total = plan.num_microbatches
         for length in self.templates.feasible_lengths(longest):
-            layout = self.templates.layout(length)
-            assert layout is not None
             for lost in sorted({1, self._topology.workers_per_node}):
                 survivors = n - lost
                 if survivors < length:
@@ -153,7 +151,7 @@ class Planner:
                 base = max(1, total // max(1, survivors // length))
                 wanted.update((base, base + 1))
                 for m in sorted(wanted):
-                    self.templates.step_s(layout, m)
+                    self.templates.length_step_s(length, m)
 
     # ------------------------------------------------------------------ properties
     @property

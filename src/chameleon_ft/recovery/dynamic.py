@@ -3,8 +3,9 @@
 The search (paper Algorithm 1 and Oobleck's templates, generalised):
 
 1. **Lengths.** A pipeline of ``l`` stages uses the job's template for ``l`` (a min-max
-   balanced layer split over the profile's per-layer costs, memory-checked; see
-   ``templates.py``). Lengths without a fitting template are never used.
+   balanced layer split over the profile's per-layer costs, memory-checked; for small
+   models the fastest of every split; see ``templates.py``). Lengths where nothing fits
+   are never used.
 2. **Partitions of the survivors into pipeline lengths.**
    - Up to ``recovery.search_exhaustive_workers`` survivors (16): every multiset of
      feasible lengths whose sum is at most the number of survivors (idle survivors
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.restorer import assign_workers, schedule_migration
-from chameleon_ft.recovery.templates import Layout, Templates, allocate
+from chameleon_ft.recovery.templates import Templates, allocate
 from chameleon_ft.recovery.transition import dynamic_terms, migration_s
 from chameleon_ft.recovery.types import (
     Candidate,
@@ -119,8 +120,8 @@ def _relaxed_step_s(groups: tuple[tuple[int, int], ...], num_microbatches: int,
     return num / den
 
 
-def _affine_fit(templates: Templates, layout: Layout, m: int) -> tuple[float, float]:
-    t0, t1 = templates.step_s(layout, m), templates.step_s(layout, m + 1)
+def _affine_fit(templates: Templates, length: int, m: int) -> tuple[float, float]:
+    t0, t1 = templates.length_step_s(length, m), templates.length_step_s(length, m + 1)
     b = t1 - t0
     return t0 - b * m, b
 
@@ -164,12 +165,13 @@ def _rounded(step_s: float) -> float:
 def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int],
              micro_batch: int, schedule: str) -> ExecutionPlan:
     """A plan of the given pipeline lengths and micro-batch counts with placeholder workers
-    (``-1 - slot``); the restorer puts real survivors in."""
+    (``-1 - slot``); the restorer puts real survivors in. Each pipeline takes the best
+    layout for its length and micro-batch count."""
     pipelines = []
     slot = 0
     for length, m in zip(lengths, counts, strict=True):
-        layout = templates.layout(length)
-        assert layout is not None  # only feasible lengths reach here
+        _, layout = templates.best(length, m)
+        assert layout is not None  # allocate only returns counts that fit
         stages = []
         for lo, hi in layout:
             stages.append(Stage(-1 - slot, lo, hi))
@@ -204,7 +206,6 @@ def search(state: RecoveryState) -> SearchResult | None:
     lengths = templates.feasible_lengths(max_length(state))
     if not lengths:
         return None
-    layout_of = {length: templates.layout(length) for length in lengths}
     intact = _intact_lengths(state)
     if exhaustive:
         pool = list(partitions_all(num_alive, lengths))
@@ -215,10 +216,8 @@ def search(state: RecoveryState) -> SearchResult | None:
                   if sum(c for _, c in g) <= num_microbatches]
         fits: dict[int, tuple[float, float]] = {}
         for length in lengths:
-            layout = layout_of[length]
-            assert layout is not None
             share = max(1, round(num_microbatches * length / num_alive))
-            fits[length] = _affine_fit(templates, layout, share)
+            fits[length] = _affine_fit(templates, length, share)
         groups.sort(key=lambda g: (_relaxed_step_s(g, num_microbatches, fits),
                                    -sum(c for _, c in g)))
         pool = [_expand(g) for g in groups[:_EXACT_PARTITIONS]]
@@ -232,12 +231,8 @@ def search(state: RecoveryState) -> SearchResult | None:
         shortlisted = [p for p in shortlisted if 0 < len(p) <= num_microbatches]
     exact: list[tuple[float, int, int, int, tuple[int, ...], list[int]]] = []
     for lengths_of_plan in shortlisted:
-        layouts = []
-        for length in lengths_of_plan:
-            layout = layout_of[length]
-            assert layout is not None
-            layouts.append(layout)
-        step_s, counts = allocate(layouts, num_microbatches, templates.step_s)
+        step_s, counts = allocate(list(lengths_of_plan), num_microbatches,
+                                  templates.length_step_s)
         if counts:
             # Ties (common: micro-batches are whole) go to the partition that rebuilds the
             # fewest pipelines (least migration), then fewer distinct lengths (fewer

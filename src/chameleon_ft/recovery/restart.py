@@ -48,10 +48,9 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     num_microbatches = plan.num_microbatches
     ranked = []
     for length in templates.feasible_lengths(max_length(state)):
-        layout = templates.layout(length)
-        assert layout is not None
         num_pipelines = min(len(workers) // length, num_microbatches)
-        step_s, counts = allocate([layout] * num_pipelines, num_microbatches, templates.step_s)
+        step_s, counts = allocate([length] * num_pipelines, num_microbatches,
+                                  templates.length_step_s)
         if counts:
             ranked.append((step_s, length, counts))
     if not ranked:
@@ -61,12 +60,12 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     best: Candidate | None = None
     terms = restart_terms(spec, state.since_checkpoint_s)
     for _, length, counts in ranked[:_FULL_ESTIMATES]:
-        layout = templates.layout(length)
-        assert layout is not None
         dp = len(counts)
         stage_major = state.config.job.placement == Placement.STAGE_MAJOR
         pipelines = []
         for p, m in enumerate(counts):
+            _, layout = templates.best(length, m)
+            assert layout is not None  # allocate only returns counts that fit
             stages = []
             for s, (lo, hi) in enumerate(layout):
                 index = s * dp + p if stage_major else p * length + s

@@ -8,6 +8,11 @@ instead. The step time of one pipeline of a given layout running ``m`` micro-bat
 from the estimator on a one-pipeline plan and is memoised, so a search asks the estimator
 about each ``(layout, m)`` once per job.
 
+Small models are searched exactly: when a length has at most ``EXHAUSTIVE_LAYOUTS`` layer
+splits, every split is a candidate and each ``(length, m)`` uses the fastest one (with few
+micro-batches the balanced split is not always best: the fill and drain and the per-stage
+optimizer step weigh more than the slowest stage). Larger models use the template alone.
+
 :func:`allocate` splits the global batch's micro-batches over pipelines to minimise the
 slowest pipeline, exactly, for any step-time functions that do not decrease with ``m``.
 """
@@ -15,14 +20,21 @@ slowest pipeline, exactly, for any step-time functions that do not decrease with
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage, balanced_bounds, layer_costs
 from chameleon_ft.profile import Profile
 
 Layout = tuple[tuple[int, int], ...]
 """Layer bounds ``(first, end)`` of each stage of a pipeline."""
+
+EXHAUSTIVE_LAYOUTS = 64
+"""Lengths with at most this many layer splits try every split."""
+
+K = TypeVar("K", bound=Hashable)
 
 PipelineEstimate = Callable[[ExecutionPlan], tuple[float, bool]]
 """``one-pipeline plan -> (step_s, memory fits)``."""
@@ -96,6 +108,8 @@ class Templates:
         self.workers_per_node = workers_per_node
         self._pipeline_estimate = pipeline_estimate
         self._layouts: dict[int, Layout | None] = {}
+        self._candidates: dict[int, list[Layout]] = {}
+        self._best: dict[tuple[int, int], tuple[float, Layout | None]] = {}
         self._steps: dict[tuple[Layout, int], float] = {}
         self.num_estimates = 0
         """How many one-pipeline estimates were run (for benchmarks)."""
@@ -159,13 +173,51 @@ class Templates:
         self._layouts[length] = result
         return result
 
+    def candidate_layouts(self, length: int) -> list[Layout]:
+        """Every layer split of ``length`` stages when there are few, else the template."""
+        found = self._candidates.get(length)
+        if found is not None:
+            return found
+        out: list[Layout] = []
+        if 1 <= length <= min(self.num_layers, self.num_workers):
+            if math.comb(self.num_layers - 1, length - 1) <= EXHAUSTIVE_LAYOUTS:
+                for cuts in itertools.combinations(range(1, self.num_layers), length - 1):
+                    bounds = (0, *cuts, self.num_layers)
+                    out.append(tuple(itertools.pairwise(bounds)))
+            else:
+                template = self.layout(length)
+                if template is not None:
+                    out.append(template)
+        self._candidates[length] = out
+        return out
+
+    def best(self, length: int, num_microbatches: int) -> tuple[float, Layout | None]:
+        """The fastest candidate layout of ``length`` stages at ``num_microbatches`` and its
+        step seconds (infinity and ``None`` when nothing fits)."""
+        key = (length, num_microbatches)
+        found = self._best.get(key)
+        if found is None:
+            found = (math.inf, None)
+            for layout in self.candidate_layouts(length):
+                step = self.step_s(layout, num_microbatches)
+                if step < found[0]:
+                    found = (step, layout)
+            self._best[key] = found
+        return found
+
+    def length_step_s(self, length: int, num_microbatches: int) -> float:
+        """Step seconds of the best pipeline of ``length`` stages (see :meth:`best`)."""
+        return self.best(length, num_microbatches)[0]
+
     def feasible_lengths(self, max_length: int) -> list[int]:
-        """Lengths ``1..max_length`` that have a template fitting memory."""
-        return [length for length in range(1, max_length + 1) if self.layout(length) is not None]
+        """Lengths ``1..max_length`` with a layout that fits memory with one micro-batch
+        (the least memory a pipeline can need)."""
+        return [length for length in range(1, max_length + 1)
+                if math.isfinite(self.length_step_s(length, 1))]
 
 
-def allocate(layouts: Sequence[Layout], num_microbatches: int,
-             step_s: Callable[[Layout, int], float]) -> tuple[float, list[int]]:
+def allocate(layouts: Sequence[K], num_microbatches: int,
+             step_s: Callable[[K, int], float]) -> tuple[float, list[int]]:
     """Split ``num_microbatches`` over pipelines minimising the slowest one's step time.
 
     Start from the split in proportion to each pipeline's speed (its marginal seconds per
@@ -177,9 +229,10 @@ def allocate(layouts: Sequence[Layout], num_microbatches: int,
     some pipeline more and exceed it.
 
     Args:
-        layouts: the layout of each pipeline.
+        layouts: the kind of each pipeline (a layout, or a length whose best layout
+            ``step_s`` picks); pipelines of one kind are interchangeable.
         num_microbatches: micro-batches per step over all pipelines.
-        step_s: one pipeline's step time for ``(layout, m)``.
+        step_s: one pipeline's step time for ``(kind, m)``.
 
     Returns:
         ``(slowest pipeline's step seconds, micro-batches per pipeline)``; infinity when
@@ -190,7 +243,7 @@ def allocate(layouts: Sequence[Layout], num_microbatches: int,
         return math.inf, []
     # Group identical layouts: their pipelines are interchangeable, so only the counts of
     # pipelines at each micro-batch count matter.
-    kinds = sorted(set(layouts))
+    kinds = list(dict.fromkeys(layouts))
     count_of = {kind: 0 for kind in kinds}
     for layout in layouts:
         count_of[layout] += 1
@@ -201,7 +254,7 @@ def allocate(layouts: Sequence[Layout], num_microbatches: int,
         rate[kind] = 1.0 / marginal if marginal > 0 and math.isfinite(marginal) else 0.0
     total_rate = sum(rate[kind] * count_of[kind] for kind in kinds)
     # counts[(kind, m)] = pipelines of that kind running m micro-batches
-    counts: dict[tuple[Layout, int], int] = {}
+    counts: dict[tuple[K, int], int] = {}
     assigned = 0
     for kind in kinds:
         share = (num_microbatches * rate[kind] / total_rate) if total_rate > 0 else 1.0
@@ -211,22 +264,25 @@ def allocate(layouts: Sequence[Layout], num_microbatches: int,
     # Never start above the total: take back from the largest shares first.
     while assigned > num_microbatches:
         kind, m = max((key for key, c in counts.items() if c and key[1] > 1),
-                      key=lambda key: (key[1], key[0]))
+                      key=lambda key: key[1])
         _move(counts, kind, m, m - 1)
         assigned -= 1
-    heap = [(step_s(kind, m + 1), kind, m) for (kind, m), c in counts.items() if c]
+    # heap entries: (step with one more, kind's index, m); the index keeps kinds comparable
+    index = {kind: i for i, kind in enumerate(kinds)}
+    heap = [(step_s(kind, m + 1), index[kind], m) for (kind, m), c in counts.items() if c]
     heapq.heapify(heap)
     while assigned < num_microbatches:
-        value, kind, m = heapq.heappop(heap)
+        value, i, m = heapq.heappop(heap)
+        kind = kinds[i]
         if counts.get((kind, m), 0) == 0:
             continue  # stale entry
         if not math.isfinite(value):
             return math.inf, []
         _move(counts, kind, m, m + 1)
         assigned += 1
-        heapq.heappush(heap, (step_s(kind, m + 2), kind, m + 1))
+        heapq.heappush(heap, (step_s(kind, m + 2), i, m + 1))
         if counts.get((kind, m), 0):
-            heapq.heappush(heap, (step_s(kind, m + 1), kind, m))
+            heapq.heappush(heap, (step_s(kind, m + 1), i, m))
     while True:
         live = [key for key, c in counts.items() if c]
         worst = max(live, key=lambda key: (step_s(*key), -key[1]))
@@ -242,13 +298,13 @@ def allocate(layouts: Sequence[Layout], num_microbatches: int,
         _move(counts, worst[0], worst[1], worst[1] - 1)
         _move(counts, best[0], best[1], best[1] + 1)
     slowest = max(step_s(*key) for key, c in counts.items() if c)
-    pools: dict[Layout, list[int]] = {kind: [] for kind in kinds}
+    pools: dict[K, list[int]] = {kind: [] for kind in kinds}
     for (kind, m), c in sorted(counts.items(), key=lambda item: -item[0][1]):
         pools[kind].extend([m] * c)
     out = [pools[layout].pop(0) for layout in layouts]
     return slowest, out
 
 
-def _move(counts: dict[tuple[Layout, int], int], kind: Layout, src: int, dst: int) -> None:
+def _move(counts: dict[tuple[K, int], int], kind: K, src: int, dst: int) -> None:
     counts[(kind, src)] -= 1
     counts[(kind, dst)] = counts.get((kind, dst), 0) + 1
