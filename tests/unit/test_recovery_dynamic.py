@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -179,3 +180,48 @@ def test_all_partitions_enumerates_every_multiset() -> None:
     got = set(dynamic.partitions_all(5, [1, 2, 3]))
     expected = {p for p in partitions(5, 3)}
     assert got == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_small_jobs_match_brute_force(seed: int) -> None:
+    """Random layer costs, memory, batch and failures; few micro-batches included (where
+    the balanced split is not the best one)."""
+    rng = random.Random(seed)
+    num_layers = rng.randint(3, 6)
+    per_node = rng.choice([2, 3])
+    workers = 2 * per_node
+    pp = rng.choice([p for p in (1, 2, 3) if workers % p == 0 and p <= num_layers])
+    dp = workers // pp
+    num_mb = dp * rng.choice([1, 2])
+    layers = tuple(LayerCost(name=f"l{i}", fwd_s=rng.uniform(0.05, 0.3),
+                             bwd_input_s=rng.uniform(0.05, 0.3),
+                             bwd_weight_s=rng.uniform(0.05, 0.3),
+                             param_bytes=rng.uniform(0.2, 1.0) * GIB, optimizer_bytes=GIB,
+                             activation_bytes=rng.uniform(0.1, 0.5) * GIB, output_bytes=1e6)
+                   for i in range(num_layers))
+    profile = Profile(layers=layers, optimizer_step_s=rng.choice([0.0, 0.05]))
+    memory = rng.choice([None, 12.0])
+    config = make_config(num_nodes=2, per_node=per_node, pp=pp, dp=dp, global_batch=num_mb,
+                         num_layers=num_layers,
+                         memory_bytes=None if memory is None else memory * GIB)
+    planner = Planner(config, profile=profile)
+    assert planner.failure_free.memory_fits
+    # fail workers while every layer keeps a replica
+    plan = planner.initial_plan
+    failed: list[int] = []
+    for w in rng.sample(list(plan.workers), len(plan.workers)):
+        alive = set(plan.workers) - {*failed, w}
+        if {x for v in alive for x in plan.layers_by_worker[v]} == set(range(num_layers)):
+            failed.append(w)
+        if len(failed) >= max(1, workers // 3):
+            break
+    survivors = workers - len(failed)
+    best_single = {(n, m): min(step_or_inf(planner, build(num_layers, [(lay, m)]))
+                               for lay in layouts(num_layers, n))
+                   for n in range(1, min(survivors, num_layers) + 1)
+                   for m in range(1, num_mb + 1)}
+    best = min(max(best_single[(n, m)] for n, m in zip(lengths, split, strict=True))
+               for lengths in partitions(survivors, num_layers) if len(lengths) <= num_mb
+               for split in compositions(num_mb, len(lengths)))
+    assert math.isfinite(best)
+    assert dynamic_step(planner, failed) == pytest.approx(best, rel=1e-9)

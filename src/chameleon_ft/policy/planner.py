@@ -449,7 +449,7 @@ class Planner:
 
 
 def _check_policy(name: str) -> str:
-    if name not in (*POLICY_NAMES, "keep"):
+    if name not in POLICY_NAMES:
         raise ValueError(f"policy: unknown policy {name!r}; choose one of "
                          f"{', '.join(POLICY_NAMES)}")
     return name
