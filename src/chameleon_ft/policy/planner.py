@@ -471,7 +471,7 @@ def _duration(seconds: float) -> str:
     if math.isinf(seconds):
         return "inf"
     if seconds >= 3600:
-        return f"{seconds / 3600:.2g} h"
+        return f"{seconds / 3600:.3g} h" if seconds < 3600 * 1000 else f"{seconds / 3600:.0f} h"
     return f"{seconds:.0f} s"
 
 
