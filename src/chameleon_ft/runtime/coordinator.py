@@ -238,6 +238,13 @@ class Coordinator:
         """Committed-step counts with a checkpoint on disk -> when (0 = the initial state)."""
         self.gen = 0
         self.t0 = time.monotonic()
+        self.state_plan = self.plan
+        """The plan whose layer placement the workers' state matches: the plan of the last
+        generation that committed a step (a generation that fails before its first commit
+        leaves the workers' state as it was)."""
+        self.from_checkpoint = True
+        """No step committed since the state was (re)loaded from a checkpoint or the
+        initial parameters: only another restart is consistent with it."""
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
@@ -410,7 +417,9 @@ class Coordinator:
                     seen, since = hb_last.get(w, (-1, now))
                     if count != seen:
                         hb_last[w] = (count, now)
-                    elif now - since > timeout_s:
+                    elif now - since > timeout_s - hb_s:
+                        # the last beat may be up to an interval older than when we saw
+                        # it: declaring at timeout - interval keeps detection within timeout
                         out.dead.setdefault(w, f"hang (no heartbeat for {now - since:.2f} s)")
                     elif w in suspects and now - since > 2.5 * hb_s:
                         out.dead.setdefault(w, "reported by peers, heartbeat stopped")
@@ -430,6 +439,7 @@ class Coordinator:
                     self.ready_s if self.ready_s is not None else self.gen_started_s)
                 loss = self._collect_loss(gen, step)
                 self.steps[step] = StepRecord(step, loss, committed - start, gen, committed)
+                self.state_plan, self.from_checkpoint = self.plan, False
                 last_commit_s = committed
                 self.log(f"step {step:4d}  loss {loss:.4f}  step {committed - start:.3f} s  "
                          f"gen {gen}")
@@ -511,7 +521,11 @@ class Coordinator:
             self.log(f"generation {gen}: unexplained errors ({'; '.join(outcome.messages)}); "
                      "rebuilding the groups and redoing the step")
             self.gen += 1
-            self._publish(self.plan, next_step)
+            if self.from_checkpoint:
+                restored, load = self._restore(len(self.steps))
+                self._publish(self.plan, restored, load=load)
+                return restored
+            self._publish(self.state_plan, next_step)
             return next_step
         fault_at = self._fault_time(failed)
         event = Event(workers=sorted(failed), cause="; ".join(
@@ -522,20 +536,18 @@ class Coordinator:
         detect_txt = "" if event.detected_after_s is None else \
             f" {event.detected_after_s:.3f} s after the fault"
         self.log(f"FAILURE at step {next_step}: {event.cause}; detected{detect_txt}")
-        since_ckpt = self.now() - self.checkpoints[max(self.checkpoints)]
-        t = time.monotonic()
         if not self.alive:
             raise WorkerFailure("every worker failed")
-        decision = self._decide_fn()(self.plan, failed, frozenset(self.alive), self.now(),
-                                     since_ckpt)
-        event.decide_s = time.monotonic() - t
-        event.strategy = str(decision.strategy)
-        event.reason = decision.reason
-        event.decision = decision.to_dict()
-        if decision.plan is None:
-            raise WorkerFailure(f"no recovery possible: {decision.reason}")
-        self._log_decision(decision)
-        new_plan = decision.plan
+        decision = self._decision(failed)
+        event.decide_s = decision[1]
+        decision_value = decision[0]
+        event.strategy = str(decision_value.strategy)
+        event.reason = decision_value.reason
+        event.decision = decision_value.to_dict()
+        if decision_value.plan is None:
+            raise WorkerFailure(f"no recovery possible: {decision_value.reason}")
+        self._log_decision(decision_value)
+        new_plan = decision_value.plan
         unknown = set(new_plan.workers) - self.alive
         if unknown:
             raise WorkerFailure(f"the policy's plan uses workers {sorted(unknown)} that are not "
@@ -546,10 +558,37 @@ class Coordinator:
             event.lost_steps = next_step - restored
             for s in range(restored, next_step):
                 self.steps.pop(s, None)
+            self.from_checkpoint = True
             self._publish(new_plan, restored, load=load)
             return restored
-        self._publish(new_plan, next_step, migration=decision.migration)
+        self._publish(new_plan, next_step, migration=decision_value.migration)
         return next_step
+
+    def _decision(self, failed: frozenset[int]) -> tuple[DecisionLike, float]:
+        """Ask the policy, starting from the placement the workers' state really has.
+
+        Returns:
+            The decision and the seconds it took.
+        """
+        base = self.state_plan
+        newly = frozenset(w for w in base.workers if w not in self.alive)
+        t = time.monotonic()
+        if not newly:  # only workers idle in that placement died: keep it
+            return ManualDecision("keep", base, reason="the failed workers held no state"), 0.0
+        since_ckpt = self.now() - self.checkpoints[max(self.checkpoints)]
+        decision = self._decide_fn()(base, newly, frozenset(self.alive), self.now(), since_ckpt)
+        if self.from_checkpoint and str(decision.strategy) != "restart":
+            # the state was just reloaded and nothing committed since: only a restart
+            # (reload again, on the survivors) is consistent with it
+            restart = [c for c in getattr(decision, "candidates", ())
+                       if str(c.strategy) == "restart" and c.feasible and c.plan is not None]
+            if not restart:
+                raise WorkerFailure("a failure before the first step after a restart, and no "
+                                    "restart plan for the survivors")
+            decision = ManualDecision("restart", restart[0].plan,
+                                      reason="failure before the first commit after loading "
+                                             "the state: restart again")
+        return decision, time.monotonic() - t
 
     def _log_decision(self, decision: DecisionLike) -> None:
         doc = decision.to_dict()

@@ -211,6 +211,13 @@ class Worker:
         self.corpus = ByteCorpus(self.job.shape.seq_len, seed=self.job.seed)
         self.optimizer = AdamW(lr=self.job.lr, weight_decay=self.job.weight_decay)
         self.layers: dict[int, LayerState] = {}
+        """The layers of this worker's current stage (trained and updated)."""
+        self.held: dict[int, LayerState] = {}
+        """Every layer whose state this worker holds, valid after ``held_steps`` committed
+        steps: the stage's layers plus, until the next commit, the previous stage's (a
+        generation that fails before committing leaves the older placement intact, and the
+        coordinator plans the next recovery from it)."""
+        self.held_steps = 0
         self.stage = StageModel()
         self.faults = [f for f in self.job.faults if f[0] == worker_id]
         self.fired: set[tuple[int, int, str, str]] = set()
@@ -321,7 +328,7 @@ class Worker:
         plan = ExecutionPlan.from_dict(d["plan"])
         world: list[int] = d["world"]
         if self.id not in world:
-            self._set_layers({})  # idle in this plan: the state will be stale, drop it
+            self._set_layers({})  # idle: ``held`` stays valid until a step commits without us
             return
         generation = _Generation(gen)
         with self.gen_changed:
@@ -406,7 +413,7 @@ class Worker:
         """Fill the layers of this worker's new stage: keep, receive, restore or create."""
         wanted = list(plan.layers_by_worker.get(self.id, range(0)))
         load = d.get("load")
-        layers = dict(self.layers)
+        layers = dict(self.held) if self.held_steps == d["step"] else {}
         if load is not None and load["kind"] == "init":
             layers = {i: self._new_layer(i) for i in wanted}
         elif load is not None and load["kind"] == "restore":
@@ -424,6 +431,7 @@ class Worker:
         if missing:
             raise RuntimeError(f"worker {self.id}: no state for layers {missing} in "
                                f"generation {gen}")
+        self.held, self.held_steps = layers, d["step"]
         self._set_layers({i: layers[i] for i in wanted})
 
     def _migrate(self, migration: dict[str, Any], layers: dict[int, LayerState],
@@ -574,6 +582,7 @@ class Worker:
         self._maybe_fault(step, "optimizer")
         for state in self.layers.values():
             self.optimizer.apply(state, step + 1)
+        self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan)
         return True
 

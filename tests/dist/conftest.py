@@ -1,0 +1,25 @@
+"""Shared failure-free reference runs (one per dtype) for the recovery tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dist_harness import run_job
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``reference(dtype)`` -> (report, params) of a failure-free run, computed once."""
+    cache: dict[str, Any] = {}
+
+    def get(dtype: str = "float64") -> Any:
+        if dtype not in cache:
+            out: Path = tmp_path_factory.mktemp(f"reference-{dtype}")
+            report, params, _ = run_job(out, dtype=dtype)
+            assert not report["events"]
+            cache[dtype] = (report, params)
+        return cache[dtype]
+
+    return get
