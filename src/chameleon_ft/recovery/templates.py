@@ -56,8 +56,15 @@ def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
     costs = layer_costs(profile)
     n = len(costs)
     prefix = [0.0]
-    for c in costs:
+    static = [0.0]
+    act = [0.0]
+    for c, layer in zip(costs, profile.layers, strict=True):
         prefix.append(prefix[-1] + c)
+        static.append(static[-1] + layer.static_bytes)
+        act.append(act[-1] + layer.activation_bytes)
+    # Some stage holds at least the average static bytes: no split can fit below that.
+    if static[n] / num_stages > capacity_bytes:
+        return None
     inf = math.inf
     # best[k][i]: smallest max stage cost placing layers [0, i) in stages 0..k-1
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -66,10 +73,11 @@ def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
     for k in range(1, num_stages + 1):
         in_flight = num_stages - (k - 1) if schedule == "1f1b" else num_stages
         for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
+            for j in range(i - 1, k - 2, -1):
+                # memory grows as the stage start j moves left: stop at the first overflow
+                if (static[i] - static[j]) + in_flight * (act[i] - act[j]) > capacity_bytes:
+                    break
                 if best[k - 1][j] == inf:
-                    continue
-                if stage_memory_bytes(profile, j, i, in_flight) > capacity_bytes:
                     continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:
