@@ -151,6 +151,7 @@ def test_precompute_makes_decisions_cache_hits() -> None:
     assert warm.strategy == cold.strategy
     dyn = next(c for c in warm.candidates if c.strategy == "dynamic")
     assert dyn.terms["search_s"] == 0.0
+    assert Planner(small_config(num_nodes=4)).precompute(plan, budget_s=0.0) < 0.5
     # a whole node (workers 2, 3: stage 0 of two pipelines) was precomputed too
     node = planner.decide(plan, [2, 3], horizon_s=600.0)
     assert node.cache_hit and node.strategy != "restart"
