@@ -94,7 +94,7 @@ class _Run:
         self.timeline: list[tuple[float, float]] = []
         self.queue: list[tuple[float, int, TraceEvent | Commit | Switch]] = []
         self.seq = 0
-        self._mark()
+        self.mark()
 
     # ------------------------------------------------------------------ bookkeeping
     def _book(self, cause: str, seconds: float) -> None:
@@ -106,14 +106,14 @@ class _Run:
             return 0.0
         return self.committed.throughput_samples_s
 
-    def _mark(self) -> None:
+    def mark(self) -> None:
         rate = self._rate()
         if self.timeline and self.timeline[-1][0] == self.now:
             self.timeline[-1] = (self.now, rate)
         elif not self.timeline or self.timeline[-1][1] != rate:
             self.timeline.append((self.now, rate))
 
-    def _push(self, time_s: float, item: TraceEvent | Commit | Switch) -> None:
+    def push(self, time_s: float, item: TraceEvent | Commit | Switch) -> None:
         heapq.heappush(self.queue, (time_s, self.seq, item))
         self.seq += 1
 
@@ -192,7 +192,7 @@ class _Run:
         if choice.stall_s <= 0:
             self.commit()
         else:
-            self._push(self.now + choice.stall_s, Commit(self.now + choice.stall_s, self.token))
+            self.push(self.now + choice.stall_s, Commit(self.now + choice.stall_s, self.token))
 
     def commit(self) -> None:
         """The pending transition ends; its plan runs from now."""
@@ -212,7 +212,7 @@ class _Run:
         done_s = self.now + running.then_after_s
         steps = math.ceil((done_s - self.run_start_s) / running.step_s - 1e-9)
         at_s = self.run_start_s + max(steps, 0) * running.step_s
-        self._push(at_s, Switch(at_s, self.token))
+        self.push(at_s, Switch(at_s, self.token))
 
     def on_switch(self, switch: Switch) -> None:
         """Second phase of a two-phase recovery: pause briefly, then run the final plan."""
@@ -347,7 +347,7 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
                workers_per_node=workers_per_node, num_workers=num_workers)
     events = trace.events
     for event in events:
-        run._push(event.time_s, event)
+        run.push(event.time_s, event)
     handled = 0  # trace events popped so far
 
     def next_trace_s() -> float:
@@ -373,7 +373,7 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
                 run.on_failure(item, next_trace_s())
             if progress is not None and handled % 64 == 0:
                 progress(handled)
-        run._mark()
+        run.mark()
     run.advance(trace.duration_s)
     if progress is not None:
         progress(len(events))

@@ -25,6 +25,7 @@ from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.policy import candidate_score
 from chameleon_ft.recovery.transition import migration_s
 from chameleon_ft.spec.recovery import RecoverySpec
+from chameleon_ft.spec.scenario import POLICY_NAMES
 
 KEEP = "keep"
 """Strategy name of a rejoin decision that leaves the plan as it is."""
@@ -486,8 +487,6 @@ def policy_names(names: Sequence[str]) -> tuple[str, ...]:
     Raises:
         ValueError: for an unknown or repeated name.
     """
-    from chameleon_ft.spec.scenario import POLICY_NAMES
-
     out = []
     for name in names:
         name = name.strip()
