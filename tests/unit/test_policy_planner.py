@@ -124,6 +124,10 @@ def test_fixed_baselines_and_restart_fallback() -> None:
     assert terms["lost_s"] == planner.config.recovery.checkpoint_interval_s / 2
     exact = planner.decide(plan, [0, 1, 2, 3], since_checkpoint_s=123.0)
     assert exact.chosen.terms["lost_s"] == 123.0
+    # the cached candidates keep the default; the exact figure was for that decision only
+    again = planner.decide(plan, [0, 1, 2, 3])
+    assert again.cache_hit
+    assert again.chosen.terms["lost_s"] == planner.config.recovery.checkpoint_interval_s / 2
 
 
 def test_bad_input_is_a_clear_error() -> None:

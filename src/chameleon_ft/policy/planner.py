@@ -328,7 +328,9 @@ class Planner:
             raise ValueError("failed: no worker is left alive")
         if failed_set:
             self._failure_events.add((float(now_s), failed_set))
-        state = self._state(plan, alive_set, since_checkpoint_s)
+        # Cached candidates must not depend on this call's checkpoint age: restart's lost
+        # work is set below for this decision only.
+        state = self._state(plan, alive_set, None)
         missing = state.missing_layers()
         if missing and not self.config.recovery.checkpoint:
             raise ValueError(
