@@ -1,0 +1,113 @@
+"""``chameleon train``: train a GPT on worker processes and survive failures in place.
+
+Progress goes to stdout (stderr with ``--json``, so stdout holds only the report): one line
+per committed step (loss, step time, plan generation), each failure with its detection
+time, the decision with every candidate, and the measured transition time. torch is
+imported only inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+from chameleon_ft.spec.train import parse_fault
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``chameleon train``."""
+    parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
+    parser.add_argument("--steps", type=int, metavar="N", help="steps to train ([train] steps)")
+    parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                        help="inject a fault: rank=R,step=S,kind=kill|hang|error"
+                             "[,phase=forward|backward|optimizer]; repeatable")
+    parser.add_argument("--policy", metavar="NAME",
+                        help="chameleon (adaptive), reroute, dynamic, restart, shrink or "
+                             "reroute-then-dynamic ([policy] name)")
+    parser.add_argument("--dtype", choices=("float32", "float64"),
+                        help="parameter dtype ([train] dtype); float64 for exact comparisons")
+    parser.add_argument("--out", metavar="DIR",
+                        help="write report.json, params.pt and checkpoints here")
+    parser.add_argument("--json", action="store_true",
+                        help="print the final report as JSON on stdout (progress on stderr)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="worker processes to launch on this host (default: every worker "
+                             "the layout needs, minus --remote-workers)")
+    parser.add_argument("--remote-workers", type=int, default=0, metavar="N",
+                        help="workers that join from other hosts with `chameleon worker`")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the coordinator's store listens on (default 127.0.0.1; "
+                             "0.0.0.0 for other hosts)")
+    parser.add_argument("--port", type=int, default=0, help="store port (default: any free)")
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from chameleon_ft.spec import load_config
+
+    config = load_config(args.config)
+    train = config.train
+    overrides: dict[str, Any] = {}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.dtype is not None:
+        overrides["dtype"] = args.dtype
+    if overrides:
+        try:
+            train = replace(train, **overrides)
+        except ValueError as exc:
+            raise ValueError(f"train.{exc}") from None
+    return replace(config, train=train)
+
+
+def _summary(report: dict[str, Any]) -> list[str]:
+    lines = [f"trained {len(report['steps'])} steps in {report['total_s']:.1f} s; "
+             f"final loss {report['loss'][-1]:.4f}" if report["steps"] else "no steps"]
+    for e in report["events"]:
+        detect = "-" if e["detected_after_s"] is None else f"{e['detected_after_s']:.3f} s"
+        trans = "-" if e["transition_s"] is None else f"{e['transition_s']:.3f} s"
+        lines.append(f"failure of worker(s) {e['workers']} at step {e['step']}: detected after "
+                     f"{detect}, {e['strategy']}, transition {trans}"
+                     + (f", {e['lost_steps']} steps redone" if e["lost_steps"] else ""))
+    lines.append(f"final parameters sha256 {report['param_hash']}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit status.
+
+    Raises:
+        ValueError: for a bad config, fault, or a layout the launched workers cannot fill.
+    """
+    config = _config(args)
+    faults = [parse_fault(f) for f in (*config.train.faults, *args.fault)]
+    if args.remote_workers < 0:
+        raise ValueError("--remote-workers: must be >= 0")
+    local = config.num_workers - args.remote_workers if args.workers is None else args.workers
+    if local < 0 or local + args.remote_workers != config.num_workers:
+        raise ValueError(f"workers: the layout dp x pp = {config.job.dp} x {config.job.pp} needs "
+                         f"{config.num_workers} workers, but {local} local + "
+                         f"{args.remote_workers} remote were requested")
+    out = sys.stderr if args.json else sys.stdout
+
+    def log(message: str) -> None:
+        print(message, file=out, flush=True)
+
+    from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
+
+    coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
+                        num_local_workers=local, host=args.host, port=args.port, log=log)
+    try:
+        report = coord.run()
+    except WorkerFailure as exc:
+        print(f"chameleon train: training failed: {exc}", file=sys.stderr)
+        return 1
+    for line in _summary(report):
+        log(line)
+    if args.out:
+        log(f"report and parameters written to {args.out}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0

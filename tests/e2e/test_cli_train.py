@@ -1,0 +1,144 @@
+"""``chameleon train`` and ``chameleon worker`` end to end, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_TOML = """
+[model]
+num_blocks = 2
+hidden_size = 32
+num_heads = 2
+vocab_size = 256
+seq_len = 32
+
+[cluster]
+num_nodes = 2
+devices_per_node = 2
+device = "cpu"
+
+[job]
+pp = 2
+dp = 2
+global_batch = 8
+micro_batch = 2
+
+[recovery]
+detect_s = 0.05
+rebuild_s = 0.05
+
+[train]
+steps = 5
+dtype = "float64"
+timeout_s = 1.5
+heartbeat_s = 0.1
+"""
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "chameleon_ft", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_TOML)
+    return path
+
+
+def _train(tiny: Path, out: Path, *extra: str) -> dict:
+    proc = subprocess.run(_cmd("train", "--config", str(tiny), "--out", str(out), "--json",
+                               *extra), capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_train_kill_report_and_params(tiny: Path, tmp_path: Path) -> None:
+    ref = _train(tiny, tmp_path / "ref")
+    got = _train(tiny, tmp_path / "kill", "--fault", "rank=2,step=2,kind=kill,phase=backward",
+                 "--policy", "reroute")
+    assert len(got["loss"]) == len(got["step_s"]) == 5
+    assert not ref["events"]
+    (event,) = got["events"]
+    assert event["strategy"] == "reroute"
+    assert 0 <= event["detected_after_s"] < 1.0
+    assert event["transition_s"] is not None
+    assert (tmp_path / "kill" / "report.json").exists()
+    a = torch.load(tmp_path / "ref" / "params.pt")
+    b = torch.load(tmp_path / "kill" / "params.pt")
+    assert sorted(a) == sorted(b) and all(k.startswith("layers.") for k in a)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-9
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--fault", "rank=7,step=1,kind=kill"), "rank 7 does not exist"),
+    (("--workers", "2"), "needs 4 workers"),
+    (("--policy", "nonsense"), "unknown policy"),
+])
+def test_train_bad_input_one_line(tiny: Path, args: tuple[str, ...], message: str) -> None:
+    proc = subprocess.run(_cmd("train", "--config", str(tiny), *args), capture_output=True,
+                          text=True, timeout=60, env=_env())
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_worker_silent_coordinator_one_line() -> None:
+    proc = subprocess.run(_cmd("worker", "--coordinator", "127.0.0.1:1", "--connect-timeout", "1"),
+                          capture_output=True, text=True, timeout=30, env=_env())
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not answer" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_hosts_on_loopback_with_a_remote_kill(tiny: Path, tmp_path: Path) -> None:
+    # "host" A: the coordinator and workers 0, 1; "host" B: `chameleon worker` with 2, 3.
+    # Worker 3 (remote: the coordinator cannot see its process) is killed mid-step.
+    train = subprocess.Popen(_cmd("train", "--config", str(tiny), "--workers", "2",
+                                  "--remote-workers", "2", "--out", str(tmp_path / "run"),
+                                  "--json", "--fault", "rank=3,step=2,kind=kill,phase=forward"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_env())
+    worker = None
+    try:
+        assert train.stderr is not None
+        deadline = time.monotonic() + 60
+        address = None
+        while address is None and time.monotonic() < deadline:
+            line = train.stderr.readline()
+            if "listening on" in line:
+                address = line.split("listening on ")[1].split(";")[0]
+        assert address, "the coordinator never printed its address"
+        worker = subprocess.Popen(_cmd("worker", "--coordinator", address, "--num-workers", "2"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=_env())
+        out, err = train.communicate(timeout=120)
+        assert train.returncode == 0, err[-3000:]
+        report = json.loads(out)
+        assert len(report["loss"]) == 5
+        (event,) = report["events"]
+        assert event["workers"] == [3]
+        assert event["detected_after_s"] <= 1.5
+        worker_out, _ = worker.communicate(timeout=30)
+        assert "worker 2 started" in worker_out and "worker 3 started" in worker_out
+    finally:
+        for proc in (train, worker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
