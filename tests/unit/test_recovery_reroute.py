@@ -41,7 +41,7 @@ def failures(draw: st.DrawFn) -> tuple[int, int, frozenset[int]]:
     return dp, pp, frozenset(failed)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(failures())
 def test_reroute_infeasible_exactly_when_a_stage_has_no_replica(
         case: tuple[int, int, frozenset[int]]) -> None:

@@ -28,7 +28,7 @@ def brute_force_moved(held: list[set[int]], wanted: list[set[int]],
 layer_sets = st.sets(st.integers(0, 5), max_size=4)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(held=st.lists(layer_sets, min_size=1, max_size=6),
        wanted_count=st.integers(1, 6),
        wanted_pool=st.lists(st.sets(st.integers(0, 5), min_size=1, max_size=4), min_size=6,
