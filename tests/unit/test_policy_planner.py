@@ -213,3 +213,17 @@ def test_idle_survivors_in_alive_are_used_by_dynamic() -> None:
     # the idle worker holds nothing, so everything it runs is migrated to it
     assert decision.migration is not None
     assert any(t.dst in idle for t in decision.migration.transfers)
+
+
+def test_cache_is_bounded() -> None:
+    planner = Planner(small_config(num_nodes=4), cache_size=3)
+    plan = planner.initial_plan
+    planner.precompute(plan)
+    # precompute stops once the cache is full rather than evict what it just prepared
+    assert planner.decide(plan, [0], horizon_s=60.0).cache_hit
+    assert not planner.decide(plan, [7], horizon_s=60.0).cache_hit
+    for w in (4, 5, 6):
+        planner.decide(plan, [w], horizon_s=60.0)
+    assert not planner.decide(plan, [0], horizon_s=60.0).cache_hit  # evicted (LRU)
+    with pytest.raises(ValueError, match="cache_size"):
+        Planner(small_config(), cache_size=0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -104,13 +105,19 @@ class Planner:
         config: the job.
         profile: per-layer costs; default: built from the config.
         policy: overrides ``config.policy.name``.
+        cache_size: decisions' candidates kept (least recently used dropped first). An
+            entry holds a few whole plans with their estimates: about 4 MB on 2,048
+            workers, a few kB on 32.
 
     Raises:
         ValueError: for an unknown policy or a job that does not fit.
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
-                 policy: str | None = None) -> None:
+                 policy: str | None = None, cache_size: int = 512) -> None:
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"cache_size: must be an integer >= 1, got {cache_size!r}")
+        self.cache_size = cache_size
         self.config = config
         self._profile = profile if profile is not None else build_profile(config)
         self._topology = Topology.from_config(config)
@@ -124,7 +131,7 @@ class Planner:
             num_workers=self._topology.num_workers,
             workers_per_node=self._topology.workers_per_node,
             pipeline_estimate=self._pipeline_estimate)
-        self._cache: dict[_CacheKey, tuple[Candidate, ...]] = {}
+        self._cache: OrderedDict[_CacheKey, tuple[Candidate, ...]] = OrderedDict()
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         start = time.perf_counter()
         self._warm_templates()
@@ -230,13 +237,20 @@ class Planner:
         start = time.perf_counter()
         cached = self._cache.get(key)
         if cached is not None:
+            self._cache.move_to_end(key)
             # Precomputed while healthy: the search is hidden behind training.
             hidden = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
                            else c for c in cached)
             return hidden, True, time.perf_counter() - start
         raw = self._raw_candidates(state, failed)
-        self._cache[key] = raw
+        self._store(key, raw)
         return raw, False, time.perf_counter() - start
+
+    def _store(self, key: _CacheKey, value: tuple[Candidate, ...]) -> None:
+        self._cache[key] = value
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
 
     def precompute(self, plan: ExecutionPlan, *,
                    failures: Iterable[Iterable[int]] | None = None,
@@ -245,7 +259,9 @@ class Planner:
 
         Every failure set costs one cold search (tens of milliseconds on 32 workers, a few
         hundred on 2,048), so a large job may pass ``budget_s`` and call again later: sets
-        already cached are skipped.
+        already cached are skipped. It stops when the cache is full rather than evict what
+        it just prepared (on 2,048 workers prepare the likeliest failures via
+        ``failures``, or raise ``cache_size``).
 
         Args:
             plan: the plan now running.
@@ -271,14 +287,18 @@ class Planner:
         else:
             sets = [self._workers("failures", ws) for ws in failures]
         base_alive = frozenset(plan.workers)
+        added = 0
         for failed in dict.fromkeys(sets):
             if budget_s is not None and time.perf_counter() - start >= budget_s:
+                break
+            if added >= self.cache_size:
                 break
             alive = base_alive - failed
             key = (plan, failed, alive, "fail")
             if key in self._cache or not alive:
                 continue
-            self._cache[key] = self._raw_candidates(self._state(plan, alive, None), failed)
+            self._store(key, self._raw_candidates(self._state(plan, alive, None), failed))
+            added += 1
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions
@@ -396,7 +416,7 @@ class Planner:
                               transition_s=sum(v for k, v in dyn.terms.items()
                                                if k != "detect_s"))
             cached = (keep, dyn)
-            self._cache[key] = cached
+            self._store(key, cached)
         else:
             cached = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
                            else c for c in cached)
