@@ -29,7 +29,7 @@ def _draw(strategy: str, phase: str) -> tuple[int, int]:
 
 
 CASES = [(s, p) for s in ("reroute", "dynamic") for p in ("forward", "backward", "optimizer")]
-CASES += [("shrink", "backward"), ("restart", "forward")]
+CASES += [("shrink", "backward"), ("restart", "forward"), ("reroute-then-dynamic", "backward")]
 
 
 def _check_clean(pids: list[int]) -> None:

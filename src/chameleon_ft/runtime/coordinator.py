@@ -126,6 +126,16 @@ class PlannerDecide:
         threading.Thread(target=work, daemon=True, name="chameleon-precompute").start()
 
 
+@dataclass(frozen=True)
+class PendingSwitch:
+    """A plan to switch to at a step boundary, with the migration that prepares it."""
+
+    plan: ExecutionPlan
+    migration: Any
+    after_steps: int
+    """Steps to train on the interim plan first."""
+
+
 @dataclass
 class StepRecord:
     """One committed step."""
@@ -243,6 +253,8 @@ class Coordinator:
         """The plan whose layer placement the workers' state matches: the plan of the last
         generation that committed a step (a generation that fails before its first commit
         leaves the workers' state as it was)."""
+        self.pending: PendingSwitch | None = None
+        """The second phase of a ``reroute-then-dynamic`` recovery, waiting for its turn."""
         self.from_checkpoint = True
         """No step committed since the state was (re)loaded from a checkpoint or the
         initial parameters: only another restart is consistent with it."""
@@ -300,6 +312,8 @@ class Coordinator:
                 next_step = outcome.next_step
                 if outcome.dead or outcome.retry:
                     next_step = self._recover(outcome, next_step)
+                elif outcome.switch:
+                    self._switch(next_step)
             self._finish_transitions()
             return self._finish()
         finally:
@@ -376,6 +390,8 @@ class Coordinator:
         next_step: int
         dead: dict[int, str] = field(default_factory=dict)
         retry: bool = False
+        switch: bool = False
+        """The generation ended at a step boundary for a planned plan change."""
         messages: list[str] = field(default_factory=list)
 
     def _watch(self, next_step: int) -> Coordinator._Outcome:
@@ -388,6 +404,7 @@ class Coordinator:
         suspects: dict[int, float] = {}
         unexplained_since: float | None = None
         last_commit_s: float | None = None
+        steps_in_gen = 0
         timeout_s, hb_s = self.train.timeout_s, self.train.heartbeat_s
         members = set(self.world)
         while out.next_step < self.train.steps:
@@ -434,7 +451,10 @@ class Coordinator:
                 self.ready_s = self.now()
             step = out.next_step
             if self.store.add(proto.reduced_key(gen, step), 0) >= len(self.plan.workers):
-                self.store.set(proto.verdict_key(gen, step), proto.COMMIT)
+                steps_in_gen += 1
+                end = self.pending is not None and steps_in_gen >= self.pending.after_steps
+                self.store.set(proto.verdict_key(gen, step),
+                               proto.COMMIT_END if end else proto.COMMIT)
                 committed = self.now()
                 start = last_commit_s if last_commit_s is not None else (
                     self.ready_s if self.ready_s is not None else self.gen_started_s)
@@ -445,6 +465,9 @@ class Coordinator:
                 self.log(f"step {step:4d}  loss {loss:.4f}  step {committed - start:.3f} s  "
                          f"gen {gen}")
                 out.next_step = step + 1
+                if end:
+                    out.switch = True
+                    break
                 continue
             self._collect_checkpoints()
             self._sleep()
@@ -562,8 +585,32 @@ class Coordinator:
             self.from_checkpoint = True
             self._publish(new_plan, restored, load=load)
             return restored
+        self.pending = None
+        interim = getattr(getattr(decision_value, "chosen", None), "interim_plan", None)
+        if event.strategy == "reroute-then-dynamic" and interim is not None:
+            # Phase 1 now: train rerouted (no state moves). Phase 2 at a step boundary once
+            # the planned background window has passed: migrate and switch. The migration
+            # runs between two steps here, not overlapped with training.
+            chosen = decision_value.chosen  # type: ignore[attr-defined]
+            after = 1
+            if chosen.interim_step_s and chosen.interim_s:
+                after = max(1, math.ceil(chosen.interim_s / chosen.interim_step_s))
+            self.pending = PendingSwitch(new_plan, decision_value.migration, after)
+            self._publish(interim, next_step)
+            return next_step
         self._publish(new_plan, next_step, migration=decision_value.migration)
         return next_step
+
+    def _switch(self, next_step: int) -> None:
+        """Second phase of a two-phase recovery: migrate at a step boundary and switch."""
+        assert self.pending is not None
+        pending, self.pending = self.pending, None
+        self.gen += 1
+        self.log(f"switching to the dynamic plan after step {next_step - 1} "
+                 f"({len(pending.migration.transfers) if pending.migration else 0} transfers)")
+        for line in pending.plan.describe().splitlines():
+            self.log(f"  {line}")
+        self._publish(pending.plan, next_step, migration=pending.migration)
 
     def _decision(self, failed: frozenset[int]) -> tuple[DecisionLike, float]:
         """Ask the policy, starting from the placement the workers' state really has.

@@ -21,6 +21,8 @@ REGISTERED_KEY = "join/count"
 """Counter of workers that registered."""
 
 COMMIT = "commit"
+COMMIT_END = "commit-end"
+"""Commit, then leave the generation: a planned plan change at a step boundary."""
 ABORT = "abort"
 
 

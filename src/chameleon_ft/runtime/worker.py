@@ -577,14 +577,14 @@ class Worker:
         _debug(f"w{self.id} step {step} reduced")
         self.store.add(proto.reduced_key(gen, step), 1)
         verdict = self.store.get(proto.verdict_key(gen, step)).decode()
-        if verdict != proto.COMMIT:
+        if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
         self._maybe_fault(step, "optimizer")
         for state in self.layers.values():
             self.optimizer.apply(state, step + 1)
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan)
-        return True
+        return verdict == proto.COMMIT
 
     def _all_reduce(self, rounds: list[list[list[list[int]]]]) -> None:
         """Sum each bucket's gradients over the workers holding its layers, round by round."""

@@ -1,0 +1,100 @@
+"""The runtime's model, data, optimizer and fault plan, in process (no workers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chameleon_ft.runtime.data import ByteCorpus, corpus_digest
+from chameleon_ft.runtime.model import (
+    AdamW,
+    GPTShape,
+    LayerState,
+    StageModel,
+    build_layer,
+    loss_sum,
+)
+from chameleon_ft.spec.train import Fault, check_faults, parse_fault
+
+SHAPE = GPTShape(num_blocks=2, hidden_size=32, num_heads=2, vocab_size=256, seq_len=16,
+                 ffn_size=128)
+
+
+def _stage(layers: range, dtype: torch.dtype = torch.float64) -> StageModel:
+    stage = StageModel()
+    for i in layers:
+        stage.layers[str(i)] = build_layer(SHAPE, i, seed=3, dtype=dtype)
+    return stage
+
+
+def test_parameter_names_and_values_do_not_depend_on_the_split() -> None:
+    whole = dict(_stage(range(4)).named_parameters())
+    split = {**dict(_stage(range(0, 1)).named_parameters()),
+             **dict(_stage(range(1, 4)).named_parameters())}
+    assert sorted(whole) == sorted(split)
+    assert all(name.startswith("layers.") for name in whole)
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_split_forward_equals_whole_forward() -> None:
+    x, y = ByteCorpus(SHAPE.seq_len).microbatch(0, 0, 2)
+    whole = _stage(range(4))(x)
+    first, second = _stage(range(0, 2)), _stage(range(2, 4))
+    assert whole.shape == (2, SHAPE.seq_len, SHAPE.vocab_size)
+    assert torch.allclose(second(first(x)), whole, atol=1e-12)
+    loss = float(loss_sum(whole, y, 2 * SHAPE.seq_len).detach())
+    assert loss == pytest.approx(5.545, abs=0.05)  # ln 256: an untrained byte model
+
+
+def test_samples_depend_only_on_step_and_global_index() -> None:
+    corpus = ByteCorpus(SHAPE.seq_len, seed=0)
+    x1, y1 = corpus.microbatch(4, 3, 2)
+    x2, y2 = ByteCorpus(SHAPE.seq_len, seed=0).microbatch(4, 3, 2)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the next bytes
+    assert not torch.equal(x1, corpus.microbatch(5, 3, 2)[0])
+    assert x1.dtype == torch.int64 and int(x1.max()) < 256
+    assert len(corpus_digest()) == 16
+
+
+def test_flat_state_round_trip() -> None:
+    state = LayerState(build_layer(SHAPE, 1, seed=0, dtype=torch.float64))
+    for m in state.exp_avg:
+        m.normal_()
+    flat = state.flat()
+    assert flat.numel() == state.numel()
+    other = LayerState(build_layer(SHAPE, 1, seed=9, dtype=torch.float64))
+    other.load_flat(flat)
+    assert torch.equal(other.flat(), flat)
+
+
+def test_adamw_matches_torch() -> None:
+    ours = build_layer(SHAPE, 1, seed=0, dtype=torch.float64)
+    ref = build_layer(SHAPE, 1, seed=0, dtype=torch.float64)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1)
+    state = LayerState(ours)
+    adamw = AdamW(lr=1e-2, weight_decay=0.1)
+    x = torch.randn(2, SHAPE.seq_len, SHAPE.hidden_size, dtype=torch.float64)
+    for step in range(1, 4):
+        for module in (ours, ref):
+            module.zero_grad()
+            module(x).square().sum().backward()
+        adamw.apply(state, step)
+        opt.step()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_fault_parsing_and_checks() -> None:
+    assert parse_fault("rank=2,step=5,kind=hang,phase=backward") == Fault(
+        rank=2, step=5, kind="hang", phase="backward")
+    assert parse_fault("rank=1,step=0").kind == "kill"
+    for bad in ("rank=1", "rank=x,step=1", "rank=1,step=1,kind=explode", "nonsense",
+                "rank=1,step=1,colour=red"):
+        with pytest.raises(ValueError, match="fault"):
+            parse_fault(bad)
+    with pytest.raises(ValueError, match="rank 4 does not exist"):
+        check_faults((parse_fault("rank=4,step=1"),), num_workers=4, steps=10)
+    with pytest.raises(ValueError, match="never runs"):
+        check_faults((parse_fault("rank=0,step=10"),), num_workers=4, steps=10)
