@@ -7,7 +7,7 @@ The search (paper Algorithm 1 and Oobleck's templates, generalised):
    models the fastest of every split; see ``templates.py``). Lengths where nothing fits
    are never used.
 2. **Partitions of the survivors into pipeline lengths.**
-   - Up to ``recovery.search_exhaustive_workers`` survivors (16): every multiset of
+   - Up to ``recovery.search_exhaustive_workers`` survivors (8): every multiset of
      feasible lengths whose sum is at most the number of survivors (idle survivors
      allowed, since a shorter pipeline may not fit memory or a pipeline may not pay off).
    - Above it the space is astronomically large (2,047 survivors in pipelines of 14-18

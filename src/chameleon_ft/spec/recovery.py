@@ -53,7 +53,7 @@ class RecoverySpec:
     """Whether plan search for likely failures runs ahead of time while training is healthy."""
     search_extra_stages: int = 2
     """Dynamic search: the longest pipeline considered is the job's ``pp`` plus this."""
-    search_exhaustive_workers: int = 16
+    search_exhaustive_workers: int = 8
     """Dynamic search: up to this many survivors every integer partition into pipeline
     lengths is tried; above it at most two distinct lengths are mixed (see
     ``recovery/dynamic.py``)."""
