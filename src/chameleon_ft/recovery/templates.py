@@ -8,8 +8,8 @@ instead. The step time of one pipeline of a given layout running ``m`` micro-bat
 from the estimator on a one-pipeline plan and is memoised, so a search asks the estimator
 about each ``(layout, m)`` once per job.
 
-Small models are searched exactly: when a length has at most ``EXHAUSTIVE_LAYOUTS`` layer
-splits, every split is a candidate and each ``(length, m)`` uses the fastest one (with few
+Small models are searched exactly: with at most ``EXHAUSTIVE_MAX_LAYERS`` layers, a length
+with at most ``EXHAUSTIVE_LAYOUTS`` layer splits tries every split and each ``(length, m)`` uses the fastest one (with few
 micro-batches the balanced split is not always best: the fill and drain and the per-stage
 optimizer step weigh more than the slowest stage). Larger models use the template alone.
 
@@ -32,7 +32,9 @@ Layout = tuple[tuple[int, int], ...]
 """Layer bounds ``(first, end)`` of each stage of a pipeline."""
 
 EXHAUSTIVE_LAYOUTS = 64
-"""Lengths with at most this many layer splits try every split."""
+"""Lengths with at most this many layer splits try every split (small models only)."""
+EXHAUSTIVE_MAX_LAYERS = 12
+"""Models with more layers use the template alone (every model up to 8 layers is exact)."""
 
 K = TypeVar("K", bound=Hashable)
 
@@ -188,7 +190,8 @@ class Templates:
             return found
         out: list[Layout] = []
         if 1 <= length <= min(self.num_layers, self.num_workers):
-            if math.comb(self.num_layers - 1, length - 1) <= EXHAUSTIVE_LAYOUTS:
+            if (self.num_layers <= EXHAUSTIVE_MAX_LAYERS
+                    and math.comb(self.num_layers - 1, length - 1) <= EXHAUSTIVE_LAYOUTS):
                 for cuts in itertools.combinations(range(1, self.num_layers), length - 1):
                     bounds = (0, *cuts, self.num_layers)
                     out.append(tuple(itertools.pairwise(bounds)))
