@@ -36,6 +36,8 @@ rebuild_s = 5.0
 restart_s = 100.0
 checkpoint_load_s = 50.0
 checkpoint_interval_s = 600.0
+search_exhaustive_workers = 1
+search_extra_stages = 0
 """
 
 

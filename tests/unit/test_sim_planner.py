@@ -22,8 +22,10 @@ TABLES = {
     "profile": {"kind": "uniform", "num_layers": 8, "fwd_s": 0.01, "bwd_input_s": 0.01,
                 "bwd_weight_s": 0.01, "param_bytes": 1e8, "optimizer_bytes": 6e8,
                 "activation_bytes": 1e7, "output_bytes": 1e6},
+    # A narrow dynamic search keeps each decision at milliseconds on this tiny job.
     "recovery": {"detect_s": 10.0, "rebuild_s": 5.0, "restart_s": 100.0,
-                 "checkpoint_load_s": 50.0, "checkpoint_interval_s": 600.0},
+                 "checkpoint_load_s": 50.0, "checkpoint_interval_s": 600.0,
+                 "search_exhaustive_workers": 1, "search_extra_stages": 0},
     "policy": {"node_mtbf_hours": 2.0, "repair_hours": 1.0},
 }
 CONFIG = config_from_mapping(TABLES)
@@ -107,7 +109,7 @@ def repaired_trace(seed: int) -> Trace:
     return Trace(tuple(events), t + float(rng.uniform(300.0, 1500.0)))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", range(12))
 def test_oracle_not_below_fixed_strategies_when_each_failure_is_repaired_first(seed, planner):
     trace = repaired_trace(seed)
     oracle = run_one("oracle", trace, planner).samples
