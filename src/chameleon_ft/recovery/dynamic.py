@@ -23,11 +23,13 @@ The search (paper Algorithm 1 and Oobleck's templates, generalised):
 4. **Refinement.** The best ``_FULL_ESTIMATES`` partitions become real plans: survivors
    are matched to slots by the restorer (fewest bytes moved), the whole plan is priced by
    the estimator (per-layer gradient all-reduce, real placement), and the fastest wins
-   (ties: fewer bytes moved). Plans over device memory are dropped.
+   (ties: fewer bytes moved). Plans over device memory are dropped. Small searches also
+   price a few other combinations of equally fast layer splits (``_alternatives``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.restorer import assign_workers, schedule_migration
-from chameleon_ft.recovery.templates import Templates, allocate
+from chameleon_ft.recovery.templates import Layout, Templates, allocate
 from chameleon_ft.recovery.transition import dynamic_terms, migration_s
 from chameleon_ft.recovery.types import (
     Candidate,
@@ -51,6 +53,8 @@ _EXACT_PARTITIONS = 12
 """Large searches: partitions (ranked by the relaxation) that get the exact batch split."""
 _FULL_ESTIMATES = 3
 """Partitions (ranked by the exact split) priced as whole plans by the estimator."""
+_SMALL_COMBOS = 48
+"""Small searches: layout combinations per partition priced as whole plans (see below)."""
 
 
 @dataclass(frozen=True)
@@ -163,14 +167,15 @@ def _rounded(step_s: float) -> float:
 
 
 def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int],
-             micro_batch: int, schedule: str) -> ExecutionPlan:
+             micro_batch: int, schedule: str,
+             layouts: Sequence[Layout] | None = None) -> ExecutionPlan:
     """A plan of the given pipeline lengths and micro-batch counts with placeholder workers
     (``-1 - slot``); the restorer puts real survivors in. Each pipeline takes the best
-    layout for its length and micro-batch count."""
+    layout for its length and micro-batch count unless ``layouts`` names them."""
     pipelines = []
     slot = 0
-    for length, m in zip(lengths, counts, strict=True):
-        _, layout = templates.best(length, m)
+    for j, (length, m) in enumerate(zip(lengths, counts, strict=True)):
+        layout = layouts[j] if layouts is not None else templates.best(length, m)[1]
         assert layout is not None  # allocate only returns counts that fit
         stages = []
         for lo, hi in layout:
@@ -179,6 +184,29 @@ def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int]
         pipelines.append(Pipeline(tuple(stages), m))
     return ExecutionPlan(num_layers=templates.num_layers, pipelines=tuple(pipelines),
                          micro_batch=micro_batch, schedule=schedule)
+
+
+def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
+                  counts: Sequence[int], micro_batch: int,
+                  schedule: str) -> list[ExecutionPlan]:
+    """Small searches: other layer splits that keep every pipeline within ``tau``.
+
+    Alone, a pipeline's best split is the fastest one; in a whole plan the per-layer
+    gradient all-reduce is a barrier between the holders of a layer, so which layers share
+    a worker with the slowest pipeline's workers (and how long their optimizer steps are)
+    can make another split of equal isolated speed faster. Up to ``_SMALL_COMBOS``
+    combinations of the (at most four) fastest splits per pipeline are tried.
+    """
+    options: list[list[Layout]] = []
+    for length, m in zip(lengths, counts, strict=True):
+        ranked = sorted((templates.step_s(lay, m), lay)
+                        for lay in templates.candidate_layouts(length))
+        fitting = [lay for step, lay in ranked if step <= tau * (1 + 1e-12)][:4]
+        options.append(fitting or [lay for _, lay in ranked[:1]])
+    out = []
+    for combo in itertools.islice(itertools.product(*options), 1, _SMALL_COMBOS + 1):
+        out.append(skeleton(templates, lengths, counts, micro_batch, schedule, layouts=combo))
+    return out
 
 
 def max_length(state: RecoveryState) -> int:
@@ -246,16 +274,20 @@ def search(state: RecoveryState) -> SearchResult | None:
     held = {w: state.plan.layers_by_worker.get(w, range(0)) for w in state.alive}
     layer_bytes = [layer.state_bytes for layer in state.profile.layers]
     best: tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]] | None = None
-    for *_, lengths_of_plan, counts in exact[:_FULL_ESTIMATES]:
-        shape = skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)
-        new_plan, moved = assign_workers(shape, held, layer_bytes)
-        new_plan.validate()
-        est = state.estimate(new_plan)
-        if not est.memory_fits:
-            continue
-        key = (_rounded(est.step_s), moved)
-        if best is None or key < (_rounded(best[0]), best[1]):
-            best = (est.step_s, moved, new_plan, est, lengths_of_plan)
+    for tau, *_, lengths_of_plan, counts in exact[:_FULL_ESTIMATES]:
+        shapes = [skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)]
+        if exhaustive:
+            shapes.extend(_alternatives(templates, tau, lengths_of_plan, counts,
+                                        plan.micro_batch, plan.schedule))
+        for shape in shapes:
+            new_plan, moved = assign_workers(shape, held, layer_bytes)
+            new_plan.validate()
+            est = state.estimate(new_plan)
+            if not est.memory_fits:
+                continue
+            key = (_rounded(est.step_s), moved)
+            if best is None or key < (_rounded(best[0]), best[1]):
+                best = (est.step_s, moved, new_plan, est, lengths_of_plan)
     if best is None:
         return None
     _, _, new_plan, est, lengths_of_plan = best
