@@ -194,17 +194,29 @@ def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
     Alone, a pipeline's best split is the fastest one; in a whole plan the per-layer
     gradient all-reduce is a barrier between the holders of a layer, so which layers share
     a worker with the slowest pipeline's workers (and how long their optimizer steps are)
-    can make another split of equal isolated speed faster. Up to ``_SMALL_COMBOS``
-    combinations of the (at most four) fastest splits per pipeline are tried.
+    can make another split of equal isolated speed faster. Per pipeline, the (at most four)
+    splits within ``tau`` that share the most stage boundaries with the slowest pipeline
+    are kept, and up to ``_SMALL_COMBOS`` combinations are tried.
     """
+    chosen = [templates.best(length, m) for length, m in zip(lengths, counts, strict=True)]
+    critical = max(range(len(chosen)), key=lambda j: chosen[j][0])
+    critical_layout = chosen[critical][1]
+    assert critical_layout is not None
+    critical_cuts = {hi for _, hi in critical_layout}
+
+    def shared(layout: Layout) -> int:
+        # cuts in common with the slowest pipeline: its layers' all-reduce groups then
+        # match stage for stage, so fewer workers wait on the slowest one
+        return len(critical_cuts & {hi for _, hi in layout})
+
     options: list[list[Layout]] = []
     for length, m in zip(lengths, counts, strict=True):
-        ranked = sorted((templates.step_s(lay, m), lay)
+        ranked = sorted((-shared(lay), templates.step_s(lay, m), lay)
                         for lay in templates.candidate_layouts(length))
-        fitting = [lay for step, lay in ranked if step <= tau * (1 + 1e-12)][:4]
-        options.append(fitting or [lay for _, lay in ranked[:1]])
+        fitting = [lay for _, step, lay in ranked if step <= tau * (1 + 1e-12)][:4]
+        options.append(fitting or [templates.best(length, m)[1] or ranked[0][2]])
     out = []
-    for combo in itertools.islice(itertools.product(*options), 1, _SMALL_COMBOS + 1):
+    for combo in itertools.islice(itertools.product(*options), _SMALL_COMBOS):
         out.append(skeleton(templates, lengths, counts, micro_batch, schedule, layouts=combo))
     return out
 
