@@ -244,11 +244,14 @@ class Coordinator:
         self.shape = GPTShape.from_spec(config.model)
         self.procs: dict[int, Any] = {}
         self.events: list[Event] = []
+        self.op_times: list[dict[str, Any]] = []
+        """Per committed step and worker: compute seconds of each op (for calibration)."""
         self.steps: dict[int, StepRecord] = {}
         self.checkpoints: dict[int, float] = {0: 0.0}
         """Committed-step counts with a checkpoint on disk -> when (0 = the initial state)."""
         self.gen = 0
         self.t0 = time.monotonic()
+        self.initial_plan = self.plan
         self.state_plan = self.plan
         """The plan whose layer placement the workers' state matches: the plan of the last
         generation that committed a step (a generation that fails before its first commit
@@ -459,6 +462,7 @@ class Coordinator:
                 start = last_commit_s if last_commit_s is not None else (
                     self.ready_s if self.ready_s is not None else self.gen_started_s)
                 loss = self._collect_loss(gen, step)
+                self._collect_timings(gen, step)
                 self.steps[step] = StepRecord(step, loss, committed - start, gen, committed)
                 self.state_plan, self.from_checkpoint = self.plan, False
                 last_commit_s = committed
@@ -479,6 +483,13 @@ class Coordinator:
             multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
         else:
             time.sleep(_POLL_S)
+
+    def _collect_timings(self, gen: int, step: int) -> None:
+        for w in self.plan.workers:
+            key = proto.timing_key(gen, step, w)
+            if self.store.check([key]):
+                doc = json.loads(self.store.get(key))
+                self.op_times.append({"step": step, "gen": gen, "worker": w, **doc})
 
     def _collect_loss(self, gen: int, step: int) -> float:
         pieces: list[tuple[int, float]] = []
@@ -708,8 +719,10 @@ class Coordinator:
             "step_s": [r.step_s for r in steps],
             "events": [e.to_dict() for e in self.events],
             "param_hash": digest,
+            "initial_plan": self.initial_plan.to_dict(),
             "final_plan": self.plan.to_dict(),
             "dtype": self.train.dtype,
+            "op_times": self.op_times,
             "num_workers": self.num_workers,
             "total_s": self.now(),
         }

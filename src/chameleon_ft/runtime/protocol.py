@@ -56,6 +56,11 @@ def loss_key(gen: int, step: int, worker: int) -> str:
     return f"gen{gen}/loss/{step}/{worker}"
 
 
+def timing_key(gen: int, step: int, worker: int) -> str:
+    """JSON: compute seconds of each forward and backward op of ``worker`` in ``step``."""
+    return f"gen{gen}/timing/{step}/{worker}"
+
+
 def num_errors_key(gen: int) -> str:
     """Counter of error reports in generation ``gen``."""
     return f"gen{gen}/num_errors"

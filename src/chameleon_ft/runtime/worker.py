@@ -218,6 +218,8 @@ class Worker:
         generation that fails before committing leaves the older placement intact, and the
         coordinator plans the next recovery from it)."""
         self.held_steps = 0
+        self.last_optimizer_s: float | None = None
+        """Seconds of the last optimizer step (reported with the next step's timings)."""
         self.stage = StageModel()
         self.faults = [f for f in self.job.faults if f[0] == worker_id]
         self.fired: set[tuple[int, int, str, str]] = set()
@@ -526,6 +528,7 @@ class Worker:
             return ((kind * plan.num_pipelines + p) * max_stages + s) * max_mb + m
 
         seen_forward = seen_backward = False
+        op_s: dict[str, list[float]] = {"F": [], "B": []}  # compute only, without waits
         for kind, p, s, m in ops:
             num_stages = plan.pipelines[p].num_stages
             if kind == "F":
@@ -537,6 +540,7 @@ class Worker:
                     x = torch.empty((b, t, h), dtype=self.dtype, device=self.device)
                     self._recv(group, x, src, tag(0, p, s, m), "activation receive")
                     x.requires_grad_(True)
+                t0 = time.perf_counter()
                 out = self.stage(x)
                 if s == num_stages - 1:
                     _, y = self.corpus.microbatch(step, offsets[p] + m, b)
@@ -547,6 +551,7 @@ class Worker:
                     payload = out.detach().contiguous()
                     sends.append((self._send(group, payload, dst, tag(0, p, s + 1, m)), dst,
                                   payload))
+                op_s["F"].append(time.perf_counter() - t0)
                 inflight[(p, s, m)] = (x, out)
                 if not seen_forward:
                     seen_forward = True
@@ -554,12 +559,15 @@ class Worker:
             else:
                 x, out = inflight.pop((p, s, m))
                 if s == num_stages - 1:
+                    t0 = time.perf_counter()
                     out.backward()
                 else:
                     src = executor(p, s + 1, m)
                     grad = torch.empty_like(out)
                     self._recv(group, grad, src, tag(1, p, s, m), "gradient receive")
+                    t0 = time.perf_counter()
                     out.backward(grad)
+                op_s["B"].append(time.perf_counter() - t0)
                 if s > 0:
                     dst = executor(p, s - 1, m)
                     assert x.grad is not None
@@ -574,14 +582,20 @@ class Worker:
         self._all_reduce(d["rounds"])
         if losses:
             self.store.set(proto.loss_key(gen, step, self.id), json.dumps(losses))
+        held = self.stage.indices()
+        self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
+            {"layers": [held[0], held[-1] + 1] if held else [], "f_s": op_s["F"],
+             "b_s": op_s["B"], "optimizer_s": self.last_optimizer_s}))
         _debug(f"w{self.id} step {step} reduced")
         self.store.add(proto.reduced_key(gen, step), 1)
         verdict = self.store.get(proto.verdict_key(gen, step)).decode()
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
         self._maybe_fault(step, "optimizer")
+        t0 = time.perf_counter()
         for state in self.layers.values():
             self.optimizer.apply(state, step + 1)
+        self.last_optimizer_s = time.perf_counter() - t0
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan)
         return verdict == proto.COMMIT

@@ -1,0 +1,330 @@
+"""Measure the tiny GPT on this machine and write the JSON profile the estimator reads.
+
+Per layer: forward seconds, input-gradient and weight-gradient seconds (the backward
+split by timing an input-only backward), parameter and AdamW-state bytes, the bytes of the
+tensors autograd keeps for the backward (counted with saved-tensor hooks), and the bytes
+of the output sent to the next stage. Plus the optimizer step, gloo point-to-point latency
+and bandwidth between two processes, and the control round trip of a step commit.
+
+Honesty about the machine: a CPU run puts ``num_workers`` processes on the machine's cores,
+so each layer is timed while ``num_workers`` processes run the same measurement at once
+(per-layer medians over processes and repeats). The estimator then times the same
+contended speed the runtime sees.
+
+Usage::
+
+    python -m chameleon_ft.runtime.profiler --config examples/tiny_cpu.toml \\
+        --out examples/tiny_cpu_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from chameleon_ft.profile import LayerCost, Profile
+from chameleon_ft.runtime.data import ByteCorpus
+from chameleon_ft.runtime.model import (
+    AdamW,
+    GPTShape,
+    LayerState,
+    build_layer,
+    loss_sum,
+    torch_dtype,
+)
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
+                   repeats: int = 20) -> dict[str, Any]:
+    """Time every layer of ``shape`` at ``micro_batch`` samples (one process, one thread).
+
+    Returns:
+        ``{"layers": [dict per layer], "optimizer_step_s": float}`` (JSON-ready).
+    """
+    torch.set_num_threads(1)
+    dtype = torch_dtype(dtype_name)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    corpus = ByteCorpus(shape.seq_len)
+    tokens, targets = corpus.microbatch(0, 0, micro_batch)  # (b, T) each
+    hidden = torch.randn(micro_batch, shape.seq_len, shape.hidden_size, dtype=dtype)  # (b,T,H)
+    out: list[dict[str, Any]] = []
+    states = []
+    for i in range(shape.num_layers):
+        layer = build_layer(shape, i, seed=0, dtype=dtype)
+        states.append(LayerState(layer))
+        is_first, is_last = i == 0, i == shape.num_layers - 1
+        x_in = tokens if is_first else hidden.clone().requires_grad_(True)
+
+        def forward(layer: torch.nn.Module = layer, x_in: torch.Tensor = x_in,
+                    is_last: bool = is_last) -> torch.Tensor:
+            y = layer(x_in)
+            return loss_sum(y, targets, targets.numel()) if is_last else y
+
+        def fused(forward: Callable[[], torch.Tensor] = forward, is_last: bool = is_last) -> None:
+            y = forward()
+            y.backward(None if is_last else torch.ones_like(y))
+
+        def input_only(forward: Callable[[], torch.Tensor] = forward, x_in: torch.Tensor = x_in,
+                       is_last: bool = is_last) -> None:
+            y = forward()
+            torch.autograd.grad(y, [x_in], None if is_last else torch.ones_like(y))
+
+        for _ in range(3):  # warm the per-shape kernels
+            fused()
+        # Interleave the three timings so that they see the same contention from the other
+        # processes measuring at the same time.
+        samples: list[tuple[float, float, float]] = []
+        for _ in range(repeats):
+            samples.append((_median_s(forward, 1), _median_s(fused, 1),
+                            0.0 if is_first else _median_s(input_only, 1)))
+        fwd_s = statistics.median(f for f, _, _ in samples)
+        bwd_s = max(0.0, statistics.median(b for _, b, _ in samples) - fwd_s)
+        bwd_input_s = 0.0 if is_first else min(
+            bwd_s, max(0.0, statistics.median(i for _, _, i in samples) - fwd_s))
+        saved: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, acc=saved: acc.append(t.numel() * t.element_size()) or t,
+                lambda t: t):
+            y = forward()
+        param_bytes = sum(p.numel() for p in layer.parameters()) * elem
+        out.append({
+            "name": "embedding" if is_first else "head" if is_last else f"block{i}",
+            "fwd_s": fwd_s, "bwd_input_s": bwd_input_s, "bwd_weight_s": bwd_s - bwd_input_s,
+            "param_bytes": float(param_bytes), "optimizer_bytes": float(2 * param_bytes),
+            "activation_bytes": float(sum(saved)),
+            "output_bytes": 0.0 if is_last else float(y.numel() * y.element_size()),
+        })
+    adamw = AdamW(lr=1e-3)
+    for state in states:
+        for p in state.module.parameters():
+            p.grad = torch.ones_like(p)
+
+    def step() -> None:
+        for state in states:
+            adamw.apply(state, 1)
+
+    return {"layers": out, "optimizer_step_s": _median_s(step, max(3, repeats // 4))}
+
+
+def _measure_worker(args: tuple[dict[str, Any], int, str, int]) -> dict[str, Any]:
+    shape_doc, micro_batch, dtype_name, repeats = args
+    return measure_layers(GPTShape(**shape_doc), micro_batch, dtype_name, repeats)
+
+
+def _p2p_worker(rank: int, port: int, sizes: list[int], repeats: int, queue: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=30)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("p2p/", store), rank, 2, opts)
+    results = {}
+    for n in sizes:
+        buf = torch.zeros(max(1, n // 4), dtype=torch.float32)
+        times = []
+        for it in range(repeats + 2):
+            t = time.perf_counter()
+            if rank == 0:
+                pg.send([buf], 1, it).wait()
+                pg.recv([buf], 1, it).wait()
+            else:
+                pg.recv([buf], 0, it).wait()
+                pg.send([buf], 0, it).wait()
+            if it >= 2:
+                times.append((time.perf_counter() - t) / 2)  # one way
+        results[n] = statistics.median(times)
+    if rank == 0:
+        queue.put(results)
+        queue.close()
+        queue.join_thread()  # os._exit would drop what the feeder thread has not sent
+    os._exit(0)
+
+
+def measure_p2p(sizes: tuple[int, ...] = (4, 1 << 17, 1 << 21, 1 << 24),
+                repeats: int = 30) -> dict[str, float]:
+    """Gloo one-way transfer time between two processes of this host (ping-pong / 2).
+
+    Returns:
+        ``latency_s`` and ``bandwidth_bytes_s`` of a least-squares line through the median
+        one-way time of each message size, and the raw ``times_s`` per size.
+    """
+    from chameleon_ft.runtime.coordinator import forkserver_context
+
+    ctx = forkserver_context()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_p2p_worker, args=(r, store.port, list(sizes), repeats, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results: dict[int, float] = queue.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+    xs = [float(n) for n in sizes]
+    ys = [results[n] for n in sizes]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+             / sum((x - mean_x) ** 2 for x in xs))
+    latency_s = max(0.0, mean_y - slope * mean_x)
+    return {"latency_s": latency_s, "bandwidth_bytes_s": 1.0 / max(slope, 1e-15),
+            "times_s": {str(n): results[n] for n in sizes}}
+
+
+def measure_control(repeats: int = 200) -> float:
+    """Round trip of one store operation: a step commit costs about two of them plus the
+    coordinator's poll interval."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    return _median_s(lambda: client.add("x", 1), repeats)
+
+
+def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = None) -> Profile:
+    """Measure the job's model on this machine under the job's process count.
+
+    Args:
+        config: a job with a ``[model]``.
+        repeats: timed repetitions per measurement.
+        concurrency: processes measuring at once (default: the job's workers).
+    """
+    from chameleon_ft.runtime.coordinator import forkserver_context
+
+    shape = GPTShape.from_spec(config.model)
+    dtype = config.train.dtype
+    n = concurrency or config.num_workers
+    ctx = forkserver_context()
+    with ctx.Pool(n) as pool:
+        runs = pool.map(_measure_worker, [(vars(shape), config.job.micro_batch, dtype,
+                                           repeats)] * n)
+    layers = []
+    for i in range(shape.num_layers):
+        doc = dict(runs[0]["layers"][i])
+        for key in ("fwd_s", "bwd_input_s", "bwd_weight_s"):
+            doc[key] = statistics.median(r["layers"][i][key] for r in runs)
+        layers.append(LayerCost(**doc))
+    p2p = measure_p2p()
+    control_s = measure_control()
+    return Profile(
+        layers=tuple(layers),
+        optimizer_step_s=statistics.median(r["optimizer_step_s"] for r in runs),
+        tokens_per_sample=shape.seq_len, micro_batch=config.job.micro_batch, source="measured",
+        meta={"model": vars(shape), "dtype": dtype, "processes_at_once": n,
+              "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "p2p_latency_s": p2p["latency_s"], "p2p_bandwidth_bytes_s":
+              p2p["bandwidth_bytes_s"], "p2p_times_s": p2p["times_s"],
+              "store_round_trip_s": control_s})
+
+
+def calibrate_from_run(base: Profile, op_times: list[dict[str, Any]], *,
+                       skip_steps: int = 3) -> Profile:
+    """Replace ``base``'s times by the compute times the runtime measured in a real run.
+
+    Each worker reports the compute seconds of its forward and backward ops per step (waits
+    excluded) and of its optimizer step. A stage's median op time is split over its layers
+    in the proportions of ``base`` (an isolated measurement), so the profile carries the
+    speed the workers really had: with every process of the job sharing the cores.
+
+    Args:
+        base: the isolated per-layer measurement (shapes, bytes and time ratios).
+        op_times: the report's ``op_times`` of a failure-free run.
+        skip_steps: leading steps to ignore (warm-up).
+    """
+    stages: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for rec in op_times:
+        if rec["step"] < skip_steps or not rec["layers"]:
+            continue
+        acc = stages.setdefault((rec["layers"][0], rec["layers"][1]),
+                                {"f": [], "b": [], "opt": []})
+        acc["f"].extend(rec["f_s"])
+        acc["b"].extend(rec["b_s"])
+        if rec["optimizer_s"] is not None:
+            acc["opt"].append(rec["optimizer_s"])
+    layers = list(base.layers)
+    total_params = base.total_param_bytes
+    optimizer = []
+    for (lo, hi), acc in stages.items():
+        chosen = base.layers[lo:hi]
+        f_total = sum(c.fwd_s for c in chosen) or 1.0
+        b_total = sum(c.bwd_s for c in chosen) or 1.0
+        f_med, b_med = statistics.median(acc["f"]), statistics.median(acc["b"])
+        for i in range(lo, hi):
+            c = base.layers[i]
+            bwd = b_med * c.bwd_s / b_total
+            split = c.bwd_input_s / c.bwd_s if c.bwd_s else 0.5
+            layers[i] = replace(c, fwd_s=f_med * c.fwd_s / f_total, bwd_input_s=bwd * split,
+                                bwd_weight_s=bwd * (1 - split))
+        share = sum(c.param_bytes for c in chosen) / total_params
+        if acc["opt"] and share:
+            optimizer.append(statistics.median(acc["opt"]) / share)
+    meta = dict(base.meta)
+    meta["calibration"] = ("compute seconds per op measured inside a failure-free run "
+                           "(every worker process sharing the cores), split over a stage's "
+                           "layers in the isolated measurement's proportions")
+    return replace(base, layers=tuple(layers), meta=meta,
+                   optimizer_step_s=statistics.median(optimizer) if optimizer
+                   else base.optimizer_step_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m chameleon_ft.runtime.profiler --config FILE --out PROFILE.json``."""
+    from chameleon_ft.spec import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", choices=("float32", "float64"))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--from-run", type=int, default=30, metavar="STEPS",
+                        help="calibrate the compute times with a failure-free run of this many "
+                             "steps (0: keep the isolated measurement)")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    if args.dtype:
+        config = replace(config, train=replace(config.train, dtype=args.dtype))
+    profile = profile_job(config, repeats=args.repeats, concurrency=1)
+    if args.from_run:
+        from chameleon_ft.runtime.coordinator import Coordinator
+
+        run_config = replace(config, train=replace(config.train, steps=args.from_run,
+                                                   checkpoint_every=0, faults=()))
+        report = Coordinator(run_config, profile=profile).run()
+        profile = calibrate_from_run(profile, report["op_times"])
+    profile.save(Path(args.out))
+    meta = profile.meta
+    print(json.dumps({
+        "out": args.out,
+        "step_compute_s_one_worker": sum(c.fwd_s + c.bwd_s for c in profile.layers),
+        "p2p_latency_us": meta["p2p_latency_s"] * 1e6,
+        "p2p_bandwidth_gb_per_s": meta["p2p_bandwidth_bytes_s"] / 1e9,
+        "p2p_one_way_s_by_bytes": meta["p2p_times_s"],
+        "store_round_trip_us": meta["store_round_trip_s"] * 1e6,
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
