@@ -130,7 +130,8 @@ class Planner:
             micro_batch=config.job.micro_batch, schedule=config.job.schedule,
             num_workers=self._topology.num_workers,
             workers_per_node=self._topology.workers_per_node,
-            pipeline_estimate=self._pipeline_estimate)
+            pipeline_estimate=self._pipeline_estimate,
+            num_microbatches=self._initial_plan.num_microbatches)
         self._cache: OrderedDict[_CacheKey, tuple[Candidate, ...]] = OrderedDict()
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         start = time.perf_counter()

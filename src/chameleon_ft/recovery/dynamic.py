@@ -288,7 +288,7 @@ def search(state: RecoveryState) -> SearchResult | None:
     best: tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]] | None = None
     for tau, *_, lengths_of_plan, counts in exact[:_FULL_ESTIMATES]:
         shapes = [skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)]
-        if exhaustive:
+        if exhaustive and templates.exhaustive:
             shapes.extend(_alternatives(templates, tau, lengths_of_plan, counts,
                                         plan.micro_batch, plan.schedule))
         for shape in shapes:

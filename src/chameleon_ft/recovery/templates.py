@@ -8,8 +8,8 @@ instead. The step time of one pipeline of a given layout running ``m`` micro-bat
 from the estimator on a one-pipeline plan and is memoised, so a search asks the estimator
 about each ``(layout, m)`` once per job.
 
-Small models are searched exactly: with at most ``EXHAUSTIVE_MAX_LAYERS`` layers, a length
-with at most ``EXHAUSTIVE_LAYOUTS`` layer splits tries every split and each ``(length, m)`` uses the fastest one (with few
+Small jobs are searched exactly: with at most ``EXHAUSTIVE_MAX_LAYERS`` layers and
+``EXHAUSTIVE_MAX_MICROBATCHES`` micro-batches per step, every layer split is tried and each ``(length, m)`` uses the fastest one (with few
 micro-batches the balanced split is not always best: the fill and drain and the per-stage
 optimizer step weigh more than the slowest stage). Larger models use the template alone.
 
@@ -31,10 +31,11 @@ from chameleon_ft.profile import Profile
 Layout = tuple[tuple[int, int], ...]
 """Layer bounds ``(first, end)`` of each stage of a pipeline."""
 
-EXHAUSTIVE_LAYOUTS = 64
-"""Lengths with at most this many layer splits try every split (small models only)."""
-EXHAUSTIVE_MAX_LAYERS = 12
-"""Models with more layers use the template alone (every model up to 8 layers is exact)."""
+EXHAUSTIVE_MAX_LAYERS = 8
+"""Models with more layers use the template alone."""
+EXHAUSTIVE_MAX_MICROBATCHES = 16
+"""Jobs with more micro-batches per step use the template alone (each ``(length, m)``
+would price every split of every length)."""
 
 K = TypeVar("K", bound=Hashable)
 
@@ -100,7 +101,7 @@ class Templates:
 
     def __init__(self, profile: Profile, *, capacity_bytes: float, micro_batch: int,
                  schedule: str, num_workers: int, workers_per_node: int,
-                 pipeline_estimate: PipelineEstimate) -> None:
+                 pipeline_estimate: PipelineEstimate, num_microbatches: int = 1) -> None:
         """Args:
             profile: per-layer costs.
             capacity_bytes: one device's memory.
@@ -109,6 +110,8 @@ class Templates:
             num_workers: workers in the cluster (placeholder ids stay within it).
             workers_per_node: to place a template's stages on distinct nodes.
             pipeline_estimate: prices a one-pipeline plan.
+            num_microbatches: micro-batches per step of the job (decides whether every
+                layer split is tried).
         """
         self.profile = profile
         self.capacity_bytes = capacity_bytes
@@ -117,6 +120,9 @@ class Templates:
         self.num_workers = num_workers
         self.workers_per_node = workers_per_node
         self._pipeline_estimate = pipeline_estimate
+        self.exhaustive = (profile.num_layers <= EXHAUSTIVE_MAX_LAYERS
+                           and num_microbatches <= EXHAUSTIVE_MAX_MICROBATCHES)
+        """Whether every layer split is tried (small jobs)."""
         self._layouts: dict[int, Layout | None] = {}
         self._candidates: dict[int, list[Layout]] = {}
         self._best: dict[tuple[int, int], tuple[float, Layout | None]] = {}
@@ -184,14 +190,13 @@ class Templates:
         return result
 
     def candidate_layouts(self, length: int) -> list[Layout]:
-        """Every layer split of ``length`` stages when there are few, else the template."""
+        """Every layer split of ``length`` stages for small jobs, else the template."""
         found = self._candidates.get(length)
         if found is not None:
             return found
         out: list[Layout] = []
         if 1 <= length <= min(self.num_layers, self.num_workers):
-            if (self.num_layers <= EXHAUSTIVE_MAX_LAYERS
-                    and math.comb(self.num_layers - 1, length - 1) <= EXHAUSTIVE_LAYOUTS):
+            if self.exhaustive:
                 for cuts in itertools.combinations(range(1, self.num_layers), length - 1):
                     bounds = (0, *cuts, self.num_layers)
                     out.append(tuple(itertools.pairwise(bounds)))
