@@ -3,9 +3,9 @@
 The search (paper Algorithm 1 and Oobleck's templates, generalised):
 
 1. **Lengths.** A pipeline of ``l`` stages uses the job's template for ``l`` (a min-max
-   balanced layer split over the profile's per-layer costs, memory-checked; for small
-   models the fastest of every split; see ``templates.py``). Lengths where nothing fits
-   are never used.
+   balanced layer split over the profile's per-layer costs, memory-checked; for jobs of
+   at most 8 layers and 16 micro-batches the fastest of every split; see
+   ``templates.py``). Lengths where nothing fits are never used.
 2. **Partitions of the survivors into pipeline lengths.**
    - Up to ``recovery.search_exhaustive_workers`` survivors (8): every multiset of
      feasible lengths whose sum is at most the number of survivors (idle survivors
@@ -17,7 +17,11 @@ The search (paper Algorithm 1 and Oobleck's templates, generalised):
      (for each pair of lengths and each count of the second length, as many pipelines of
      the first length as fit, leaving fewer idle survivors than the first length). The
      partitions are ranked by a continuous relaxation (each length's step time fitted as
-     ``a + b m``), and the best ``_EXACT_PARTITIONS`` get the exact micro-batch split.
+     ``a + b m``), and the best ``_EXACT_PARTITIONS`` get the exact micro-batch split,
+     together with the partitions that keep every intact pipeline and form the freed
+     survivors into pipelines of one length (Oobleck's re-instantiation) and the
+     homogeneous ones. Ties in step time (common, since micro-batches are whole) go to
+     the partition that rebuilds the fewest pipelines, then to fewer distinct lengths.
 3. **Micro-batch split.** In proportion to each pipeline's speed, then refined to the
    exact min-max split over one-pipeline estimates (``templates.allocate``).
 4. **Refinement.** The best ``_FULL_ESTIMATES`` partitions become real plans: survivors
