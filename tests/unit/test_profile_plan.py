@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage, balanced_bounds
-from chameleon_ft.plan.reroute import reroute_plan, split_evenly
+from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import Profile, analytic_profile, uniform_profile
 from chameleon_ft.spec import ClusterSpec, device_preset, model_preset
 
@@ -148,14 +148,6 @@ def test_balanced_bounds_is_optimal(costs: list[int], num_stages: int) -> None:
     best = min(max(sum(costs[lo:hi]) for lo, hi in b) for b in _all_bounds(len(costs),
                                                                             num_stages))
     assert max(sum(costs[lo:hi]) for lo, hi in bounds) == best
-
-
-@given(st.integers(0, 50), st.lists(st.floats(0.1, 5), min_size=1, max_size=6))
-def test_split_evenly_conserves_the_total(total: int, weights: list[float]) -> None:
-    parts = split_evenly(total, weights)
-    assert sum(parts) == total
-    scale = total / sum(weights)
-    assert all(abs(p - w * scale) < 1 + 1e-9 for p, w in zip(parts, weights, strict=True))
 
 
 def test_plan_is_a_value() -> None:

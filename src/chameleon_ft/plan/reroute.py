@@ -4,77 +4,76 @@ live workers holding the same layers in other pipelines (DESIGN.md section 2).""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 
 from chameleon_ft.plan.plan import ExecutionPlan, Reroute
 
 
-def split_evenly(total: int, weights: list[float]) -> list[int]:
-    """Split ``total`` whole items in proportion to ``weights`` (largest remainders).
-
-    Ties go to the earlier entry, so the split is deterministic.
-    """
-    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError("split_evenly: needs a non-negative total and positive weights")
-    scale = total / sum(weights)
-    exact = [w * scale for w in weights]
-    out = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
-    for i in order[: total - sum(out)]:
-        out[i] += 1
-    return out
+def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int]]:
+    """``(pipeline, stage)`` of every stage already rerouted or whose worker is in ``dead``."""
+    dead_set = set(dead)
+    return [(p, s) for p, s, st in plan.iter_stages()
+            if (p, s) in plan.reroute_map or st.worker in dead_set]
 
 
 def reroute_plan(
     plan: ExecutionPlan,
-    failed: Iterable[int],
-    weight: Callable[[int], float] | None = None,
+    dead: Iterable[int],
+    headroom: Mapping[int, float] | None = None,
 ) -> ExecutionPlan:
-    """Reroute every stage whose worker is in ``failed``.
+    """Reroute every stage whose worker is in ``dead`` (and keep rerouting those already
+    rerouted), rebuilding all reroutes so the extra work stays balanced.
 
-    Each dead stage's micro-batches are split over the live workers holding the same
-    layer range in other pipelines, in proportion to ``weight(peer)`` (default: equal),
-    counting what the peer already carries for earlier reroutes of this call so that the
-    extra work stays balanced. Existing reroutes of ``plan`` are kept; if a failed worker
-    was a peer of an existing reroute, that reroute is rebuilt.
+    Without ``headroom`` each micro-batch of a dead stage goes to the same-range peer with
+    the least work so far (its own pipeline's micro-batches plus what it already took), so
+    a peer shared by two dead stages is not overloaded. With ``headroom`` (free bytes per
+    worker), peers without free memory are skipped and the rest take micro-batches in
+    proportion to their free bytes.
 
     Raises:
-        ValueError: when some dead stage has no live replica (rerouting is infeasible) or a
-            failed worker is not in the plan.
+        ValueError: when a dead stage has no live replica in another pipeline (rerouting is
+            infeasible); the message says which.
     """
-    failed_set = set(failed)
-    unknown = sorted(failed_set - set(plan.workers) - set(plan.dead_workers))
-    if unknown:
-        raise ValueError(f"failed: worker {unknown[0]} runs nothing in the current plan")
-    weigh = weight or (lambda _w: 1.0)
-    dead_stages = {(r.pipeline, r.stage) for r in plan.reroutes}
-    dead_stages.update(
-        (p, s) for p, s, st in plan.iter_stages() if st.worker in failed_set
-    )
-    live = {w: ps for w, ps in plan.stage_of_worker.items() if w not in failed_set}
-    by_layout: dict[tuple[int, int], list[int]] = {}
-    for w, (p, s) in sorted(live.items()):
-        st = plan.pipelines[p].stages[s]
-        by_layout.setdefault((st.first_layer, st.end_layer), []).append(w)
-    load: dict[int, float] = {w: 0.0 for w in live}
+    dead_set = set(dead)
+    dead_list = dead_stages(plan, dead_set)
+    skip = set(dead_list)
+    load: dict[int, float] = {}
+    peers_of_range: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for p, s, st in plan.iter_stages():
+        if (p, s) in skip:
+            continue
+        load[st.worker] = float(plan.pipelines[p].num_microbatches)
+        peers_of_range[(st.first_layer, st.end_layer)].append((p, st.worker))
+    extra: dict[int, int] = defaultdict(int)
     reroutes = []
-    for p, s in sorted(dead_stages):
+    for p, s in dead_list:
         st = plan.pipelines[p].stages[s]
-        peers = [w for w in by_layout.get((st.first_layer, st.end_layer), [])
-                 if live[w][0] != p]
+        peers = [w for q, w in peers_of_range.get((st.first_layer, st.end_layer), []) if q != p]
+        if headroom is not None:
+            peers = [w for w in peers if headroom.get(w, 0.0) > 0]
         if not peers:
             raise ValueError(
-                f"reroute: no live replica of layers [{st.first_layer}, {st.end_layer}) "
-                f"(pipeline {p} stage {s}); rerouting is infeasible")
-        m = plan.pipelines[p].num_microbatches
-        # Give more to peers that are fast and not yet loaded by earlier dead stages.
-        own = {w: plan.pipelines[live[w][0]].num_microbatches for w in peers}
-        capacity = [max(weigh(w) * (own[w] + m) - load[w] - own[w], 0.0) + 1e-9 for w in peers]
-        counts = split_evenly(m, capacity)
-        shares = tuple((w, n) for w, n in zip(peers, counts, strict=True) if n > 0)
-        for w, n in shares:
-            load[w] += n
-        reroutes.append(Reroute(p, s, shares))
+                f"reroute: stage {s} of pipeline {p} (layers {st.first_layer}.."
+                f"{st.end_layer - 1}) has no live replica in another pipeline"
+                + (" with free memory" if headroom is not None else ""))
+        shares: dict[int, int] = defaultdict(int)
+
+        def key(w: int) -> float:
+            if headroom is None:
+                return load[w]
+            return (extra[w] + 1) / headroom[w]
+
+        heap = [(key(w), w) for w in peers]
+        heapq.heapify(heap)
+        for _ in range(plan.pipelines[p].num_microbatches):
+            _, w = heapq.heappop(heap)
+            shares[w] += 1
+            extra[w] += 1
+            load[w] += 1.0
+            heapq.heappush(heap, (key(w), w))
+        reroutes.append(Reroute(p, s, tuple(sorted(shares.items()))))
     new = dataclasses.replace(plan, reroutes=tuple(reroutes))
     new.validate()
     return new

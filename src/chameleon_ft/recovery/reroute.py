@@ -12,11 +12,9 @@ the reason, when some dead stage has no such peer or the peers run out of memory
 
 from __future__ import annotations
 
-import heapq
-from collections import defaultdict
-from dataclasses import replace
-
-from chameleon_ft.plan import Reroute
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.plan.reroute import dead_stages as plan_dead_stages
+from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.recovery.transition import reroute_terms
 from chameleon_ft.recovery.types import (
     Candidate,
@@ -29,56 +27,19 @@ from chameleon_ft.recovery.types import (
 
 def dead_stages(state: RecoveryState) -> list[tuple[int, int]]:
     """``(pipeline, stage)`` of every stage of the current plan whose worker is not alive."""
-    plan = state.plan
-    return [(p, s) for p, s, st in plan.iter_stages()
-            if (p, s) in plan.reroute_map or st.worker not in state.alive]
+    return plan_dead_stages(state.plan, _dead_workers(state))
 
 
-def _spread(state: RecoveryState, dead: list[tuple[int, int]],
-            headroom: dict[int, float] | None) -> list[Reroute] | str:
-    """Reroutes for every dead stage, or the reason there are none.
+def _dead_workers(state: RecoveryState) -> set[int]:
+    return {st.worker for _, _, st in state.plan.iter_stages()} - set(state.alive)
 
-    Without ``headroom`` each micro-batch goes to the peer with the least work so far.
-    With it, peers without free memory are skipped and the rest take micro-batches in
-    proportion to their free bytes (the second attempt when the first does not fit).
-    """
-    plan = state.plan
-    dead_set = set(dead)
-    load: dict[int, float] = {}
-    peers_of_range: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for p, s, st in plan.iter_stages():
-        if (p, s) in dead_set:
-            continue
-        load[st.worker] = float(plan.pipelines[p].num_microbatches)
-        peers_of_range[(st.first_layer, st.end_layer)].append((p, st.worker))
-    extra: dict[int, int] = defaultdict(int)
-    reroutes = []
-    for p, s in dead:
-        st = plan.pipelines[p].stages[s]
-        peers = [w for q, w in peers_of_range.get((st.first_layer, st.end_layer), []) if q != p]
-        if headroom is not None:
-            peers = [w for w in peers if headroom.get(w, 0.0) > 0]
-        if not peers:
-            return (f"stage {s} of pipeline {p} (layers {st.first_layer}..{st.end_layer - 1}) "
-                    "has no live replica in another pipeline"
-                    + (" with free memory" if headroom is not None else ""))
-        shares: dict[int, int] = defaultdict(int)
 
-        def key(w: int) -> float:
-            if headroom is None:
-                return load[w]
-            return (extra[w] + 1) / headroom[w]
-
-        heap = [(key(w), w) for w in peers]
-        heapq.heapify(heap)
-        for _ in range(plan.pipelines[p].num_microbatches):
-            _, w = heapq.heappop(heap)
-            shares[w] += 1
-            extra[w] += 1
-            load[w] += 1.0
-            heapq.heappush(heap, (key(w), w))
-        reroutes.append(Reroute(p, s, tuple(sorted(shares.items()))))
-    return reroutes
+def _spread(state: RecoveryState, headroom: dict[int, float] | None) -> ExecutionPlan | str:
+    """The rerouted plan, or the reason there is none."""
+    try:
+        return reroute_plan(state.plan, _dead_workers(state), headroom)
+    except ValueError as exc:
+        return str(exc).removeprefix("reroute: ")
 
 
 def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
@@ -93,12 +54,10 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     """
     plan = state.plan
     dead = dead_stages(state)
-    spread = _spread(state, dead, None)
+    spread = _spread(state, None)
     if isinstance(spread, str):
         return [infeasible(Strategy.REROUTE, spread)]
-    reroutes = spread
-    new_plan = replace(plan, reroutes=tuple(reroutes))
-    new_plan.validate()
+    new_plan = spread
     est = state.estimate(new_plan)
     how = "to same-stage peers"
     if not est.memory_fits:
@@ -106,17 +65,15 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
         capacity = state.topology.memory_capacity_bytes
         before = state.estimate(plan).peak_memory_bytes
         headroom = {w: capacity - peak for w, peak in before.items()}
-        second = _spread(state, dead, headroom)
+        second = _spread(state, headroom)
         if not isinstance(second, str):
-            candidate_plan = replace(plan, reroutes=tuple(second))
-            candidate_plan.validate()
-            second_est = state.estimate(candidate_plan)
+            second_est = state.estimate(second)
             if second_est.memory_fits:
-                new_plan, est, reroutes = candidate_plan, second_est, second
+                new_plan, est = second, second_est
                 how = "to same-stage peers by free memory"
     newly = sorted((p, s) for p, s in dead if (p, s) not in plan.reroute_map)
     what = ", ".join(f"p{p}s{s}" for p, s in newly) or "nothing new"
     return [candidate_from_estimate(Strategy.REROUTE, new_plan, est,
                                     reroute_terms(state.config.recovery),
                                     f"reroute {what} {how} "
-                                    f"({len(reroutes)} stage(s) rerouted in all)")]
+                                    f"({len(new_plan.reroutes)} stage(s) rerouted in all)")]
