@@ -11,15 +11,16 @@ from dist_harness import run_job
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``reference(dtype)`` -> (report, params) of a failure-free run, computed once."""
+    """``reference(dtype, steps)`` -> (report, params) of a failure-free run, computed once."""
     cache: dict[str, Any] = {}
 
-    def get(dtype: str = "float64") -> Any:
-        if dtype not in cache:
-            out: Path = tmp_path_factory.mktemp(f"reference-{dtype}")
-            report, params, _ = run_job(out, dtype=dtype)
+    def get(dtype: str = "float64", steps: int = 6) -> Any:
+        key = f"{dtype}-{steps}"
+        if key not in cache:
+            out: Path = tmp_path_factory.mktemp(f"reference-{key}")
+            report, params, _ = run_job(out, dtype=dtype, steps=steps)
             assert not report["events"]
-            cache[dtype] = (report, params)
-        return cache[dtype]
+            cache[key] = (report, params)
+        return cache[key]
 
     return get

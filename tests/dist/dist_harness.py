@@ -73,7 +73,7 @@ def run_job(out_dir: Path, *, policy: str = "chameleon", faults: tuple[str, ...]
     try:
         report = coord.run()
     finally:
-        pids = [p.pid for p in coord.procs.values() if p.pid is not None]
+        pids = [p.pid for p in coord.all_procs if p.pid is not None]
         for pid in pids:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):

@@ -116,6 +116,14 @@ class PlannerDecide:
                 since_checkpoint_s=since_checkpoint_s)
             return decision
 
+    def rejoin(self, plan: ExecutionPlan, returned: frozenset[int], alive: frozenset[int],
+               now_s: float) -> DecisionLike:
+        """The policy's answer to repaired workers coming back."""
+        with self.lock:
+            decision: DecisionLike = self.planner.decide_rejoin(
+                plan, sorted(returned), alive=sorted(alive), now_s=now_s)
+            return decision
+
     def precompute(self, plan: ExecutionPlan) -> None:
         """Start filling the planner's cache for ``plan`` in the background."""
 
@@ -132,8 +140,10 @@ class PendingSwitch:
 
     plan: ExecutionPlan
     migration: Any
-    after_steps: int
-    """Steps to train on the interim plan first."""
+    at_step: int
+    """Switch when this step commits."""
+    rejoin: tuple[int, ...] = ()
+    """Repaired workers the new plan folds back in."""
 
 
 @dataclass
@@ -243,6 +253,12 @@ class Coordinator:
         self.log = log or (lambda _msg: None)
         self.shape = GPTShape.from_spec(config.model)
         self.procs: dict[int, Any] = {}
+        """The current process of each worker launched here."""
+        self.all_procs: list[Any] = []
+        """Every process launched here, replaced ones included (all reaped at the end)."""
+        self.replaced: set[int] = set()
+        self.rejoining: set[int] = set()
+        self.rejoins: list[dict[str, Any]] = []
         self.events: list[Event] = []
         self.op_times: list[dict[str, Any]] = []
         """Per committed step and worker: compute seconds of each op (for calibration)."""
@@ -322,15 +338,17 @@ class Coordinator:
         finally:
             self._reap()
 
-    def _launch(self, ids: Sequence[int]) -> None:
+    def _launch(self, ids: Sequence[int], *, replacement: bool = False) -> None:
         from chameleon_ft.runtime.worker import worker_main
 
         ctx = forkserver_context()
         for w in ids:
-            proc = ctx.Process(target=worker_main, args=(w, self.host, self.port, None),
+            proc = ctx.Process(target=worker_main,
+                               args=(w, self.host, self.port, None, replacement),
                                daemon=False, name=f"chameleon-worker-{w}")
             proc.start()
             self.procs[w] = proc
+            self.all_procs.append(proc)
 
     def _wait_joined(self) -> None:
         deadline = time.monotonic() + self.train.join_timeout_s
@@ -352,9 +370,9 @@ class Coordinator:
     def _reap(self) -> None:
         """Leave no process behind: wait briefly, then SIGKILL by pid and join."""
         deadline = time.monotonic() + 5.0
-        for proc in self.procs.values():
+        for proc in self.all_procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs.values():
+        for proc in self.all_procs:
             if proc.exitcode is None and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
@@ -407,7 +425,6 @@ class Coordinator:
         suspects: dict[int, float] = {}
         unexplained_since: float | None = None
         last_commit_s: float | None = None
-        steps_in_gen = 0
         timeout_s, hb_s = self.train.timeout_s, self.train.heartbeat_s
         members = set(self.world)
         while out.next_step < self.train.steps:
@@ -454,8 +471,7 @@ class Coordinator:
                 self.ready_s = self.now()
             step = out.next_step
             if self.store.add(proto.reduced_key(gen, step), 0) >= len(self.plan.workers):
-                steps_in_gen += 1
-                end = self.pending is not None and steps_in_gen >= self.pending.after_steps
+                end = self.pending is not None and step >= self.pending.at_step
                 self.store.set(proto.verdict_key(gen, step),
                                proto.COMMIT_END if end else proto.COMMIT)
                 committed = self.now()
@@ -468,7 +484,18 @@ class Coordinator:
                 last_commit_s = committed
                 self.log(f"step {step:4d}  loss {loss:.4f}  step {committed - start:.3f} s  "
                          f"gen {gen}")
+                for event in self.events:
+                    if event.resumed_at_s is None:
+                        event.resumed_at_s = committed
+                        origin = event.fault_at_s if event.fault_at_s is not None \
+                            else event.detected_at_s
+                        self.log(f"recovered: first step after the failure committed "
+                                 f"{committed - origin:.3f} s after it ({event.strategy}; "
+                                 f"minus this step's {committed - start:.3f} s: transition "
+                                 f"{committed - origin - (committed - start):.3f} s)")
                 out.next_step = step + 1
+                if not end:
+                    self._maybe_rejoin(out.next_step)
                 if end:
                     out.switch = True
                     break
@@ -606,17 +633,53 @@ class Coordinator:
             after = 1
             if chosen.interim_step_s and chosen.interim_s:
                 after = max(1, math.ceil(chosen.interim_s / chosen.interim_step_s))
-            self.pending = PendingSwitch(new_plan, decision_value.migration, after)
+            self.pending = PendingSwitch(new_plan, decision_value.migration,
+                                         next_step + after - 1)
             self._publish(interim, next_step)
             return next_step
         self._publish(new_plan, next_step, migration=decision_value.migration)
         return next_step
 
+    def _maybe_rejoin(self, next_step: int) -> None:
+        """Relaunch dead local workers once training runs again; fold them back in when
+        they are up and the policy says it pays (the switch happens at the next commit)."""
+        if not self.train.rejoin or self.pending is not None:
+            return
+        if any(e.resumed_at_s is None for e in self.events):
+            return
+        dead_local = [w for w in self.procs if w not in self.alive and w not in self.replaced]
+        if dead_local:
+            self.replaced.update(dead_local)
+            self.rejoining.update(dead_local)
+            self._launch(dead_local, replacement=True)
+            self.log(f"relaunched worker(s) {dead_local} (repair); they rejoin when ready")
+            return
+        ready = sorted(w for w in self.rejoining
+                       if self.store.check([proto.rejoin_ready_key(w)]))
+        rejoin = getattr(self._decide_fn(), "rejoin", None)
+        if not ready or rejoin is None:
+            return
+        self.rejoining.difference_update(ready)
+        decision = rejoin(self.plan, frozenset(ready), frozenset(self.alive | set(ready)),
+                          self.now())
+        record = {"workers": ready, "step": next_step, "strategy": str(decision.strategy),
+                  "reason": decision.reason}
+        self.rejoins.append(record)
+        self.log(f"rejoin of worker(s) {ready}: {decision.strategy} ({decision.reason})")
+        if str(decision.strategy) == "keep" or decision.plan is None:
+            return  # not worth it: the repaired workers stay idle
+        self.pending = PendingSwitch(decision.plan, decision.migration, next_step,
+                                     rejoin=tuple(ready))
+
     def _switch(self, next_step: int) -> None:
-        """Second phase of a two-phase recovery: migrate at a step boundary and switch."""
+        """Switch plans at a step boundary (second phase of a two-phase recovery, or a
+        rejoin): migrate, then train on the new plan."""
         assert self.pending is not None
         pending, self.pending = self.pending, None
         self.gen += 1
+        for w in pending.rejoin:
+            self.alive.add(w)
+            self.store.set(proto.rejoin_gen_key(w), str(self.gen))
         self.log(f"switching to the dynamic plan after step {next_step - 1} "
                  f"({len(pending.migration.transfers) if pending.migration else 0} transfers)")
         for line in pending.plan.describe().splitlines():
@@ -699,6 +762,8 @@ class Coordinator:
         self.gen += 1
         self.store.set(proto.directive_key(self.gen), proto.dumps(
             {"action": "stop", "gen": self.gen, "dead": [], "final": final}))
+        for w in self.replaced - self.alive:  # repaired but never used: let them exit
+            self.store.set(proto.rejoin_gen_key(w), str(self.gen))
         params: dict[str, torch.Tensor] = {}
         deadline = timedelta(seconds=max(10.0, 5 * self.train.timeout_s))
         for i in range(self.shape.num_layers):
@@ -718,6 +783,7 @@ class Coordinator:
             "loss": [r.loss for r in steps],
             "step_s": [r.step_s for r in steps],
             "events": [e.to_dict() for e in self.events],
+            "rejoins": self.rejoins,
             "param_hash": digest,
             "initial_plan": self.initial_plan.to_dict(),
             "final_plan": self.plan.to_dict(),

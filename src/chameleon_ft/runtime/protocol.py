@@ -86,6 +86,16 @@ def worker_info_key(worker: int) -> str:
     return f"worker/{worker}"
 
 
+def rejoin_ready_key(worker: int) -> str:
+    """Set by a repaired worker once it is up and waiting to be folded back in."""
+    return f"rejoin/{worker}/ready"
+
+
+def rejoin_gen_key(worker: int) -> str:
+    """The generation a repaired worker starts from (set when the coordinator uses it)."""
+    return f"rejoin/{worker}/gen"
+
+
 def checkpoint_layer_key(step: int, layer: int) -> str:
     """A layer's serialised state after ``step`` committed steps, uploaded by a worker."""
     return f"ckpt/{step}/layer{layer}"

@@ -182,7 +182,7 @@ class Worker:
     """One training process: its layers, optimizer state and the generation loop."""
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
-                 control_timeout_s: float = 600.0) -> None:
+                 control_timeout_s: float = 600.0, replacement: bool = False) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -191,8 +191,10 @@ class Worker:
             port: the store port.
             address: the address other workers reach this one at.
             control_timeout_s: how long to wait for the coordinator's next directive.
+            replacement: a repaired worker rejoining a running job under a dead one's id.
         """
         self.id = worker_id
+        self.replacement = replacement
         self.host, self.port, self.address = host, port, address
         self.control_timeout = timedelta(seconds=control_timeout_s)
         self.store = self._connect()
@@ -309,8 +311,14 @@ class Worker:
         self.store.set(proto.worker_info_key(self.id), json.dumps(info))
         threading.Thread(target=self._heartbeat, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
-        self.store.add(proto.REGISTERED_KEY, 1)
         gen = 0
+        if self.replacement:
+            # a repaired worker: wait until the coordinator folds it into a generation
+            self.faults = []  # the injected faults were for the process it replaces
+            self.store.set(proto.rejoin_ready_key(self.id), "1")
+            gen = int(self.store.get(proto.rejoin_gen_key(self.id)))
+        else:
+            self.store.add(proto.REGISTERED_KEY, 1)
         while True:
             directive = json.loads(self.store.get(proto.directive_key(gen)))
             if directive["action"] == "stop":
@@ -668,7 +676,8 @@ def local_address(host: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
-def worker_main(worker_id: int, host: str, port: int, address: str | None = None) -> None:
+def worker_main(worker_id: int, host: str, port: int, address: str | None = None,
+                replacement: bool = False) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
@@ -679,7 +688,8 @@ def worker_main(worker_id: int, host: str, port: int, address: str | None = None
     torch.set_num_threads(1)
     code = 0
     try:
-        worker = Worker(worker_id, host, port, address=address or local_address(host, port))
+        worker = Worker(worker_id, host, port, address=address or local_address(host, port),
+                        replacement=replacement)
         worker.run()
     except InjectedError:
         code = 1

@@ -130,9 +130,10 @@ class TrainSpec:
     checkpoint_every: int = 0
     """Write a checkpoint every this many committed steps (0: never; restart then goes back
     to the deterministic initial parameters, step 0)."""
-    rejoin: bool = True
-    """Relaunch a replacement for a dead worker the coordinator launched itself, and let
-    the policy decide whether to fold it back in at the next failure or checkpoint."""
+    rejoin: bool = False
+    """Relaunch a replacement ("repaired" worker) for each dead worker the coordinator
+    launched itself, once training runs again, and let the policy decide whether to fold
+    it back in (the plan changes at a step boundary, state migrates to it)."""
     faults: tuple[str, ...] = ()
     """Injected faults, each ``rank=R,step=S,kind=kill|hang|error[,phase=...]``."""
 
