@@ -8,8 +8,11 @@ reports:
   minus that plan's own step time (median of its later steps);
 - ``detected_after_s``: kill to detection;
 - step time before and after (medians of the committed steps of each plan, the first steps
-  of each plan excluded) next to ``estimate(plan).step_s`` for the same plans, with the
-  profile and network the config names (measured by ``chameleon_ft.runtime.profiler``).
+  of each plan excluded) next to ``estimate(plan).step_s`` for the same plans: with the
+  profile and network the config names (measured by ``chameleon_ft.runtime.profiler``);
+  with the profile calibrated online from the compute times the workers measured before
+  the failure; and, after the failure, with that online profile plus per-worker speeds for
+  the CPU share (4 processes on 2 cores before; fewer busy processes after run faster).
 
 Usage::
 
@@ -61,10 +64,23 @@ def run_one(strategy: str, steps: int, fault_step: int, out: Path) -> dict[str, 
     # (healthy plan only) replace the profile's, as a runtime-measured profile would.
     from chameleon_ft.runtime.profiler import calibrate_from_run
 
-    healthy = [r for r in report["op_times"] if r["gen"] == first_gen and r["step"] < fault_step]
+    healthy = [r for r in coord.op_times if r["gen"] == first_gen and r["step"] < fault_step]
     online = calibrate_from_run(coord.profile, healthy)
+    # This testbed runs every worker process on the same few cores, so a process runs
+    # faster when fewer processes are busy: model it as the estimator's per-worker speed,
+    # share(n) = min(1, cores / n) relative to the calibration run's n.
+    cores = os.cpu_count() or 1
+
+    def share(n: int) -> float:
+        return min(1.0, cores / n)
+
+    n_before, n_after = len(plan_before.workers), len(plan_after.workers)
+    speed = share(n_after) / share(n_before)
+    speeds = {w: speed for w in plan_after.workers}
     return {
         "strategy": strategy,
+        "busy_processes": [n_before, n_after],
+        "online_cpu_after_s": estimate(plan_after, online, topology, speeds=speeds).step_s,
         "online_before_s": estimate(plan_before, online, topology).step_s,
         "online_after_s": estimate(plan_after, online, topology).step_s,
         "chosen": event["strategy"],
@@ -106,13 +122,15 @@ def main(argv: list[str] | None = None) -> int:
           f"--steps {args.steps} --fault-step {args.fault_step} --repeats {args.repeats}")
     print(f"load average before the table: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     header = ("strategy", "transition s", "detect s", "lost steps", "step before s",
-              "est. before s (file / online)", "step after s", "est. after s (file / online)")
+              "est. before s (file / online)", "step after s",
+              "est. after s (file / online / online + CPU share)")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     def est(row: dict[str, Any], which: str) -> str:
         measured = row[f"step_{which}_s"]
         parts = []
-        for source in ("estimate", "online"):
+        sources = ["estimate", "online"] + (["online_cpu"] if which == "after" else [])
+        for source in sources:
             value = row[f"{source}_{which}_s"]
             parts.append(f"{value:.3f} ({value / measured - 1:+.0%})")
         return " / ".join(parts)

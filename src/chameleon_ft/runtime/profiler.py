@@ -250,7 +250,7 @@ def calibrate_from_run(base: Profile, op_times: list[dict[str, Any]], *,
 
     Args:
         base: the isolated per-layer measurement (shapes, bytes and time ratios).
-        op_times: the report's ``op_times`` of a failure-free run.
+        op_times: ``Coordinator.op_times`` (or ``op_times.json``) of a failure-free run.
         skip_steps: leading steps to ignore (warm-up).
     """
     stages: dict[tuple[int, int], dict[str, list[float]]] = {}
@@ -311,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
 
         run_config = replace(config, train=replace(config.train, steps=args.from_run,
                                                    checkpoint_every=0, faults=()))
-        report = Coordinator(run_config, profile=profile).run()
-        profile = calibrate_from_run(profile, report["op_times"])
+        coord = Coordinator(run_config, profile=profile)
+        coord.run()
+        profile = calibrate_from_run(profile, coord.op_times)
     profile.save(Path(args.out))
     meta = profile.meta
     print(json.dumps({
