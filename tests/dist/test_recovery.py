@@ -28,8 +28,9 @@ def _draw(strategy: str, phase: str) -> tuple[int, int]:
     return rng.randrange(4), rng.randrange(1, STEPS - 1)
 
 
-CASES = [(s, p) for s in ("reroute", "dynamic") for p in ("forward", "backward", "optimizer")]
-CASES += [("shrink", "backward"), ("restart", "forward"), ("reroute-then-dynamic", "backward")]
+CASES = [(s, p) for s in ("reroute", "dynamic", "shrink", "restart")
+         for p in ("forward", "backward", "optimizer")]
+CASES += [("reroute-then-dynamic", "backward")]
 
 
 def _check_clean(pids: list[int]) -> None:
