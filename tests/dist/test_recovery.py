@@ -144,3 +144,16 @@ def test_repaired_worker_rejoins(tmp_path: Path, reference: Any) -> None:
     assert [s["step"] for s in report["steps"]] == list(range(60))
     _, ref_params = reference("float64", steps=60)
     assert max_abs_diff(params, ref_params) < 1e-9
+
+
+def test_death_after_the_last_commit(tmp_path: Path, reference: Any) -> None:
+    # killed in the optimizer phase of the last step: the step is committed, so it counts;
+    # the final parameters come from the dead worker's replica
+    report, params, pids = run_job(tmp_path, policy="reroute",
+                                   faults=(f"rank=0,step={STEPS - 1},kind=kill,phase=optimizer",))
+    _, ref_params = reference("float64")
+    _check_clean(pids)
+    _check_steps(report)
+    (event,) = report["events"]
+    assert event["workers"] == [0] and event["strategy"] == "none"
+    assert max_abs_diff(params, ref_params) < 1e-9

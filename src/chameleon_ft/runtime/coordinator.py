@@ -758,20 +758,54 @@ class Coordinator:
     # ------------------------------------------------------------------ the end
     def _finish(self) -> dict[str, Any]:
         self.store.set(proto.abort_key(self.gen), "1")
-        final = {i: self.plan.holders(i)[0] for i in range(self.shape.num_layers)}
+        # Every live holder uploads each of its layers; take the first holder's copy that
+        # arrives. A worker may die after the last commit (in its last optimizer step):
+        # its replicas hold the same state.
+        final = {i: [w for w in self.plan.holders(i) if w in self.alive]
+                 for i in range(self.shape.num_layers)}
         self.gen += 1
         self.store.set(proto.directive_key(self.gen), proto.dumps(
             {"action": "stop", "gen": self.gen, "dead": [], "final": final}))
         for w in self.replaced - self.alive:  # repaired but never used: let them exit
             self.store.set(proto.rejoin_gen_key(w), str(self.gen))
         params: dict[str, torch.Tensor] = {}
-        deadline = timedelta(seconds=max(10.0, 5 * self.train.timeout_s))
-        for i in range(self.shape.num_layers):
-            key = proto.final_layer_key(i)
-            self.store.wait([key], deadline)
-            named = torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
+        deadline = time.monotonic() + max(10.0, 5 * self.train.timeout_s)
+        for i, holders in final.items():
+            blob = None
+            while blob is None:
+                for w in holders:
+                    if self.store.check([proto.final_layer_key(i, w)]):
+                        blob = self.store.get(proto.final_layer_key(i, w))
+                        break
+                else:
+                    gone = all(w in self.procs and self.procs[w].exitcode not in (None, 0)
+                               for w in holders)
+                    if gone or time.monotonic() > deadline:
+                        raise WorkerFailure(f"layer {i}: no holder uploaded its final "
+                                            f"parameters (holders {holders})")
+                    time.sleep(_POLL_S)
+            named = torch.load(io.BytesIO(blob), weights_only=True)
             for name, tensor in named.items():
                 params[f"layers.{i}.{name}"] = tensor
+        # the workers exit once they uploaded; wait for them so that a death after the
+        # last commit is seen and reported
+        leave_by = time.monotonic() + max(5.0, 2 * self.train.timeout_s)
+        for w in sorted(self.alive):
+            if w in self.procs:
+                self.procs[w].join(max(0.0, leave_by - time.monotonic()))
+        for w in sorted(self.alive):
+            proc = self.procs.get(w)
+            if proc is not None and proc.exitcode not in (None, 0):
+                fault_at = self._fault_time(frozenset({w}))
+                now = self.now()
+                self.events.append(Event(
+                    workers=[w], cause=f"w{w}: exit (status {proc.exitcode}) after the last "
+                    "step committed", gen=self.gen, step=len(self.steps), fault_at_s=fault_at,
+                    detected_at_s=now, detected_after_s=None if fault_at is None
+                    else now - fault_at, strategy="none",
+                    reason="training had finished; its replicas supplied the final parameters"))
+                self.log(f"worker {w} died after the last step; its replicas supplied the "
+                         "final parameters")
         digest = param_hash(params)
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)

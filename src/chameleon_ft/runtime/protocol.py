@@ -111,9 +111,9 @@ def restore_layer_key(gen: int, layer: int) -> str:
     return f"gen{gen}/restore/layer{layer}"
 
 
-def final_layer_key(layer: int) -> str:
-    """A layer's final parameters, uploaded at the end of training."""
-    return f"final/layer{layer}"
+def final_layer_key(layer: int, worker: int) -> str:
+    """A layer's final parameters as ``worker`` holds them, uploaded at the end."""
+    return f"final/layer{layer}/w{worker}"
 
 
 @dataclass(frozen=True)

@@ -657,14 +657,15 @@ class Worker:
                 self.store.add(proto.checkpoint_count_key(num_steps), 1)
 
     def _upload_final(self, directive: dict[str, Any]) -> None:
-        for layer, worker in directive["final"].items():
-            if worker != self.id:
+        """Upload the final parameters of every layer this worker is a listed holder of."""
+        for layer, workers in directive["final"].items():
+            if self.id not in workers:
                 continue
             state = self.layers[int(layer)]
             named = {n: p.detach().cpu() for n, p in state.module.named_parameters()}
             buf = io.BytesIO()
             torch.save(named, buf)
-            self.store.set(proto.final_layer_key(int(layer)), buf.getvalue())
+            self.store.set(proto.final_layer_key(int(layer), self.id), buf.getvalue())
 
 
 def _debug(message: str) -> None:
