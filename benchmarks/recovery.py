@@ -11,8 +11,10 @@ reports:
   of each plan excluded) next to ``estimate(plan).step_s`` for the same plans: with the
   profile and network the config names (measured by ``chameleon_ft.runtime.profiler``);
   with the profile calibrated online from the compute times the workers measured before
-  the failure; and, after the failure, with that online profile plus per-worker speeds for
-  the CPU share (4 processes on 2 cores before; fewer busy processes after run faster).
+  the failure, plus the measured per-step commit latency (control overhead, which the
+  estimator does not model); and, after the failure, with that online profile plus
+  per-worker speeds for the CPU share (4 processes on 2 cores before; fewer busy
+  processes after run faster).
 
 Usage::
 
@@ -62,10 +64,11 @@ def run_one(strategy: str, steps: int, fault_step: int, out: Path) -> dict[str, 
     plan_after = ExecutionPlan.from_dict(report["final_plan"])
     # Online calibration: the compute times the workers measured before the failure
     # (healthy plan only) replace the profile's, as a runtime-measured profile would.
-    from chameleon_ft.runtime.profiler import calibrate_from_run
+    from chameleon_ft.runtime.profiler import calibrate_from_run, control_overhead_s
 
     healthy = [r for r in coord.op_times if r["gen"] == first_gen and r["step"] < fault_step]
     online = calibrate_from_run(coord.profile, healthy)
+    control_s = control_overhead_s(healthy)
     # This testbed runs every worker process on the same few cores, so a process runs
     # faster when fewer processes are busy: model it as the estimator's per-worker speed,
     # share(n) = min(1, cores / n) relative to the calibration run's n.
@@ -80,9 +83,11 @@ def run_one(strategy: str, steps: int, fault_step: int, out: Path) -> dict[str, 
     return {
         "strategy": strategy,
         "busy_processes": [n_before, n_after],
-        "online_cpu_after_s": estimate(plan_after, online, topology, speeds=speeds).step_s,
-        "online_before_s": estimate(plan_before, online, topology).step_s,
-        "online_after_s": estimate(plan_after, online, topology).step_s,
+        "online_cpu_after_s": estimate(plan_after, online, topology,
+                                       speeds=speeds).step_s + control_s,
+        "control_s": control_s,
+        "online_before_s": estimate(plan_before, online, topology).step_s + control_s,
+        "online_after_s": estimate(plan_after, online, topology).step_s + control_s,
         "chosen": event["strategy"],
         "detected_after_s": event["detected_after_s"],
         "transition_s": event["transition_s"],
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py "
           f"--steps {args.steps} --fault-step {args.fault_step} --repeats {args.repeats}")
     print(f"load average before the table: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print("control overhead (commit latency) per run, s: "
+          + ", ".join(f"{row['control_s']:.4f}" for row in rows))
     header = ("strategy", "transition s", "detect s", "lost steps", "step before s",
               "est. before s (file / online)", "step after s",
               "est. after s (file / online / online + CPU share)")

@@ -161,7 +161,7 @@ def _p2p_worker(rank: int, port: int, sizes: list[int], repeats: int, queue: Any
 
 
 def measure_p2p(sizes: tuple[int, ...] = (4, 1 << 17, 1 << 21, 1 << 24),
-                repeats: int = 30) -> dict[str, float]:
+                repeats: int = 30) -> dict[str, Any]:
     """Gloo one-way transfer time between two processes of this host (ping-pong / 2).
 
     Returns:
@@ -237,6 +237,19 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
               "p2p_latency_s": p2p["latency_s"], "p2p_bandwidth_bytes_s":
               p2p["bandwidth_bytes_s"], "p2p_times_s": p2p["times_s"],
               "store_round_trip_s": control_s})
+
+
+def control_overhead_s(op_times: list[dict[str, Any]], *, skip_steps: int = 3) -> float:
+    """Median per-step commit latency of a run: for each step, the shortest wait from
+    "reduced" to the verdict over its workers (the last worker to reduce waits only for the
+    coordinator's poll and the store round trips). 0 when nothing was measured."""
+    by_step: dict[tuple[int, int], list[float]] = {}
+    for rec in op_times:
+        wait = rec.get("commit_wait_s")
+        if rec["step"] > skip_steps and wait is not None:
+            # a record carries the previous step's wait
+            by_step.setdefault((rec["gen"], rec["step"] - 1), []).append(wait)
+    return statistics.median(min(w) for w in by_step.values()) if by_step else 0.0
 
 
 def calibrate_from_run(base: Profile, op_times: list[dict[str, Any]], *,

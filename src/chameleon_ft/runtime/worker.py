@@ -226,6 +226,9 @@ class Worker:
         self.held_steps = 0
         self.last_optimizer_s: float | None = None
         """Seconds of the last optimizer step (reported with the next step's timings)."""
+        self.last_commit_wait_s: float | None = None
+        """Seconds from reporting "reduced" to reading the verdict, last step (the last
+        worker to reduce waits only for the coordinator: the control overhead)."""
         self.stage = StageModel()
         self.faults = [f for f in self.job.faults if f[0] == worker_id]
         self.fired: set[tuple[int, int, str, str]] = set()
@@ -597,10 +600,13 @@ class Worker:
         held = self.stage.indices()
         self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
             {"layers": [held[0], held[-1] + 1] if held else [], "f_s": op_s["F"],
-             "b_s": op_s["B"], "optimizer_s": self.last_optimizer_s}))
+             "b_s": op_s["B"], "optimizer_s": self.last_optimizer_s,
+             "commit_wait_s": self.last_commit_wait_s}))
         _debug(f"w{self.id} step {step} reduced")
+        t_reduced = time.perf_counter()
         self.store.add(proto.reduced_key(gen, step), 1)
         verdict = self.store.get(proto.verdict_key(gen, step)).decode()
+        self.last_commit_wait_s = time.perf_counter() - t_reduced
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
         self._maybe_fault(step, "optimizer")
