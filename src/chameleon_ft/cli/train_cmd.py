@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address the coordinator's store listens on (default 127.0.0.1; "
                              "0.0.0.0 for other hosts)")
     parser.add_argument("--port", type=int, default=0, help="store port (default: any free)")
+    parser.add_argument("--rejoin", action="store_true",
+                        help="relaunch dead local workers (repair) and let the policy fold "
+                             "them back in ([train] rejoin)")
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -54,6 +57,8 @@ def _config(args: argparse.Namespace) -> Any:
         overrides["steps"] = args.steps
     if args.dtype is not None:
         overrides["dtype"] = args.dtype
+    if args.rejoin:
+        overrides["rejoin"] = True
     if overrides:
         try:
             train = replace(train, **overrides)
@@ -71,6 +76,8 @@ def _summary(report: dict[str, Any]) -> list[str]:
         lines.append(f"failure of worker(s) {e['workers']} at step {e['step']}: detected after "
                      f"{detect}, {e['strategy']}, transition {trans}"
                      + (f", {e['lost_steps']} steps redone" if e["lost_steps"] else ""))
+    for r in report.get("rejoins", []):
+        lines.append(f"repaired worker(s) {r['workers']} at step {r['step']}: {r['strategy']}")
     lines.append(f"final parameters sha256 {report['param_hash']}")
     return lines
 

@@ -357,6 +357,8 @@ class Worker:
             world_group = self._build_groups(gen, generation, world, d["rounds"])
             self._load_state(gen, d, plan, world, world_group)
             self.store.add(proto.ready_key(gen), 1)
+            if self.id not in plan.workers:
+                return  # only a migration source: idle in the new plan (must not vote)
             _debug(f"w{self.id} gen {gen} ready")
             for step in range(d["step"], d["steps"]):
                 if not self._run_step(gen, step, plan, d, world, world_group):
@@ -680,9 +682,18 @@ def _debug(message: str) -> None:
 
 
 def local_address(host: str, port: int) -> str:
-    """The address of the interface that reaches ``host:port`` (what peers should dial)."""
+    """The address of the interface that reaches ``host:port`` (what peers should dial).
+
+    A coordinator bound to every interface (``0.0.0.0``) has workers on other hosts, so
+    its local workers advertise this host's own address rather than loopback.
+    """
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
     with socket.create_connection((host, port), timeout=5) as s:
         return str(s.getsockname()[0])
 
