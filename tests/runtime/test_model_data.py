@@ -98,3 +98,19 @@ def test_fault_parsing_and_checks() -> None:
         check_faults((parse_fault("rank=4,step=1"),), num_workers=4, steps=10)
     with pytest.raises(ValueError, match="never runs"):
         check_faults((parse_fault("rank=0,step=10"),), num_workers=4, steps=10)
+
+
+def test_calibration_from_run_times() -> None:
+    from chameleon_ft.profile import uniform_profile
+    from chameleon_ft.runtime.profiler import calibrate_from_run, control_overhead_s
+
+    base = uniform_profile(4, fwd_s=1.0, bwd_input_s=1.0, bwd_weight_s=1.0, param_bytes=10.0,
+                           optimizer_step_s=1.0)
+    op_times = [{"step": s, "gen": 0, "worker": w, "layers": layers, "f_s": [0.2, 0.2],
+                 "b_s": [0.6, 0.6], "optimizer_s": 0.05, "commit_wait_s": 0.003 + w * 0.001}
+                for s in range(6) for w, layers in ((0, [0, 2]), (1, [2, 4]))]
+    profile = calibrate_from_run(base, op_times)
+    assert [c.fwd_s for c in profile.layers] == pytest.approx([0.1] * 4)
+    assert [c.bwd_input_s for c in profile.layers] == pytest.approx([0.15] * 4)
+    assert profile.optimizer_step_s == pytest.approx(0.1)  # a half-model stage took 0.05 s
+    assert control_overhead_s(op_times) == pytest.approx(0.003)
