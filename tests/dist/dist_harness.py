@@ -26,7 +26,7 @@ TINY: dict[str, Any] = {
     "profile": {"kind": "analytic"},
     "recovery": {"detect_s": 0.05, "rebuild_s": 0.05, "restart_s": 1.0,
                  "checkpoint_load_s": 0.1, "checkpoint_interval_s": 5.0},
-    "train": {"steps": 6, "dtype": "float64", "lr": 3e-3, "timeout_s": 1.5,
+    "train": {"steps": 6, "dtype": "float64", "lr": 3e-3, "timeout_s": 2.0,
               "heartbeat_s": 0.1, "checkpoint_every": 2},
 }
 """4 workers (dp 2 x pp 2) of a 2-block GPT: about 20 ms of compute per step."""

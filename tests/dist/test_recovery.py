@@ -96,7 +96,7 @@ def test_hang_detected_within_timeout(tmp_path: Path, reference: Any) -> None:
     _check_steps(report)
     (event,) = report["events"]
     assert event["workers"] == [1]
-    assert event["detected_after_s"] <= 1.5  # [train] timeout_s of the tiny job
+    assert event["detected_after_s"] <= 2.0  # [train] timeout_s of the tiny job
     assert max_abs_diff(params, ref_params) < 1e-9
 
 
