@@ -292,7 +292,8 @@ class Coordinator:
                        backend=train.backend,
                        faults=tuple((f.rank, f.step, f.kind, f.phase) for f in self.faults),
                        corpus_digest=corpus_digest(),
-                       checkpoint_every=train.checkpoint_every)
+                       checkpoint_every=train.checkpoint_every,
+                       control_timeout_s=train.join_timeout_s)
 
     def _schedule(self, plan: ExecutionPlan) -> tuple[dict[str, Any], list[Any]]:
         from chameleon_ft.perf import Topology, build_schedule

@@ -91,6 +91,9 @@ class JobInfo:
     """``(rank, step, kind, phase)``."""
     corpus_digest: str
     checkpoint_every: int
+    control_timeout_s: float
+    """Deadline of one wait on the coordinator (a directive, a verdict); waits are re-armed
+    as long as the coordinator's store answers."""
 
     def to_json(self) -> str:
         """Serialise."""
@@ -186,7 +189,7 @@ class Worker:
     """One training process: its layers, optimizer state and the generation loop."""
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
-                 control_timeout_s: float = 600.0, replacement: bool = False) -> None:
+                 connect_timeout_s: float = 30.0, replacement: bool = False) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -194,15 +197,18 @@ class Worker:
             host: the coordinator's store host.
             port: the store port.
             address: the address other workers reach this one at.
-            control_timeout_s: how long to wait for the coordinator's next directive.
+            connect_timeout_s: deadline of connecting and reading the job; later waits
+                use the job's ``control_timeout_s``.
             replacement: a repaired worker rejoining a running job under a dead one's id.
         """
         self.id = worker_id
         self.replacement = replacement
         self.host, self.port, self.address = host, port, address
-        self.control_timeout = timedelta(seconds=control_timeout_s)
+        self.control_timeout = timedelta(seconds=connect_timeout_s)
         self.store = self._connect()
         self.job = JobInfo.from_json(self.store.get(proto.JOB_KEY))
+        self.control_timeout = timedelta(seconds=self.job.control_timeout_s)
+        self.store.set_timeout(self.control_timeout)
         self.dtype = torch_dtype(self.job.dtype)
         self.backend = resolve_backend(self.job.backend)
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
@@ -283,11 +289,30 @@ class Worker:
                 gen = self.current
             assert gen is not None
             watched = gen.gen
-            try:
-                store.wait([proto.abort_key(watched)])
-            except Exception:
-                os._exit(3)
+            while True:
+                try:
+                    store.wait([proto.abort_key(watched)])
+                    break
+                except dist.DistStoreError:
+                    if not _answers(store):
+                        os._exit(3)
+                except Exception:
+                    os._exit(3)
             gen.break_all()
+
+    def _await(self, key: str) -> bytes:
+        """Wait for a key the coordinator writes, ``control_timeout_s`` at a time, for as
+        long as the coordinator answers (an idle worker may wait for the whole run).
+
+        Raises:
+            DistStoreError: when the coordinator no longer answers.
+        """
+        while True:
+            try:
+                return bytes(self.store.get(key))
+            except dist.DistStoreError:
+                if not _answers(self.store):
+                    raise
 
     def _moved_past(self, gen: int) -> bool:
         return self.current is not None and self.current.gen != gen
@@ -323,11 +348,11 @@ class Worker:
             # a repaired worker: wait until the coordinator folds it into a generation
             self.faults = []  # the injected faults were for the process it replaces
             self.store.set(proto.rejoin_ready_key(self.id), "1")
-            gen = int(self.store.get(proto.rejoin_gen_key(self.id)))
+            gen = int(self._await(proto.rejoin_gen_key(self.id)))
         else:
             self.store.add(proto.REGISTERED_KEY, 1)
         while True:
-            directive = json.loads(self.store.get(proto.directive_key(gen)))
+            directive = json.loads(self._await(proto.directive_key(gen)))
             if directive["action"] == "stop":
                 self._upload_final(directive)
                 return
@@ -607,7 +632,7 @@ class Worker:
         _debug(f"w{self.id} step {step} reduced")
         t_reduced = time.perf_counter()
         self.store.add(proto.reduced_key(gen, step), 1)
-        verdict = self.store.get(proto.verdict_key(gen, step)).decode()
+        verdict = self._await(proto.verdict_key(gen, step)).decode()
         self.last_commit_wait_s = time.perf_counter() - t_reduced
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
@@ -674,6 +699,15 @@ class Worker:
             buf = io.BytesIO()
             torch.save(named, buf)
             self.store.set(proto.final_layer_key(int(layer), self.id), buf.getvalue())
+
+
+def _answers(store: dist.TCPStore) -> bool:
+    """Whether the coordinator's store still answers."""
+    try:
+        store.check([proto.JOB_KEY])
+    except Exception:
+        return False
+    return True
 
 
 def _debug(message: str) -> None:

@@ -126,7 +126,9 @@ class TrainSpec:
     timeout_s: float = 3.0
     """Deadline of every blocking call; a worker silent this long is declared hung."""
     join_timeout_s: float = 60.0
-    """How long the coordinator waits for every worker to join (process start or remote)."""
+    """How long the coordinator waits for every worker to join (process start or remote);
+    also the deadline of each of a worker's waits on the coordinator, re-armed while the
+    coordinator answers."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many committed steps (0: never; restart then goes back
     to the deterministic initial parameters, step 0)."""
