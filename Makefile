@@ -14,9 +14,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[runtime,dev]'
 	touch $(STAMP)
 
+# The main job: train a tiny GPT on 4 worker processes (dp 2 x pp 2), kill one of them
+# mid-step, recover in place without restarting the survivors, and print the report.
 demo: $(STAMP)
-	$(BIN)/chameleon estimate --config examples/paper32.toml
-	$(BIN)/chameleon estimate --config examples/paper32.toml --fail 5
+	OMP_NUM_THREADS=1 $(BIN)/chameleon train --config examples/tiny_cpu.toml \
+		--fault rank=3,step=120,kind=kill,phase=backward --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
