@@ -182,7 +182,8 @@ def test_symmetric_and_brute_force_agree(lengths: list[int], m: int, data: st.Da
     assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)
     assert dict(fast.peak_memory_bytes) == pytest.approx(dict(slow.peak_memory_bytes))
     b = fast.breakdown
-    assert b.compute_s + b.p2p_s + b.allreduce_s + b.optimizer_s == pytest.approx(fast.step_s)
+    assert b.compute_s + b.p2p_s + b.allreduce_s + b.control_s + b.optimizer_s == pytest.approx(
+        fast.step_s)
 
 
 def test_heterogeneous_plan_is_its_slowest_pipeline() -> None:
@@ -255,3 +256,13 @@ def test_gpipe_takes_as_long_as_1f1b_but_holds_every_microbatch() -> None:
     a, b = estimate(one, profile, topology(4)), estimate(gpipe, profile, topology(4))
     assert b.step_s == pytest.approx(a.step_s) == pytest.approx(step_1f1b(4, 8, 1.0, 2.0))
     assert b.peak_memory_bytes[0] == 8 and a.peak_memory_bytes[0] == 4
+
+
+def test_commit_barrier_and_control_time_precede_the_optimizer() -> None:
+    profile = uniform_profile(4, fwd_s=1.0, bwd_input_s=1.0, optimizer_step_s=2.0,
+                              control_s=0.25)
+    plan = ExecutionPlan.uniform(dp=1, pp=2, num_layers=4, num_microbatches=4)
+    est = estimate(plan, profile, topology(2))
+    # every stage waits for the last one to finish, then the commit, then its optimizer
+    assert est.step_s == pytest.approx(step_1f1b(2, 4, 2.0, 2.0) + 0.25 + 1.0)
+    assert est.breakdown.control_s == 0.25 and est.breakdown.optimizer_s == 1.0

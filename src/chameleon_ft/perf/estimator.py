@@ -11,7 +11,9 @@ with one ruler (DESIGN.md section 3):
    buckets sharing a worker cannot run together, so they are grouped into rounds by DSATUR
    colouring; a bucket starts when all its workers are done with compute and with their
    earlier rounds;
-3. the optimizer step of each worker, in proportion to the parameters it holds.
+3. the step commit (every worker has reduced: a barrier plus the profile's measured
+   control time), then the optimizer step of each worker, in proportion to the
+   parameters it holds.
 
 Symmetry: pipelines untouched by reroutes are independent, and pipelines with the same
 stage layout, speeds and link pattern have identical timelines, so each distinct one is
@@ -38,11 +40,12 @@ from chameleon_ft.profile.profile import Profile, stage_sums
 class Breakdown:
     """Where the step's time goes, along its critical path.
 
-    ``compute_s + p2p_s + allreduce_s + optimizer_s == step_s``: the compute phase's
-    critical path split into operation time and transfer time (transfers include any
-    wait that is not computation), then the gradient synchronisation and the optimizer
-    step of the worker that finishes last. ``idle_s`` is separate: the mean time a worker
-    spends neither computing, reducing nor stepping (the pipeline bubble).
+    ``compute_s + p2p_s + allreduce_s + control_s + optimizer_s == step_s``: the compute
+    phase's critical path split into operation time and transfer time (transfers include
+    any wait that is not computation), then the gradient synchronisation until the last
+    worker is done, the step commit, and the slowest optimizer step. ``idle_s`` is
+    separate: the mean time a worker spends neither computing, reducing nor stepping
+    (the pipeline bubble).
     """
 
     compute_s: float
@@ -50,12 +53,13 @@ class Breakdown:
     allreduce_s: float
     optimizer_s: float
     idle_s: float
+    control_s: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready form."""
         return {"compute_s": self.compute_s, "p2p_s": self.p2p_s,
-                "allreduce_s": self.allreduce_s, "optimizer_s": self.optimizer_s,
-                "idle_s": self.idle_s}
+                "allreduce_s": self.allreduce_s, "control_s": self.control_s,
+                "optimizer_s": self.optimizer_s, "idle_s": self.idle_s}
 
 
 @dataclass(frozen=True)
@@ -283,17 +287,14 @@ class Estimator:
                 for w in bucket.workers:
                     ready[w] = start + t
                     sync_s[w] += t
-        # Optimizer step.
-        end = {}
-        opt_s = {}
-        for w, layers in plan.layers_by_worker.items():
-            opt_s[w] = self._optimizer_s(layers) / speeds.get(w, 1.0)
-            end[w] = ready[w] + opt_s[w]
-        last = max(end, key=lambda w: (end[w], -w))
-        step_s = end[last]
-        tail = step_s - makespan
-        optimizer = min(opt_s[last], tail)
-        allreduce = tail - optimizer
+        # The step commits once every worker has reduced (a barrier, plus the control
+        # plane's own time); only then does any worker step its optimizer.
+        commit_s = max(ready.values()) + profile.control_s
+        opt_s = {w: self._optimizer_s(layers) / speeds.get(w, 1.0)
+                 for w, layers in plan.layers_by_worker.items()}
+        optimizer = max(opt_s.values())
+        step_s = commit_s + optimizer
+        allreduce = commit_s - profile.control_s - makespan
 
         # Memory per device: parameters, gradients and optimizer state of the layers held,
         # plus the activations of the micro-batches in flight at the worst moment.
@@ -304,7 +305,8 @@ class Estimator:
         max_memory = max(peak_memory.values(), default=0.0)
 
         workers = list(plan.layers_by_worker)
-        idle = sum(step_s - busy.get(w, 0.0) - sync_s.get(w, 0.0) - opt_s[w] for w in workers)
+        idle = sum(step_s - busy.get(w, 0.0) - sync_s.get(w, 0.0) - opt_s[w] - profile.control_s
+                   for w in workers)
         idle_s = max(0.0, idle / len(workers))
         samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
         return Estimate(
@@ -317,7 +319,8 @@ class Estimator:
             memory_capacity_bytes=capacity,
             memory_fits=max_memory <= capacity,
             breakdown=Breakdown(compute_s=critical_compute, p2p_s=critical_p2p,
-                                allreduce_s=allreduce, optimizer_s=optimizer, idle_s=idle_s),
+                                allreduce_s=allreduce, control_s=profile.control_s,
+                                optimizer_s=optimizer, idle_s=idle_s),
             sync_rounds=tuple(tuple(buckets[i][0] for i in group) for group in groups),
         )
 

@@ -76,6 +76,10 @@ class Profile:
     optimizer_step_s: float = 0.0
     """Optimizer-step seconds for the whole model on one worker; a stage pays its share
     in proportion to the parameter bytes it holds."""
+    control_s: float = 0.0
+    """Per-step control-plane seconds between the gradient synchronisation and the optimizer:
+    the step commit (every worker reports, one decision is published). Measured by the
+    runtime; 0 for analytic profiles, where it is negligible next to a step."""
     tokens_per_sample: int = 0
     """Sequence length, for tokens/s; 0 when unknown."""
     micro_batch: int = 1
@@ -89,6 +93,7 @@ class Profile:
         if not self.layers:
             raise ValueError("profile.layers: a profile needs at least one layer")
         _check("profile.optimizer_step_s", self.optimizer_step_s)
+        _check("profile.control_s", self.control_s)
         if self.micro_batch < 1:
             raise ValueError(f"profile.micro_batch: must be >= 1, got {self.micro_batch}")
 
@@ -121,6 +126,7 @@ class Profile:
             "micro_batch": self.micro_batch,
             "tokens_per_sample": self.tokens_per_sample,
             "optimizer_step_s": self.optimizer_step_s,
+            "control_s": self.control_s,
             "meta": self.meta,
             "layers": [asdict(layer) for layer in self.layers],
         }
@@ -156,6 +162,7 @@ class Profile:
         return cls(
             layers=tuple(layers),
             optimizer_step_s=float(doc.get("optimizer_step_s", 0.0)),
+            control_s=float(doc.get("control_s", 0.0)),
             tokens_per_sample=int(doc.get("tokens_per_sample", 0)),
             micro_batch=int(doc.get("micro_batch", 1)),
             source=str(doc.get("source", "measured")),
@@ -196,6 +203,7 @@ def uniform_profile(
     output_bytes: float = 0.0,
     optimizer_step_s: float = 0.0,
     tokens_per_sample: int = 0,
+    control_s: float = 0.0,
 ) -> Profile:
     """``num_layers`` identical layers: for tests and for checking the closed forms."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
@@ -204,7 +212,7 @@ def uniform_profile(
                       param_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
                       activation_bytes=activation_bytes, output_bytes=output_bytes)
     layers = tuple(LayerCost(name=f"layer{i}", **layer_args) for i in range(num_layers))
-    return Profile(layers=layers, optimizer_step_s=optimizer_step_s,
+    return Profile(layers=layers, optimizer_step_s=optimizer_step_s, control_s=control_s,
                    tokens_per_sample=tokens_per_sample, source="uniform")
 
 

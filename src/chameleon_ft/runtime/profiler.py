@@ -254,7 +254,8 @@ def control_overhead_s(op_times: list[dict[str, Any]], *, skip_steps: int = 3) -
 
 def calibrate_from_run(base: Profile, op_times: list[dict[str, Any]], *,
                        skip_steps: int = 3) -> Profile:
-    """Replace ``base``'s times by the compute times the runtime measured in a real run.
+    """Replace ``base``'s times by the compute and control times the runtime measured in a
+    real run (the per-step commit latency becomes the profile's ``control_s``).
 
     Each worker reports the compute seconds of its forward and backward ops per step (waits
     excluded) and of its optimizer step. A stage's median op time is split over its layers
@@ -299,7 +300,8 @@ def calibrate_from_run(base: Profile, op_times: list[dict[str, Any]], *,
                            "layers in the isolated measurement's proportions")
     return replace(base, layers=tuple(layers), meta=meta,
                    optimizer_step_s=statistics.median(optimizer) if optimizer
-                   else base.optimizer_step_s)
+                   else base.optimizer_step_s,
+                   control_s=control_overhead_s(op_times, skip_steps=skip_steps))
 
 
 def main(argv: list[str] | None = None) -> int:
