@@ -64,8 +64,15 @@ def balanced_bounds(costs: Sequence[float], num_stages: int) -> list[tuple[int, 
                 if candidate < value * (1 - _REL_TOL) - 1e-300:
                     value, arg = candidate, j
             squares[k][i], cut[k][i] = value, arg
+    return bounds_from_cuts(cut, n, num_stages)
+
+
+def bounds_from_cuts(cut: Sequence[Sequence[int]], num_layers: int,
+                     num_stages: int) -> list[tuple[int, int]]:
+    """Walk a partition DP's table back: ``cut[k][i]`` is where stage k (1-based) starts
+    when the first ``i`` layers fill ``k`` stages."""
     bounds = []
-    i = n
+    i = num_layers
     for k in range(num_stages, 0, -1):
         j = cut[k][i]
         bounds.append((j, i))

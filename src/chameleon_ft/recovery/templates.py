@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage, balanced_bounds, layer_costs
+from chameleon_ft.plan.partition import bounds_from_cuts
 from chameleon_ft.profile import Profile
 
 Layout = tuple[tuple[int, int], ...]
@@ -87,13 +88,7 @@ def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
                     best[k][i], cut[k][i] = value, j
     if best[num_stages][n] == inf:
         return None
-    bounds = []
-    i = n
-    for k in range(num_stages, 0, -1):
-        j = cut[k][i]
-        bounds.append((j, i))
-        i = j
-    return tuple(reversed(bounds))
+    return tuple(bounds_from_cuts(cut, n, num_stages))
 
 
 class Templates:
