@@ -290,7 +290,15 @@ def search(state: RecoveryState) -> SearchResult | None:
     held = {w: state.plan.layers_by_worker.get(w, range(0)) for w in state.alive}
     layer_bytes = [layer.state_bytes for layer in state.profile.layers]
     best: tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]] | None = None
-    for tau, *_, lengths_of_plan, counts in exact[:_FULL_ESTIMATES]:
+    # One-pipeline templates do not see the gradient all-reduce that couples pipelines,
+    # which grows with the number of pipelines and of distinct layer splits; so the best
+    # uniform partitions by the same ranking restart uses (the layouts a restart picks
+    # from) are priced as whole plans too, and a dynamic plan is not slower than
+    # restarting on the same survivors.
+    priced = exact[:_FULL_ESTIMATES]
+    uniform = [item for item in exact if len(set(item[4])) == 1][:_FULL_ESTIMATES]
+    priced += [item for item in uniform if item not in priced]
+    for tau, *_, lengths_of_plan, counts in priced:
         shapes = [skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)]
         if exhaustive and templates.exhaustive:
             shapes.extend(_alternatives(templates, tau, lengths_of_plan, counts,
