@@ -230,3 +230,19 @@ def test_random_small_jobs_match_whole_plan_brute_force(seed: int) -> None:
                                                                      strict=True)))))
     assert math.isfinite(best)
     assert dynamic_step(planner, failed) == pytest.approx(best, rel=1e-9)
+
+
+def test_dynamic_is_not_slower_than_restarts_uniform_layout() -> None:
+    """Regression: on the sweep job (GPT-3 1.3B, pp 4 x dp 4) one-pipeline templates ranked
+    a 3x2+9x1 split first, though the all-reduce over its many splits makes it slower than
+    the 5x3 layout restart picks; uniform partitions are now priced as whole plans too."""
+    from pathlib import Path
+
+    from chameleon_ft.policy import Planner
+    from chameleon_ft.spec import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    planner = Planner(load_config(root / "examples/scenarios/sweep.toml"))
+    decision = planner.decide(planner.initial_plan, [3])
+    by = {c.strategy: c for c in decision.candidates if c.feasible}
+    assert by["dynamic"].step_s <= by["restart"].step_s * (1 + 1e-9)
