@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
-from typing import Any
+
+from chameleon_ft.jsontext import dumps
+
+__all__ = ["check_workers", "dumps", "human_bytes", "human_seconds", "parse_workers", "table"]
 
 
 def parse_workers(text: str, field: str = "--fail") -> list[int]:
@@ -72,17 +74,3 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     for r in rows:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
     return "\n".join(lines)
-
-
-def dumps(doc: Any) -> str:
-    """JSON with infinities written as ``null`` (JSON has no infinity)."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
-            return None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    return json.dumps(clean(doc), indent=2)

@@ -8,7 +8,6 @@ failed run leaves nothing half-written.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import statistics
@@ -18,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from chameleon_ft.jsontext import dumps
 from chameleon_ft.sim.engine import RunResult
 from chameleon_ft.sim.runner import CellRun, ScenarioRun
 
@@ -143,16 +143,7 @@ def report_doc(run: ScenarioRun) -> dict[str, Any]:
 
 def report_json(run: ScenarioRun) -> str:
     """The JSON report as text: deterministic for a deterministic run (no timings)."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    return json.dumps(clean(report_doc(run)), indent=2) + "\n"
+    return dumps(report_doc(run)) + "\n"
 
 
 def _repair_label(hours: float | None) -> str:
