@@ -227,3 +227,28 @@ def test_cache_is_bounded() -> None:
     assert not planner.decide(plan, [0], horizon_s=60.0).cache_hit  # evicted (LRU)
     with pytest.raises(ValueError, match="cache_size"):
         Planner(small_config(), cache_size=0)
+
+
+def test_reroute_policy_gives_returned_workers_their_stages_back() -> None:
+    """ReCycle's re-join: the returned worker copies its stage and takes its micro-batches
+    back; stages still dead stay rerouted; all back means the failure-free plan again."""
+    from pathlib import Path
+
+    from chameleon_ft.spec import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    planner = Planner(load_config(root / "examples/paper32.toml"), policy="reroute")
+    first = planner.decide(planner.initial_plan, [5])
+    second = planner.decide(first.plan, [13])
+    assert second.strategy == "reroute" and len(second.plan.reroutes) == 2
+    back = planner.decide_rejoin(second.plan, [5])
+    assert back.strategy == "reroute" and len(back.plan.reroutes) == 1
+    assert back.migration is not None and back.migration.moved_bytes > 0
+    assert {t.dst for t in back.migration.transfers} == {5}
+    assert back.transition_s > 0
+    # the same plan as if only worker 13 had ever failed
+    only_13 = planner.decide(planner.initial_plan, [13])
+    assert back.plan == only_13.plan
+    whole = planner.decide_rejoin(back.plan, [13])
+    assert whole.plan.reroutes == ()
+    assert whole.chosen.step_s == pytest.approx(planner.failure_free.step_s)

@@ -12,10 +12,12 @@ from chameleon_ft.plan.plan import ExecutionPlan, Reroute
 
 
 def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int]]:
-    """``(pipeline, stage)`` of every stage already rerouted or whose worker is in ``dead``."""
+    """``(pipeline, stage)`` of every stage whose worker is in ``dead``.
+
+    A stage rerouted before whose worker is not in ``dead`` (it came back) is live again.
+    """
     dead_set = set(dead)
-    return [(p, s) for p, s, st in plan.iter_stages()
-            if (p, s) in plan.reroute_map or st.worker in dead_set]
+    return [(p, s) for p, s, st in plan.iter_stages() if st.worker in dead_set]
 
 
 def reroute_plan(
@@ -23,8 +25,9 @@ def reroute_plan(
     dead: Iterable[int],
     headroom: Mapping[int, float] | None = None,
 ) -> ExecutionPlan:
-    """Reroute every stage whose worker is in ``dead`` (and keep rerouting those already
-    rerouted), rebuilding all reroutes so the extra work stays balanced.
+    """Reroute every stage whose worker is in ``dead``, rebuilding all reroutes so the extra
+    work stays balanced. Pass every dead worker, old and new: a stage rerouted before whose
+    worker is not in ``dead`` takes its micro-batches back (a repaired worker rejoining).
 
     Without ``headroom`` each micro-batch of a dead stage goes to the same-range peer with
     the least work so far (its own pipeline's micro-batches plus what it already took), so

@@ -28,13 +28,15 @@ from typing import Any
 
 from chameleon_ft.perf import Estimate, Topology, estimator_for
 from chameleon_ft.plan import ExecutionPlan, initial_plan
+from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
+from chameleon_ft.recovery.restorer import schedule_migration
 from chameleon_ft.recovery.templates import Templates
-from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
+from chameleon_ft.recovery.transition import lost_progress_s, migration_s, restart_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     Migration,
@@ -387,7 +389,8 @@ class Planner:
                 workers plus ``returned``.
             now_s: seconds since the job began.
             horizon_s: the window; default as in :meth:`decide`.
-            policy: a fixed-strategy policy keeps the plan unless it is ``dynamic``.
+            policy: ``reroute`` gives returned workers their stages back (ReCycle's
+                re-join); other fixed-strategy policies keep the plan unless ``dynamic``.
 
         Returns:
             The decision (strategy ``keep`` when not worth it).
@@ -404,6 +407,8 @@ class Planner:
                      else self._workers("alive", alive) | returned_set)
         state = self._state(plan, alive_set, None)
         start = time.perf_counter()
+        if chosen_policy == Strategy.REROUTE:
+            return self._rejoin_rerouted(state, returned_set, horizon, now_s, start)
         key = (plan, returned_set, alive_set, "rejoin")
         cached = self._cache.get(key)
         hit = cached is not None
@@ -431,6 +436,35 @@ class Planner:
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=search_s,
                             cache_hit=hit)
+
+    def _rejoin_rerouted(self, state: RecoveryState, returned: frozenset[int],
+                         horizon_s: float | None, now_s: float, start: float) -> Decision:
+        """The ``reroute`` policy's rejoin, as ReCycle does it: a returned worker copies its
+        stage's parameters and optimizer state from a live replica and takes its
+        micro-batches back; the other dead stages stay rerouted."""
+        plan, spec = state.plan, self.config.recovery
+        keep = candidate_from_estimate(Strategy.KEEP, plan, self._estimator.estimate(plan), {},
+                                       "keep the current plan; returned workers stay idle")
+        dead = {st.worker for _, _, st in plan.iter_stages()} - set(state.alive)
+        candidates: tuple[Candidate, ...] = (keep,)
+        policy = "keep"
+        if any(r in plan.dead_workers for r in returned):
+            new_plan = reroute_plan(plan, dead) if dead else replace(plan, reroutes=())
+            new_plan.validate()
+            held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
+            migration = schedule_migration(new_plan, held, self._profile, self._topology,
+                                           max_parts=spec.migration_max_parts)
+            terms = {"rebuild_s": spec.rebuild_s,
+                     "migrate_s": migration_s(migration.time_s, spec)}
+            back = candidate_from_estimate(
+                Strategy.REROUTE, new_plan, self._estimator.estimate(new_plan), terms,
+                f"returned workers take their stages back ({len(new_plan.reroutes)} stage(s) "
+                "still rerouted)", migration=migration)
+            candidates = (keep, back)
+            policy = str(Strategy.REROUTE) if back.feasible else "keep"
+        return self._choose(candidates, plan=plan, policy=policy, horizon_s=horizon_s,
+                            num_live=len(state.alive), now_s=now_s,
+                            search_s=time.perf_counter() - start, cache_hit=False)
 
     def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
                 horizon_s: float | None, num_live: int, now_s: float, search_s: float,

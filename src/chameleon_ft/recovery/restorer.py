@@ -146,7 +146,7 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     those that have sent the fewest bytes so far (so no sender becomes the bottleneck).
 
     Args:
-        plan: the new plan with real workers (no reroutes).
+        plan: the new plan with real workers (rerouted stages are skipped).
         held: live workers before the change and the layers they hold.
         profile: gives each layer's parameter plus optimizer-state bytes.
         topology: link costs.
@@ -167,6 +167,8 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     moved = 0.0
     slots = []
     for p, s, st in plan.iter_stages():
+        if (p, s) in plan.reroute_map:
+            continue  # a rerouted stage's worker is dead: nothing moves to it
         slots.append((st.worker, p, s))
         have = held.get(st.worker, ())
         dst_node = topology.node_of(st.worker)
