@@ -1,7 +1,7 @@
 """The unified performance model: step time and per-device memory of ANY plan.
 
 ``estimate(plan, profile, topology)`` prices failure-free, rerouted and heterogeneous plans
-with one ruler (DESIGN.md section 3):
+with one ruler (docs/design.md section 3):
 
 1. the compute phase: the dependency graph of every pipeline's forward and backward
    operations, list-scheduled per worker (:mod:`chameleon_ft.perf.schedule`), with P2P

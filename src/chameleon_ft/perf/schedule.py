@@ -1,7 +1,7 @@
 """Schedules as data: the per-worker order of forward and backward operations of a plan.
 
 One function, :func:`simulate`, turns a plan into a timed schedule by list scheduling
-over the dependency graph of DESIGN.md section 3.1:
+over the dependency graph of docs/design.md section 3.1:
 
 - F(p, s, j) after F(p, s-1, j) plus the activation transfer between their workers;
 - B(p, s, j) after F(p, s, j), and after B(p, s+1, j) plus the gradient transfer;

@@ -1,5 +1,5 @@
 """Rerouting as a plan transformation: dead stage replicas hand their micro-batches to
-live workers holding the same layers in other pipelines (DESIGN.md section 2)."""
+live workers holding the same layers in other pipelines (docs/design.md section 2)."""
 
 from __future__ import annotations
 

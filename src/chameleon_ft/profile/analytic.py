@@ -1,6 +1,6 @@
 """Analytic per-layer profile from the model's FLOPs and bytes on a device.
 
-Public formulas (DESIGN.md section 3.6; Narayanan et al. 2021, Korthikanti et al. 2022):
+Public formulas (docs/design.md section 3.6; Narayanan et al. 2021, Korthikanti et al. 2022):
 forward FLOPs of a block ``2 b s (attn_proj h^2 + 2 h f_eff) + 4 b s^2 h``; backward is two
 forwards (input gradient + weight gradient); tensor parallelism divides compute, parameters
 and most activations by ``t`` and adds two all-reduces of ``2 s b h`` bytes per block in

@@ -1,6 +1,6 @@
 """The restorer: which survivor takes which slot of a new plan, and how its state arrives.
 
-Two steps (DESIGN.md section 3.3, the paper's Restorer and Figure 3):
+Two steps (docs/design.md section 3.3, the paper's Restorer and Figure 3):
 
 1. :func:`match_workers` assigns survivors to the new plan's slots so that the fewest
    bytes of parameters and optimizer state move (Hungarian assignment,

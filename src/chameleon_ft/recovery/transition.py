@@ -1,4 +1,4 @@
-"""Transition costs: what a recovery costs before training resumes (DESIGN.md section 3.3).
+"""Transition costs: what a recovery costs before training resumes (docs/design.md section 3.3).
 
 Every term is named and comes from :class:`~chameleon_ft.spec.recovery.RecoverySpec`
 (whose docstrings cite the published figures), except the two that are computed per

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class Strategy(StrEnum):
-    """Ways to recover (DESIGN.md section 2); ``keep`` only answers a rejoin."""
+    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin."""
 
     REROUTE = "reroute"
     DYNAMIC = "dynamic"

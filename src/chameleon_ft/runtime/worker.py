@@ -1,6 +1,6 @@
 """A training worker: runs its stage of the plan, generation after generation.
 
-The worker loop (DESIGN.md section 5):
+The worker loop (docs/design.md section 5):
 
 1. read the directive of generation ``g`` (plan, schedule, migration, what to load);
 2. build the generation's process groups from ``PrefixStore(gen{g}/...)``: one group over

@@ -1,6 +1,6 @@
 """The discrete-event loop: one trace, one policy, exact accounting of the work done.
 
-Semantics (DESIGN.md section 6, issue 4):
+Semantics (docs/design.md section 6, issue 4):
 
 - At each failure the policy decides from the last COMMITTED plan (the one running, or
   the one a transition started from). The step in flight is lost: the engine tracks the

@@ -10,8 +10,9 @@ own only the decision.
 - ``oracle``: the planner's candidates scored by Eq. 8 with the TRUE time to the next
   event of the trace, an upper bound on what any choice among the same candidates does
   over that window.
-- ``bamboo``: redundant computation modelled from the reference notes (landscape.md,
-  section B); the constants and rules are documented on :class:`BambooPolicy`.
+- ``bamboo``: redundant computation modelled from published figures (docs/design.md,
+  "Sources of the defaults"); the constants and rules are documented on
+  :class:`BambooPolicy`.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def _without_search(candidate: Any, recovery: RecoverySpec) -> Any:
 
     The planner charges the measured wall time of a dynamic search that missed its cache.
     A simulation must not depend on how fast this machine searched (a replay would differ
-    in the last digits, and near-ties could flip), and DESIGN.md 3.5 precomputes plans for
+    in the last digits, and near-ties could flip), and docs/design.md 3.5 precomputes plans for
     likely failures while training is healthy, so the simulator prices search as hidden.
     """
     if not candidate.feasible:
@@ -341,9 +342,9 @@ class BambooState:
 
 
 class BambooPolicy:
-    """Bamboo (Thorpe et al., NSDI 2023) as the reference notes model it.
+    """Bamboo (Thorpe et al., NSDI 2023) as published figures model it.
 
-    Rules (``reference/landscape.md`` section B):
+    Rules (docs/design.md, "Sources of the defaults"):
 
     - Always: throughput x (1 - ``tax``) for the redundant forward work.
     - A failure of stage ``s`` whose predecessor ``s - 1`` (cyclic, in the same pipeline) is

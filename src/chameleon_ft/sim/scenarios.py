@@ -10,7 +10,7 @@ and Chameleon's horizon estimate starts from it and learns from the failures it 
   few hours (node MTBF 12 h on 4 nodes: one every ~3 h) with repairs of hours.
 - ``llama3-16k``: Llama 3 405B on 16,384 H100 (examples/llama3-405b-16k.toml's job) for
   54 days at Llama 3's published rate (419 interruptions in 54 days on 2,048 nodes) and mix;
-  repairs by automated node replacement in 5 min to 2 h (landscape.md D.5).
+  repairs by automated node replacement in 5 min to 2 h (docs/design.md, "Sources of the defaults").
 - ``spot``: the same 32 devices on preemptible nodes: whole-node preemptions every ~40 min
   for the job, nodes back after ~45 min on average, sometimes a zone-wide burst.
 - ``sweep``: a grid over node MTBF (1 h to 30 days) and repair time (10 min to never) on a

@@ -1,6 +1,6 @@
 """Recovery and policy settings: transition-cost terms, plan-search limits, the horizon.
 
-Defaults come from published measurements (see ``reference/landscape.md``):
+Defaults come from published measurements (see docs/design.md, "Sources of the defaults"):
 
 - detection: about 30 s with active inspection (ByteRobust; default collective timeouts
   take about 10 min); a killed gloo peer is seen in 10-50 ms, a hung one only at the

@@ -1,6 +1,6 @@
 """Simulator settings: the ``[simulation]`` and ``[failures]`` tables of a scenario file.
 
-Defaults follow the published failure statistics (``reference/landscape.md`` section D):
+Defaults follow the published failure statistics (docs/design.md, "Sources of the defaults"):
 Llama 3 saw 419 unexpected interruptions in 54 days on 2,048 8-GPU nodes (a node MTBF of
 about 264 days); GPU-class faults (one device) were about 59 %, other host faults about
 18 %, network switches and cables about 8 % and job-level software faults about 15 %.
