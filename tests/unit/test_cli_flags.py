@@ -1,0 +1,39 @@
+"""Pins the ``chameleon`` command's sub-commands and flags: a change here is a change to
+the user interface, and should be deliberate (update the README too)."""
+
+from __future__ import annotations
+
+import argparse
+
+from chameleon_ft.cli import COMMANDS, build_parser
+
+FLAGS = {
+    "estimate": {"--config", "--fail", "--json"},
+    "plan": {"--config", "--fail", "--horizon-s", "--json", "--node-mtbf-hours", "--policy"},
+    "simulate": {"--config", "--days", "--job", "--json", "--no-repair", "--node-mtbf-hours",
+                 "--out", "--policies", "--repair-hours", "--save-trace", "--scenario", "--seed",
+                 "--seeds", "--trace"},
+    "train": {"--config", "--dtype", "--fault", "--host", "--json", "--out", "--policy",
+              "--port", "--rejoin", "--remote-workers", "--steps", "--workers"},
+    "worker": {"--address", "--connect-timeout", "--coordinator", "--num-workers"},
+}
+
+
+def test_commands_and_flags_are_pinned() -> None:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(COMMANDS) == set(FLAGS)
+    for name, command in sub.choices.items():
+        flags = {o for a in command._actions for o in a.option_strings} - {"-h", "--help"}
+        assert flags == FLAGS[name], name
+
+
+def test_required_flags() -> None:
+    parser = build_parser()
+    for argv in (["estimate"], ["plan", "--config", "x.toml"], ["train"]):
+        try:
+            parser.parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:  # pragma: no cover - the assertion below explains
+            raise AssertionError(f"{argv} parsed without its required flags")
