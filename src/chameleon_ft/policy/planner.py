@@ -31,6 +31,7 @@ from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score
+from chameleon_ft.policy.symmetry import canonical_renaming, rename_candidate
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
@@ -237,6 +238,25 @@ class Planner:
 
     def _lookup(self, key: _CacheKey, state: RecoveryState,
                 failed: frozenset[int]) -> tuple[tuple[Candidate, ...], bool, float]:
+        """Candidates for a failure, from the cache when an equivalent failure was priced.
+
+        A failure of a symmetric plan is renamed to its canonical form first
+        (``symmetry.py``) and the answer renamed back.
+        """
+        plan, _, alive, _ = key
+        renaming = canonical_renaming(plan, failed, alive, self._topology)
+        if renaming is None or all(renaming[w] == w for w in failed):
+            return self._lookup_exact(key, state, failed)
+        canon_failed = frozenset(renaming[w] for w in failed)
+        canon_alive = frozenset(renaming[w] for w in alive)
+        raw, hit, search_s = self._lookup_exact(
+            (plan, canon_failed, canon_alive, key[3]), replace(state, alive=canon_alive),
+            canon_failed)
+        back = {v: k for k, v in renaming.items()}
+        return tuple(rename_candidate(c, back) for c in raw), hit, search_s
+
+    def _lookup_exact(self, key: _CacheKey, state: RecoveryState,
+                      failed: frozenset[int]) -> tuple[tuple[Candidate, ...], bool, float]:
         start = time.perf_counter()
         cached = self._cache.get(key)
         if cached is not None:
@@ -297,11 +317,12 @@ class Planner:
             if added >= self.cache_size:
                 break
             alive = base_alive - failed
-            key = (plan, failed, alive, "fail")
-            if key in self._cache or not alive:
+            if not alive:
                 continue
-            self._store(key, self._raw_candidates(self._state(plan, alive, None), failed))
-            added += 1
+            # Equivalent failures of a symmetric plan share one cache entry.
+            _, hit, _ = self._lookup((plan, failed, alive, "fail"),
+                                     self._state(plan, alive, None), failed)
+            added += 0 if hit else 1
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions

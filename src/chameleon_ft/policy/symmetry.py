@@ -1,0 +1,110 @@
+"""Decisions up to symmetry.
+
+In a plan whose pipelines are identical (same layer splits, same micro-batch counts, no
+reroutes), two failures that hit the same stages of different pipelines are the same
+problem with the workers renamed, provided the renaming keeps which workers share a node.
+The planner keys its cache by a canonical failure (damaged pipelines first, by the stages
+they lost) and renames the cached answer back, so on the healthy 2,048-worker Llama 3 plan
+every single failure is one of 16 cached problems instead of 2,048.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from chameleon_ft.perf import Bucket, Estimate, Topology
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
+from chameleon_ft.recovery.types import Candidate, Migration, Transfer
+
+
+def canonical_renaming(plan: ExecutionPlan, failed: frozenset[int], alive: frozenset[int],
+                       topology: Topology) -> dict[int, int] | None:
+    """A renaming of ``plan``'s workers that maps ``failed`` to its canonical form.
+
+    Returns ``None`` when the plan is not symmetric enough (reroutes, pipelines that differ,
+    idle or unknown workers) or when the renaming would not keep the node structure.
+    """
+    if plan.reroutes or not failed or alive != frozenset(plan.workers) - failed:
+        return None
+    if not failed <= frozenset(plan.workers):
+        return None
+    first = plan.pipelines[0]
+    if any(p.layout != first.layout or p.num_microbatches != first.num_microbatches
+           for p in plan.pipelines):
+        return None
+    pattern = [tuple(s for s, st in enumerate(pipe.stages) if st.worker in failed)
+               for pipe in plan.pipelines]
+    # Damaged pipelines first, ordered by the stages they lost; the rest keep their order.
+    order = sorted(range(plan.num_pipelines), key=lambda p: (not pattern[p], pattern[p], p))
+    renaming = {}
+    for target, p in enumerate(order):
+        for s, st in enumerate(plan.pipelines[p].stages):
+            renaming[st.worker] = plan.pipelines[target].stages[s].worker
+    return renaming if _keeps_nodes(renaming, topology) else None
+
+
+def _keeps_nodes(renaming: Mapping[int, int], topology: Topology) -> bool:
+    """Whether workers share a node after the renaming exactly when they did before."""
+    image: dict[int, int] = {}
+    for w, v in renaming.items():
+        node, new_node = topology.node_of(w), topology.node_of(v)
+        if image.setdefault(node, new_node) != new_node:
+            return False
+    return len(set(image.values())) == len(image)
+
+
+def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int]) -> ExecutionPlan:
+    """``plan`` with every worker id renamed (ids not in ``renaming`` are kept)."""
+    def w(worker: int) -> int:
+        return renaming.get(worker, worker)
+
+    return ExecutionPlan(
+        num_layers=plan.num_layers,
+        pipelines=tuple(Pipeline(tuple(Stage(w(st.worker), st.first_layer, st.end_layer)
+                                       for st in pipe.stages), pipe.num_microbatches)
+                        for pipe in plan.pipelines),
+        reroutes=tuple(Reroute(r.pipeline, r.stage, tuple((w(x), n) for x, n in r.shares))
+                       for r in plan.reroutes),
+        micro_batch=plan.micro_batch,
+        schedule=plan.schedule,
+    )
+
+
+def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
+    def w(worker: int) -> int:
+        return renaming.get(worker, worker)
+
+    return replace(
+        est,
+        peak_memory_bytes={w(k): v for k, v in est.peak_memory_bytes.items()},
+        sync_rounds=tuple(tuple(Bucket(tuple(sorted(w(x) for x in b.workers)), b.layers)
+                                for b in group) for group in est.sync_rounds),
+    )
+
+
+def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migration:
+    def w(worker: int) -> int:
+        return renaming.get(worker, worker)
+
+    return replace(
+        migration,
+        slots=tuple((w(x), p, s) for x, p, s in migration.slots),
+        transfers=tuple(Transfer(layer=t.layer, src=w(t.src), dst=w(t.dst), part=t.part,
+                                 num_parts=t.num_parts, num_bytes=t.num_bytes)
+                        for t in migration.transfers),
+    )
+
+
+def rename_candidate(candidate: Candidate, renaming: Mapping[int, int]) -> Candidate:
+    """``candidate`` with the workers of its plans, estimate and migration renamed."""
+    return replace(
+        candidate,
+        plan=None if candidate.plan is None else rename_plan(candidate.plan, renaming),
+        estimate=(None if candidate.estimate is None
+                  else _rename_estimate(candidate.estimate, renaming)),
+        migration=(None if candidate.migration is None
+                   else _rename_migration(candidate.migration, renaming)),
+        interim_plan=(None if candidate.interim_plan is None
+                      else rename_plan(candidate.interim_plan, renaming)),
+    )

@@ -1,0 +1,64 @@
+"""Failures that differ only by which identical pipeline they hit share one cached answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chameleon_ft.perf import Topology
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.policy import Planner
+from chameleon_ft.policy.symmetry import canonical_renaming, rename_plan
+from chameleon_ft.spec import ClusterSpec, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_equivalent_failures_are_one_cache_entry_renamed_back() -> None:
+    planner = Planner(load_config(ROOT / "examples/paper32.toml"))
+    plan = planner.initial_plan
+    first = planner.decide(plan, [5])  # stage 0 of pipeline 5
+    second = planner.decide(plan, [6])  # stage 0 of pipeline 6: the same problem renamed
+    assert not first.cache_hit and second.cache_hit
+    for a, b in zip(first.candidates, second.candidates, strict=True):
+        assert (a.strategy, a.feasible) == (b.strategy, b.feasible)
+        assert a.step_s == pytest.approx(b.step_s)
+        # the only difference: the second decision's search was already done (hidden)
+        assert {k: v for k, v in a.terms.items() if k != "search_s"} == pytest.approx(
+            {k: v for k, v in b.terms.items() if k != "search_s"})
+    for c in second.candidates:
+        if c.plan is None:
+            continue
+        c.plan.validate(num_microbatches=plan.num_microbatches)
+        assert 6 not in c.plan.workers
+        if c.migration is not None:
+            assert all(6 not in (t.src, t.dst) for t in c.migration.transfers)
+        if c.estimate is not None:
+            assert set(c.estimate.peak_memory_bytes) == set(c.plan.workers)
+    assert second.strategy == first.strategy
+    # the renamed plan estimates the same as a direct computation would
+    direct = Planner(load_config(ROOT / "examples/paper32.toml")).decide(plan, [6])
+    assert direct.chosen.step_s == pytest.approx(second.chosen.step_s)
+
+
+def test_renaming_only_where_the_node_structure_allows() -> None:
+    plan = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4,
+                                 placement="pipeline-major")
+    # pipeline-major on nodes of 2 workers: each node holds one whole pipeline
+    topo = Topology(ClusterSpec(num_nodes=2, devices_per_node=2), 2)
+    renaming = canonical_renaming(plan, frozenset({3}), frozenset({0, 1, 2}), topo)
+    assert renaming == {2: 0, 3: 1, 0: 2, 1: 3}
+    assert rename_plan(plan, renaming).workers == plan.workers
+    # stage-major dp 3 x pp 2 on nodes of 2 workers: nodes {0,1} {2,3} {4,5} mix pipelines,
+    # and moving pipeline 2 first would split node {0,1}: refused
+    mixed = ExecutionPlan.uniform(dp=3, pp=2, num_layers=4, num_microbatches=6)
+    nodes_of_two = Topology(ClusterSpec(num_nodes=3, devices_per_node=2), 2)
+    assert canonical_renaming(mixed, frozenset({5}), frozenset({0, 1, 2, 3, 4}),
+                              nodes_of_two) is None
+    # one worker per node: any pipeline order keeps the node structure
+    one_each = Topology(ClusterSpec(num_nodes=6, devices_per_node=1), 1)
+    renaming = canonical_renaming(mixed, frozenset({5}), frozenset({0, 1, 2, 3, 4}), one_each)
+    assert renaming is not None and renaming[5] == 3 and renaming[2] == 0
+    # idle workers or reroutes: no renaming
+    assert canonical_renaming(plan, frozenset({3}), frozenset({0, 1}), topo) is None
