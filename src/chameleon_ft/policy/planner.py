@@ -253,7 +253,7 @@ class Planner:
             (plan, canon_failed, canon_alive, key[3]), replace(state, alive=canon_alive),
             canon_failed)
         back = {v: k for k, v in renaming.items()}
-        return tuple(rename_candidate(c, back) for c in raw), hit, search_s
+        return tuple(rename_candidate(c, back, plan) for c in raw), hit, search_s
 
     def _lookup_exact(self, key: _CacheKey, state: RecoveryState,
                       failed: frozenset[int]) -> tuple[tuple[Candidate, ...], bool, float]:

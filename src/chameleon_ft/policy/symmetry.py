@@ -96,15 +96,43 @@ def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migr
     )
 
 
-def rename_candidate(candidate: Candidate, renaming: Mapping[int, int]) -> Candidate:
-    """``candidate`` with the workers of its plans, estimate and migration renamed."""
+def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> ExecutionPlan:
+    """Put a renamed plan's pipelines back where ``original`` has them, when the plan keeps
+    the original pipelines (a reroute does): pipeline ``p`` of the answer is then pipeline
+    ``p`` of the question, as a direct computation would name it."""
+    if plan.num_pipelines != original.num_pipelines:
+        return plan
+    index = {st.worker: p for p, _, st in original.iter_stages()}
+    where = [index.get(pipe.stages[0].worker, -1) for pipe in plan.pipelines]
+    if sorted(where) != list(range(plan.num_pipelines)):
+        return plan
+    pipelines: list[Pipeline | None] = [None] * plan.num_pipelines
+    for t, p in enumerate(where):
+        pipelines[p] = plan.pipelines[t]
+    assert all(pipe is not None for pipe in pipelines)
+    return replace(plan, pipelines=tuple(p for p in pipelines if p is not None),
+                   reroutes=tuple(sorted((replace(r, pipeline=where[r.pipeline])
+                                          for r in plan.reroutes),
+                                         key=lambda r: (r.pipeline, r.stage))))
+
+
+def rename_candidate(candidate: Candidate, renaming: Mapping[int, int],
+                     original: ExecutionPlan) -> Candidate:
+    """``candidate`` with the workers of its plans, estimate and migration renamed; plans
+    that keep ``original``'s pipelines get them back in ``original``'s order."""
+    def plan_of(plan: ExecutionPlan | None) -> ExecutionPlan | None:
+        if plan is None:
+            return None
+        return _in_original_order(rename_plan(plan, renaming), original)
+
+    migration = candidate.migration
+    if migration is not None:
+        migration = _rename_migration(migration, renaming)
     return replace(
         candidate,
-        plan=None if candidate.plan is None else rename_plan(candidate.plan, renaming),
+        plan=plan_of(candidate.plan),
         estimate=(None if candidate.estimate is None
                   else _rename_estimate(candidate.estimate, renaming)),
-        migration=(None if candidate.migration is None
-                   else _rename_migration(candidate.migration, renaming)),
-        interim_plan=(None if candidate.interim_plan is None
-                      else rename_plan(candidate.interim_plan, renaming)),
+        migration=migration,
+        interim_plan=plan_of(candidate.interim_plan),
     )
