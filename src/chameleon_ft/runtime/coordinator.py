@@ -490,10 +490,10 @@ class Coordinator:
                         event.resumed_at_s = committed
                         origin = event.fault_at_s if event.fault_at_s is not None \
                             else event.detected_at_s
+                        # The transition itself (minus the new plan's median step) is
+                        # computed at the end, once later steps of this plan are known.
                         self.log(f"recovered: first step after the failure committed "
-                                 f"{committed - origin:.3f} s after it ({event.strategy}; "
-                                 f"minus this step's {committed - start:.3f} s: transition "
-                                 f"{committed - origin - (committed - start):.3f} s)")
+                                 f"{committed - origin:.3f} s after it ({event.strategy})")
                 out.next_step = step + 1
                 if not end:
                     self._maybe_rejoin(out.next_step)
