@@ -36,8 +36,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
@@ -225,6 +225,15 @@ def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
     return out
 
 
+def _in_id_order(shape: ExecutionPlan, held: Mapping[int, Collection[int]]) -> ExecutionPlan:
+    """``shape`` with its slots filled by the live workers in id order."""
+    workers = iter(sorted(held))
+    return replace(shape, pipelines=tuple(
+        Pipeline(tuple(Stage(next(workers), st.first_layer, st.end_layer) for st in pipe.stages),
+                 pipe.num_microbatches)
+        for pipe in shape.pipelines))
+
+
 def max_length(state: RecoveryState) -> int:
     """The longest pipeline the searches consider over ``state.alive`` (module docstring)."""
     spec = state.config.recovery
@@ -298,12 +307,26 @@ def search(state: RecoveryState) -> SearchResult | None:
     priced = exact[:_FULL_ESTIMATES]
     uniform = [item for item in exact if len(set(item[4])) == 1][:_FULL_ESTIMATES]
     priced += [item for item in uniform if item not in priced]
+    # Placement matters to an estimate only through which links a transfer crosses; with
+    # one worker per node, one node, or free links, every filling of a shape prices the
+    # same, so the Hungarian matching runs only for the shapes that win.
+    topology = state.topology
+    placement_free = (topology.workers_per_node == 1 or topology.cluster.num_nodes == 1
+                      or topology.cluster.ideal_network)
+    unmatched: list[tuple[float, ExecutionPlan, tuple[int, ...]]] = []
     for tau, *_, lengths_of_plan, counts in priced:
         shapes = [skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)]
         if exhaustive and templates.exhaustive:
             shapes.extend(_alternatives(templates, tau, lengths_of_plan, counts,
                                         plan.micro_batch, plan.schedule))
         for shape in shapes:
+            if placement_free:
+                # The estimate cannot depend on who fills which slot: price the shape with
+                # survivors in id order and match workers only for the fastest (below).
+                est = state.estimate(_in_id_order(shape, held))
+                if est.memory_fits:
+                    unmatched.append((_rounded(est.step_s), shape, lengths_of_plan))
+                continue
             new_plan, moved = assign_workers(shape, held, layer_bytes)
             new_plan.validate()
             est = state.estimate(new_plan)
@@ -312,6 +335,15 @@ def search(state: RecoveryState) -> SearchResult | None:
             key = (_rounded(est.step_s), moved)
             if best is None or key < (_rounded(best[0]), best[1]):
                 best = (est.step_s, moved, new_plan, est, lengths_of_plan)
+    if unmatched:
+        fastest = min(step for step, _, _ in unmatched)
+        for step, shape, lengths_of_plan in unmatched:
+            if step != fastest:
+                continue
+            new_plan, moved = assign_workers(shape, held, layer_bytes)
+            new_plan.validate()
+            if best is None or moved < best[1]:
+                best = (step, moved, new_plan, state.estimate(new_plan), lengths_of_plan)
     if best is None:
         return None
     _, _, new_plan, est, lengths_of_plan = best
