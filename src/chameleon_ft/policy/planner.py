@@ -245,10 +245,10 @@ class Planner:
         """
         plan, _, alive, _ = key
         renaming = canonical_renaming(plan, failed, alive, self._topology)
-        if renaming is None or all(renaming[w] == w for w in failed):
+        if not renaming:  # not symmetric, or already canonical
             return self._lookup_exact(key, state, failed)
-        canon_failed = frozenset(renaming[w] for w in failed)
-        canon_alive = frozenset(renaming[w] for w in alive)
+        canon_failed = frozenset(renaming.get(w, w) for w in failed)
+        canon_alive = frozenset(renaming.get(w, w) for w in alive)
         raw, hit, search_s = self._lookup_exact(
             (plan, canon_failed, canon_alive, key[3]), replace(state, alive=canon_alive),
             canon_failed)
@@ -274,6 +274,10 @@ class Planner:
         self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
+
+    def clear_cache(self) -> None:
+        """Forget every cached decision (the pipeline templates stay)."""
+        self._cache.clear()
 
     def precompute(self, plan: ExecutionPlan, *,
                    failures: Iterable[Iterable[int]] | None = None,

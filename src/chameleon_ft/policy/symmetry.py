@@ -20,7 +20,8 @@ from chameleon_ft.recovery.types import Candidate, Migration, Transfer
 
 def canonical_renaming(plan: ExecutionPlan, failed: frozenset[int], alive: frozenset[int],
                        topology: Topology) -> dict[int, int] | None:
-    """A renaming of ``plan``'s workers that maps ``failed`` to its canonical form.
+    """A renaming of ``plan``'s workers that maps ``failed`` to its canonical form; workers
+    it does not name keep their ids (an empty renaming: already canonical).
 
     Returns ``None`` when the plan is not symmetric enough (reroutes, pipelines that differ,
     idle or unknown workers) or when the renaming would not keep the node structure.
@@ -33,14 +34,23 @@ def canonical_renaming(plan: ExecutionPlan, failed: frozenset[int], alive: froze
     if any(p.layout != first.layout or p.num_microbatches != first.num_microbatches
            for p in plan.pipelines):
         return None
-    pattern = [tuple(s for s, st in enumerate(pipe.stages) if st.worker in failed)
-               for pipe in plan.pipelines]
-    # Damaged pipelines first, ordered by the stages they lost; the rest keep their order.
-    order = sorted(range(plan.num_pipelines), key=lambda p: (not pattern[p], pattern[p], p))
+    pattern = {p: tuple(s for s, st in enumerate(pipe.stages) if st.worker in failed)
+               for p, pipe in enumerate(plan.pipelines)}
+    damaged = sorted((p for p, lost in pattern.items() if lost), key=lambda p: (pattern[p], p))
+    # Damaged pipelines go to positions 0, 1, ... ordered by the stages they lost, each by
+    # swapping places with the pipeline there, so few workers are renamed (a single
+    # failure renames two pipelines) and renaming answers back stays cheap.
+    at = list(range(plan.num_pipelines))  # position -> pipeline
+    where = list(range(plan.num_pipelines))  # pipeline -> position
+    for i, p in enumerate(damaged):
+        j = where[p]
+        at[i], at[j] = at[j], at[i]
+        where[at[i]], where[at[j]] = i, j
     renaming = {}
-    for target, p in enumerate(order):
-        for s, st in enumerate(plan.pipelines[p].stages):
-            renaming[st.worker] = plan.pipelines[target].stages[s].worker
+    for target, p in enumerate(at):
+        if target != p:
+            for s, st in enumerate(plan.pipelines[p].stages):
+                renaming[st.worker] = plan.pipelines[target].stages[s].worker
     return renaming if _keeps_nodes(renaming, topology) else None
 
 
@@ -59,11 +69,15 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int]) -> ExecutionPl
     def w(worker: int) -> int:
         return renaming.get(worker, worker)
 
+    def pipeline(pipe: Pipeline) -> Pipeline:
+        if not any(st.worker in renaming for st in pipe.stages):
+            return pipe  # most pipelines keep their workers: reuse them as they are
+        return Pipeline(tuple(Stage(w(st.worker), st.first_layer, st.end_layer)
+                              for st in pipe.stages), pipe.num_microbatches)
+
     return ExecutionPlan(
         num_layers=plan.num_layers,
-        pipelines=tuple(Pipeline(tuple(Stage(w(st.worker), st.first_layer, st.end_layer)
-                                       for st in pipe.stages), pipe.num_microbatches)
-                        for pipe in plan.pipelines),
+        pipelines=tuple(pipeline(pipe) for pipe in plan.pipelines),
         reroutes=tuple(Reroute(r.pipeline, r.stage, tuple((w(x), n) for x, n in r.shares))
                        for r in plan.reroutes),
         micro_batch=plan.micro_batch,
@@ -75,11 +89,15 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
     def w(worker: int) -> int:
         return renaming.get(worker, worker)
 
+    def bucket(b: Bucket) -> Bucket:
+        if not any(x in renaming for x in b.workers):
+            return b
+        return Bucket(tuple(sorted(w(x) for x in b.workers)), b.layers)
+
     return replace(
         est,
         peak_memory_bytes={w(k): v for k, v in est.peak_memory_bytes.items()},
-        sync_rounds=tuple(tuple(Bucket(tuple(sorted(w(x) for x in b.workers)), b.layers)
-                                for b in group) for group in est.sync_rounds),
+        sync_rounds=tuple(tuple(bucket(b) for b in group) for group in est.sync_rounds),
     )
 
 
