@@ -470,11 +470,11 @@ class Planner:
         plan, spec = state.plan, self.config.recovery
         keep = candidate_from_estimate(Strategy.KEEP, plan, self._estimator.estimate(plan), {},
                                        "keep the current plan; returned workers stay idle")
-        dead = {st.worker for _, _, st in plan.iter_stages()} - set(state.alive)
+        dead = reroute.dead_workers(state)
         candidates: tuple[Candidate, ...] = (keep,)
         policy = "keep"
         if any(r in plan.dead_workers for r in returned):
-            new_plan = reroute_plan(plan, dead) if dead else replace(plan, reroutes=())
+            new_plan = reroute_plan(plan, dead)  # no dead left: no reroutes left
             new_plan.validate()
             held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
             migration = schedule_migration(new_plan, held, self._profile, self._topology,

@@ -27,17 +27,18 @@ from chameleon_ft.recovery.types import (
 
 def dead_stages(state: RecoveryState) -> list[tuple[int, int]]:
     """``(pipeline, stage)`` of every stage of the current plan whose worker is not alive."""
-    return plan_dead_stages(state.plan, _dead_workers(state))
+    return plan_dead_stages(state.plan, dead_workers(state))
 
 
-def _dead_workers(state: RecoveryState) -> set[int]:
+def dead_workers(state: RecoveryState) -> set[int]:
+    """Workers named by the current plan's stages that are not alive (old and new dead)."""
     return {st.worker for _, _, st in state.plan.iter_stages()} - set(state.alive)
 
 
 def _spread(state: RecoveryState, headroom: dict[int, float] | None) -> ExecutionPlan | str:
     """The rerouted plan, or the reason there is none."""
     try:
-        return reroute_plan(state.plan, _dead_workers(state), headroom)
+        return reroute_plan(state.plan, dead_workers(state), headroom)
     except ValueError as exc:
         return str(exc).removeprefix("reroute: ")
 
