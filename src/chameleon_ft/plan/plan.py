@@ -97,6 +97,17 @@ class ExecutionPlan:
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` or ``gpipe``."""
 
+    def __hash__(self) -> int:
+        # Plans key the planner's and the estimator's caches; a 2,048-worker plan hashes
+        # thousands of stages, so the hash is computed once (the plan is immutable). Only
+        # integers go in, so a pickled plan's cached hash holds in another process too.
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.num_layers, self.pipelines, self.reroutes, self.micro_batch,
+                           len(self.schedule), self.schedule == "1f1b"))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     # ---------------------------------------------------------------- construction
     @classmethod
     def uniform(

@@ -23,7 +23,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chameleon_ft.perf import Estimate, Topology, estimator_for
@@ -31,7 +31,11 @@ from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score
-from chameleon_ft.policy.symmetry import canonical_renaming, rename_candidate
+from chameleon_ft.policy.symmetry import (
+    canonical_renaming,
+    interchangeable_form,
+    rename_candidate,
+)
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
@@ -53,6 +57,15 @@ _ORDER = {s: i for i, s in enumerate(
     (Strategy.KEEP, Strategy.REROUTE, Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC,
      Strategy.SHRINK, Strategy.RESTART))}
 """Final tie-break between equal scores: cheaper, less disruptive strategies first."""
+
+_FAILURE_BUILDERS = {Strategy.REROUTE: reroute.candidates, Strategy.DYNAMIC: dynamic.candidates,
+                     Strategy.RESTART: restart.candidates, Strategy.SHRINK: shrink.candidates}
+_FAILURE_STRATEGIES = tuple(_FAILURE_BUILDERS)
+"""What a failure is answered with, in the order decisions list them."""
+_OWN = {Strategy.REROUTE: (Strategy.REROUTE,), Strategy.DYNAMIC: (Strategy.DYNAMIC,),
+        Strategy.RESTART: (Strategy.RESTART,), Strategy.SHRINK: (Strategy.SHRINK,),
+        Strategy.REROUTE_THEN_DYNAMIC: (Strategy.REROUTE, Strategy.DYNAMIC)}
+"""The candidates a fixed-strategy policy needs when it does not compare."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,17 @@ class Decision:
 
 
 _CacheKey = tuple[ExecutionPlan, frozenset[int], frozenset[int], str]
+"""(plan, failed or returned workers, live workers, event kind)."""
+
+
+@dataclass
+class _Entry:
+    """The candidates priced so far for one event, by strategy."""
+
+    plan: ExecutionPlan
+    """The plan they were computed from (the key's, as an object: answers share its
+    pipelines)."""
+    candidates: dict[Strategy, Candidate] = field(default_factory=dict)
 
 
 class Planner:
@@ -135,7 +159,7 @@ class Planner:
             workers_per_node=self._topology.workers_per_node,
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
-        self._cache: OrderedDict[_CacheKey, tuple[Candidate, ...]] = OrderedDict()
+        self._cache: OrderedDict[_CacheKey, _Entry] = OrderedDict()
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         start = time.perf_counter()
         self._warm_templates()
@@ -226,50 +250,88 @@ class Planner:
                              since_checkpoint_s=since_checkpoint_s)
 
     # ------------------------------------------------------------------ candidates
-    def _raw_candidates(self, state: RecoveryState, failed: frozenset[int]) -> tuple[Candidate, ...]:
-        """reroute, dynamic, restart, shrink, from the current plan (not yet combined or
-        scored; restart priced with the default lost work)."""
-        out: list[Candidate] = []
-        out.extend(reroute.candidates(state, failed))
-        out.extend(dynamic.candidates(state, failed))
-        out.extend(restart.candidates(state, failed))
-        out.extend(shrink.candidates(state, failed))
-        return tuple(out)
+    def _build(self, kind: str, strategy: Strategy, state: RecoveryState,
+               marked: frozenset[int]) -> Candidate:
+        """One strategy's candidate from the current plan, not yet scored.
 
-    def _lookup(self, key: _CacheKey, state: RecoveryState,
-                failed: frozenset[int]) -> tuple[tuple[Candidate, ...], bool, float]:
-        """Candidates for a failure, from the cache when an equivalent failure was priced.
-
-        A failure of a symmetric plan is renamed to its canonical form first
-        (``symmetry.py``) and the answer renamed back.
+        ``kind`` is ``fail`` (``marked``: the newly failed workers; restart priced with the
+        default lost work), ``rejoin`` (``marked``: the returned workers; ``keep`` or a
+        dynamic re-plan over every live worker, announced so without detection) or
+        ``rejoin-reroute`` (ReCycle's re-join: returned workers take their stages back).
         """
-        plan, _, alive, _ = key
-        renaming = canonical_renaming(plan, failed, alive, self._topology)
+        if kind == "fail":
+            return _FAILURE_BUILDERS[strategy](state, marked)[0]
+        if strategy == Strategy.KEEP:
+            return candidate_from_estimate(Strategy.KEEP, state.plan,
+                                           self._estimator.estimate(state.plan), {},
+                                           "keep the current plan; returned workers stay idle")
+        if kind == "rejoin":
+            dyn = dynamic.candidates(state, frozenset())[0]
+            if dyn.feasible:
+                dyn = replace(dyn, terms={k: v for k, v in dyn.terms.items() if k != "detect_s"},
+                              transition_s=sum(v for k, v in dyn.terms.items()
+                                               if k != "detect_s"))
+            return dyn
+        return self._reroute_back(state, marked)
+
+    def _lookup(self, kind: str, state: RecoveryState, marked: frozenset[int],
+                wanted: tuple[Strategy, ...]) -> tuple[tuple[Candidate, ...], bool, float]:
+        """The ``wanted`` candidates for an event, from the cache when an equivalent event
+        was priced.
+
+        The event is first renamed to a canonical form (``symmetry.py``): the whole state
+        when workers are interchangeable (one per node), else a failure of a plan of
+        identical pipelines; the answer is renamed back.
+
+        Returns:
+            The candidates in ``wanted`` order, whether all came from the cache, and the
+            seconds spent.
+        """
+        plan, alive = state.plan, state.alive
+        form = interchangeable_form(plan, alive, (marked,), self._topology)
+        if form is not None:
+            canon_alive = form.rename(alive)
+            canon_marked = form.rename(marked)
+            key = (form.plan, canon_marked, canon_alive, kind)
+            raw, hit, search_s = self._lookup_exact(
+                key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
+            stored = self._cache[key].plan
+            return tuple(form.answer(c, plan, stored) for c in raw), hit, search_s
+        renaming = (canonical_renaming(plan, marked, alive, self._topology)
+                    if kind == "fail" else None)
         if not renaming:  # not symmetric, or already canonical
-            return self._lookup_exact(key, state, failed)
-        canon_failed = frozenset(renaming.get(w, w) for w in failed)
+            return self._lookup_exact((plan, marked, alive, kind), state, marked, wanted)
+        canon_marked = frozenset(renaming.get(w, w) for w in marked)
         canon_alive = frozenset(renaming.get(w, w) for w in alive)
         raw, hit, search_s = self._lookup_exact(
-            (plan, canon_failed, canon_alive, key[3]), replace(state, alive=canon_alive),
-            canon_failed)
+            (plan, canon_marked, canon_alive, kind), replace(state, alive=canon_alive),
+            canon_marked, wanted)
         back = {v: k for k, v in renaming.items()}
         return tuple(rename_candidate(c, back, plan) for c in raw), hit, search_s
 
-    def _lookup_exact(self, key: _CacheKey, state: RecoveryState,
-                      failed: frozenset[int]) -> tuple[tuple[Candidate, ...], bool, float]:
+    def _lookup_exact(self, key: _CacheKey, state: RecoveryState, marked: frozenset[int],
+                      wanted: tuple[Strategy, ...]
+                      ) -> tuple[tuple[Candidate, ...], bool, float]:
         start = time.perf_counter()
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            # Precomputed while healthy: the search is hidden behind training.
-            hidden = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
-                           else c for c in cached)
-            return hidden, True, time.perf_counter() - start
-        raw = self._raw_candidates(state, failed)
-        self._store(key, raw)
-        return raw, False, time.perf_counter() - start
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = _Entry(state.plan)
+        found = entry.candidates
+        missing = [s for s in wanted if s not in found]
+        out = []
+        for strategy in wanted:
+            if strategy in found:
+                # Precomputed while healthy: the search is hidden behind training.
+                cached = found[strategy]
+                out.append(_with_term(cached, "search_s", 0.0)
+                           if strategy == Strategy.DYNAMIC else cached)
+            else:
+                found[strategy] = self._build(key[3], strategy, state, marked)
+                out.append(found[strategy])
+        self._store(key, entry)
+        return tuple(out), not missing, time.perf_counter() - start
 
-    def _store(self, key: _CacheKey, value: tuple[Candidate, ...]) -> None:
+    def _store(self, key: _CacheKey, value: _Entry) -> None:
         self._cache[key] = value
         self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
@@ -324,8 +386,8 @@ class Planner:
             if not alive:
                 continue
             # Equivalent failures of a symmetric plan share one cache entry.
-            _, hit, _ = self._lookup((plan, failed, alive, "fail"),
-                                     self._state(plan, alive, None), failed)
+            _, hit, _ = self._lookup("fail", self._state(plan, alive, None), failed,
+                                     _FAILURE_STRATEGIES)
             added += 0 if hit else 1
         return time.perf_counter() - start
 
@@ -341,7 +403,7 @@ class Planner:
     def decide(self, plan: ExecutionPlan, failed: Iterable[int], *,
                alive: Iterable[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
-               since_checkpoint_s: float | None = None) -> Decision:
+               since_checkpoint_s: float | None = None, compare: bool = True) -> Decision:
         """Choose how to recover from ``failed`` starting from the CURRENT ``plan``.
 
         Args:
@@ -355,6 +417,9 @@ class Planner:
             policy: overrides the planner's policy for this decision.
             since_checkpoint_s: exact progress since the last checkpoint (restart's lost
                 work); default: half the checkpoint interval.
+            compare: price every strategy, so the decision lists them all (reports, the
+                CLI). False lets a fixed-strategy policy price only its own strategy (and
+                the rest only when its own is infeasible): the simulator's fast path.
 
         Returns:
             The decision with every candidate.
@@ -379,19 +444,28 @@ class Planner:
         # Cached candidates must not depend on this call's checkpoint age: restart's lost
         # work is set below for this decision only.
         state = self._state(plan, alive_set, None)
-        missing = state.missing_layers()
-        if missing and not self.config.recovery.checkpoint:
+        missing = [] if self.config.recovery.checkpoint else state.missing_layers()
+        if missing:
             raise ValueError(
                 f"failed: losing workers {sorted(failed_set)} leaves layer {missing[0]} with no "
                 "live replica and recovery.checkpoint is false, so nothing can restore it")
-        raw, hit, search_s = self._lookup((plan, failed_set, alive_set, "fail"), state,
-                                          failed_set)
+        wanted = _FAILURE_STRATEGIES
+        if not compare and chosen_policy in _OWN:
+            wanted = _OWN[Strategy(chosen_policy)]
+        raw, hit, search_s = self._lookup("fail", state, failed_set, wanted)
+        if wanted != _FAILURE_STRATEGIES and not all(c.feasible for c in raw):
+            # The policy's own strategy is infeasible: it falls back on restart, or on the
+            # best of all when restart is infeasible too.
+            raw, hit, more_s = self._lookup("fail", state, failed_set, _FAILURE_STRATEGIES)
+            search_s += more_s
         if since_checkpoint_s is not None:
             raw = tuple(_restart_with(c, restart_terms(self.config.recovery, since_checkpoint_s))
                         if c.strategy == Strategy.RESTART and c.feasible else c for c in raw)
         by_strategy = {c.strategy: c for c in raw}
-        two_phase = combine(state, by_strategy[Strategy.REROUTE], by_strategy[Strategy.DYNAMIC])
-        candidates = (*raw, two_phase)
+        candidates = raw
+        if Strategy.REROUTE in by_strategy and Strategy.DYNAMIC in by_strategy:
+            candidates = (*raw, combine(state, by_strategy[Strategy.REROUTE],
+                                        by_strategy[Strategy.DYNAMIC]))
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=search_s,
                             cache_hit=hit)
@@ -431,30 +505,23 @@ class Planner:
         alive_set = (frozenset(plan.workers) | returned_set if alive is None
                      else self._workers("alive", alive) | returned_set)
         state = self._state(plan, alive_set, None)
-        start = time.perf_counter()
         if chosen_policy == Strategy.REROUTE:
-            return self._rejoin_rerouted(state, returned_set, horizon, now_s, start)
-        key = (plan, returned_set, alive_set, "rejoin")
-        cached = self._cache.get(key)
-        hit = cached is not None
-        if cached is None:
-            current = self._estimator.estimate(plan)
-            keep = candidate_from_estimate(Strategy.KEEP, plan, current, {},
-                                           "keep the current plan; returned workers stay idle")
-            dyn = dynamic.candidates(state, frozenset())[0]
-            if dyn.feasible:
-                dyn = replace(dyn, terms={k: v for k, v in dyn.terms.items() if k != "detect_s"},
-                              transition_s=sum(v for k, v in dyn.terms.items()
-                                               if k != "detect_s"))
-            cached = (keep, dyn)
-            self._store(key, cached)
-        else:
-            cached = tuple(_with_term(c, "search_s", 0.0) if c.strategy == Strategy.DYNAMIC
-                           else c for c in cached)
-        keep, dyn = cached
+            # ReCycle's re-join: returned workers take their stages back when they had one.
+            (keep, back), hit, search_s = self._lookup("rejoin-reroute", state, returned_set,
+                                                       (Strategy.KEEP, Strategy.REROUTE))
+            if back.feasible:
+                return self._choose((keep, back), plan=plan, policy=str(Strategy.REROUTE),
+                                    horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
+                                    search_s=search_s, cache_hit=hit)
+            return self._choose((keep,), plan=plan, policy="keep", horizon_s=horizon,
+                                num_live=len(alive_set), now_s=now_s, search_s=search_s,
+                                cache_hit=hit)
+        (keep, dyn), hit, search_s = self._lookup("rejoin", state, returned_set,
+                                                  (Strategy.KEEP, Strategy.DYNAMIC))
+        start = time.perf_counter()
         two_phase = combine(state, replace(keep, terms={}, transition_s=0.0), dyn,
                             first_phase="keep the current plan")
-        search_s = time.perf_counter() - start
+        search_s += time.perf_counter() - start
         candidates = (keep, dyn, two_phase)
         if chosen_policy not in ("chameleon", "dynamic"):
             chosen_policy = "keep"
@@ -462,34 +529,23 @@ class Planner:
                             num_live=len(alive_set), now_s=now_s, search_s=search_s,
                             cache_hit=hit)
 
-    def _rejoin_rerouted(self, state: RecoveryState, returned: frozenset[int],
-                         horizon_s: float | None, now_s: float, start: float) -> Decision:
-        """The ``reroute`` policy's rejoin, as ReCycle does it: a returned worker copies its
-        stage's parameters and optimizer state from a live replica and takes its
-        micro-batches back; the other dead stages stay rerouted."""
+    def _reroute_back(self, state: RecoveryState, returned: frozenset[int]) -> Candidate:
+        """ReCycle's re-join: a returned worker copies its stage's parameters and optimizer
+        state from a live replica and takes its micro-batches back; the other dead stages
+        stay rerouted. Infeasible when no returned worker had a rerouted stage."""
         plan, spec = state.plan, self.config.recovery
-        keep = candidate_from_estimate(Strategy.KEEP, plan, self._estimator.estimate(plan), {},
-                                       "keep the current plan; returned workers stay idle")
-        dead = reroute.dead_workers(state)
-        candidates: tuple[Candidate, ...] = (keep,)
-        policy = "keep"
-        if any(r in plan.dead_workers for r in returned):
-            new_plan = reroute_plan(plan, dead)  # no dead left: no reroutes left
-            new_plan.validate()
-            held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
-            migration = schedule_migration(new_plan, held, self._profile, self._topology,
-                                           max_parts=spec.migration_max_parts)
-            terms = {"rebuild_s": spec.rebuild_s,
-                     "migrate_s": migration_s(migration.time_s, spec)}
-            back = candidate_from_estimate(
-                Strategy.REROUTE, new_plan, self._estimator.estimate(new_plan), terms,
-                f"returned workers take their stages back ({len(new_plan.reroutes)} stage(s) "
-                "still rerouted)", migration=migration)
-            candidates = (keep, back)
-            policy = str(Strategy.REROUTE) if back.feasible else "keep"
-        return self._choose(candidates, plan=plan, policy=policy, horizon_s=horizon_s,
-                            num_live=len(state.alive), now_s=now_s,
-                            search_s=time.perf_counter() - start, cache_hit=False)
+        if not any(r in plan.dead_workers for r in returned):
+            return infeasible(Strategy.REROUTE, "no returned worker had a rerouted stage")
+        new_plan = reroute_plan(plan, reroute.dead_workers(state))
+        new_plan.validate()
+        held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
+        migration = schedule_migration(new_plan, held, self._profile, self._topology,
+                                       max_parts=spec.migration_max_parts)
+        terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
+        return candidate_from_estimate(
+            Strategy.REROUTE, new_plan, self._estimator.estimate(new_plan), terms,
+            f"returned workers take their stages back ({len(new_plan.reroutes)} stage(s) "
+            "still rerouted)", migration=migration)
 
     def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
                 horizon_s: float | None, num_live: int, now_s: float, search_s: float,

@@ -11,7 +11,8 @@ every single failure is one of 16 cached problems instead of 2,048.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
@@ -64,12 +65,29 @@ def _keeps_nodes(renaming: Mapping[int, int], topology: Topology) -> bool:
     return len(set(image.values())) == len(image)
 
 
-def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int]) -> ExecutionPlan:
-    """``plan`` with every worker id renamed (ids not in ``renaming`` are kept)."""
+_Known = tuple[Mapping[int, Pipeline], Mapping[int, tuple[Stage, ...]]]
+"""Pipelines (and stage tuples) whose renamed form is already known, by object id."""
+
+
+def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
+                known: _Known | None = None) -> ExecutionPlan:
+    """``plan`` with every worker id renamed (ids not in ``renaming`` are kept).
+
+    ``known`` maps ids of pipeline (and stage tuple) objects of ``plan`` to their renamed
+    forms, taken as they are.
+    """
     def w(worker: int) -> int:
         return renaming.get(worker, worker)
 
+    same, same_stages = known if known is not None else ({}, {})
+
     def pipeline(pipe: Pipeline) -> Pipeline:
+        found = same.get(id(pipe))
+        if found is not None:
+            return found
+        stages = same_stages.get(id(pipe.stages))
+        if stages is not None:
+            return Pipeline(stages, pipe.num_microbatches)
         if not any(st.worker in renaming for st in pipe.stages):
             return pipe  # most pipelines keep their workers: reuse them as they are
         return Pipeline(tuple(Stage(w(st.worker), st.first_layer, st.end_layer)
@@ -135,13 +153,14 @@ def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> Executio
 
 
 def rename_candidate(candidate: Candidate, renaming: Mapping[int, int],
-                     original: ExecutionPlan) -> Candidate:
+                     original: ExecutionPlan, known: _Known | None = None) -> Candidate:
     """``candidate`` with the workers of its plans, estimate and migration renamed; plans
-    that keep ``original``'s pipelines get them back in ``original``'s order."""
+    that keep ``original``'s pipelines get them back in ``original``'s order. ``known``: as
+    in :func:`rename_plan`."""
     def plan_of(plan: ExecutionPlan | None) -> ExecutionPlan | None:
         if plan is None:
             return None
-        return _in_original_order(rename_plan(plan, renaming), original)
+        return _in_original_order(rename_plan(plan, renaming, known), original)
 
     migration = candidate.migration
     if migration is not None:
@@ -154,3 +173,139 @@ def rename_candidate(candidate: Candidate, renaming: Mapping[int, int],
         migration=migration,
         interim_plan=plan_of(candidate.interim_plan),
     )
+
+
+# ----------------------------------------------------------------------------------------
+# Interchangeable workers: a canonical form of the whole state.
+#
+# With one worker per node every pair of workers is joined by the same kind of link, so any
+# renaming of workers keeps the problem the same. Two states (plan, who is alive, who just
+# failed or came back) that differ only in worker ids and pipeline order are then the same
+# problem, and one canonical representative stands for all of them: pipelines sorted by
+# what they look like (layout, micro-batches, which stages are dead, failed or rerouted,
+# what they host for other pipelines), workers numbered in that order, then the idle
+# workers. Ties between look-alike pipelines are broken by their position, so two
+# equivalent states can (rarely) get different forms: that costs a cache miss, never a
+# wrong answer, because the cache key is the renamed state itself.
+
+
+@dataclass(frozen=True)
+class CanonicalForm:
+    """A state renamed to its canonical representative."""
+
+    plan: ExecutionPlan
+    """The plan, pipelines in canonical order, workers renamed."""
+    renaming: Mapping[int, int]
+    """Every worker of the cluster -> its canonical id (a permutation)."""
+    order: tuple[int, ...]
+    """The original index of each canonical pipeline."""
+
+    def rename(self, workers: frozenset[int]) -> frozenset[int]:
+        """``workers`` in canonical ids."""
+        return frozenset(self.renaming[w] for w in workers)
+
+    def answer(self, candidate: Candidate, original: ExecutionPlan,
+               stored: ExecutionPlan | None = None) -> Candidate:
+        """A candidate computed for the canonical state, in the original state's names.
+
+        ``stored`` is the canonical plan the candidate was computed from (equal to
+        ``self.plan``, maybe another object): pipelines of the answer that are its very
+        objects are replaced by the original pipelines, without renaming stage by stage.
+        """
+        back = {v: k for k, v in self.renaming.items()}
+        source = stored if stored is not None else self.plan
+        same = {id(pipe): original.pipelines[p]
+                for pipe, p in zip(source.pipelines, self.order, strict=True)}
+        same_stages = {id(pipe.stages): original.pipelines[p].stages
+                       for pipe, p in zip(source.pipelines, self.order, strict=True)}
+        return rename_candidate(candidate, back, original, known=(same, same_stages))
+
+
+_CANONICAL_PIPELINES: dict[tuple[Any, ...], Pipeline] = {}
+"""Canonical pipelines by (first id, layout, micro-batches): shared objects make canonical
+plans cheap to build, hash and compare."""
+
+
+def _canonical_pipeline(first: int, layout: tuple[tuple[int, int], ...],
+                        num_microbatches: int) -> Pipeline:
+    key = (first, layout, num_microbatches)
+    pipe = _CANONICAL_PIPELINES.get(key)
+    if pipe is None:
+        if len(_CANONICAL_PIPELINES) > 65536:
+            _CANONICAL_PIPELINES.clear()
+        pipe = Pipeline(tuple(Stage(first + s, lo, hi) for s, (lo, hi) in enumerate(layout)),
+                        num_microbatches)
+        _CANONICAL_PIPELINES[key] = pipe
+    return pipe
+
+
+def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
+                         marks: tuple[frozenset[int], ...],
+                         topology: Topology) -> CanonicalForm | None:
+    """The canonical form of ``(plan, alive, marks)`` when workers are interchangeable.
+
+    Args:
+        plan: the current plan.
+        alive: every live worker.
+        marks: worker sets the answer depends on (the newly failed, the returned).
+        topology: the cluster; the form exists only with one worker per node.
+
+    Returns:
+        The form, or ``None`` when workers are not interchangeable.
+    """
+    if topology.workers_per_node != 1:
+        return None
+    num_workers = topology.num_workers
+    # Workers whose status is not "alive, unmarked": few, so pipelines without any share
+    # one status tuple.
+    special = set().union(*marks)
+    special.update(st.worker for pipe in plan.pipelines for st in pipe.stages
+                   if st.worker not in alive)
+
+    def status(w: int) -> tuple[bool, ...]:
+        return (w in alive, *(w in m for m in marks))
+
+    healthy = (True, *(False for _ in marks))
+    own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for r in plan.reroutes:
+        own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
+    lite = []
+    for p, pipe in enumerate(plan.pipelines):
+        if special and any(st.worker in special for st in pipe.stages):
+            statuses: tuple[Any, ...] = tuple(status(st.worker) for st in pipe.stages)
+        else:
+            statuses = (healthy,) * len(pipe.stages)
+        lite.append((pipe.layout, pipe.num_microbatches, statuses, tuple(sorted(own.get(p, ())))))
+    hosting: dict[int, list[tuple[Any, ...]]] = {}
+    where = plan.stage_of_worker
+    for r in plan.reroutes:
+        for i, (w, n) in enumerate(r.shares):
+            q, s = where[w]
+            hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
+    order = sorted(range(plan.num_pipelines),
+                   key=lambda p: (lite[p], sorted(hosting.get(p, ())), p))
+    renaming: dict[int, int] = {}
+    position = {}
+    pipelines = []
+    for k, p in enumerate(order):
+        position[p] = k
+        pipe = plan.pipelines[p]
+        first = len(renaming)
+        for s, st in enumerate(pipe.stages):
+            renaming[st.worker] = first + s
+        pipelines.append(_canonical_pipeline(first, pipe.layout, pipe.num_microbatches))
+    if len(renaming) != sum(len(pipe.stages) for pipe in plan.pipelines):
+        return None  # a worker named twice: not a valid plan
+    rest = sorted((w for w in range(num_workers) if w not in renaming),
+                  key=lambda w: (tuple(not x for x in status(w)), w))
+    for w in rest:
+        renaming[w] = len(renaming)
+    if len(renaming) != num_workers:
+        return None  # a plan naming workers outside the cluster: no form
+    reroutes = tuple(sorted(
+        (Reroute(position[r.pipeline], r.stage, tuple((renaming[w], n) for w, n in r.shares))
+         for r in plan.reroutes), key=lambda r: (r.pipeline, r.stage)))
+    canon = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
+                          reroutes=reroutes, micro_batch=plan.micro_batch,
+                          schedule=plan.schedule)
+    return CanonicalForm(plan=canon, renaming=renaming, order=tuple(order))

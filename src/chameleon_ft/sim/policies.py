@@ -163,7 +163,7 @@ class PlannerLike(Protocol):
     def decide(self, plan: ExecutionPlan, failed: Collection[int], *,
                alive: Collection[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
-               since_checkpoint_s: float | None = None) -> Any: ...
+               since_checkpoint_s: float | None = None, compare: bool = True) -> Any: ...
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Collection[int], *,
                       alive: Collection[int] | None = None, now_s: float = 0.0,
@@ -277,7 +277,7 @@ class PlannerPolicy:
             decision = self._planner.decide(
                 base.plan, tuple(sorted(failed)), alive=tuple(sorted(ctx.alive)),
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
-                since_checkpoint_s=ctx.since_checkpoint_s)
+                since_checkpoint_s=ctx.since_checkpoint_s, compare=False)
         except ValueError:
             # No feasible recovery (too few workers, or a layer lost without checkpoints):
             # the job waits for hardware to come back.
@@ -312,7 +312,7 @@ class PlannerPolicy:
             decision = self._planner.decide(
                 initial, tuple(sorted(missing)), alive=tuple(sorted(ctx.alive)),
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy="restart",
-                since_checkpoint_s=0.0)
+                since_checkpoint_s=0.0, compare=False)
         except ValueError:
             return Choice(strategy=DOWN, plan=None)
         return decision_choice(decision, self._recovery, rescore=False)
