@@ -279,6 +279,59 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
     act_peak = [0.0] * num_workers
     is_fwd = [op.kind is OpKind.F for op in op_list]
 
+    # A worker running one stream has no choice to make: its next op starts as soon as the
+    # op is released and the worker is free, so such ops are timed eagerly, in dependency
+    # order, without events. Only workers merging several streams (rerouted peers) go
+    # through the event queue, where the priority rule picks among the ops ready "now".
+    # Eager ops release their successors early, but with their true ready times, so a
+    # merging worker sees exactly the ops ready at its decision time.
+    single = [len(ws) == 1 for ws in wi_streams]
+    stack: list[int] = []
+    touched: list[int] = []
+
+    def release(op_id: int, t1: float) -> None:
+        for dst, delay in succs[op_id]:
+            arrival = t1 + delay
+            if arrival >= ready[dst]:
+                ready[dst] = arrival
+                ready_cause[dst] = op_id
+            pending[dst] -= 1
+            if pending[dst] == 0:
+                u = op_wi[dst]
+                if not single[u]:
+                    touched.append(u)
+                elif head[stream_id[dst]] == dst:
+                    stack.append(dst)
+
+    def account(w: int, op_id: int) -> None:
+        order[w].append(op_id)
+        busy_s[w] += op_dur[op_id]
+        if is_fwd[op_id]:
+            act_now[w] += op_act[op_id]
+            if act_now[w] > act_peak[w]:
+                act_peak[w] = act_now[w]
+        else:
+            act_now[w] -= op_act[op_id]
+
+    def drain() -> None:
+        """Time every eager op that can run now, and what they release."""
+        while stack:
+            op_id = stack.pop()
+            w = op_wi[op_id]
+            free = busy_until[w]
+            r = ready[op_id]
+            cause_op[op_id] = ready_cause[op_id] if (ready_cause[op_id] >= 0 and r >= free) \
+                else last_op[w]
+            t1 = (r if r > free else free) + op_dur[op_id]
+            end[op_id] = t1
+            busy_until[w] = t1
+            last_op[w] = op_id
+            account(w, op_id)
+            release(op_id, t1)  # before moving the head: its own next op is pushed below
+            nxt = head[stream_id[op_id]] = next_in_stream[op_id]
+            if nxt >= 0 and pending[nxt] == 0:
+                stack.append(nxt)
+
     def try_start(w: int, now: float) -> None:
         nonlocal seq
         if running[w]:
@@ -286,9 +339,7 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
         best = -1
         best_key: tuple[float, ...] | None = None
         wait = math.inf
-        worker_streams = wi_streams[w]
-        single = len(worker_streams) == 1
-        for sid in worker_streams:
+        for sid in wi_streams[w]:
             op_id = head[sid]
             if op_id < 0 or pending[op_id]:
                 continue
@@ -297,9 +348,6 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
                 if r < wait:
                     wait = r
                 continue
-            if single:
-                best = op_id
-                break
             op = op_list[op_id]
             key = priority(r, op.kind is OpKind.B, op.microbatch, op.pipeline, op.stage,
                            op_foreign[op_id])
@@ -319,19 +367,24 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
         end[best] = t1
         running[w] = True
         head[stream_id[best]] = next_in_stream[best]
-        order[w].append(best)
-        busy_s[w] += op_dur[best]
-        if is_fwd[best]:
-            act_now[w] += op_act[best]
-            if act_now[w] > act_peak[w]:
-                act_peak[w] = act_now[w]
-        else:
-            act_now[w] -= op_act[best]
+        account(w, best)
         heapq.heappush(events, (t1, seq, 0, best))
         seq += 1
 
+    def start_touched(now: float) -> None:
+        while touched:
+            try_start(touched.pop(), now)
+
     for w in range(num_workers):
-        try_start(w, 0.0)
+        if single[w]:
+            first = head[wi_streams[w][0]]
+            if first >= 0 and pending[first] == 0:
+                stack.append(first)
+    drain()
+    for w in range(num_workers):
+        if not single[w]:
+            try_start(w, 0.0)
+    touched.clear()
     while events:
         t, _, event, payload = heapq.heappop(events)
         if event == 1:
@@ -345,18 +398,10 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
         busy_until[w] = t
         last_op[w] = op_id
         # Release the successors first, so the worker's next choice sees all of them.
-        released = []
-        for dst, delay in succs[op_id]:
-            arrival = t + delay
-            if arrival >= ready[dst]:
-                ready[dst] = arrival
-                ready_cause[dst] = op_id
-            pending[dst] -= 1
-            if pending[dst] == 0:
-                released.append(op_wi[dst])
+        release(op_id, t)
+        drain()
         try_start(w, t)
-        for u in released:
-            try_start(u, t)
+        start_touched(t)
 
     if any(h != -1 for h in head):  # pragma: no cover - list scheduling of a DAG cannot deadlock
         raise RuntimeError("schedule deadlocked")
