@@ -22,7 +22,7 @@ from pathlib import Path
 from chameleon_ft.sim.events import Trace
 from chameleon_ft.sim.policies import policy_names
 from chameleon_ft.sim.report import ProgressBar, render, report_json, report_markdown, write_files
-from chameleon_ft.sim.runner import run_scenario
+from chameleon_ft.sim.runner import default_jobs, run_scenario
 from chameleon_ft.sim.scenarios import PRESETS, Scenario, preset_scenario, scenario_from_config
 from chameleon_ft.sim.traces import trace_from_csv, trace_to_csv
 from chameleon_ft.spec.config import load_config
@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay this trace (time_s,event,target) instead of generating one")
     parser.add_argument("--save-trace", metavar="FILE.csv",
                         help="also write the first generated trace as CSV")
+    parser.add_argument("--jobs", type=int, metavar="N",
+                        help="processes running policies and seeds at once (default: every "
+                             "core); the results do not depend on it")
 
 
 def _positive(flag: str, value: float | None) -> None:
@@ -83,6 +86,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         raise ValueError(f"--seeds: must be >= 1, got {args.seeds}")
     if args.seed is not None and args.seed < 0:
         raise ValueError(f"--seed: must be >= 0, got {args.seed}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
     simulation, failures = scenario.simulation, scenario.failures
     policy = scenario.config.policy
     if args.days is not None:
@@ -139,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     bar = ProgressBar(f"simulate {scenario.name}")
     try:
         result = run_scenario(scenario, seeds=args.seeds, seed=args.seed, trace=trace,
-                              progress=bar)
+                              progress=bar, jobs=args.jobs or default_jobs())
     finally:
         bar.close()
     # Everything is rendered before anything is written (dataclass replace() re-validates

@@ -90,8 +90,9 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
             return Pipeline(stages, pipe.num_microbatches)
         if not any(st.worker in renaming for st in pipe.stages):
             return pipe  # most pipelines keep their workers: reuse them as they are
-        return Pipeline(tuple(Stage(w(st.worker), st.first_layer, st.end_layer)
-                              for st in pipe.stages), pipe.num_microbatches)
+        get = renaming.get
+        return Pipeline(tuple([Stage(get(st.worker, st.worker), st.first_layer, st.end_layer)
+                               for st in pipe.stages]), pipe.num_microbatches)
 
     return ExecutionPlan(
         num_layers=plan.num_layers,
@@ -104,17 +105,16 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
 
 
 def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
-    def w(worker: int) -> int:
-        return renaming.get(worker, worker)
+    get = renaming.get
 
     def bucket(b: Bucket) -> Bucket:
         if not any(x in renaming for x in b.workers):
             return b
-        return Bucket(tuple(sorted(w(x) for x in b.workers)), b.layers)
+        return Bucket(tuple(sorted([get(x, x) for x in b.workers])), b.layers)
 
     return replace(
         est,
-        peak_memory_bytes={w(k): v for k, v in est.peak_memory_bytes.items()},
+        peak_memory_bytes={get(k, k): v for k, v in est.peak_memory_bytes.items()},
         sync_rounds=tuple(tuple(bucket(b) for b in group) for group in est.sync_rounds),
     )
 

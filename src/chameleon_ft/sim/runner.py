@@ -7,13 +7,17 @@ one planner that all its policies share (``run_scenario`` says why that is sound
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
+from typing import Any
 
-from chameleon_ft.perf import Estimate
-from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.perf import Topology, estimate
+from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy import Planner
-from chameleon_ft.profile import build_profile
+from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.sim.engine import RunResult, simulate
 from chameleon_ft.sim.events import Trace
 from chameleon_ft.sim.policies import BambooPolicy, PlannerPolicy, SimPolicy
@@ -107,11 +111,118 @@ def make_policy(name: str, planner: Planner, config: Config, *, bamboo_tax: floa
     return PlannerPolicy(name, planner, config.recovery)
 
 
+POLICY_GROUPS = (("chameleon", "oracle", "bamboo"),)
+"""Policies run together on one planner; every other policy forms the second group.
+Chameleon runs first on its planner, so its failure-rate estimate counts exactly the
+failures it saw (fixed policies ignore scores, the oracle passes the true horizon), and
+the oracle reuses most of its candidates. The fixed-strategy policies share theirs."""
+
+
+def policy_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
+    """``names`` split into the groups that share a planner (empty groups dropped)."""
+    first = (tuple(n for n in names if n == "chameleon")
+             + tuple(n for n in names if n in POLICY_GROUPS[0] and n != "chameleon"))
+    rest = tuple(n for n in names if n not in first)
+    return [g for g in (first, rest) if g]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Some policies on one trace, with one planner: what one process runs."""
+
+    config: Config
+    profile: Profile
+    trace: Trace
+    policies: tuple[str, ...]
+    bamboo_tax: float
+    failure_free_samples_s: float
+
+
+_DONE: Any = None
+"""A shared event counter, set in worker processes (progress of the parent's bar)."""
+
+
+def _init_worker(counter: Any) -> None:
+    global _DONE
+    _DONE = counter
+
+
+def _run_unit(unit: _Unit, tick: Callable[[int], None] | None = None) -> dict[str, RunResult]:
+    """Run one unit's policies, in order, on a fresh planner."""
+    planner = Planner(unit.config, profile=unit.profile)
+    out = {}
+    for name in unit.policies:
+        policy = make_policy(name, planner, unit.config, bamboo_tax=unit.bamboo_tax)
+        last = [0]
+
+        def handled(n: int, last: list[int] = last) -> None:
+            if tick is not None:
+                tick(n - last[0])
+            last[0] = n
+
+        out[name] = simulate(unit.trace, policy,
+                             failure_free_samples_s=unit.failure_free_samples_s,
+                             recovery=unit.config.recovery,
+                             num_workers=unit.config.num_workers,
+                             workers_per_node=unit.config.workers_per_node, progress=handled)
+    return out
+
+
+def _run_in_worker(unit: _Unit) -> dict[str, RunResult]:
+    def tick(n: int) -> None:
+        with _DONE.get_lock():
+            _DONE.value += n
+
+    return _run_unit(unit, tick)
+
+
+def _run_units(units: Sequence[_Unit], *, jobs: int, total: int,
+               progress: Callable[[int, int], None] | None) -> list[dict[str, RunResult]]:
+    """Every unit's results, in order; ``jobs`` processes at once (forked: Linux, macOS)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs: must be an integer >= 1, got {jobs!r}")
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    jobs = min(jobs, len(units))
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_run_unit(unit, tick) for unit in units]
+    context = multiprocessing.get_context("fork")
+    counter = context.Value("q", 0)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
+                             initargs=(counter,)) as pool:
+        futures = [pool.submit(_run_in_worker, unit) for unit in units]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            if progress is not None:
+                progress(min(counter.value, total), total)
+        return [f.result() for f in futures]
+
+
+def default_jobs() -> int:
+    """The cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
                  seeds: int | None = None, seed: int | None = None,
                  trace: Trace | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> ScenarioRun:
+                 progress: Callable[[int, int], None] | None = None,
+                 jobs: int = 1) -> ScenarioRun:
     """Run every policy on the same traces.
+
+    The work is split into units: for each (cell, seed), the policies of each group of
+    :func:`policy_groups`, with one planner per unit shared by its policies. Units are
+    independent, so ``jobs`` processes run them at once; the split does not depend on
+    ``jobs``, so neither do the results.
 
     Args:
         scenario: the scenario.
@@ -120,6 +231,7 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
         seed: overrides ``simulation.seed``.
         trace: replay this trace (one cell, one seed) instead of generating traces.
         progress: called as ``progress(done, total)`` in trace events over all runs.
+        jobs: processes running units at once (1: all in this process).
 
     Returns:
         The results.
@@ -147,46 +259,29 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
                                           duration_s=sim.duration_s, seed=s))
                        for s in range(first_seed, first_seed + num_seeds)])
     total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
-    done = 0
+    failure_free = estimate(initial_plan(config, profile), profile, Topology.from_config(config))
+    units = [(c, k, group) for c, cell_traces in enumerate(traces)
+             for k in range(len(cell_traces)) for group in policy_groups(names)]
+    specs = [_Unit(config=cells_in[c][1], profile=profile, trace=traces[c][k][1],
+                   policies=group, bamboo_tax=sim.bamboo_tax,
+                   failure_free_samples_s=float(failure_free.throughput_samples_s))
+             for c, k, group in units]
+    results = _run_units(specs, jobs=jobs, total=total, progress=progress)
+    by_unit: dict[tuple[int, int], dict[str, RunResult]] = {}
+    for (c, k, _), out in zip(units, results, strict=True):
+        by_unit.setdefault((c, k), {}).update(out)
     cells = []
-    failure_free: Estimate | None = None
-    for (failures, cell_config), cell_traces in zip(cells_in, traces, strict=True):
-        runs = []
-        for s, cell_trace in cell_traces:
-            # One planner per (cell, seed), shared by every policy so they share its plan
-            # and estimate caches. Its failure-rate estimate counts the failures decide()
-            # has seen, and only chameleon's decisions read it (fixed policies ignore
-            # scores, the oracle passes the true horizon): chameleon runs first, on the
-            # fresh planner, so it sees exactly its own history.
-            planner = Planner(cell_config, profile=profile)
-            if failure_free is None:
-                failure_free = planner.failure_free
-            ff = failure_free
-            order = sorted(names, key=lambda n: n != "chameleon")
-            by_name: dict[str, RunResult] = {}
-            for name in order:
-                policy = make_policy(name, planner, cell_config, bamboo_tax=sim.bamboo_tax)
-                offset = done
-
-                def tick(handled: int, offset: int = offset) -> None:
-                    if progress is not None:
-                        progress(offset + handled, total)
-
-                by_name[name] = simulate(
-                    cell_trace, policy, failure_free_samples_s=ff.throughput_samples_s,
-                    recovery=cell_config.recovery, num_workers=config.num_workers,
-                    workers_per_node=per_node, progress=tick)
-                done += len(cell_trace.events)
-            runs.append(SeedRun(seed=s, trace=cell_trace,
-                                results=tuple(by_name[n] for n in names)))
+    for c, ((failures, _), cell_traces) in enumerate(zip(cells_in, traces, strict=True)):
+        runs = tuple(SeedRun(seed=s, trace=cell_trace,
+                             results=tuple(by_unit[(c, k)][n] for n in names))
+                     for k, (s, cell_trace) in enumerate(cell_traces))
         repair: float | None = None
         if failures.repair == RepairKind.UNIFORM:
             repair = (failures.repair_min_hours + failures.repair_max_hours) / 2
         elif failures.repairs:
             repair = failures.repair_hours
         cells.append(CellRun(node_mtbf_hours=failures.node_mtbf_hours, repair_hours=repair,
-                             runs=tuple(runs)))
-    assert failure_free is not None  # there is at least one cell and one seed
+                             runs=runs))
     ff = failure_free
     return ScenarioRun(scenario=scenario, policies=names,
                        failure_free_samples_s=float(ff.throughput_samples_s),
