@@ -161,6 +161,7 @@ class Estimator:
         self._plans: OrderedDict[tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
                                  Estimate] = OrderedDict()
         self._pipelines: dict[tuple[Any, ...], Timeline] = {}
+        self._components: OrderedDict[tuple[Any, ...], Timeline] = OrderedDict()
         self._stage: dict[tuple[int, int], Any] = {}
         self._opt: dict[tuple[int, int], float] = {}
         self._static: dict[tuple[int, int], float] = {}
@@ -227,10 +228,64 @@ class Estimator:
                 out.append(self._single_pipeline(plan, group[0], speeds, brute_force,
                                                  with_ops))
             else:
-                costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
-                         for p in group for s, st in enumerate(plan.pipelines[p].stages)}
-                out.append(best_timeline(plan, self.profile, self.topology, group, speeds, costs))
+                out.append(self._component(plan, group, speeds, brute_force, with_ops))
         return out
+
+    def _component(self, plan: ExecutionPlan, group: list[int], speeds: Mapping[int, float],
+                   brute_force: bool, with_ops: bool) -> Timeline:
+        """Timeline of pipelines linked by reroutes, shared by every component of the same
+        shape.
+
+        The shape names pipelines, workers and nodes by first appearance, walking from the
+        rerouted pipelines through the peers in their share order, so the same damage
+        elsewhere in the cluster (or next to other, unrelated damage) is one simulation.
+        """
+        costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
+                 for p in group for s, st in enumerate(plan.pipelines[p].stages)}
+        if brute_force or with_ops:
+            return best_timeline(plan, self.profile, self.topology, group, speeds, costs)
+        members = set(group)
+        local: dict[int, int] = {}  # pipeline -> position in the shape
+        where = plan.stage_of_worker
+        for r in sorted((r for r in plan.reroutes if r.pipeline in members),
+                        key=lambda r: (r.pipeline, r.stage)):
+            local.setdefault(r.pipeline, len(local))
+            for w, _ in r.shares:
+                local.setdefault(where[w][0], len(local))
+        for p in group:
+            local.setdefault(p, len(local))
+        order = sorted(local, key=local.__getitem__)
+        # Priority rules break exact ties by pipeline index: the shape keeps their order,
+        # so a shared simulation is exactly the one this component would get.
+        ranks = tuple(sorted(range(len(order)), key=order.__getitem__))
+        worker_ids: dict[int, int] = {}
+        node_ids: dict[int, int] = {}
+        node_of = self.topology.node_of
+        shape: list[Any] = [plan.schedule, ranks]
+        for p in order:
+            pipe = plan.pipelines[p]
+            names = []
+            for st in pipe.stages:
+                w = st.worker
+                names.append((worker_ids.setdefault(w, len(worker_ids)),
+                              node_ids.setdefault(node_of(w), len(node_ids)),
+                              st.first_layer, st.end_layer, speeds.get(w, 1.0)))
+            shape.append((pipe.num_microbatches, tuple(names)))
+        shape.append(tuple(sorted(
+            (local[r.pipeline], r.stage,
+             tuple((worker_ids[w], node_ids[node_of(w)], n) for w, n in r.shares))
+            for r in plan.reroutes if r.pipeline in members)))
+        key = tuple(shape)
+        cached = self._components.get(key)
+        if cached is None:
+            timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs)
+            cached = _relabel(timeline, worker_ids, keep_ops=False)
+            self._components[key] = cached
+            if len(self._components) > self._cache_size:
+                self._components.popitem(last=False)
+        else:
+            self._components.move_to_end(key)
+        return _relabel(cached, {v: k for k, v in worker_ids.items()}, keep_ops=False)
 
     def estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
                  brute_force: bool = False) -> Estimate:
