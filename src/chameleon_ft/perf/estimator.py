@@ -278,7 +278,8 @@ class Estimator:
         key = tuple(shape)
         cached = self._components.get(key)
         if cached is None:
-            timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs)
+            timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs,
+                                     with_ops=False)
             cached = _relabel(timeline, worker_ids, keep_ops=False)
             self._components[key] = cached
             if len(self._components) > self._cache_size:

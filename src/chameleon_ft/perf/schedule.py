@@ -137,7 +137,8 @@ def _stage_costs(plan: ExecutionPlan, profile: Profile) -> dict[tuple[int, int],
 class _Graph:
     """The operation graph of some pipelines, as flat arrays indexed by op id."""
 
-    op_list: list[Op]
+    op_meta: list[tuple[bool, int, int, int]]
+    """``(is backward, pipeline, stage, micro-batch)`` of each op."""
     op_worker: list[int]
     op_dur: list[float]
     op_act: list[float]
@@ -146,6 +147,27 @@ class _Graph:
     streams: list[list[int]]
     stream_of_worker: dict[int, list[int]]
     pending: list[int]
+
+    def op(self, op_id: int) -> Op:
+        """The op ``op_id`` as a value."""
+        backward, p, s, j = self.op_meta[op_id]
+        return Op(OpKind.B if backward else OpKind.F, p, s, j)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule: str
+                   ) -> tuple[tuple[bool, ...], tuple[int, ...], tuple[int, ...]]:
+    """For a stage's stream: whether each position is a backward, and the position of each
+    micro-batch's forward and backward."""
+    order = stream_order(num_stages, stage, num_microbatches, schedule)
+    fpos = [0] * num_microbatches
+    bpos = [0] * num_microbatches
+    for i, (kind, j) in enumerate(order):
+        if kind is OpKind.F:
+            fpos[j] = i
+        else:
+            bpos[j] = i
+    return tuple(kind is OpKind.B for kind, _ in order), tuple(fpos), tuple(bpos)
 
 
 def build_graph(
@@ -163,12 +185,11 @@ def build_graph(
     rerouted = set(plan.reroute_map)
 
     # ---- the graph, as flat arrays indexed by op id (this loop is the hot path)
-    op_list: list[Op] = []
+    op_meta: list[tuple[bool, int, int, int]] = []
     op_worker: list[int] = []
     op_dur: list[float] = []
     op_act: list[float] = []
     op_foreign: list[bool] = []
-    succs: list[list[tuple[int, float]]] = []
     streams: list[list[int]] = []  # op ids in order
     stream_of_worker: dict[int, list[int]] = {}
     fwd_id: dict[tuple[int, int], list[int]] = {}
@@ -179,42 +200,49 @@ def build_graph(
         num_stages, m = pipe.num_stages, pipe.num_microbatches
         for s in range(num_stages):
             cost = costs[(p, s)]
+            base = len(op_worker)
+            backward, fpos, bpos = _stream_layout(num_stages, s, m, plan.schedule)
+            fwd_id[(p, s)] = [base + i for i in fpos]
+            bwd_id[(p, s)] = [base + i for i in bpos]
+            op_meta.extend([(is_b, p, s, j) for is_b, (_, j)
+                            in zip(backward, stream_order(num_stages, s, m, plan.schedule),
+                                   strict=True)])
+            op_act.extend([cost.activation_bytes] * (2 * m))
+            if (p, s) not in rerouted:
+                # One worker runs the whole stream, in order.
+                w = pipe.stages[s].worker
+                sp = speed.get(w, 1.0)
+                fwd, bwd = cost.fwd_s / sp, cost.bwd_s / sp
+                op_worker.extend([w] * (2 * m))
+                op_dur.extend([bwd if is_b else fwd for is_b in backward])
+                op_foreign.extend([False] * (2 * m))
+                stream_of_worker.setdefault(w, []).append(len(streams))
+                streams.append(list(range(base, base + 2 * m)))
+                continue
             executors = plan.executor(p, s)
-            foreign = (p, s) in rerouted
-            fids = [0] * m
-            bids = [0] * m
             by_worker: dict[int, list[int]] = {}
-            for kind, j in stream_order(num_stages, s, m, plan.schedule):
+            for i, ((_, j), is_b) in enumerate(
+                    zip(stream_order(num_stages, s, m, plan.schedule), backward, strict=True)):
                 w = executors[j]
-                op_id = len(op_list)
-                if kind is OpKind.F:
-                    fids[j] = op_id
-                    dur = cost.fwd_s
-                else:
-                    bids[j] = op_id
-                    dur = cost.bwd_s
-                op_list.append(Op(kind, p, s, j))
                 op_worker.append(w)
-                op_dur.append(dur / speed.get(w, 1.0))
-                op_act.append(cost.activation_bytes)
-                op_foreign.append(foreign)
-                succs.append([])
-                by_worker.setdefault(w, []).append(op_id)
-            fwd_id[(p, s)], bwd_id[(p, s)] = fids, bids
+                op_dur.append((cost.bwd_s if is_b else cost.fwd_s) / speed.get(w, 1.0))
+                op_foreign.append(True)
+                by_worker.setdefault(w, []).append(base + i)
             for w, ids in by_worker.items():
                 stream_of_worker.setdefault(w, []).append(len(streams))
                 streams.append(ids)
 
-    num_ops = len(op_list)
+    num_ops = len(op_worker)
+    succs: list[list[tuple[int, float]]] = [[] for _ in range(num_ops)]
     pending = [0] * num_ops
     delays: dict[tuple[int, int], float] = {}
     for p in chosen:
         pipe = plan.pipelines[p]
         for s in range(pipe.num_stages):
             fids, bids = fwd_id[(p, s)], bwd_id[(p, s)]
-            for j in range(pipe.num_microbatches):
-                succs[fids[j]].append((bids[j], 0.0))
-                pending[bids[j]] += 1
+            for f, b in zip(fids, bids, strict=True):
+                succs[f].append((b, 0.0))
+                pending[b] += 1
             if s + 1 == pipe.num_stages:
                 continue
             out_bytes = costs[(p, s)].output_bytes
@@ -234,24 +262,24 @@ def build_graph(
                 pending[bids[j]] += 1
         delays.clear()  # the output size differs per pipeline stage
 
-    return _Graph(op_list, op_worker, op_dur, op_act, op_foreign, succs, streams,
+    return _Graph(op_meta, op_worker, op_dur, op_act, op_foreign, succs, streams,
                   stream_of_worker, pending)
 
 
-def _list_schedule(graph: _Graph, rule: str) -> Timeline:
+def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
     """Run the list scheduler over ``graph`` with one priority rule.
 
     Workers are renumbered densely (``wi``) so the hot loop indexes lists, not dicts.
     """
     priority = PRIORITIES[rule]
-    op_list, op_dur = graph.op_list, graph.op_dur
+    op_meta, op_dur = graph.op_meta, graph.op_dur
     op_act, op_foreign, succs = graph.op_act, graph.op_foreign, graph.succs
     streams = graph.streams
     workers = list(graph.stream_of_worker)
     index = {w: i for i, w in enumerate(workers)}
     op_wi = [index[w] for w in graph.op_worker]
     wi_streams = [graph.stream_of_worker[w] for w in workers]
-    num_ops, num_workers = len(op_list), len(workers)
+    num_ops, num_workers = len(op_meta), len(workers)
     pending = list(graph.pending)
     ready = [0.0] * num_ops
     stream_id = [0] * num_ops
@@ -277,7 +305,7 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
     busy_s = [0.0] * num_workers
     act_now = [0.0] * num_workers
     act_peak = [0.0] * num_workers
-    is_fwd = [op.kind is OpKind.F for op in op_list]
+    is_fwd = [not meta[0] for meta in op_meta]
 
     # A worker running one stream has no choice to make: its next op starts as soon as the
     # op is released and the worker is free, so such ops are timed eagerly, in dependency
@@ -348,9 +376,8 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
                 if r < wait:
                     wait = r
                 continue
-            op = op_list[op_id]
-            key = priority(r, op.kind is OpKind.B, op.microbatch, op.pipeline, op.stage,
-                           op_foreign[op_id])
+            backward, p, s, j = op_meta[op_id]
+            key = priority(r, backward, j, p, s, op_foreign[op_id])
             if best_key is None or key < best_key:
                 best, best_key = op_id, key
         if best < 0:
@@ -408,7 +435,8 @@ def _list_schedule(graph: _Graph, rule: str) -> Timeline:
 
     timeline = Timeline()
     for i, w in enumerate(workers):
-        timeline.ops[w] = [op_list[op_id] for op_id in order[i]]
+        if with_ops:
+            timeline.ops[w] = [graph.op(op_id) for op_id in order[i]]
         timeline.finish_s[w] = busy_until[i]
         timeline.busy_s[w] = busy_s[i]
         timeline.peak_activation_bytes[w] = act_peak[i]
@@ -462,8 +490,11 @@ def best_timeline(
     pipelines: Sequence[int] | None = None,
     speeds: Mapping[int, float] | None = None,
     costs: Mapping[tuple[int, int], LayerCost] | None = None,
+    with_ops: bool = True,
 ) -> Timeline:
     """:func:`simulate` with each of :data:`DEFAULT_RULES`; the fastest timeline (first on ties).
+
+    Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
 
     Only workers that run several streams (rerouted peers) depend on the rule, so plans
     without reroutes are simulated once.
@@ -475,7 +506,7 @@ def best_timeline(
     graph = build_graph(plan, profile, topology, chosen, speeds, costs)
     best: Timeline | None = None
     for rule in rules:
-        timeline = _list_schedule(graph, rule)
+        timeline = _list_schedule(graph, rule, with_ops)
         if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
             best = timeline
     assert best is not None
