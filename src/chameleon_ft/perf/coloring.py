@@ -56,9 +56,14 @@ def conflict_edges(groups: Sequence[Iterable[int]]) -> list[tuple[int, int]]:
     return sorted(edges)
 
 
-def rounds(groups: Sequence[Iterable[int]]) -> list[list[int]]:
-    """Partition groups into rounds where no two groups of a round share a worker."""
-    colours = dsatur(len(groups), conflict_edges(groups))
+def rounds(groups: Sequence[Iterable[int]],
+           edges: Iterable[tuple[int, int]] | None = None) -> list[list[int]]:
+    """Partition groups into rounds where no two groups of a round share a worker.
+
+    ``edges``: the pairs of groups that share a worker, when the caller knows them faster
+    than :func:`conflict_edges` finds them.
+    """
+    colours = dsatur(len(groups), conflict_edges(groups) if edges is None else edges)
     out: list[list[int]] = [[] for _ in range(max(colours, default=-1) + 1)]
     for i, c in enumerate(colours):
         out[c].append(i)

@@ -124,6 +124,25 @@ def sync_rounds(plan: ExecutionPlan, profile: Profile) -> tuple[tuple[Bucket, ..
     return tuple(tuple(buckets[i] for i in group) for group in groups)
 
 
+def _bucket_conflicts(plan: ExecutionPlan, buckets: list[tuple[Bucket, float]]
+                      ) -> list[tuple[int, int]]:
+    """Pairs of buckets that share a worker (the conflict graph of the all-reduce rounds).
+
+    A bucket holds every live holder of its layers, so two buckets share a worker exactly
+    when some worker's layer range meets both: one pass over the few distinct ranges
+    instead of over every worker.
+    """
+    bucket_of_layer = {layer: i for i, (b, _) in enumerate(buckets) for layer in b.layers}
+    edges: set[tuple[int, int]] = set()
+    for lo, hi in {(r.start, r.stop) for r in plan.layers_by_worker.values()}:
+        ids = sorted({bucket_of_layer[layer] for layer in range(lo, hi)
+                      if layer in bucket_of_layer})
+        for x in range(len(ids)):
+            for y in range(x + 1, len(ids)):
+                edges.add((ids[x], ids[y]))
+    return sorted(edges)
+
+
 def _components(plan: ExecutionPlan) -> list[list[int]]:
     """Pipelines that must be simulated together: linked by reroutes (union-find)."""
     parent = list(range(plan.num_pipelines))
@@ -332,7 +351,7 @@ class Estimator:
 
         # Gradient synchronisation, round by round.
         buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
-        groups = rounds([b.workers for b, _ in buckets])
+        groups = rounds([b.workers for b, _ in buckets], edges=_bucket_conflicts(plan, buckets))
         ready = dict(finish)
         sync_s = {w: 0.0 for w in finish}
         for group in groups:

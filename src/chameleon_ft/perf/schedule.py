@@ -342,21 +342,46 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
             act_now[w] -= op_act[op_id]
 
     def drain() -> None:
-        """Time every eager op that can run now, and what they release."""
+        """Time every eager op that can run now, and what they release (the hot loop:
+        ``account`` and ``release`` written out)."""
         while stack:
             op_id = stack.pop()
             w = op_wi[op_id]
             free = busy_until[w]
             r = ready[op_id]
-            cause_op[op_id] = ready_cause[op_id] if (ready_cause[op_id] >= 0 and r >= free) \
-                else last_op[w]
-            t1 = (r if r > free else free) + op_dur[op_id]
+            rc = ready_cause[op_id]
+            cause_op[op_id] = rc if (rc >= 0 and r >= free) else last_op[w]
+            dur = op_dur[op_id]
+            t1 = (r if r > free else free) + dur
             end[op_id] = t1
             busy_until[w] = t1
             last_op[w] = op_id
-            account(w, op_id)
-            release(op_id, t1)  # before moving the head: its own next op is pushed below
-            nxt = head[stream_id[op_id]] = next_in_stream[op_id]
+            if with_ops:
+                order[w].append(op_id)
+            busy_s[w] += dur
+            if is_fwd[op_id]:
+                act = act_now[w] + op_act[op_id]
+                act_now[w] = act
+                if act > act_peak[w]:
+                    act_peak[w] = act
+            else:
+                act_now[w] -= op_act[op_id]
+            # Release before moving the head: the stream's own next op is pushed below.
+            for dst, delay in succs[op_id]:
+                arrival = t1 + delay
+                if arrival >= ready[dst]:
+                    ready[dst] = arrival
+                    ready_cause[dst] = op_id
+                left = pending[dst] - 1
+                pending[dst] = left
+                if left == 0:
+                    u = op_wi[dst]
+                    if not single[u]:
+                        touched.append(u)
+                    elif head[stream_id[dst]] == dst:
+                        stack.append(dst)
+            nxt = next_in_stream[op_id]
+            head[stream_id[op_id]] = nxt
             if nxt >= 0 and pending[nxt] == 0:
                 stack.append(nxt)
 

@@ -189,42 +189,40 @@ class ExecutionPlan:
     @cached_property
     def workers(self) -> tuple[int, ...]:
         """Live workers that run something, sorted."""
-        out = {
-            st.worker
-            for p, pipe in enumerate(self.pipelines)
-            for s, st in enumerate(pipe.stages)
-            if (p, s) not in self.reroute_map
-        }
-        return tuple(sorted(out))
+        return tuple(sorted(self.stage_of_worker))
 
     @cached_property
     def layers_by_worker(self) -> dict[int, range]:
         """The layer range each live worker holds."""
-        return {
-            st.worker: st.layers
-            for p, pipe in enumerate(self.pipelines)
-            for s, st in enumerate(pipe.stages)
-            if (p, s) not in self.reroute_map
-        }
+        return {st.worker: st.layers for _, _, st in self._live_stages}
 
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live worker."""
-        return {
-            st.worker: (p, s)
-            for p, pipe in enumerate(self.pipelines)
-            for s, st in enumerate(pipe.stages)
-            if (p, s) not in self.reroute_map
-        }
+        return {st.worker: (p, s) for p, s, st in self._live_stages}
+
+    @cached_property
+    def _live_stages(self) -> list[tuple[int, int, Stage]]:
+        """``(pipeline, stage, Stage)`` of every stage that is not rerouted."""
+        if not self.reroutes:
+            return [(p, s, st) for p, pipe in enumerate(self.pipelines)
+                    for s, st in enumerate(pipe.stages)]
+        dead = self.reroute_map
+        return [(p, s, st) for p, pipe in enumerate(self.pipelines)
+                for s, st in enumerate(pipe.stages) if (p, s) not in dead]
 
     @cached_property
     def holders_by_layer(self) -> tuple[tuple[int, ...], ...]:
         """For each layer, the live workers holding it, sorted."""
+        # Few distinct layer ranges: gather workers per range, then per layer.
+        by_range: dict[tuple[int, int], list[int]] = {}
+        for _, _, st in self._live_stages:
+            by_range.setdefault((st.first_layer, st.end_layer), []).append(st.worker)
         out: list[list[int]] = [[] for _ in range(self.num_layers)]
-        for w, layers in sorted(self.layers_by_worker.items()):
-            for layer in layers:
-                out[layer].append(w)
-        return tuple(tuple(ws) for ws in out)
+        for (lo, hi), ws in by_range.items():
+            for layer in range(lo, hi):
+                out[layer].extend(ws)
+        return tuple(tuple(sorted(ws)) for ws in out)
 
     def holders(self, layer: int) -> tuple[int, ...]:
         """Live workers holding ``layer`` (they all-reduce its gradient), sorted."""
