@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -113,6 +113,23 @@ class Decision:
 
 _CacheKey = tuple[ExecutionPlan, frozenset[int], frozenset[int], str]
 """(plan, failed or returned workers, live workers, event kind)."""
+
+
+@dataclass(frozen=True)
+class _Found:
+    """Candidates from :meth:`Planner._lookup`, in the canonical names."""
+
+    candidates: tuple[Candidate, ...]
+    hit: bool
+    """Whether every candidate came from the cache."""
+    search_s: float
+    back: Callable[[Candidate], Candidate] | None
+    """Renames a candidate to the caller's names (``None``: the names are the caller's)."""
+
+    def named(self) -> tuple[Candidate, ...]:
+        """Every candidate in the caller's names."""
+        back = self.back
+        return self.candidates if back is None else tuple(back(c) for c in self.candidates)
 
 
 @dataclass
@@ -275,17 +292,15 @@ class Planner:
         return self._reroute_back(state, marked)
 
     def _lookup(self, kind: str, state: RecoveryState, marked: frozenset[int],
-                wanted: tuple[Strategy, ...]) -> tuple[tuple[Candidate, ...], bool, float]:
+                wanted: tuple[Strategy, ...]) -> _Found:
         """The ``wanted`` candidates for an event, from the cache when an equivalent event
         was priced.
 
         The event is first renamed to a canonical form (``symmetry.py``): the whole state
         when workers are interchangeable (one per node), else a failure of a plan of
-        identical pipelines; the answer is renamed back.
-
-        Returns:
-            The candidates in ``wanted`` order, whether all came from the cache, and the
-            seconds spent.
+        identical pipelines. The candidates come back in the canonical names, with the
+        function that renames one back (renaming is the costly part of a cache hit on
+        2,048 workers, so a caller renames only what it returns).
         """
         plan, alive = state.plan, state.alive
         form = interchangeable_form(plan, alive, (marked,), self._topology)
@@ -296,18 +311,20 @@ class Planner:
             raw, hit, search_s = self._lookup_exact(
                 key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
             stored = self._cache[key].plan
-            return tuple(form.answer(c, plan, stored) for c in raw), hit, search_s
+            return _Found(raw, hit, search_s, lambda c: form.answer(c, plan, stored))
         renaming = (canonical_renaming(plan, marked, alive, self._topology)
                     if kind == "fail" else None)
         if not renaming:  # not symmetric, or already canonical
-            return self._lookup_exact((plan, marked, alive, kind), state, marked, wanted)
+            raw, hit, search_s = self._lookup_exact((plan, marked, alive, kind), state, marked,
+                                                    wanted)
+            return _Found(raw, hit, search_s, None)
         canon_marked = frozenset(renaming.get(w, w) for w in marked)
         canon_alive = frozenset(renaming.get(w, w) for w in alive)
         raw, hit, search_s = self._lookup_exact(
             (plan, canon_marked, canon_alive, kind), replace(state, alive=canon_alive),
             canon_marked, wanted)
         back = {v: k for k, v in renaming.items()}
-        return tuple(rename_candidate(c, back, plan) for c in raw), hit, search_s
+        return _Found(raw, hit, search_s, lambda c: rename_candidate(c, back, plan))
 
     def _lookup_exact(self, key: _CacheKey, state: RecoveryState, marked: frozenset[int],
                       wanted: tuple[Strategy, ...]
@@ -386,9 +403,9 @@ class Planner:
             if not alive:
                 continue
             # Equivalent failures of a symmetric plan share one cache entry.
-            _, hit, _ = self._lookup("fail", self._state(plan, alive, None), failed,
-                                     _FAILURE_STRATEGIES)
-            added += 0 if hit else 1
+            found = self._lookup("fail", self._state(plan, alive, None), failed,
+                                 _FAILURE_STRATEGIES)
+            added += 0 if found.hit else 1
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions
@@ -403,7 +420,8 @@ class Planner:
     def decide(self, plan: ExecutionPlan, failed: Iterable[int], *,
                alive: Iterable[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
-               since_checkpoint_s: float | None = None, compare: bool = True) -> Decision:
+               since_checkpoint_s: float | None = None, compare: bool = True,
+               detail: bool = True, hide_search: bool = False) -> Decision:
         """Choose how to recover from ``failed`` starting from the CURRENT ``plan``.
 
         Args:
@@ -420,6 +438,13 @@ class Planner:
             compare: price every strategy, so the decision lists them all (reports, the
                 CLI). False lets a fixed-strategy policy price only its own strategy (and
                 the rest only when its own is infeasible): the simulator's fast path.
+            detail: every candidate carries its plan, estimate and migration. False: only
+                the chosen one does, the others keep their prices and reasons (renaming
+                plans back from a cached, canonical answer is most of a cache hit's cost
+                on 2,048 workers; the simulator needs only the winner).
+            hide_search: price a dynamic plan's search as hidden (0 s), as if computed
+                while training was healthy (``precompute``); the simulator does, so its
+                results do not depend on how fast this machine searches.
 
         Returns:
             The decision with every candidate.
@@ -452,12 +477,13 @@ class Planner:
         wanted = _FAILURE_STRATEGIES
         if not compare and chosen_policy in _OWN:
             wanted = _OWN[Strategy(chosen_policy)]
-        raw, hit, search_s = self._lookup("fail", state, failed_set, wanted)
-        if wanted != _FAILURE_STRATEGIES and not all(c.feasible for c in raw):
+        found = self._lookup("fail", state, failed_set, wanted)
+        if wanted != _FAILURE_STRATEGIES and not all(c.feasible for c in found.candidates):
             # The policy's own strategy is infeasible: it falls back on restart, or on the
             # best of all when restart is infeasible too.
-            raw, hit, more_s = self._lookup("fail", state, failed_set, _FAILURE_STRATEGIES)
-            search_s += more_s
+            more = self._lookup("fail", state, failed_set, _FAILURE_STRATEGIES)
+            found = replace(more, search_s=found.search_s + more.search_s)
+        raw, back = _detail(found, detail, hide_search)
         if since_checkpoint_s is not None:
             raw = tuple(_restart_with(c, restart_terms(self.config.recovery, since_checkpoint_s))
                         if c.strategy == Strategy.RESTART and c.feasible else c for c in raw)
@@ -467,12 +493,13 @@ class Planner:
             candidates = (*raw, combine(state, by_strategy[Strategy.REROUTE],
                                         by_strategy[Strategy.DYNAMIC]))
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
-                            num_live=len(alive_set), now_s=now_s, search_s=search_s,
-                            cache_hit=hit)
+                            num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
+                            cache_hit=found.hit, back=back)
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Iterable[int], *,
                       alive: Iterable[int] | None = None, now_s: float = 0.0,
-                      horizon_s: float | None = None, policy: str | None = None) -> Decision:
+                      horizon_s: float | None = None, policy: str | None = None,
+                      detail: bool = True, hide_search: bool = False) -> Decision:
         """Decide whether and how to use workers that came back (repaired).
 
         Candidates: ``keep`` (the current plan, no transition), ``dynamic`` (re-plan over
@@ -490,6 +517,8 @@ class Planner:
             horizon_s: the window; default as in :meth:`decide`.
             policy: ``reroute`` gives returned workers their stages back (ReCycle's
                 re-join); other fixed-strategy policies keep the plan unless ``dynamic``.
+            detail: as in :meth:`decide`.
+            hide_search: as in :meth:`decide`.
 
         Returns:
             The decision (strategy ``keep`` when not worth it).
@@ -507,27 +536,28 @@ class Planner:
         state = self._state(plan, alive_set, None)
         if chosen_policy == Strategy.REROUTE:
             # ReCycle's re-join: returned workers take their stages back when they had one.
-            (keep, back), hit, search_s = self._lookup("rejoin-reroute", state, returned_set,
-                                                       (Strategy.KEEP, Strategy.REROUTE))
-            if back.feasible:
-                return self._choose((keep, back), plan=plan, policy=str(Strategy.REROUTE),
+            found = self._lookup("rejoin-reroute", state, returned_set,
+                                 (Strategy.KEEP, Strategy.REROUTE))
+            (keep, give_back), back = _detail(found, detail, hide_search)
+            if give_back.feasible:
+                return self._choose((keep, give_back), plan=plan, policy=str(Strategy.REROUTE),
                                     horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
-                                    search_s=search_s, cache_hit=hit)
+                                    search_s=found.search_s, cache_hit=found.hit, back=back)
             return self._choose((keep,), plan=plan, policy="keep", horizon_s=horizon,
-                                num_live=len(alive_set), now_s=now_s, search_s=search_s,
-                                cache_hit=hit)
-        (keep, dyn), hit, search_s = self._lookup("rejoin", state, returned_set,
-                                                  (Strategy.KEEP, Strategy.DYNAMIC))
+                                num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
+                                cache_hit=found.hit, back=back)
+        found = self._lookup("rejoin", state, returned_set, (Strategy.KEEP, Strategy.DYNAMIC))
+        (keep, dyn), back = _detail(found, detail, hide_search)
         start = time.perf_counter()
         two_phase = combine(state, replace(keep, terms={}, transition_s=0.0), dyn,
                             first_phase="keep the current plan")
-        search_s += time.perf_counter() - start
+        search_s = found.search_s + time.perf_counter() - start
         candidates = (keep, dyn, two_phase)
         if chosen_policy not in ("chameleon", "dynamic"):
             chosen_policy = "keep"
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=search_s,
-                            cache_hit=hit)
+                            cache_hit=found.hit, back=back)
 
     def _reroute_back(self, state: RecoveryState, returned: frozenset[int]) -> Candidate:
         """ReCycle's re-join: a returned worker copies its stage's parameters and optimizer
@@ -549,7 +579,8 @@ class Planner:
 
     def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
                 horizon_s: float | None, num_live: int, now_s: float, search_s: float,
-                cache_hit: bool) -> Decision:
+                cache_hit: bool,
+                back: Callable[[Candidate], Candidate] | None = None) -> Decision:
         if horizon_s is None:
             horizon_s = self.config.policy.horizon_s
         expected = horizon_s is None
@@ -592,6 +623,12 @@ class Planner:
                 why = next(c.reason for c in scored if c.strategy == wanted)
                 reason = (f"policy {policy}: infeasible ({why}) and restart too; taking the "
                           f"best feasible, {best.strategy}")
+        if back is not None:
+            # Only the winner is renamed to the caller's workers; the others keep their
+            # prices (see ``detail``).
+            named = back(best)
+            scored = tuple(named if c is best else _priced_only(c) for c in scored)
+            best = named
         assert best.plan is not None
         return Decision(strategy=str(best.strategy), plan=best.plan, candidates=scored,
                         reason=reason, transition_s=best.transition_s, horizon_s=window,
@@ -612,6 +649,30 @@ def _with_term(candidate: Candidate, name: str, value: float) -> Candidate:
     terms = dict(candidate.terms)
     terms[name] = value
     return replace(candidate, terms=terms, transition_s=sum(terms.values()))
+
+
+def _detail(found: _Found, detail: bool, hide_search: bool
+            ) -> tuple[tuple[Candidate, ...], Callable[[Candidate], Candidate] | None]:
+    """The candidates to choose among, and what renames the winner: all renamed now with
+    ``detail``, else left in the canonical names for :meth:`Planner._choose`. With
+    ``hide_search`` a dynamic plan's search counts as done while training was healthy."""
+    raw = found.named() if detail else found.candidates
+    if hide_search:
+        raw = tuple(_without_search(c) for c in raw)
+    return raw, (None if detail else found.back)
+
+
+def _without_search(candidate: Candidate) -> Candidate:
+    """``candidate`` with no plan-search term."""
+    if not candidate.feasible or "search_s" not in candidate.terms:
+        return candidate
+    terms = {k: v for k, v in candidate.terms.items() if k != "search_s"}
+    return replace(candidate, terms=terms, transition_s=math.fsum(terms.values()))
+
+
+def _priced_only(candidate: Candidate) -> Candidate:
+    """``candidate`` without its plans, estimate and migration (prices and reason kept)."""
+    return replace(candidate, plan=None, estimate=None, migration=None, interim_plan=None)
 
 
 def _restart_with(candidate: Candidate, terms: dict[str, float]) -> Candidate:

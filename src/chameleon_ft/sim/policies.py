@@ -17,14 +17,11 @@ own only the decision.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.policy import candidate_score
-from chameleon_ft.recovery.transition import migration_s
 from chameleon_ft.spec.recovery import RecoverySpec
 from chameleon_ft.spec.scenario import POLICY_NAMES
 
@@ -163,62 +160,31 @@ class PlannerLike(Protocol):
     def decide(self, plan: ExecutionPlan, failed: Collection[int], *,
                alive: Collection[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
-               since_checkpoint_s: float | None = None, compare: bool = True) -> Any: ...
+               since_checkpoint_s: float | None = None, compare: bool = True,
+               detail: bool = True, hide_search: bool = False) -> Any: ...
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Collection[int], *,
                       alive: Collection[int] | None = None, now_s: float = 0.0,
-                      horizon_s: float | None = None, policy: str | None = None) -> Any: ...
+                      horizon_s: float | None = None, policy: str | None = None,
+                      detail: bool = True, hide_search: bool = False) -> Any: ...
 
 
-_STRATEGY_ORDER = ("keep", "reroute", "reroute-then-dynamic", "dynamic", "shrink", "restart")
-"""The planner's tie-break between equal scores (cheaper, less disruptive first)."""
-
-
-def _without_search(candidate: Any, recovery: RecoverySpec) -> Any:
-    """``candidate`` with plan search treated as hidden (0 s).
-
-    The planner charges the measured wall time of a dynamic search that missed its cache.
-    A simulation must not depend on how fast this machine searched (a replay would differ
-    in the last digits, and near-ties could flip), and docs/design.md 3.5 precomputes plans for
-    likely failures while training is healthy, so the simulator prices search as hidden.
-    """
-    if not candidate.feasible:
-        return candidate
-    changed: dict[str, Any] = {}
-    if "search_s" in candidate.terms:
-        terms = {k: v for k, v in candidate.terms.items() if k != "search_s"}
-        changed.update(terms=terms, transition_s=math.fsum(terms.values()))
-    if candidate.interim_step_s is not None and candidate.migration is not None:
-        changed["interim_s"] = migration_s(candidate.migration.time_s, recovery, background=True)
-    return replace(candidate, **changed) if changed else candidate
-
-
-def decision_choice(decision: Any, recovery: RecoverySpec, *, rescore: bool) -> Choice:
+def decision_choice(decision: Any, recovery: RecoverySpec) -> Choice:
     """Turn a planner ``Decision`` into a :class:`Choice`.
+
+    The simulator asks the planner to price plan search as hidden (``hide_search``): a
+    simulation must not depend on how fast this machine searched (a replay would differ
+    in the last digits, and near-ties could flip), and docs/design.md 3.5 precomputes plans
+    for likely failures while training is healthy.
 
     Args:
         decision: a ``chameleon_ft.policy.Decision``.
         recovery: the job's recovery settings.
-        rescore: pick again among the candidates with search priced as hidden (for the
-            score-driven policies, chameleon and oracle); otherwise keep the decision's
-            strategy (fixed policies do not look at scores).
 
     Returns:
         The choice; ``keep`` for a rejoin not worth it.
     """
-    candidates = [_without_search(c, recovery) for c in decision.candidates]
-    feasible = [c for c in candidates if c.feasible]
-    if rescore:
-        batch = decision.plan.global_batch
-
-        def rank(c: Any) -> tuple[float, float, float, int]:
-            score = candidate_score(c, batch, horizon_s=decision.horizon_s,
-                                    expected=decision.horizon_expected)
-            return (-score, c.transition_s, c.step_s, _STRATEGY_ORDER.index(str(c.strategy)))
-
-        chosen = min(feasible, key=rank)
-    else:
-        chosen = next(c for c in feasible if str(c.strategy) == str(decision.strategy))
+    chosen = decision.chosen
     strategy = str(chosen.strategy)
     if strategy == KEEP:
         return Choice(strategy=KEEP, plan=None)
@@ -258,7 +224,6 @@ class PlannerPolicy:
         self._policy = "chameleon" if name == "oracle" else name
         self._oracle = name == "oracle"
         self._recovery = recovery
-        self._rescore = self._policy == "chameleon"
 
     def start(self) -> Choice:
         """The initial plan at its failure-free speed."""
@@ -277,12 +242,13 @@ class PlannerPolicy:
             decision = self._planner.decide(
                 base.plan, tuple(sorted(failed)), alive=tuple(sorted(ctx.alive)),
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
-                since_checkpoint_s=ctx.since_checkpoint_s, compare=False)
+                since_checkpoint_s=ctx.since_checkpoint_s, compare=False, detail=False,
+                hide_search=True)
         except ValueError:
             # No feasible recovery (too few workers, or a layer lost without checkpoints):
             # the job waits for hardware to come back.
             return Choice(strategy=DOWN, plan=None)
-        return decision_choice(decision, self._recovery, rescore=self._rescore)
+        return decision_choice(decision, self._recovery)
 
     def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
         """The planner's rejoin decision, or a restart from the checkpoint when down."""
@@ -294,8 +260,9 @@ class PlannerPolicy:
                 return Choice(strategy=KEEP, plan=None)
             decision = self._planner.decide_rejoin(
                 base.plan, tuple(sorted(returned)), alive=tuple(sorted(ctx.alive)),
-                now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy)
-            return decision_choice(decision, self._recovery, rescore=self._rescore)
+                now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
+                detail=False, hide_search=True)
+            return decision_choice(decision, self._recovery)
         # The job was down: it can only restart from its checkpoint on what is alive now.
         initial = self._planner.initial_plan
         missing = frozenset(initial.workers) - ctx.alive
@@ -312,10 +279,10 @@ class PlannerPolicy:
             decision = self._planner.decide(
                 initial, tuple(sorted(missing)), alive=tuple(sorted(ctx.alive)),
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy="restart",
-                since_checkpoint_s=0.0, compare=False)
+                since_checkpoint_s=0.0, compare=False, detail=False, hide_search=True)
         except ValueError:
             return Choice(strategy=DOWN, plan=None)
-        return decision_choice(decision, self._recovery, rescore=False)
+        return decision_choice(decision, self._recovery)
 
 
 # ----------------------------------------------------------------------- Bamboo
