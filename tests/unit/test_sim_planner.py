@@ -116,7 +116,12 @@ def test_oracle_not_below_fixed_strategies_when_each_failure_is_repaired_first(s
     # Eq. 8 is fluid; the engine counts whole steps (the step in flight at an event is lost,
     # a two-phase switch waits for a step boundary), so allow one step's samples per event.
     slack = len(trace.events) * CONFIG.job.global_batch
-    for name in (*FIXED, "chameleon"):
+    # Shrink is left out: it re-admits replicas in the layout it already runs, and that
+    # layout can survive the next failure better than the one the oracle's per-window
+    # choice left (seed 1: both run at the same speed after a repair, then a node failure
+    # costs the oracle's plan more). Greedy per window is no bound across such states; the
+    # benchmarks report shrink against the oracle instead.
+    for name in ("reroute", "dynamic", "restart", "chameleon"):
         other = run_one(name, trace, planner).samples
         assert oracle >= other - slack, (name, oracle, other)
 

@@ -66,6 +66,11 @@ _OWN = {Strategy.REROUTE: (Strategy.REROUTE,), Strategy.DYNAMIC: (Strategy.DYNAM
         Strategy.RESTART: (Strategy.RESTART,), Strategy.SHRINK: (Strategy.SHRINK,),
         Strategy.REROUTE_THEN_DYNAMIC: (Strategy.REROUTE, Strategy.DYNAMIC)}
 """The candidates a fixed-strategy policy needs when it does not compare."""
+_REJOIN = {"chameleon": (Strategy.KEEP, Strategy.DYNAMIC, Strategy.REROUTE, Strategy.SHRINK),
+           Strategy.DYNAMIC: (Strategy.KEEP, Strategy.DYNAMIC),
+           Strategy.REROUTE: (Strategy.KEEP, Strategy.REROUTE),
+           Strategy.SHRINK: (Strategy.KEEP, Strategy.SHRINK)}
+"""What a rejoin is answered with, per policy (others: keep, or dynamic to compare)."""
 
 
 @dataclass(frozen=True)
@@ -272,9 +277,10 @@ class Planner:
         """One strategy's candidate from the current plan, not yet scored.
 
         ``kind`` is ``fail`` (``marked``: the newly failed workers; restart priced with the
-        default lost work), ``rejoin`` (``marked``: the returned workers; ``keep`` or a
-        dynamic re-plan over every live worker, announced so without detection) or
-        ``rejoin-reroute`` (ReCycle's re-join: returned workers take their stages back).
+        default lost work) or ``rejoin`` (``marked``: the returned workers): ``keep``, a
+        dynamic re-plan over every live worker (announced, so without detection),
+        ``reroute`` (ReCycle's re-join: returned workers take their stages back) or
+        ``shrink`` (TorchFT's: idle workers form whole new replicas).
         """
         if kind == "fail":
             return _FAILURE_BUILDERS[strategy](state, marked)[0]
@@ -282,13 +288,15 @@ class Planner:
             return candidate_from_estimate(Strategy.KEEP, state.plan,
                                            self._estimator.estimate(state.plan), {},
                                            "keep the current plan; returned workers stay idle")
-        if kind == "rejoin":
+        if strategy == Strategy.DYNAMIC:
             dyn = dynamic.candidates(state, frozenset())[0]
             if dyn.feasible:
                 dyn = replace(dyn, terms={k: v for k, v in dyn.terms.items() if k != "detect_s"},
                               transition_s=sum(v for k, v in dyn.terms.items()
                                                if k != "detect_s"))
             return dyn
+        if strategy == Strategy.SHRINK:
+            return shrink.grow(state)
         return self._reroute_back(state, marked)
 
     def _lookup(self, kind: str, state: RecoveryState, marked: frozenset[int],
@@ -504,9 +512,12 @@ class Planner:
 
         Candidates: ``keep`` (the current plan, no transition), ``dynamic`` (re-plan over
         every live worker, copying state to the returned ones; no detection term, the
-        return is announced) and ``reroute-then-dynamic`` (keep training on the current
-        plan while the state is copied in the background, then switch). The same rule as
-        :meth:`decide` picks one; ``keep`` wins when using the workers does not pay off.
+        return is announced), ``reroute-then-dynamic`` (keep training on the current plan
+        while the state is copied in the background, then switch), ``reroute`` (returned
+        workers take back their rerouted stages, ReCycle's re-join) and ``shrink`` (idle
+        workers form whole new replicas that load in the background, TorchFT's re-join).
+        Chameleon prices them all and the same rule as :meth:`decide` picks one; ``keep``
+        wins when using the workers does not pay off.
 
         Args:
             plan: the plan now running.
@@ -516,7 +527,9 @@ class Planner:
             now_s: seconds since the job began.
             horizon_s: the window; default as in :meth:`decide`.
             policy: ``reroute`` gives returned workers their stages back (ReCycle's
-                re-join); other fixed-strategy policies keep the plan unless ``dynamic``.
+                re-join), ``shrink`` re-admits whole replicas of idle workers (TorchFT's);
+                ``restart`` and ``reroute-then-dynamic`` keep the plan, ``dynamic``
+                re-plans.
             detail: as in :meth:`decide`.
             hide_search: as in :meth:`decide`.
 
@@ -534,30 +547,35 @@ class Planner:
         alive_set = (frozenset(plan.workers) | returned_set if alive is None
                      else self._workers("alive", alive) | returned_set)
         state = self._state(plan, alive_set, None)
-        if chosen_policy == Strategy.REROUTE:
-            # ReCycle's re-join: returned workers take their stages back when they had one.
-            found = self._lookup("rejoin-reroute", state, returned_set,
-                                 (Strategy.KEEP, Strategy.REROUTE))
-            (keep, give_back), back = _detail(found, detail, hide_search)
-            if give_back.feasible:
-                return self._choose((keep, give_back), plan=plan, policy=str(Strategy.REROUTE),
-                                    horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
-                                    search_s=found.search_s, cache_hit=found.hit, back=back)
-            return self._choose((keep,), plan=plan, policy="keep", horizon_s=horizon,
-                                num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
-                                cache_hit=found.hit, back=back)
-        found = self._lookup("rejoin", state, returned_set, (Strategy.KEEP, Strategy.DYNAMIC))
-        (keep, dyn), back = _detail(found, detail, hide_search)
+        wanted = _REJOIN.get(chosen_policy, (Strategy.KEEP, Strategy.DYNAMIC))
+        found = self._lookup("rejoin", state, returned_set, wanted)
+        raw, back = _detail(found, detail, hide_search)
         start = time.perf_counter()
-        two_phase = combine(state, replace(keep, terms={}, transition_s=0.0), dyn,
-                            first_phase="keep the current plan")
+        by_strategy = {c.strategy: c for c in raw}
+        keep = by_strategy[Strategy.KEEP]
+        running = replace(keep, terms={}, transition_s=0.0)
+        candidates = [keep]
+        if Strategy.DYNAMIC in by_strategy:
+            dyn = by_strategy[Strategy.DYNAMIC]
+            candidates += [dyn, combine(state, running, dyn, first_phase="keep the current plan")]
+        if Strategy.REROUTE in by_strategy:
+            candidates.append(by_strategy[Strategy.REROUTE])
+        if Strategy.SHRINK in by_strategy:
+            grown = by_strategy[Strategy.SHRINK]
+            two_phase = combine(state, running, grown, first_phase="keep training")
+            candidates.append(replace(two_phase, strategy=Strategy.SHRINK,
+                                      reason=f"{grown.reason}: {two_phase.reason}")
+                              if two_phase.feasible else
+                              infeasible(Strategy.SHRINK, two_phase.reason))
         search_s = found.search_s + time.perf_counter() - start
-        candidates = (keep, dyn, two_phase)
-        if chosen_policy not in ("chameleon", "dynamic"):
+        if chosen_policy in (Strategy.REROUTE, Strategy.SHRINK):
+            own = next(c for c in candidates if c.strategy == chosen_policy)
+            chosen_policy = chosen_policy if own.feasible else "keep"
+        elif chosen_policy not in ("chameleon", "dynamic"):
             chosen_policy = "keep"
-        return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
-                            num_live=len(alive_set), now_s=now_s, search_s=search_s,
-                            cache_hit=found.hit, back=back)
+        return self._choose(tuple(candidates), plan=plan, policy=chosen_policy,
+                            horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
+                            search_s=search_s, cache_hit=found.hit, back=back)
 
     def _reroute_back(self, state: RecoveryState, returned: frozenset[int]) -> Candidate:
         """ReCycle's re-join: a returned worker copies its stage's parameters and optimizer

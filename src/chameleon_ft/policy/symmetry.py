@@ -160,7 +160,8 @@ def rename_candidate(candidate: Candidate, renaming: Mapping[int, int],
     def plan_of(plan: ExecutionPlan | None) -> ExecutionPlan | None:
         if plan is None:
             return None
-        return _in_original_order(rename_plan(plan, renaming, known), original)
+        named = _in_original_order(rename_plan(plan, renaming, known), original)
+        return original if named == original else named  # the very plan, when unchanged
 
     migration = candidate.migration
     if migration is not None:

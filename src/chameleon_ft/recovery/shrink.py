@@ -2,15 +2,17 @@
 
 What per-replica fault tolerance (TorchFT) does. Survivors of dropped pipelines idle. The
 global batch is kept: micro-batches are re-split over the remaining pipelines to
-minimise the slowest one (``templates.allocate``). No state moves.
+minimise the slowest one (``templates.allocate``). No state moves. When workers come
+back, :func:`grow` re-admits whole replicas made of idle workers.
 """
 
 from __future__ import annotations
 
-from chameleon_ft.plan import ExecutionPlan, Pipeline
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.reroute import dead_stages
+from chameleon_ft.recovery.restorer import schedule_migration
 from chameleon_ft.recovery.templates import allocate
-from chameleon_ft.recovery.transition import shrink_terms
+from chameleon_ft.recovery.transition import migration_s, shrink_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     RecoveryState,
@@ -18,6 +20,7 @@ from chameleon_ft.recovery.types import (
     candidate_from_estimate,
     infeasible,
 )
+from chameleon_ft.spec.job import Placement
 
 
 def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
@@ -50,3 +53,53 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     return [candidate_from_estimate(
         Strategy.SHRINK, new_plan, est, shrink_terms(state.config.recovery),
         f"drop {len(damaged)} damaged pipeline(s), keep {len(kept)}")]
+
+
+def grow(state: RecoveryState) -> Candidate:
+    """Re-admit healed replicas, as TorchFT does: idle live workers form whole new pipelines
+    with the current pipelines' layout, copy their stages' state from live replicas while
+    the others train on, and join at a step boundary (the caller makes it two-phase).
+
+    Pipelines are placed over the idle workers in id order as the job's ``placement``
+    says; the global batch is re-split over all pipelines (``templates.allocate``).
+
+    Args:
+        state: the job and the current plan; ``state.alive`` includes the returned workers.
+
+    Returns:
+        One candidate (feasible or not), its migration and ``rebuild_s``/``migrate_s`` terms.
+    """
+    plan, spec = state.plan, state.config.recovery
+    idle = sorted(set(state.alive) - set(plan.workers) - plan.dead_workers)
+    if not plan.pipelines:
+        return infeasible(Strategy.SHRINK, "no pipeline to copy a layout from")
+    layout = plan.pipelines[0].layout
+    length = len(layout)
+    room = plan.num_microbatches - plan.num_pipelines
+    count = min(len(idle) // length, room)
+    if count < 1:
+        return infeasible(Strategy.SHRINK, f"{len(idle)} idle worker(s) make no whole "
+                                           f"{length}-stage pipeline")
+    stage_major = state.config.job.placement == Placement.STAGE_MAJOR
+    added = [tuple(Stage(idle[s * count + k if stage_major else k * length + s], lo, hi)
+                   for s, (lo, hi) in enumerate(layout))
+             for k in range(count)]
+    stages = [pipe.stages for pipe in plan.pipelines] + added
+    _, counts = allocate([tuple((st.first_layer, st.end_layer) for st in ss) for ss in stages],
+                         plan.num_microbatches, state.templates.step_s)
+    if not counts:
+        return infeasible(Strategy.SHRINK, "the grown pipelines cannot hold the global batch "
+                                           "within device memory")
+    new_plan = ExecutionPlan(
+        num_layers=plan.num_layers,
+        pipelines=tuple(Pipeline(ss, m) for ss, m in zip(stages, counts, strict=True)),
+        reroutes=(), micro_batch=plan.micro_batch, schedule=plan.schedule)
+    new_plan.validate()
+    held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
+    migration = schedule_migration(new_plan, held, state.profile, state.topology,
+                                   max_parts=spec.migration_max_parts)
+    terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
+    return candidate_from_estimate(
+        Strategy.SHRINK, new_plan, state.estimate(new_plan), terms,
+        f"re-admit {count} healed pipeline(s), {new_plan.num_pipelines} in all",
+        migration=migration)

@@ -297,7 +297,7 @@ class _Run:
         if choice.keep:
             self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
             return
-        if (choice.stall_s == 0 and choice.plan is self.committed.plan
+        if (choice.stall_s == 0 and choice.plan == self.committed.plan
                 and self.pending is None and not choice.rollback):
             # Reroute-then-dynamic onto the running plan: training goes on while state is
             # copied in the background; the step in flight is not lost.
