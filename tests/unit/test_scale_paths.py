@@ -1,0 +1,178 @@
+"""The fast paths that make 2,048-worker simulations affordable give the same answers.
+
+- the canonical form of a whole state (one worker per node): equivalent states share it;
+  answers renamed back price the same as a direct computation;
+- rerouted components simulated once per shape, bucket conflicts from layer ranges;
+- ``decide(compare=False, detail=False)``: the same choice as the full decision;
+- the simulator's parallel units: the same report with one process or two;
+- shrink's re-join re-admits whole replicas.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chameleon_ft.perf import Topology
+from chameleon_ft.perf.coloring import conflict_edges
+from chameleon_ft.perf.estimator import Estimator, _bucket_conflicts, sync_buckets
+from chameleon_ft.plan.reroute import reroute_plan
+from chameleon_ft.policy import Planner
+from chameleon_ft.policy.symmetry import interchangeable_form
+from chameleon_ft.recovery.types import Strategy
+from chameleon_ft.sim.report import report_json
+from chameleon_ft.sim.runner import run_scenario
+from chameleon_ft.sim.scenarios import scenario_from_config
+from chameleon_ft.spec import config_from_mapping
+
+# One worker per node (tp fills a node): every worker is interchangeable.
+TABLES = {
+    "cluster": {"num_nodes": 24, "devices_per_node": 1},
+    "job": {"pp": 4, "dp": 6, "global_batch": 24},
+    "profile": {"kind": "uniform", "num_layers": 8, "fwd_s": 0.01, "bwd_input_s": 0.01,
+                "bwd_weight_s": 0.01, "param_bytes": 1e8, "optimizer_bytes": 6e8,
+                "activation_bytes": 1e7, "output_bytes": 1e6},
+    "recovery": {"search_exhaustive_workers": 8, "search_extra_stages": 1},
+}
+CONFIG = config_from_mapping(TABLES)
+
+
+@pytest.fixture(scope="module")
+def planner() -> Planner:
+    return Planner(CONFIG)
+
+
+def test_equivalent_states_share_one_canonical_form(planner: Planner) -> None:
+    plan = planner.initial_plan
+    topo = planner.topology
+    everyone = frozenset(range(topo.num_workers))
+    # the same stage of two different pipelines, with the pipelines listed in another order
+    a = plan.pipelines[1].stages[2].worker
+    b = plan.pipelines[4].stages[2].worker
+    form_a = interchangeable_form(plan, everyone - {a}, (frozenset({a}),), topo)
+    shuffled = type(plan)(num_layers=plan.num_layers, pipelines=plan.pipelines[::-1],
+                          micro_batch=plan.micro_batch, schedule=plan.schedule)
+    form_b = interchangeable_form(shuffled, everyone - {b}, (frozenset({b}),), topo)
+    assert form_a is not None and form_b is not None
+    assert form_a.plan == form_b.plan
+    assert form_a.rename(frozenset({a})) == form_b.rename(frozenset({b}))
+    assert sorted(form_a.renaming.values()) == list(range(topo.num_workers))
+    # a different stage is a different problem
+    c = plan.pipelines[1].stages[1].worker
+    form_c = interchangeable_form(plan, everyone - {c}, (frozenset({c}),), topo)
+    assert form_c is not None
+    assert (form_c.plan, form_c.rename(frozenset({c}))) != (form_a.plan,
+                                                            form_a.rename(frozenset({a})))
+
+
+def test_canonical_answers_price_like_a_direct_computation(planner: Planner) -> None:
+    plan = planner.initial_plan
+    first = planner.decide(plan, [plan.pipelines[0].stages[1].worker])
+    failed = plan.pipelines[3].stages[1].worker
+    hit = planner.decide(plan, [failed])
+    assert hit.cache_hit and not first.cache_hit
+    fresh = Planner(CONFIG, profile=planner.profile).decide(plan, [failed])
+    for a, b in zip(hit.candidates, fresh.candidates, strict=True):
+        assert a.strategy == b.strategy and a.feasible == b.feasible
+        assert a.step_s == pytest.approx(b.step_s, rel=1e-12)
+        if a.plan is not None:
+            a.plan.validate(num_microbatches=plan.num_microbatches)
+            assert failed not in a.plan.workers
+            assert a.estimate is not None
+            assert set(a.estimate.peak_memory_bytes) == set(a.plan.workers)
+    assert hit.strategy == fresh.strategy
+
+
+def test_lean_decisions_choose_as_the_full_ones(planner: Planner) -> None:
+    plan = planner.initial_plan
+    failed = [plan.pipelines[2].stages[3].worker]
+    planner.decide(plan, failed)  # both below hit the cache: the search counts as hidden
+    for policy in ("chameleon", "reroute", "dynamic", "restart", "shrink"):
+        full = planner.decide(plan, failed, policy=policy, horizon_s=3600.0)
+        lean = planner.decide(plan, failed, policy=policy, horizon_s=3600.0, compare=False,
+                              detail=False)
+        assert lean.strategy == full.strategy
+        assert lean.plan == full.plan
+        assert lean.chosen.step_s == pytest.approx(full.chosen.step_s, rel=1e-12)
+        if policy != "chameleon":
+            assert {c.strategy for c in lean.candidates} == {Strategy(policy)}
+        # only the winner carries a plan
+        assert [c for c in lean.candidates if c.plan is not None] == [lean.chosen]
+
+
+def test_shared_component_timelines_equal_direct_simulation(planner: Planner) -> None:
+    plan = planner.initial_plan
+    cached = Estimator(planner.profile, planner.topology)
+    rng = random.Random(5)
+    for _ in range(12):
+        dead = frozenset(rng.sample(plan.workers, rng.choice([1, 2, 3])))
+        try:
+            rerouted = reroute_plan(plan, dead)
+        except ValueError:
+            continue
+        got = cached.estimate(rerouted)
+        want = cached.estimate(rerouted, brute_force=True)
+        assert got.step_s == want.step_s
+        assert got.peak_memory_bytes == want.peak_memory_bytes
+        assert got.bubble_fraction == pytest.approx(want.bubble_fraction, rel=1e-12)
+
+
+def test_bucket_conflicts_equal_the_worker_by_worker_graph(planner: Planner) -> None:
+    rng = random.Random(2)
+    plan = planner.initial_plan
+    everyone = frozenset(range(planner.topology.num_workers))
+    for _ in range(8):
+        failed = frozenset(rng.sample(plan.workers, rng.choice([1, 2, 4])))
+        decision = planner.decide(plan, failed, alive=everyone - failed)
+        for candidate in decision.candidates:
+            if candidate.plan is None:
+                continue
+            buckets = [(b, n) for b, n in sync_buckets(candidate.plan, planner.profile)
+                       if len(b.workers) > 1]
+            assert _bucket_conflicts(candidate.plan, buckets) == conflict_edges(
+                [b.workers for b, _ in buckets])
+
+
+def _scenario(days: float):
+    tables = dict(TABLES)
+    tables["simulation"] = {"days": days, "seeds": 2, "seed": 3}
+    tables["failures"] = {"node_mtbf_hours": 10.0, "repair": "fixed", "repair_hours": 1.0}
+    return scenario_from_config("grid", config_from_mapping(tables))
+
+
+@pytest.mark.slow
+def test_parallel_units_give_the_same_report() -> None:
+    names = ("chameleon", "reroute", "shrink", "oracle")
+    one = report_json(run_scenario(_scenario(0.3), policies=names, jobs=1))
+    two = report_json(run_scenario(_scenario(0.3), policies=names, jobs=2))
+    assert one == two
+    assert '"shrink"' in one
+
+
+def test_shrink_readmits_healed_replicas(planner: Planner) -> None:
+    plan = planner.initial_plan
+    failed = plan.pipelines[2].stages[0].worker
+    everyone = frozenset(range(planner.topology.num_workers))
+    shrunk = planner.decide(plan, [failed], policy="shrink", horizon_s=3600.0).plan
+    assert shrunk.num_pipelines == plan.num_pipelines - 1
+    back = planner.decide_rejoin(shrunk, [failed], alive=everyone, policy="shrink",
+                                 horizon_s=3600.0)
+    assert back.strategy == "shrink"
+    grown = back.plan
+    grown.validate(num_microbatches=plan.num_microbatches)
+    assert grown.num_pipelines == plan.num_pipelines
+    assert failed in grown.workers
+    chosen = back.chosen
+    # the healed replica loads in the background while the shrunk plan trains on
+    assert chosen.interim_plan == shrunk and chosen.transition_s == 0.0
+    assert chosen.interim_s > 0 and chosen.migration is not None
+    assert {t.dst for t in chosen.migration.transfers} <= set(grown.workers) - set(
+        shrunk.workers)
+    # nothing to re-admit when the idle workers make no whole pipeline
+    keep = planner.decide_rejoin(plan, [], alive=everyone, policy="shrink", horizon_s=60.0)
+    assert keep.strategy == "keep"
+
+
+def test_topology_of_the_grid_is_one_worker_per_node() -> None:
+    assert Topology.from_config(CONFIG).workers_per_node == 1
