@@ -180,6 +180,7 @@ class Estimator:
         self._plans: OrderedDict[tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
                                  Estimate] = OrderedDict()
         self._pipelines: dict[tuple[Any, ...], Timeline] = {}
+        self._pipeline_keys: dict[int, tuple[Any, str, tuple[Any, ...]]] = {}
         self._components: OrderedDict[tuple[Any, ...], Timeline] = OrderedDict()
         self._stage: dict[tuple[int, int], Any] = {}
         self._opt: dict[tuple[int, int], float] = {}
@@ -208,28 +209,52 @@ class Estimator:
             self._stage[key] = cost
         return cost
 
-    def _single_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
-                         brute_force: bool, with_ops: bool) -> Timeline:
-        """Timeline of a pipeline without reroutes, shared by all identical pipelines."""
+    def _pipeline_key(self, plan: ExecutionPlan, p: int,
+                      speeds: Mapping[int, float]) -> tuple[Any, ...]:
+        """What a lone pipeline's timeline depends on: layout, speeds, links, schedule."""
         pipe = plan.pipelines[p]
+        if not speeds:
+            # Plans share pipeline objects: remember each one's key by identity.
+            known = self._pipeline_keys.get(id(pipe))
+            if known is not None and known[0] is pipe and known[1] == plan.schedule:
+                return known[2]
+        node_of = self.topology.node_of
         workers = [st.worker for st in pipe.stages]
-        topo = self.topology
         key = (
             plan.schedule,
             pipe.num_microbatches,
             tuple((st.first_layer, st.end_layer, speeds.get(st.worker, 1.0)) for st in pipe.stages),
-            tuple(topo.node_of(a) == topo.node_of(b) for a, b in itertools.pairwise(workers)),
+            tuple(node_of(a) == node_of(b) for a, b in itertools.pairwise(workers)),
         )
-        cached = None if brute_force else self._pipelines.get(key)
+        if not speeds:
+            if len(self._pipeline_keys) > 65536:
+                self._pipeline_keys.clear()
+            self._pipeline_keys[id(pipe)] = (pipe, plan.schedule, key)
+        return key
+
+    def _canonical_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
+                            brute_force: bool) -> Timeline:
+        """Timeline of a pipeline without reroutes on workers ``0..S-1`` (stage indices),
+        shared by all identical pipelines."""
+        key = None if brute_force else self._pipeline_key(plan, p, speeds)
+        cached = None if key is None else self._pipelines.get(key)
         if cached is None:
             # Simulate on canonical workers 0..S-1 of one plan holding only this pipeline;
             # the link pattern is part of the key, so reuse is exact.
+            pipe = plan.pipelines[p]
             costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
                      for s, st in enumerate(pipe.stages)}
-            cached = simulate(plan, self.profile, topo, [p], speeds, costs)
-            cached = _relabel(cached, {w: s for s, w in enumerate(workers)})
-            if not brute_force:
+            cached = simulate(plan, self.profile, self.topology, [p], speeds, costs)
+            cached = _relabel(cached, {st.worker: s for s, st in enumerate(pipe.stages)})
+            if key is not None:
                 self._pipelines[key] = cached
+        return cached
+
+    def _single_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
+                         brute_force: bool, with_ops: bool) -> Timeline:
+        """Timeline of a pipeline without reroutes, shared by all identical pipelines."""
+        cached = self._canonical_pipeline(plan, p, speeds, brute_force)
+        workers = [st.worker for st in plan.pipelines[p].stages]
         return _relabel(cached, dict(enumerate(workers)), pipeline=p, keep_ops=with_ops)
 
     def timelines(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
@@ -341,10 +366,21 @@ class Estimator:
         busy: dict[int, float] = {}
         act_peak: dict[int, float] = {}
         makespan = critical_compute = critical_p2p = 0.0
-        for tl in self.timelines(plan, speeds, brute_force, with_ops=False):
-            finish.update(tl.finish_s)
-            busy.update(tl.busy_s)
-            act_peak.update(tl.peak_activation_bytes)
+        rerouted = {r.pipeline for r in plan.reroutes}
+        for group in _components(plan):
+            if len(group) == 1 and group[0] not in rerouted:
+                # A lone pipeline: read its shared timeline by stage, without relabelling.
+                tl = self._canonical_pipeline(plan, group[0], speeds, brute_force)
+                for s, st in enumerate(plan.pipelines[group[0]].stages):
+                    w = st.worker
+                    finish[w] = tl.finish_s[s]
+                    busy[w] = tl.busy_s[s]
+                    act_peak[w] = tl.peak_activation_bytes[s]
+            else:
+                tl = self._component(plan, group, speeds, brute_force, with_ops=False)
+                finish.update(tl.finish_s)
+                busy.update(tl.busy_s)
+                act_peak.update(tl.peak_activation_bytes)
             if tl.makespan_s >= makespan:
                 makespan = tl.makespan_s
                 critical_compute, critical_p2p = tl.critical_compute_s, tl.critical_p2p_s
