@@ -7,6 +7,7 @@ of concurrent operations; rounds run one after another.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 
@@ -27,18 +28,23 @@ def dsatur(num_vertices: int, edges: Iterable[tuple[int, int]]) -> list[int]:
             neighbours[b].add(a)
     colour = [-1] * num_vertices
     saturation: list[set[int]] = [set() for _ in range(num_vertices)]
-    uncoloured = set(range(num_vertices))
-    while uncoloured:
-        v = max(uncoloured, key=lambda u: (len(saturation[u]), len(neighbours[u]), -u))
+    # A heap of (-saturation, -degree, vertex); an entry is stale once the vertex is
+    # coloured or its saturation grew (a fresher entry was pushed then).
+    heap = [(0, -len(neighbours[v]), v) for v in range(num_vertices)]
+    heapq.heapify(heap)
+    while heap:
+        neg_sat, _, v = heapq.heappop(heap)
+        if colour[v] >= 0 or -neg_sat != len(saturation[v]):
+            continue
         used = saturation[v]
         c = 0
         while c in used:
             c += 1
         colour[v] = c
-        uncoloured.discard(v)
         for u in neighbours[v]:
-            if colour[u] < 0:
+            if colour[u] < 0 and c not in saturation[u]:
                 saturation[u].add(c)
+                heapq.heappush(heap, (-len(saturation[u]), -len(neighbours[u]), u))
     return colour
 
 

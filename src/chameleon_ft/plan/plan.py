@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -40,16 +40,18 @@ class Pipeline:
 
     stages: tuple[Stage, ...]
     num_microbatches: int
+    layout: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    """Layer bounds of each stage, without the workers (computed once: the planner's
+    searches and symmetry checks read it often)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout",
+                           tuple((s.first_layer, s.end_layer) for s in self.stages))
 
     @property
     def num_stages(self) -> int:
         """Stages in this pipeline."""
         return len(self.stages)
-
-    @property
-    def layout(self) -> tuple[tuple[int, int], ...]:
-        """Layer bounds of each stage, without the workers."""
-        return tuple((s.first_layer, s.end_layer) for s in self.stages)
 
 
 @dataclass(frozen=True, slots=True)

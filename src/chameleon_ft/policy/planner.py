@@ -246,14 +246,16 @@ class Planner:
 
     # ------------------------------------------------------------------ checks
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
-        out = set()
+        items = list(workers)
         n = self._topology.num_workers
-        for w in workers:
+        if all(type(w) is int for w in items) and (not items or (min(items) >= 0
+                                                                  and max(items) < n)):
+            return frozenset(items)  # the common case, checked in bulk
+        for w in items:
             if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
                 raise ValueError(f"{field}: worker {w!r} is not in the cluster (workers 0.."
                                  f"{n - 1})")
-            out.add(w)
-        return frozenset(out)
+        return frozenset(items)
 
     @staticmethod
     def _horizon(horizon_s: float | None) -> float | None:

@@ -120,15 +120,13 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
 
 
 def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migration:
-    def w(worker: int) -> int:
-        return renaming.get(worker, worker)
-
+    get = renaming.get
     return replace(
         migration,
-        slots=tuple((w(x), p, s) for x, p, s in migration.slots),
-        transfers=tuple(Transfer(layer=t.layer, src=w(t.src), dst=w(t.dst), part=t.part,
-                                 num_parts=t.num_parts, num_bytes=t.num_bytes)
-                        for t in migration.transfers),
+        slots=tuple([(get(x, x), p, s) for x, p, s in migration.slots]),
+        transfers=tuple([Transfer(layer=t.layer, src=get(t.src, t.src), dst=get(t.dst, t.dst),
+                                  part=t.part, num_parts=t.num_parts, num_bytes=t.num_bytes)
+                         for t in migration.transfers]),
     )
 
 
