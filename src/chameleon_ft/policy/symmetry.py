@@ -264,17 +264,20 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     def status(w: int) -> tuple[bool, ...]:
         return (w in alive, *(w in m for m in marks))
 
-    healthy = (True, *(False for _ in marks))
     own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     for r in plan.reroutes:
         own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
-    lite = []
+    # Pipelines compare by a small shape rank first (cheap), then by the status of their
+    # stages (only pipelines with a dead, failed or returned worker have one), then by
+    # their own reroutes.
+    shapes = [(pipe.layout, pipe.num_microbatches) for pipe in plan.pipelines]
+    rank = {shape: i for i, shape in enumerate(sorted(set(shapes)))}
+    lite: list[tuple[Any, ...]] = []
     for p, pipe in enumerate(plan.pipelines):
+        statuses: tuple[Any, ...] = ()
         if special and any(st.worker in special for st in pipe.stages):
-            statuses: tuple[Any, ...] = tuple(status(st.worker) for st in pipe.stages)
-        else:
-            statuses = (healthy,) * len(pipe.stages)
-        lite.append((pipe.layout, pipe.num_microbatches, statuses, tuple(sorted(own.get(p, ())))))
+            statuses = tuple(status(st.worker) for st in pipe.stages)
+        lite.append((rank[shapes[p]], statuses, tuple(sorted(own.get(p, ())))))
     hosting: dict[int, list[tuple[Any, ...]]] = {}
     where = plan.stage_of_worker
     for r in plan.reroutes:
