@@ -589,8 +589,11 @@ class Planner:
         new_plan = reroute_plan(plan, reroute.dead_workers(state))
         new_plan.validate()
         held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
-        migration = schedule_migration(new_plan, held, self._profile, self._topology,
-                                       max_parts=spec.migration_max_parts)
+        try:
+            migration = schedule_migration(new_plan, held, self._profile, self._topology,
+                                           max_parts=spec.migration_max_parts)
+        except ValueError as exc:  # a layer with no live replica to copy from
+            return infeasible(Strategy.REROUTE, str(exc).removeprefix("plan: "))
         terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
         return candidate_from_estimate(
             Strategy.REROUTE, new_plan, self._estimator.estimate(new_plan), terms,

@@ -96,8 +96,11 @@ def grow(state: RecoveryState) -> Candidate:
         reroutes=(), micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
     held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
-    migration = schedule_migration(new_plan, held, state.profile, state.topology,
-                                   max_parts=spec.migration_max_parts)
+    try:
+        migration = schedule_migration(new_plan, held, state.profile, state.topology,
+                                       max_parts=spec.migration_max_parts)
+    except ValueError as exc:  # a layer with no live replica to copy from
+        return infeasible(Strategy.SHRINK, str(exc).removeprefix("plan: "))
     terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
     return candidate_from_estimate(
         Strategy.SHRINK, new_plan, state.estimate(new_plan), terms,
