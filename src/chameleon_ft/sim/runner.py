@@ -1,7 +1,8 @@
 """Run a scenario: every policy on the same traces, over seeds and sweep cells.
 
-The profile and the failure-free estimate are built once per job; each (cell, seed) gets
-one planner that all its policies share (``run_scenario`` says why that is sound).
+The profile and the failure-free estimate are built once per job. Each (cell, seed) runs
+as fixed units of policies (:data:`POLICY_GROUPS` says which and why they share a
+planner), in parallel processes when asked; results do not depend on how many.
 """
 
 from __future__ import annotations
