@@ -40,13 +40,18 @@ class Pipeline:
 
     stages: tuple[Stage, ...]
     num_microbatches: int
-    layout: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
-    """Layer bounds of each stage, without the workers (computed once: the planner's
-    searches and symmetry checks read it often)."""
+    _layout: tuple[tuple[int, int], ...] | None = field(
+        init=False, default=None, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layout",
-                           tuple((s.first_layer, s.end_layer) for s in self.stages))
+    @property
+    def layout(self) -> tuple[tuple[int, int], ...]:
+        """Layer bounds of each stage, without the workers (computed on first use, then
+        kept: the planner's searches and symmetry checks read it often)."""
+        layout = self._layout
+        if layout is None:
+            layout = tuple((s.first_layer, s.end_layer) for s in self.stages)
+            object.__setattr__(self, "_layout", layout)
+        return layout
 
     @property
     def num_stages(self) -> int:

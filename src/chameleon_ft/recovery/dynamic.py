@@ -234,6 +234,28 @@ def _in_id_order(shape: ExecutionPlan, held: Mapping[int, Collection[int]]) -> E
         for pipe in shape.pipelines))
 
 
+def _ranked_partitions(templates: Templates, num_alive: int, lengths: tuple[int, ...],
+                       num_microbatches: int) -> tuple[list[tuple[int, ...]], int]:
+    """The ``_EXACT_PARTITIONS`` two-length partitions of ``num_alive`` survivors best by
+    the continuous relaxation, and how many there were (kept per templates: the same
+    survivor count comes back at every failure of the same size)."""
+    key = ("ranked-partitions", num_alive, lengths, num_microbatches)
+    found = templates.memo.get(key)
+    if found is None:
+        groups = [g for g in partitions_two_lengths(num_alive, lengths)
+                  if sum(c for _, c in g) <= num_microbatches]
+        fits: dict[int, tuple[float, float]] = {}
+        for length in lengths:
+            share = max(1, round(num_microbatches * length / num_alive))
+            fits[length] = _affine_fit(templates, length, share)
+        groups.sort(key=lambda g: (_relaxed_step_s(g, num_microbatches, fits),
+                                   -sum(c for _, c in g)))
+        found = ([_expand(g) for g in groups[:_EXACT_PARTITIONS]], len(groups))
+        templates.memo[key] = found
+    pool, count = found
+    return list(pool), count
+
+
 def max_length(state: RecoveryState) -> int:
     """The longest pipeline the searches consider over ``state.alive`` (module docstring)."""
     spec = state.config.recovery
@@ -265,16 +287,8 @@ def search(state: RecoveryState) -> SearchResult | None:
         shortlisted = pool
         num_partitions = len(pool)
     else:
-        groups = [g for g in partitions_two_lengths(num_alive, lengths)
-                  if sum(c for _, c in g) <= num_microbatches]
-        fits: dict[int, tuple[float, float]] = {}
-        for length in lengths:
-            share = max(1, round(num_microbatches * length / num_alive))
-            fits[length] = _affine_fit(templates, length, share)
-        groups.sort(key=lambda g: (_relaxed_step_s(g, num_microbatches, fits),
-                                   -sum(c for _, c in g)))
-        pool = [_expand(g) for g in groups[:_EXACT_PARTITIONS]]
-        num_partitions = len(groups)
+        pool, num_partitions = _ranked_partitions(templates, num_alive, tuple(lengths),
+                                                  num_microbatches)
         # The relaxation ignores that micro-batches are whole, so near-ties abound; the
         # partitions that keep the intact pipelines (Oobleck's re-instantiation) and the
         # homogeneous ones are always priced exactly as well.

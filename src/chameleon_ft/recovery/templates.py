@@ -23,7 +23,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage, balanced_bounds, layer_costs
 from chameleon_ft.plan.partition import bounds_from_cuts
@@ -123,6 +123,9 @@ class Templates:
         self._best: dict[tuple[int, int], tuple[float, Layout | None]] = {}
         self._steps: dict[tuple[Layout, int], float] = {}
         self.num_estimates = 0
+        self.memo: dict[tuple[Any, ...], Any] = {}
+        """Search results that depend only on these templates and the key (the dynamic
+        search's ranked partitions of a survivor count)."""
         """How many one-pipeline estimates were run (for benchmarks)."""
 
     @property
