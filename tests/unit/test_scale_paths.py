@@ -176,3 +176,47 @@ def test_shrink_readmits_healed_replicas(planner: Planner) -> None:
 
 def test_topology_of_the_grid_is_one_worker_per_node() -> None:
     assert Topology.from_config(CONFIG).workers_per_node == 1
+
+
+def test_fragile_plans_are_priced_by_the_restart_they_risk() -> None:
+    from chameleon_ft.plan import ExecutionPlan
+    from chameleon_ft.policy.planner import fatal_nodes
+    from chameleon_ft.spec import ClusterSpec
+
+    # nodes of 4 workers; stage-major: node 0 holds every replica of stage 0 (layers 0-3)
+    topo = Topology(ClusterSpec(num_nodes=2, devices_per_node=4), 4)
+    stage_major = ExecutionPlan.uniform(dp=4, pp=2, num_layers=8, num_microbatches=8)
+    assert fatal_nodes(stage_major, topo) == frozenset({0, 1})
+    # pipeline-major: a node holds two whole pipelines, every layer lives on both nodes
+    pipeline_major = ExecutionPlan.uniform(dp=4, pp=2, num_layers=8, num_microbatches=8,
+                                           placement="pipeline-major")
+    assert fatal_nodes(pipeline_major, topo) == frozenset()
+
+    tables = {
+        "cluster": {"num_nodes": 2, "devices_per_node": 4},
+        "job": {"pp": 2, "dp": 4, "global_batch": 16},
+        "profile": TABLES["profile"],
+        "policy": {"node_mtbf_hours": 2.0, "repair_hours": 1.0, "node_failure_share": 1.0},
+    }
+    config = config_from_mapping(tables)
+    planner = Planner(config)
+    fragile = planner.decide(planner.initial_plan, [0])
+    # the same decision with no node-level failures expected: nothing is discounted
+    calm = Planner(config_from_mapping(
+        {**tables, "policy": {**tables["policy"], "node_failure_share": 0.0}}),
+        profile=planner.profile).decide(planner.initial_plan, [0])
+    by_strategy = {c.strategy: c for c in calm.candidates}
+    discounted = 0
+    for c in fragile.candidates:
+        if not c.feasible:
+            continue
+        other = by_strategy[c.strategy]
+        assert c.score <= other.score + 1e-9
+        if c.plan is not None and fatal_nodes(c.plan, planner.topology):
+            assert c.score < other.score
+            discounted += 1
+        elif c.plan is not None:
+            assert c.score == pytest.approx(other.score)
+    assert discounted >= 1
+    with pytest.raises(ValueError, match="node_failure_share"):
+        config_from_mapping({**tables, "policy": {"node_failure_share": 1.5}})

@@ -600,6 +600,39 @@ class Planner:
             f"returned workers take their stages back ({len(new_plan.reroutes)} stage(s) "
             "still rerouted)", migration=migration)
 
+    def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,
+                        num_live: int, now_s: float) -> Candidate:
+        """``candidate`` with its expected score lowered by what a fragile plan risks.
+
+        If the next change is a node failure and that node holds the last live replica
+        of some layer of the candidate's plan, only a restart can follow: it costs the
+        restart, the checkpoint load and on average half a checkpoint interval of work,
+        instead of a survivable recovery's detection and rebuild. Over the expected
+        window that is ``X * p_fail * f_fatal * extra_s / window`` samples/s, with
+        ``f_fatal`` the share of live nodes whose loss is fatal (:func:`fatal_nodes`) and
+        ``p_fail`` the expected node-level failures in the window (at most 1:
+        ``policy.node_failure_share`` of all failures). Eq. 8 with a given window is left
+        as the paper has it.
+        """
+        if not candidate.feasible or candidate.plan is None or candidate.score <= 0:
+            return candidate
+        spec = self.config.recovery
+        if not spec.checkpoint:
+            return candidate
+        per_node = self._topology.workers_per_node
+        fatal = fatal_nodes(candidate.plan, self._topology)
+        if not fatal:
+            return candidate
+        live_nodes = max(1, -(-num_live // per_node))
+        rate = worker_rate_per_s(self.config.policy, workers_per_node=per_node,
+                                 num_workers=self._topology.num_workers,
+                                 num_failures=len(self._failure_events), now_s=now_s)
+        p_fail = min(1.0, num_live * rate * window_s * self.config.policy.node_failure_share)
+        extra_s = max(0.0, spec.restart_s + spec.checkpoint_load_s
+                      + spec.checkpoint_interval_s / 2 - spec.detect_s - spec.rebuild_s)
+        risk = (batch / candidate.step_s) * p_fail * len(fatal) / live_nodes * extra_s
+        return replace(candidate, score=max(0.0, candidate.score - risk / window_s))
+
     def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
                 horizon_s: float | None, num_live: int, now_s: float, search_s: float,
                 cache_hit: bool,
@@ -612,6 +645,9 @@ class Planner:
         scored = tuple(replace(c, score=candidate_score(c, batch, horizon_s=window,
                                                         expected=expected))
                        for c in candidates)
+        if expected and math.isfinite(window):
+            scored = tuple(self._with_fragility(c, batch, window, num_live, now_s)
+                           for c in scored)
         feasible = [c for c in scored if c.feasible]
         if not feasible:
             reasons = "; ".join(f"{c.strategy}: {c.reason}" for c in scored)
@@ -672,6 +708,18 @@ def _with_term(candidate: Candidate, name: str, value: float) -> Candidate:
     terms = dict(candidate.terms)
     terms[name] = value
     return replace(candidate, terms=terms, transition_s=sum(terms.values()))
+
+
+def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
+    """Nodes whose loss leaves some layer of ``plan`` without a live replica (the single
+    node holding every replica of a layer)."""
+    out = set()
+    node_of = topology.node_of
+    for holders in plan.holders_by_layer:
+        # holders are sorted by id and nodes are id ranges: one node iff first and last
+        if holders and node_of(holders[0]) == node_of(holders[-1]):
+            out.add(node_of(holders[0]))
+    return frozenset(out)
 
 
 def _detail(found: _Found, detail: bool, hide_search: bool

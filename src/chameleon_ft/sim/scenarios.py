@@ -150,6 +150,7 @@ repair_max_hours = 2.0
 name = "chameleon"
 node_mtbf_hours = 2.7
 repair_hours = 0.75
+node_failure_share = 1.0        # preemptions take whole nodes
 
 [simulation]
 days = 2.0

@@ -89,9 +89,16 @@ class PolicySpec:
     """Prior mean time between failures of one node, hours."""
     repair_hours: float | None = None
     """Expected time for a failed node to come back; caps the horizon. Unset: no cap."""
+    node_failure_share: float = 0.26
+    """Share of failures that take down a whole node or more (Llama 3: 18 % host, 8 %
+    switch or cable). Chameleon prices the risk that such a failure leaves a layer of a
+    plan without a live replica (a restart) with it; 1.0 for preemptible nodes."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, POLICY_NAMES)
+        check_positive("node_failure_share", self.node_failure_share, allow_zero=True)
+        if self.node_failure_share > 1:
+            fail("node_failure_share", f"must be between 0 and 1, got {self.node_failure_share}")
         if self.horizon_s is not None:
             check_positive("horizon_s", self.horizon_s)
         check_positive("node_mtbf_hours", self.node_mtbf_hours)
