@@ -39,9 +39,9 @@ from chameleon_ft.policy.symmetry import (
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
-from chameleon_ft.recovery.restorer import schedule_migration
+from chameleon_ft.recovery.restorer import copy_in
 from chameleon_ft.recovery.templates import Templates
-from chameleon_ft.recovery.transition import lost_progress_s, migration_s, restart_terms
+from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     Migration,
@@ -583,22 +583,14 @@ class Planner:
         """ReCycle's re-join: a returned worker copies its stage's parameters and optimizer
         state from a live replica and takes its micro-batches back; the other dead stages
         stay rerouted. Infeasible when no returned worker had a rerouted stage."""
-        plan, spec = state.plan, self.config.recovery
+        plan = state.plan
         if not any(r in plan.dead_workers for r in returned):
             return infeasible(Strategy.REROUTE, "no returned worker had a rerouted stage")
         new_plan = reroute_plan(plan, reroute.dead_workers(state))
         new_plan.validate()
-        held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
-        try:
-            migration = schedule_migration(new_plan, held, self._profile, self._topology,
-                                           max_parts=spec.migration_max_parts)
-        except ValueError as exc:  # a layer with no live replica to copy from
-            return infeasible(Strategy.REROUTE, str(exc).removeprefix("plan: "))
-        terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
-        return candidate_from_estimate(
-            Strategy.REROUTE, new_plan, self._estimator.estimate(new_plan), terms,
-            f"returned workers take their stages back ({len(new_plan.reroutes)} stage(s) "
-            "still rerouted)", migration=migration)
+        return copy_in(state, Strategy.REROUTE, new_plan,
+                       f"returned workers take their stages back ({len(new_plan.reroutes)} "
+                       "stage(s) still rerouted)")
 
     def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,
                         num_live: int, now_s: float) -> Candidate:

@@ -25,7 +25,16 @@ from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.profile import Profile
-from chameleon_ft.recovery.types import Migration, Transfer
+from chameleon_ft.recovery.transition import migration_s
+from chameleon_ft.recovery.types import (
+    Candidate,
+    Migration,
+    RecoveryState,
+    Strategy,
+    Transfer,
+    candidate_from_estimate,
+    infeasible,
+)
 
 
 @dataclass(frozen=True)
@@ -195,3 +204,30 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                       for i in members)
     return Migration(slots=tuple(slots), moved_bytes=moved, transfers=tuple(transfers),
                      rounds=tuple(tuple(r) for r in round_lists), time_s=time_s)
+
+
+def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
+            reason: str) -> Candidate:
+    """A re-join's candidate: move to ``new_plan`` by copying what its workers lack from
+    live replicas, then rebuild the communicators (nothing to detect: the return is
+    announced).
+
+    Args:
+        state: the job and the current plan; ``state.alive`` includes the returned workers.
+        strategy: the strategy the candidate stands for.
+        new_plan: the plan to move to (validated by the caller).
+        reason: what the candidate does, for reports.
+
+    Returns:
+        The candidate with its migration and ``rebuild_s``/``migrate_s`` terms; infeasible
+        when some layer of ``new_plan`` has no live replica to copy from.
+    """
+    spec = state.config.recovery
+    try:
+        migration = schedule_migration(new_plan, state.held_layers(), state.profile,
+                                       state.topology, max_parts=spec.migration_max_parts)
+    except ValueError as exc:
+        return infeasible(strategy, str(exc).removeprefix("plan: "))
+    terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
+    return candidate_from_estimate(strategy, new_plan, state.estimate(new_plan), terms, reason,
+                                   migration=migration)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.reroute import dead_stages
-from chameleon_ft.recovery.restorer import schedule_migration
+from chameleon_ft.recovery.restorer import copy_in
 from chameleon_ft.recovery.templates import allocate
-from chameleon_ft.recovery.transition import migration_s, shrink_terms
+from chameleon_ft.recovery.transition import shrink_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     RecoveryState,
@@ -67,9 +67,9 @@ def grow(state: RecoveryState) -> Candidate:
         state: the job and the current plan; ``state.alive`` includes the returned workers.
 
     Returns:
-        One candidate (feasible or not), its migration and ``rebuild_s``/``migrate_s`` terms.
+        One candidate (feasible or not), from :func:`~chameleon_ft.recovery.restorer.copy_in`.
     """
-    plan, spec = state.plan, state.config.recovery
+    plan = state.plan
     idle = sorted(set(state.alive) - set(plan.workers) - plan.dead_workers)
     if not plan.pipelines:
         return infeasible(Strategy.SHRINK, "no pipeline to copy a layout from")
@@ -95,14 +95,5 @@ def grow(state: RecoveryState) -> Candidate:
         pipelines=tuple(Pipeline(ss, m) for ss, m in zip(stages, counts, strict=True)),
         reroutes=(), micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
-    held = {w: plan.layers_by_worker.get(w, range(0)) for w in state.alive}
-    try:
-        migration = schedule_migration(new_plan, held, state.profile, state.topology,
-                                       max_parts=spec.migration_max_parts)
-    except ValueError as exc:  # a layer with no live replica to copy from
-        return infeasible(Strategy.SHRINK, str(exc).removeprefix("plan: "))
-    terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
-    return candidate_from_estimate(
-        Strategy.SHRINK, new_plan, state.estimate(new_plan), terms,
-        f"re-admit {count} healed pipeline(s), {new_plan.num_pipelines} in all",
-        migration=migration)
+    return copy_in(state, Strategy.SHRINK, new_plan,
+                   f"re-admit {count} healed pipeline(s), {new_plan.num_pipelines} in all")
