@@ -143,8 +143,9 @@ def _bucket_conflicts(plan: ExecutionPlan, buckets: list[tuple[Bucket, float]]
     return sorted(edges)
 
 
-def _components(plan: ExecutionPlan) -> list[list[int]]:
-    """Pipelines that must be simulated together: linked by reroutes (union-find)."""
+def _components(plan: ExecutionPlan) -> list[tuple[list[int], bool]]:
+    """Pipelines that must be simulated together: linked by reroutes (union-find), each
+    group with whether it is a lone pipeline without reroutes (shared by its look-alikes)."""
     parent = list(range(plan.num_pipelines))
 
     def find(x: int) -> int:
@@ -162,7 +163,8 @@ def _components(plan: ExecutionPlan) -> list[list[int]]:
     groups: dict[int, list[int]] = {}
     for p in range(plan.num_pipelines):
         groups.setdefault(find(p), []).append(p)
-    return list(groups.values())
+    rerouted = {r.pipeline for r in plan.reroutes}
+    return [(group, len(group) == 1 and group[0] not in rerouted) for group in groups.values()]
 
 
 class Estimator:
@@ -266,9 +268,8 @@ class Estimator:
         """
         speeds = speeds or {}
         out = []
-        rerouted = {r.pipeline for r in plan.reroutes}
-        for group in _components(plan):
-            if len(group) == 1 and group[0] not in rerouted:
+        for group, lone in _components(plan):
+            if lone:
                 out.append(self._single_pipeline(plan, group[0], speeds, brute_force,
                                                  with_ops))
             else:
@@ -366,9 +367,8 @@ class Estimator:
         busy: dict[int, float] = {}
         act_peak: dict[int, float] = {}
         makespan = critical_compute = critical_p2p = 0.0
-        rerouted = {r.pipeline for r in plan.reroutes}
-        for group in _components(plan):
-            if len(group) == 1 and group[0] not in rerouted:
+        for group, lone in _components(plan):
+            if lone:
                 # A lone pipeline: read its shared timeline by stage, without relabelling.
                 tl = self._canonical_pipeline(plan, group[0], speeds, brute_force)
                 for s, st in enumerate(plan.pipelines[group[0]].stages):

@@ -419,13 +419,17 @@ class Planner:
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions
-    def horizon(self, *, num_live: int, now_s: float) -> float:
-        """The expected time to the next change for ``num_live`` workers (``horizon.py``)."""
-        rate = worker_rate_per_s(self.config.policy,
+    def _worker_rate_per_s(self, now_s: float) -> float:
+        """The failure-rate estimate of one worker at ``now_s`` (``horizon.py``)."""
+        return worker_rate_per_s(self.config.policy,
                                  workers_per_node=self._topology.workers_per_node,
                                  num_workers=self._topology.num_workers,
                                  num_failures=len(self._failure_events), now_s=now_s)
-        return mean_horizon_s(rate, num_live, self.config.policy.repair_hours)
+
+    def horizon(self, *, num_live: int, now_s: float) -> float:
+        """The expected time to the next change for ``num_live`` workers (``horizon.py``)."""
+        return mean_horizon_s(self._worker_rate_per_s(now_s), num_live,
+                              self.config.policy.repair_hours)
 
     def decide(self, plan: ExecutionPlan, failed: Iterable[int], *,
                alive: Iterable[int] | None = None, now_s: float = 0.0,
@@ -592,37 +596,41 @@ class Planner:
                        f"returned workers take their stages back ({len(new_plan.reroutes)} "
                        "stage(s) still rerouted)")
 
-    def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,
-                        num_live: int, now_s: float) -> Candidate:
-        """``candidate`` with its expected score lowered by what a fragile plan risks.
+    def _fragility_exposure_s(self, num_live: int, window_s: float, now_s: float) -> float:
+        """Seconds of training a plan expects to lose in the window per node whose loss
+        would be fatal to it.
 
         If the next change is a node failure and that node holds the last live replica
-        of some layer of the candidate's plan, only a restart can follow: it costs the
-        restart, the checkpoint load and on average half a checkpoint interval of work,
-        instead of a survivable recovery's detection and rebuild. Over the expected
-        window that is ``X * p_fail * f_fatal * extra_s / window`` samples/s, with
-        ``f_fatal`` the share of live nodes whose loss is fatal (:func:`fatal_nodes`) and
-        ``p_fail`` the expected node-level failures in the window (at most 1:
-        ``policy.node_failure_share`` of all failures). Eq. 8 with a given window is left
-        as the paper has it.
+        of some layer of a plan, only a restart can follow: it costs the restart, the
+        checkpoint load and on average half a checkpoint interval of work, instead of a
+        survivable recovery's detection and rebuild (``extra_s``). A node is the one that
+        fails with probability ``1 / live_nodes`` given ``p_fail``, the expected
+        node-level failures in the window (at most 1: ``policy.node_failure_share`` of all
+        failures). 0 without checkpoints (no restart to price).
         """
-        if not candidate.feasible or candidate.plan is None or candidate.score <= 0:
-            return candidate
         spec = self.config.recovery
         if not spec.checkpoint:
+            return 0.0
+        live_nodes = max(1, -(-num_live // self._topology.workers_per_node))
+        p_fail = min(1.0, num_live * self._worker_rate_per_s(now_s) * window_s
+                     * self.config.policy.node_failure_share)
+        extra_s = max(0.0, spec.restart_s + spec.checkpoint_load_s
+                      + spec.checkpoint_interval_s / 2 - spec.detect_s - spec.rebuild_s)
+        return p_fail * extra_s / live_nodes
+
+    def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,
+                        exposure_s: float) -> Candidate:
+        """``candidate`` with its expected score lowered by what a fragile plan risks:
+        ``X * |fatal nodes| * exposure_s / window`` samples/s (:func:`fatal_nodes`,
+        :meth:`_fragility_exposure_s`). Eq. 8 with a given window is left as the paper
+        has it."""
+        if (exposure_s <= 0 or not candidate.feasible or candidate.plan is None
+                or candidate.score <= 0):
             return candidate
-        per_node = self._topology.workers_per_node
         fatal = fatal_nodes(candidate.plan, self._topology)
         if not fatal:
             return candidate
-        live_nodes = max(1, -(-num_live // per_node))
-        rate = worker_rate_per_s(self.config.policy, workers_per_node=per_node,
-                                 num_workers=self._topology.num_workers,
-                                 num_failures=len(self._failure_events), now_s=now_s)
-        p_fail = min(1.0, num_live * rate * window_s * self.config.policy.node_failure_share)
-        extra_s = max(0.0, spec.restart_s + spec.checkpoint_load_s
-                      + spec.checkpoint_interval_s / 2 - spec.detect_s - spec.rebuild_s)
-        risk = (batch / candidate.step_s) * p_fail * len(fatal) / live_nodes * extra_s
+        risk = (batch / candidate.step_s) * len(fatal) * exposure_s
         return replace(candidate, score=max(0.0, candidate.score - risk / window_s))
 
     def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
@@ -638,8 +646,8 @@ class Planner:
                                                         expected=expected))
                        for c in candidates)
         if expected and math.isfinite(window):
-            scored = tuple(self._with_fragility(c, batch, window, num_live, now_s)
-                           for c in scored)
+            exposure_s = self._fragility_exposure_s(num_live, window, now_s)
+            scored = tuple(self._with_fragility(c, batch, window, exposure_s) for c in scored)
         feasible = [c for c in scored if c.feasible]
         if not feasible:
             reasons = "; ".join(f"{c.strategy}: {c.reason}" for c in scored)

@@ -170,27 +170,23 @@ def _few_collections() -> Iterator[None]:
 def _run_unit(unit: _Unit, tick: Callable[[int], None] | None = None) -> dict[str, RunResult]:
     """Run one unit's policies, in order, on a fresh planner."""
     with _few_collections():
-        return _run_policies(unit, tick)
+        planner = Planner(unit.config, profile=unit.profile)
+        out = {}
+        for name in unit.policies:
+            policy = make_policy(name, planner, unit.config, bamboo_tax=unit.bamboo_tax)
+            last = [0]
 
+            def handled(n: int, last: list[int] = last) -> None:
+                if tick is not None:
+                    tick(n - last[0])
+                last[0] = n
 
-def _run_policies(unit: _Unit, tick: Callable[[int], None] | None) -> dict[str, RunResult]:
-    planner = Planner(unit.config, profile=unit.profile)
-    out = {}
-    for name in unit.policies:
-        policy = make_policy(name, planner, unit.config, bamboo_tax=unit.bamboo_tax)
-        last = [0]
-
-        def handled(n: int, last: list[int] = last) -> None:
-            if tick is not None:
-                tick(n - last[0])
-            last[0] = n
-
-        out[name] = simulate(unit.trace, policy,
-                             failure_free_samples_s=unit.failure_free_samples_s,
-                             recovery=unit.config.recovery,
-                             num_workers=unit.config.num_workers,
-                             workers_per_node=unit.config.workers_per_node, progress=handled)
-    return out
+            out[name] = simulate(unit.trace, policy,
+                                 failure_free_samples_s=unit.failure_free_samples_s,
+                                 recovery=unit.config.recovery,
+                                 num_workers=unit.config.num_workers,
+                                 workers_per_node=unit.config.workers_per_node, progress=handled)
+        return out
 
 
 def _run_in_worker(unit: _Unit) -> dict[str, RunResult]:
