@@ -47,8 +47,11 @@ def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "chameleon_ft", *args]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+TOKEN = "a-test-token-of-enough-length"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.fixture
@@ -98,7 +101,8 @@ def test_train_bad_input_one_line(tiny: Path, args: tuple[str, ...], message: st
 
 
 def test_worker_silent_coordinator_one_line() -> None:
-    proc = subprocess.run(_cmd("worker", "--coordinator", "127.0.0.1:1", "--connect-timeout", "1"),
+    proc = subprocess.run(_cmd("worker", "--coordinator", "127.0.0.1:1", "--connect-timeout", "1",
+                               "--token", TOKEN),
                           capture_output=True, text=True, timeout=30, env=_env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -114,7 +118,7 @@ def test_two_hosts_on_loopback_with_a_remote_kill(tiny: Path, tmp_path: Path) ->
                                   "--remote-workers", "2", "--out", str(tmp_path / "run"),
                                   "--json", "--fault", "rank=3,step=2,kind=kill,phase=forward"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env())
+                             env=_env(CHAMELEON_TOKEN=TOKEN))
     worker = None
     try:
         assert train.stderr is not None
@@ -127,7 +131,7 @@ def test_two_hosts_on_loopback_with_a_remote_kill(tiny: Path, tmp_path: Path) ->
         assert address, "the coordinator never printed its address"
         worker = subprocess.Popen(_cmd("worker", "--coordinator", address, "--num-workers", "2"),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=_env())
+                                  env=_env(CHAMELEON_TOKEN=TOKEN))
         out, err = train.communicate(timeout=120)
         assert train.returncode == 0, err[-3000:]
         report = json.loads(out)

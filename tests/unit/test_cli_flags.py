@@ -14,9 +14,11 @@ FLAGS = {
                  "--node-mtbf-hours",
                  "--out", "--policies", "--repair-hours", "--save-trace", "--scenario", "--seed",
                  "--seeds", "--trace"},
-    "train": {"--config", "--dtype", "--fault", "--host", "--json", "--out", "--policy",
-              "--port", "--rejoin", "--remote-workers", "--steps", "--workers"},
-    "worker": {"--address", "--connect-timeout", "--coordinator", "--num-workers"},
+    "train": {"--config", "--dtype", "--fault", "--host", "--job-name", "--json", "--out",
+              "--policy", "--port", "--rejoin", "--remote-workers", "--resume", "--steps",
+              "--token", "--workers"},
+    "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
+               "--job", "--num-workers", "--token"},
 }
 
 

@@ -1,19 +1,25 @@
 """``chameleon train``: train a GPT on worker processes and survive failures in place.
 
-Progress goes to stdout (stderr with ``--json``, so stdout holds only the report): one line
-per committed step (loss, step time, plan generation), each failure with its detection
-time, the decision with every candidate, and the measured transition time. torch is
-imported only inside :func:`run`.
+Progress goes to stdout (stderr with ``--json``, so stdout holds only the report): about
+25 step lines per run (loss, step time, plan generation), each failure with its detection
+time, the decision with every candidate, and the measured transition time. SIGINT or
+SIGTERM drains the run: the step in flight commits (or is aborted), the state is
+checkpointed, the workers stop, and the command exits 130 / 143 saying how to resume.
+torch is imported only inside :func:`run`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import signal
 import sys
 from dataclasses import replace
 from typing import Any
 
+from chameleon_ft.runtime import auth
 from chameleon_ft.spec.train import parse_fault
 
 
@@ -30,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"),
                         help="parameter dtype ([train] dtype); float64 for exact comparisons")
     parser.add_argument("--out", metavar="DIR",
-                        help="write report.json, params.pt and checkpoints here")
+                        help="the run directory: checkpoints, report.json, params.pt, "
+                             "metrics.jsonl (default: a new runs/train-<time>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its newest complete checkpoint")
     parser.add_argument("--json", action="store_true",
                         help="print the final report as JSON on stdout (progress on stderr)")
     parser.add_argument("--workers", type=int, metavar="N",
@@ -43,8 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0.0.0.0 for other hosts)")
     parser.add_argument("--port", type=int, default=0, help="store port (default: any free)")
     parser.add_argument("--rejoin", action="store_true",
-                        help="relaunch dead local workers (repair) and let the policy fold "
-                             "them back in ([train] rejoin)")
+                        help="relaunch dead local workers (repair), admit remote "
+                             "replacements, and let the policy fold them back in "
+                             "([train] rejoin)")
+    parser.add_argument("--token", metavar="TOKEN",
+                        help="job token remote workers must know (default: "
+                             f"${auth.TOKEN_ENV}; generated and printed when workers may "
+                             "join from other hosts)")
+    parser.add_argument("--job-name", metavar="NAME",
+                        help="the job's name, which workers may check with `--job` "
+                             "(default: [model] name)")
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -90,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     """
     config = _config(args)
     faults = [parse_fault(f) for f in (*config.train.faults, *args.fault)]
+    if args.resume and not args.out:
+        raise ValueError("--resume: give the run directory to continue with --out DIR")
+    token = auth.resolve_token(args.token)
     if args.remote_workers < 0:
         raise ValueError("--remote-workers: must be >= 0")
     local = config.num_workers - args.remote_workers if args.workers is None else args.workers
@@ -102,10 +122,12 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=out, flush=True)
 
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
 
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
-                        num_local_workers=local, host=args.host, port=args.port, log=log)
+                        num_local_workers=local, host=args.host, port=args.port, log=log,
+                        token=token, job_name=args.job_name, resume=args.resume)
     try:
         report = coord.run()
     except WorkerFailure as exc:
@@ -113,8 +135,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for line in _summary(report):
         log(line)
-    if args.out:
-        log(f"report and parameters written to {args.out}")
+    log(f"report, parameters and checkpoints in {report['run_dir']}")
     if args.json:
         print(json.dumps(report, indent=2))
+    if report["interrupted"]:
+        name = report["interrupted"]
+        again = ["chameleon", "train", "--config", args.config, "--out", report["run_dir"],
+                 "--resume"]
+        print(f"chameleon train: stopped by {name} after {report['committed_steps']} steps; "
+              f"resume with: {shlex.join(again)}", file=sys.stderr, flush=True)
+        return 128 + int(getattr(signal, name))
     return 0

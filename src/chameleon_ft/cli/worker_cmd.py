@@ -1,8 +1,11 @@
 """``chameleon worker``: join a running ``chameleon train`` from another host.
 
-The coordinator hands out worker ids as workers join; workers then talk to each other
-directly over TCP (gloo), and to the coordinator only through its store. torch is imported
-only inside :func:`run`.
+The worker proves it belongs to the job (the job token, never sent: an HMAC over the
+coordinator's nonce and its own), the coordinator hands it a worker id, and only then does
+a worker process start. A wrong token, another job on that port, or a job that already has
+all its workers is refused with one line and exit status 2. Workers then talk to each
+other directly over TCP (gloo), and to the coordinator through its store and its bulk
+channel. torch is imported only inside :func:`run`.
 """
 
 from __future__ import annotations
@@ -13,19 +16,36 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from chameleon_ft.runtime import auth
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from chameleon_ft.runtime.worker import JobInfo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``chameleon worker``."""
-    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT",
-                        help="the store address `chameleon train` printed")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="the store address `chameleon train` printed "
+                             f"(default: ${auth.COORDINATOR_ENV})")
+    parser.add_argument("--token", metavar="TOKEN",
+                        help=f"the job token `chameleon train` printed (default: "
+                             f"${auth.TOKEN_ENV})")
+    parser.add_argument("--job", metavar="NAME",
+                        help="refuse to join unless the coordinator runs this job "
+                             f"(default: ${auth.JOB_ENV}, or any job)")
     parser.add_argument("--num-workers", type=int, default=1, metavar="N",
                         help="worker processes to start on this host (default 1)")
-    parser.add_argument("--address", metavar="ADDR",
+    parser.add_argument("--advertise-address", "--address", dest="address", metavar="ADDR",
                         help="address other workers reach this host at (default: the "
-                             "interface that reaches the coordinator)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
-                        help="seconds to wait for the coordinator to answer (default 5)")
+                             "interface that reaches the coordinator; never loopback)")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                        help="seconds to wait for the coordinator to answer (default 10)")
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -40,13 +60,54 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _join(store: dist.TCPStore, job: JobInfo, token: str, wanted_job: str, address: str,
+          timeout_s: float) -> auth.JoinReply:
+    """Ask the coordinator for a worker id.
+
+    Raises:
+        ValueError: when the coordinator refuses or does not answer.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chameleon_ft.runtime import protocol as proto
+
+    wnonce = auth.new_nonce()
+    request = auth.JoinRequest(
+        wnonce=wnonce, proof=auth.join_proof(token, job.job_id, job.nonce, wnonce),
+        job=wanted_job, host=socket.gethostname(), address=address)
+    index = store.add(proto.JOIN_SLOTS_KEY, 1) - 1
+    store.set(proto.join_request_key(index), request.to_json())
+    key = proto.join_reply_key(wnonce)
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        reply = auth.JoinReply.from_json(store.get(key))
+    except (dist.DistStoreError, ValueError):
+        raise ValueError(f"--coordinator: no answer to the join request within "
+                         f"{timeout_s:g} s") from None
+    with contextlib.suppress(Exception):
+        store.delete_key(key)
+    if not reply.ok:
+        raise ValueError(f"refused by the coordinator: {reply.reason}")
+    return reply
+
+
 def run(args: argparse.Namespace) -> int:
     """Join the run; returns 0 when every worker of this host finished cleanly.
 
     Raises:
-        ValueError: for a malformed or silent coordinator address, or a full run.
+        ValueError: for a missing or malformed address or token, a silent coordinator, or
+            a refusal (wrong token, another job, a full job).
     """
-    host, port = parse_address(args.coordinator)
+    text = args.coordinator or os.environ.get(auth.COORDINATOR_ENV)
+    if not text:
+        raise ValueError(f"--coordinator: give HOST:PORT (or set {auth.COORDINATOR_ENV})")
+    host, port = parse_address(text)
+    token = auth.resolve_token(args.token)
+    if token is None:
+        raise ValueError(f"--token: the job's token is required (`chameleon train` printed "
+                         f"it; or set {auth.TOKEN_ENV})")
     if args.num_workers < 1:
         raise ValueError(f"--num-workers: must be >= 1, got {args.num_workers}")
     try:
@@ -55,43 +116,61 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"--coordinator: {host}:{port} does not answer ({exc.strerror or exc}); "
                          "is `chameleon train` running there?") from None
+    address = auth.advertise_address(host, port, args.address)
+    wanted_job = args.job or os.environ.get(auth.JOB_ENV, "")
 
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from chameleon_ft.runtime import protocol as proto
     from chameleon_ft.runtime.coordinator import forkserver_context
-    from chameleon_ft.runtime.worker import JobInfo, local_address, worker_main
+    from chameleon_ft.runtime.worker import JobInfo, worker_main
 
-    store = dist.TCPStore(host, port, is_master=False,
-                          timeout=timedelta(seconds=args.connect_timeout))
-    job = JobInfo.from_json(store.get(proto.JOB_KEY))
-    del job  # fetched only to fail early when this is not a chameleon store
-    address = args.address or local_address(host, port)
+    try:
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=timedelta(seconds=args.connect_timeout))
+        job = JobInfo.from_json(store.get(proto.JOB_KEY))
+    except (dist.DistStoreError, RuntimeError, ValueError):
+        raise ValueError(f"--coordinator: {host}:{port} is not a chameleon coordinator of "
+                         "this version") from None
+    if wanted_job and wanted_job != job.job_name:
+        raise ValueError(f"refused: {host}:{port} runs job {job.job_name!r}, not "
+                         f"{wanted_job!r}")
     ctx = forkserver_context()
+    secret = auth.secret_of(token)
     procs = []
     try:
         for _ in range(args.num_workers):
-            worker_id = store.add(proto.NEXT_ID_KEY, 1) - 1
-            proc = ctx.Process(target=worker_main, args=(worker_id, host, port, address),
-                               name=f"chameleon-worker-{worker_id}")
+            reply = _join(store, job, token, wanted_job, address, args.connect_timeout)
+            proc = ctx.Process(target=worker_main,
+                               args=(reply.worker, host, port, address, reply.incarnation,
+                                     secret, reply.replacement),
+                               name=f"chameleon-worker-{reply.worker}")
             proc.start()
-            procs.append((worker_id, proc))
-            print(f"worker {worker_id} started (pid {proc.pid}), reachable at {address}",
-                  flush=True)
-        # Wait for the workers; if the coordinator goes away, nobody will stop them (a
-        # stopped or fenced worker would wait forever): kill them.
+            procs.append((reply.worker, proc))
+            print(f"worker {reply.worker} started (pid {proc.pid}), reachable at {address}"
+                  + (" (replacement)" if reply.replacement else ""), flush=True)
+        # The workers leave by themselves when the coordinator goes (their heartbeat is a
+        # watchdog); this process only waits for them, within bounds.
         sentinels = [proc.sentinel for _, proc in procs]
+        silent_since: float | None = None
         while any(proc.exitcode is None for _, proc in procs):
             multiprocessing.connection.wait(sentinels, timeout=1.0)
             try:
-                store.add(proto.REGISTERED_KEY, 0)
+                store.add(proto.JOIN_SLOTS_KEY, 0)
+                silent_since = None
             except Exception:
-                print("the coordinator is gone; stopping this host's workers", flush=True)
-                break
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > 2 * job.hang_timeout_s + 1:
+                    print("the coordinator is gone; stopping this host's workers",
+                          file=sys.stderr, flush=True)
+                    break
     finally:
         for _, proc in procs:
+            if proc.exitcode is None and proc.pid is not None:
+                proc.join(job.hang_timeout_s + 1)
             if proc.exitcode is None and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)

@@ -1,13 +1,23 @@
 """The coordinator: owns the store, admits workers, watches them, commits steps, recovers.
 
-It runs in the ``chameleon train`` process. One loop polls, every couple of milliseconds:
-local worker processes (exit = dead at once), heartbeats (silent for ``timeout_s`` = hung),
-error reports (a worker's own exception = dead; a peer named by a failed transfer whose
-heartbeat stopped = dead), and the "reduced" counter of the current step. When every live
-worker of the plan has reduced step k, it writes the verdict ``commit``; only then does any
-worker apply the optimizer. On a failure before that it writes ``abort`` for step k and
-the generation's abort key (workers break their connections), asks the policy, and
-publishes generation g + 1 starting again at step k. No committed step is lost or applied
+It runs in the ``chameleon train`` process. The run's state is one value
+(:class:`~chameleon_ft.runtime.state.RunState`) that each event replaces through a pure
+transition; this module does the I/O around it. One loop polls, every couple of
+milliseconds:
+
+- local worker processes (exit = dead at once), heartbeats (silent for ``hang_timeout_s``
+  = hung), error reports (a worker's own exception = dead; a peer named by a failed
+  transfer whose heartbeat stopped = dead), join requests from other hosts;
+- the "reduced" counter of the step in flight: when every worker of the plan has reduced
+  step k it writes the verdict ``commit`` (``commit-end`` when the plan changes at this
+  boundary); only then does any worker apply the optimizer;
+- checkpoint assemblies that completed (bulk state arrives over ``runtime.blobs``, never
+  through the store).
+
+On a failure before the commit it writes ``abort`` for step k, asks the policy, and
+publishes generation g + 1 starting again at step k. Whenever the generation number
+changes, for whatever reason, the old generation's abort key is set: workers blocked in
+its collectives are released within milliseconds. No committed step is lost or applied
 twice; a failure during a recovery is simply a failure in the next generation.
 """
 
@@ -15,19 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,25 +46,28 @@ import torch.distributed as dist
 
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.profile import Profile, build_profile
+from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime import state as st
+from chameleon_ft.runtime.blobs import BlobError, BlobServer
+from chameleon_ft.runtime.checkpoint import Assembly, CheckpointError, CheckpointStore, Manifest
 from chameleon_ft.runtime.data import corpus_digest
 from chameleon_ft.runtime.model import GPTShape
+from chameleon_ft.runtime.packing import PackError, unpack
+from chameleon_ft.runtime.resources import check_memory
 from chameleon_ft.runtime.worker import JobInfo
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault, check_faults
 
 _POLL_S = 0.002
 """Coordinator poll interval: bounds the commit latency it adds to every step."""
-
-
-class MigrationLike(Protocol):
-    """The restorer's migration: transfers and rounds (see ``recovery.types.Migration``)."""
-
-    @property
-    def transfers(self) -> Sequence[Any]: ...
-
-    @property
-    def rounds(self) -> Sequence[Sequence[int]]: ...
+COLLECTIVE_FLOOR_S = 3.0
+"""Smallest collective deadline derived from a plan (gloo's first transfers on a loaded
+machine take hundreds of milliseconds)."""
+MAX_FAILED_STARTS = 3
+"""Replacements of one worker that may die before they are up; then repairs stop."""
+COLLECTIVE_FACTOR = 10.0
+"""Derived collective deadline: this many times the plan's estimated step + migration."""
 
 
 class DecisionLike(Protocol):
@@ -67,7 +80,7 @@ class DecisionLike(Protocol):
     def plan(self) -> ExecutionPlan | None: ...
 
     @property
-    def migration(self) -> MigrationLike | None: ...
+    def migration(self) -> Any: ...
 
     @property
     def reason(self) -> str: ...
@@ -134,16 +147,20 @@ class PlannerDecide:
         threading.Thread(target=work, daemon=True, name="chameleon-precompute").start()
 
 
-@dataclass(frozen=True)
-class PendingSwitch:
-    """A plan to switch to at a step boundary, with the migration that prepares it."""
+class Hooks:
+    """Callbacks a harness (tests, the chaos benchmark) uses to watch and steer a run.
 
-    plan: ExecutionPlan
-    migration: Any
-    at_step: int
-    """Switch when this step commits."""
-    rejoin: tuple[int, ...] = ()
-    """Repaired workers the new plan folds back in."""
+    Each is called on the coordinator's thread; the default does nothing.
+    """
+
+    def before_publish(self, coord: Coordinator, directive: dict[str, Any]) -> None:
+        """A generation is about to be published (faults injected here reach it)."""
+
+    def on_commit(self, coord: Coordinator, step: int) -> None:
+        """``step`` committed."""
+
+    def on_failure(self, coord: Coordinator, event: Event) -> None:
+        """A failure was detected (before the decision)."""
 
 
 @dataclass
@@ -155,6 +172,7 @@ class StepRecord:
     step_s: float
     gen: int
     committed_at_s: float
+    num_workers: int
 
 
 @dataclass
@@ -181,11 +199,12 @@ class Event:
     """Kill to first committed step after recovery, minus the new plan's step time."""
     lost_steps: int = 0
     """Committed steps thrown away by a checkpoint restart."""
-    message: str = ""
+    idle: bool = False
+    """Only idle workers died: nothing was aborted or recovered."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {k: v for k, v in vars(self).items()}
+        return dict(vars(self))
 
 
 class WorkerFailure(RuntimeError):
@@ -194,10 +213,48 @@ class WorkerFailure(RuntimeError):
 
 def forkserver_context() -> Any:
     """A forkserver context whose server preloads torch and the worker module."""
+    # Waits in slices make c10d log a warning per timed-out slice; keep errors only.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = multiprocessing.get_context("forkserver")
     # Workers fork from a server that already imported torch: ~0.3 s per worker, not 5-10 s.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker"])
     return ctx
+
+
+def default_run_dir(base: Path | None = None) -> Path:
+    """``runs/train-YYYYmmdd-HHMMSS`` under ``base`` (default: the working directory)."""
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    root = (base or Path.cwd()) / "runs"
+    path = root / f"train-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"train-{stamp}-{n}"
+    return path
+
+
+def config_digest(config: Config) -> str:
+    """What must not change between a run and its ``--resume``: model and numerics."""
+    model = config.model
+    doc = {"model": None if model is None else vars(model), "dtype": config.train.dtype,
+           "seed": config.train.seed, "global_batch": config.job.global_batch,
+           "micro_batch": config.job.micro_batch, "lr": config.train.lr,
+           "weight_decay": config.train.weight_decay}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Proc:
+    """A worker process launched (locally) or admitted (remotely) under an id."""
+
+    worker: int
+    incarnation: str
+    process: Any = None
+    """The local ``multiprocessing`` process; None for a remote worker."""
+    registered: bool = False
+    replacement: bool = False
+    ready: bool = False
+    """A replacement that registered and was admitted as an idle worker."""
 
 
 class Coordinator:
@@ -207,7 +264,10 @@ class Coordinator:
                  decide: Decide | None = None, policy: str | None = None,
                  faults: Sequence[Fault] = (), out_dir: str | Path | None = None,
                  num_local_workers: int | None = None, host: str = "127.0.0.1",
-                 port: int = 0, log: Callable[[str], None] | None = None) -> None:
+                 port: int = 0, log: Callable[[str], None] | None = None,
+                 token: str | None = None, job_name: str | None = None,
+                 resume: bool = False, check_resources: bool = True,
+                 hooks: Hooks | None = None) -> None:
         """Prepare a job (nothing starts until :meth:`run`).
 
         Args:
@@ -216,15 +276,24 @@ class Coordinator:
             decide: the recovery decision function (default: the project's Planner).
             policy: policy name for the default Planner (default ``config.policy.name``).
             faults: injected faults.
-            out_dir: where checkpoints and the final parameters go (default: a temp dir).
+            out_dir: the run directory: checkpoints, report, parameters (default: a new
+                ``runs/train-<time>`` folder, announced in the log).
             num_local_workers: workers to launch here (default: all); the rest join with
                 ``chameleon worker``.
             host: address the store listens on.
             port: store port (0: any free port).
             log: one-line progress messages.
+            token: the job token remote workers must prove they know (default: one is
+                generated, and printed when workers may join from other hosts).
+            job_name: the job's name (workers may name the job they mean to join).
+            resume: continue from the newest complete checkpoint in ``out_dir``.
+            check_resources: refuse to launch a job whose workers cannot fit this host.
+            hooks: callbacks for harnesses.
 
         Raises:
-            ValueError: for faults naming missing workers or layouts that do not fit.
+            ValueError: for faults naming missing workers, layouts that do not fit, a
+                token on a non-loopback address that is too short, a resume without a
+                checkpoint, or workers that would not fit the host's memory.
         """
         if config.model is None:
             raise ValueError("model: the runtime needs a [model] table (the GPT to train)")
@@ -239,61 +308,147 @@ class Coordinator:
         if not 0 <= self.num_local <= self.num_workers:
             raise ValueError(f"workers: {self.num_local} local workers for a layout of "
                              f"{self.num_workers}")
-        self.faults = tuple(faults)
-        check_faults(self.faults, self.num_workers, self.train.steps)
-        self.plan = initial_plan(config, self.profile)
+        self.faults: list[Fault] = list(faults)
+        check_faults(tuple(self.faults), self.num_workers, self.train.steps)
+        self.plan0 = initial_plan(config, self.profile)
         if self.profile.num_layers != config.model.num_layers:
             raise ValueError(f"profile: {self.profile.num_layers} layers, the model has "
                              f"{config.model.num_layers}")
         self.policy = policy or config.policy.name
-        self._decide = decide if decide is not None else PlannerDecide(config, self.profile,
-                                                                       self.policy)
-        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self._decide = decide
         self.host, self.port = host, port
         self.log = log or (lambda _msg: None)
+        self.hooks = hooks or Hooks()
         self.shape = GPTShape.from_spec(config.model)
-        self.procs: dict[int, Any] = {}
-        """The current process of each worker launched here."""
+        self.job_name = job_name or config.model.name or "chameleon"
+        remote_possible = self.num_local < self.num_workers or not auth.is_loopback(host)
+        self.token_generated = token is None
+        self.token = token or auth.new_token()
+        if len(self.token) < auth.MIN_TOKEN_CHARS:
+            raise ValueError(f"--token: at least {auth.MIN_TOKEN_CHARS} characters")
+        self.announce_token = remote_possible and self.token_generated
+        self.secret = auth.secret_of(self.token)
+        self.job_id, self.nonce = auth.new_nonce(), auth.new_nonce()
+        self.out_dir = Path(out_dir) if out_dir is not None else default_run_dir()
+        self.out_dir_given = out_dir is not None
+        self.ckpt = CheckpointStore(self.out_dir, self.train.keep_checkpoints)
+        self.digest = config_digest(config)
+        self.start_step = 0
+        self.resumed_from: Manifest | None = None
+        if resume:
+            self._prepare_resume()
+        self.hang_s = self.train.hang_s
+        self._check_collective_timeout()
+        if check_resources:
+            for line in check_memory(config, self.plan0, self.profile, self.num_local):
+                self.log(line)
+        # run-time fields
+        self.procs: dict[int, _Proc] = {}
+        """The current process of each worker id."""
         self.all_procs: list[Any] = []
-        """Every process launched here, replaced ones included (all reaped at the end)."""
-        self.replaced: set[int] = set()
-        self.rejoining: set[int] = set()
-        self.rejoins: list[dict[str, Any]] = []
+        """Every local process launched here, replaced ones included (all reaped)."""
         self.events: list[Event] = []
+        self.rejoins: list[dict[str, Any]] = []
+        self.refused: list[dict[str, Any]] = []
         self.op_times: list[dict[str, Any]] = []
         """Per committed step and worker: compute seconds of each op (for calibration)."""
         self.steps: dict[int, StepRecord] = {}
-        self.checkpoints: dict[int, float] = {0: 0.0}
-        """Committed-step counts with a checkpoint on disk -> when (0 = the initial state)."""
-        self.gen = 0
+        self.checkpoint_times: dict[int, float] = {}
         self.t0 = time.monotonic()
-        self.initial_plan = self.plan
-        self.state_plan = self.plan
-        """The plan whose layer placement the workers' state matches: the plan of the last
-        generation that committed a step (a generation that fails before its first commit
-        leaves the workers' state as it was)."""
-        self.pending: PendingSwitch | None = None
-        """The second phase of a ``reroute-then-dynamic`` recovery, waiting for its turn."""
-        self.from_checkpoint = True
-        """No step committed since the state was (re)loaded from a checkpoint or the
-        initial parameters: only another restart is consistent with it."""
+        self.lock = threading.Lock()
+        """Guards what the blob threads share with the loop (assemblies, finals)."""
+        self.assemblies: dict[tuple[int, int], Assembly] = {}
+        self.completed: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.finals: dict[int, bytes] = {}
+        self.final_gen = -1
+        self.state = st.start(self.plan0, range(self.num_workers), step=self.start_step,
+                              load=st.Load("restore", self.start_step) if self.start_step
+                              else st.INIT)
+        self.stop_signal: int | None = None
+        self.rejoin_asked: tuple[int, frozenset[int]] | None = None
+        self.gen_info: dict[int, dict[str, Any]] = {}
+        """Per generation not yet retired: its groups and steps (for deleting its keys)."""
+        self.ready_gens: set[int] = set()
+        self.failed_starts: dict[int, int] = {}
+        self.joins_seen = 0
+        self.join_wait_since: float | None = None
+        self.fault_times_used: set[int] = set()
+        self.state_started = False
+        self.drain_started = 0.0
+        self.drain_done = False
+        self.final_holders: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------------ set-up checks
+    def _prepare_resume(self) -> None:
+        manifest = self.ckpt.latest()
+        if manifest is None:
+            raise ValueError(f"--resume: no complete checkpoint in {self.out_dir}/checkpoints; "
+                             "run without --resume to start from step 0")
+        if manifest.meta.get("config") != self.digest:
+            raise ValueError(f"--resume: the checkpoint in {manifest.folder} was written by a "
+                             "job with another model or numerics (model, dtype, seed, batch, "
+                             "optimizer); use the config it was trained with")
+        if manifest.num_layers != self.shape.num_layers:
+            raise ValueError(f"--resume: the checkpoint has {manifest.num_layers} layers, the "
+                             f"model {self.shape.num_layers}")
+        if manifest.step >= self.train.steps:
+            raise ValueError(f"--resume: the checkpoint already holds {manifest.step} steps; "
+                             f"ask for more with --steps (now {self.train.steps})")
+        self.start_step = manifest.step
+        self.resumed_from = manifest
+
+    def _estimate_s(self, plan: ExecutionPlan) -> float:
+        from chameleon_ft.perf import Topology, estimate
+
+        return float(estimate(plan, self.profile, Topology.from_config(self.config)).step_s)
+
+    def _check_collective_timeout(self) -> None:
+        floor = self.train.collective_floor_s
+        if floor <= 0:
+            return
+        step_s = self._estimate_s(self.plan0)
+        if floor < 2 * step_s:
+            raise ValueError(f"train.collective_timeout_s: {floor:g} s is less than twice the "
+                             f"plan's estimated step ({step_s:.3g} s): healthy workers would "
+                             "time out waiting for each other; raise it or leave it at 0 "
+                             "(derived from the plan)")
+
+    def collective_timeout_s(self, plan: ExecutionPlan, migration: Any) -> float:
+        """The collective deadline of a generation: at least ``COLLECTIVE_FACTOR`` times its
+        estimated step plus migration, and at least the configured value."""
+        est = self._estimate_s(plan) + (float(migration.time_s) if migration is not None
+                                        and hasattr(migration, "time_s") else 0.0)
+        derived = max(COLLECTIVE_FLOOR_S, COLLECTIVE_FACTOR * est)
+        floor = self.train.collective_floor_s
+        if floor <= 0:
+            return derived
+        if derived > floor:
+            self.log(f"collective timeout raised from {floor:g} s to {derived:.3g} s for a "
+                     f"plan estimated at {est:.3g} s per step (with migration)")
+            return derived
+        return floor
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
         """Seconds since the run started."""
         return time.monotonic() - self.t0
 
-    def _job_info(self) -> JobInfo:
+    def _decide_fn(self) -> Decide:
+        if self._decide is None:
+            self._decide = PlannerDecide(self.config, self.profile, self.policy)
+        return self._decide
+
+    def _job_info(self, blob_port: int) -> JobInfo:
         job, train = self.config.job, self.train
-        return JobInfo(shape=self.shape, dtype=train.dtype, lr=train.lr,
-                       weight_decay=train.weight_decay, seed=train.seed,
+        return JobInfo(job_name=self.job_name, job_id=self.job_id, nonce=self.nonce,
+                       num_workers=self.num_workers, shape=self.shape, dtype=train.dtype,
+                       lr=train.lr, weight_decay=train.weight_decay, seed=train.seed,
                        micro_batch=job.micro_batch, global_batch=job.global_batch,
-                       timeout_s=train.timeout_s, heartbeat_s=train.heartbeat_s,
-                       backend=train.backend,
-                       faults=tuple((f.rank, f.step, f.kind, f.phase) for f in self.faults),
-                       corpus_digest=corpus_digest(),
+                       heartbeat_s=train.heartbeat_s, hang_timeout_s=self.hang_s,
+                       backend=train.backend, corpus_digest=corpus_digest(),
                        checkpoint_every=train.checkpoint_every,
-                       control_timeout_s=train.join_timeout_s)
+                       control_timeout_s=max(train.join_timeout_s, 10 * self.hang_s),
+                       blob_port=blob_port)
 
     def _schedule(self, plan: ExecutionPlan) -> tuple[dict[str, Any], list[Any]]:
         from chameleon_ft.perf import Topology, build_schedule
@@ -304,63 +459,102 @@ class Coordinator:
         rounds = [[[list(b.workers), list(b.layers)] for b in rnd] for rnd in sched.sync_rounds]
         return ops, rounds
 
+    def _store_has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> dict[str, Any]:
-        """Train to the end and return the report.
+        """Train to the end (or to a drain on SIGINT/SIGTERM) and return the report.
 
         Raises:
             ValueError: when workers do not join in time.
             WorkerFailure: when the job cannot continue.
         """
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if not self.out_dir_given:
+            self.log(f"run directory: {self.out_dir} (checkpoints, report, parameters)")
         self.store = dist.TCPStore(self.host, self.port, is_master=True,
                                    wait_for_workers=False,
                                    timeout=timedelta(seconds=self.train.join_timeout_s))
         self.port = self.store.port
+        self.blobs = BlobServer(self.host, self.secret, self._on_blob,
+                                timeout_s=max(self.train.join_timeout_s, 10 * self.hang_s))
+        old_handlers = self._install_signal_handlers()
         try:
-            self.store.set(proto.JOB_KEY, self._job_info().to_json())
-            self.store.add(proto.NEXT_ID_KEY, self.num_local)
-            self.log(f"coordinator listening on {self.host}:{self.port}; "
-                     f"{self.num_local} local workers, "
+            self.store.set(proto.JOB_KEY, self._job_info(self.blobs.port).to_json())
+            self._publish_faults()
+            self.log(f"coordinator listening on {self.host}:{self.port}; job "
+                     f"{self.job_name!r}, {self.num_local} local workers, "
                      f"{self.num_workers - self.num_local} to join")
+            if self.announce_token:
+                self.log(f"job token: {self.token}  (give it to remote workers: --token or "
+                         f"{auth.TOKEN_ENV})")
+            if self.resumed_from is not None:
+                self.log(f"resuming from {self.resumed_from.folder} "
+                         f"({self.resumed_from.step} steps)")
             self._launch(range(self.num_local))
             self._wait_joined()
-            self.alive = set(range(self.num_workers))
-            self._publish(self.plan, 0, load={"kind": "init"})
-            next_step = 0
-            while next_step < self.train.steps:
-                outcome = self._watch(next_step)
-                next_step = outcome.next_step
-                if outcome.dead or outcome.retry:
-                    next_step = self._recover(outcome, next_step)
-                elif outcome.switch:
-                    self._switch(next_step)
-            self._finish_transitions()
+            self._publish()
+            self._loop()
             return self._finish()
         finally:
+            self._restore_signal_handlers(old_handlers)
             self._reap()
+            with contextlib.suppress(Exception):
+                self.blobs.close()
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        old: dict[int, Any] = {}
+
+        def handler(signum: int, _frame: Any) -> None:
+            if self.stop_signal is not None:  # a second signal: stop waiting politely
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, handler)
+        return old
+
+    @staticmethod
+    def _restore_signal_handlers(old: dict[int, Any]) -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
     def _launch(self, ids: Sequence[int], *, replacement: bool = False) -> None:
         from chameleon_ft.runtime.worker import worker_main
 
         ctx = forkserver_context()
+        address = auth.advertise_address(self.host, self.port)
         for w in ids:
+            incarnation = auth.new_nonce()
             proc = ctx.Process(target=worker_main,
-                               args=(w, self.host, self.port, None, replacement),
+                               args=(w, self.host, self.port, address, incarnation,
+                                     self.secret, replacement),
                                daemon=False, name=f"chameleon-worker-{w}")
             proc.start()
-            self.procs[w] = proc
+            self.procs[w] = _Proc(w, incarnation, proc, replacement=replacement)
             self.all_procs.append(proc)
+
+    def _registered(self, p: _Proc) -> bool:
+        if not p.registered and self._store_has(proto.worker_info_key(p.worker, p.incarnation)):
+            p.registered = True
+        return p.registered
 
     def _wait_joined(self) -> None:
         deadline = time.monotonic() + self.train.join_timeout_s
         while True:
-            joined = self.store.add(proto.REGISTERED_KEY, 0)
+            self._admit_joins()
+            joined = sum(1 for p in self.procs.values() if self._registered(p))
             if joined >= self.num_workers:
                 return
-            for w, proc in self.procs.items():
-                if proc.exitcode is not None:
-                    raise ValueError(f"worker {w} exited with status {proc.exitcode} while "
-                                     "starting; see its output above")
+            for w, p in self.procs.items():
+                if p.process is not None and p.process.exitcode is not None:
+                    raise ValueError(f"worker {w} exited with status {p.process.exitcode} "
+                                     "while starting; see its output above")
+            if self.stop_signal is not None:
+                raise WorkerFailure("interrupted while workers were joining")
             if time.monotonic() > deadline:
                 raise ValueError(f"workers: only {joined} of the {self.num_workers} workers "
                                  f"the layout needs joined within {self.train.join_timeout_s:g} "
@@ -381,326 +575,510 @@ class Coordinator:
         with contextlib.suppress(Exception):
             del self.store
 
+    # ------------------------------------------------------------------ joins
+    def _admit_joins(self) -> None:
+        """Answer join requests from other hosts (any time during the run)."""
+        slots = self.store.add(proto.JOIN_SLOTS_KEY, 0)
+        seen = self.joins_seen
+        while seen < slots:
+            key = proto.join_request_key(seen)
+            if not self._store_has(key):
+                # reserved by one worker, another's announced: skip it after the deadline
+                now = time.monotonic()
+                if self.join_wait_since is None:
+                    self.join_wait_since = now
+                if now - self.join_wait_since < self.hang_s:
+                    break
+            self.join_wait_since = None
+            seen += 1
+            if not self._store_has(key):
+                continue
+            raw = self.store.get(key)
+            self.store.delete_key(key)
+            try:
+                request = auth.JoinRequest.from_json(raw)
+            except ValueError:
+                self.refused.append({"reason": "malformed join request", "at_s": self.now()})
+                self.log("refused a join request: malformed")
+                continue
+            reply = self._join_reply(request)
+            self.store.set(proto.join_reply_key(request.wnonce), reply.to_json())
+            if not reply.ok:
+                self.refused.append({"host": request.host, "reason": reply.reason,
+                                     "at_s": self.now()})
+                self.log(f"refused a worker from {request.host} ({request.address}): "
+                         f"{reply.reason}")
+            else:
+                self.log(f"admitted worker {reply.worker} from {request.host} "
+                         f"({request.address})" + (" as a replacement" if reply.replacement
+                                                   else ""))
+        self.joins_seen = seen
+
+    def _join_reply(self, request: auth.JoinRequest) -> auth.JoinReply:
+        why = auth.check_join(request, token=self.token, job_name=self.job_name,
+                              job_id=self.job_id, nonce=self.nonce)
+        if why is not None:
+            return auth.JoinReply(ok=False, reason=why)
+        free = [w for w in range(self.num_local, self.num_workers) if w not in self.procs]
+        if free:
+            w = free[0]
+            p = _Proc(w, auth.new_nonce())
+            self.procs[w] = p
+            return auth.JoinReply(ok=True, worker=w, incarnation=p.incarnation)
+        state = getattr(self, "state", None)
+        dead = sorted(set(range(self.num_workers)) - set(state.alive)) if state else []
+        dead = [w for w in dead if self.procs.get(w) is None or self.procs[w].process is None]
+        if self.train.rejoin and dead and self.state_started:
+            w = dead[0]
+            p = _Proc(w, auth.new_nonce(), replacement=True)
+            self.procs[w] = p
+            return auth.JoinReply(ok=True, worker=w, incarnation=p.incarnation,
+                                  replacement=True)
+        return auth.JoinReply(ok=False, reason=f"the job already has its {self.num_workers} "
+                              "workers")
+
     # ------------------------------------------------------------------ generations
-    def _publish(self, plan: ExecutionPlan, step: int, *, load: dict[str, Any] | None = None,
-                 migration: Any = None, dead: Sequence[int] = ()) -> None:
+    def _publish(self) -> None:
+        """Publish the state's generation (ending the previous one first)."""
+        s = self.state
+        self.state_started = True
+        if s.gen > 0:
+            self.store.set(proto.abort_key(s.gen - 1), "1")
+        migration = s.migration
         transfers: list[list[int]] = []
         rounds: list[list[int]] = []
         if migration is not None:
             transfers = [[t.layer, t.src, t.dst, t.part, t.num_parts]
                          for t in migration.transfers]
             rounds = [list(r) for r in migration.rounds]
-        world = sorted(set(plan.workers) | {t[1] for t in transfers} | {t[2] for t in transfers})
-        ops, sync_rounds = self._schedule(plan)
-        directive = {"action": "train", "gen": self.gen, "plan": plan.to_dict(), "step": step,
-                     "steps": self.train.steps, "dead": sorted(set(range(self.num_workers))
-                                                                - self.alive),
-                     "world": world, "ops": ops, "rounds": sync_rounds,
-                     "migration": {"transfers": transfers, "rounds": rounds} if transfers else None,
-                     "load": load}
-        self.plan = plan
-        self.world = world
-        precompute = getattr(self._decide_fn(), "precompute", None)
+        world = sorted(s.world)
+        ops, sync_rounds = self._schedule(s.plan)
+        directive = {
+            "action": "train", "gen": s.gen, "plan": s.plan.to_dict(), "step": s.next_step,
+            "steps": self.train.steps, "world": world, "ops": ops, "rounds": sync_rounds,
+            "migration": {"transfers": transfers, "rounds": rounds} if transfers else None,
+            "load": None if s.load is None else {"kind": s.load.kind, "step": s.load.step},
+            "incarnations": {str(w): self.procs[w].incarnation for w in sorted(s.alive)},
+            "collective_timeout_s": self.collective_timeout_s(s.plan, migration)}
+        self.hooks.before_publish(self, directive)
+        groups = [(f"gen{s.gen}/world/", len(world))]
+        groups += [(f"gen{s.gen}/bucket/{'_'.join(map(str, m))}/", len(m))
+                   for m in sorted({tuple(b[0]) for rnd in sync_rounds for b in rnd
+                                    if len(b[0]) > 1})]
+        self.gen_info[s.gen] = {"groups": groups, "first_step": s.next_step,
+                                "last_step": s.next_step}
+        decide = self._decide_fn()
+        precompute = getattr(decide, "precompute", None)
         if precompute is not None:
-            precompute(plan)
+            precompute(s.plan)
         self.gen_started_s = self.now()
         self.ready_s: float | None = None
-        self.store.set(proto.directive_key(self.gen), proto.dumps(directive))
+        self.last_commit_s: float | None = None
+        self.errors_seen = 0
+        self.error_wait_since: float | None = None
+        self.suspects: dict[int, float] = {}
+        self.unexplained_since: float | None = None
+        self.messages: list[str] = []
+        self.store.set(proto.directive_key(s.gen), proto.dumps(directive))
+        self.store.set(proto.CURRENT_GEN_KEY, str(s.gen))
 
-    @dataclass
-    class _Outcome:
-        next_step: int
-        dead: dict[int, str] = field(default_factory=dict)
-        retry: bool = False
-        switch: bool = False
-        """The generation ended at a step boundary for a planned plan change."""
-        messages: list[str] = field(default_factory=list)
+    def _publish_stop(self) -> None:
+        """The final generation: every worker uploads its layers' state and leaves."""
+        s = self.state
+        self.store.set(proto.abort_key(s.gen - 1), "1")
+        final = {i: [w for w in s.state_plan.holders(i) if w in s.alive]
+                 for i in range(self.shape.num_layers)}
+        self.final_gen = s.gen
+        self.store.set(proto.directive_key(s.gen), proto.dumps(
+            {"action": "stop", "gen": s.gen, "step": s.next_step, "final": final}))
+        self.store.set(proto.CURRENT_GEN_KEY, str(s.gen))
+        self.final_holders = final
 
-    def _watch(self, next_step: int) -> Coordinator._Outcome:
-        """Follow one generation until training ends or a worker fails."""
-        gen = self.gen
-        out = Coordinator._Outcome(next_step)
-        hb_last: dict[int, tuple[int, float]] = {w: (-1, time.monotonic()) for w in self.alive}
+    def _retire_generations(self, before: int) -> None:
+        """Delete the store keys of generations older than ``before`` (all their workers
+        moved on, or are dead)."""
+        for g in sorted(k for k in self.gen_info if k < before):
+            info = self.gen_info.pop(g)
+            keys = [proto.directive_key(g), proto.abort_key(g), proto.ready_key(g),
+                    proto.num_errors_key(g), proto.error_slot_key(g)]
+            for step in range(info["first_step"], info["last_step"] + 1):
+                keys += [proto.reduced_key(g, step), proto.verdict_key(g, step)]
+            keys += [proto.error_key(g, i) for i in range(info.get("errors", 0))]
+            keys += proto.rendezvous_keys(g, info["groups"])
+            for key in keys:
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(key)
+
+    # ------------------------------------------------------------------ faults
+    def _publish_faults(self) -> None:
+        self.store.set(proto.FAULTS_KEY, json.dumps(
+            [[f.rank, f.step, f.kind, f.phase] for f in self.faults]))
+        self.store.add(proto.FAULTS_VERSION_KEY, 1)
+
+    def inject(self, fault: Fault) -> int:
+        """Arm one more fault while the run goes on (chaos harness); returns its index."""
+        self.faults.append(fault)
+        self._publish_faults()
+        return len(self.faults) - 1
+
+    def _fault_time(self, failed: frozenset[int]) -> float | None:
+        """When an injected fault fired on one of ``failed`` (worker wall clock -> run clock)."""
+        times = []
+        for index, fault in enumerate(self.faults):
+            if fault.rank not in failed or index in self.fault_times_used:
+                continue
+            key = proto.fault_fired_key(index)
+            if self._store_has(key):
+                doc = json.loads(self.store.get(key))
+                times.append(self.now() - (time.time() - float(doc["time"])))
+                self.fault_times_used.add(index)
+        return min(times) if times else None
+
+    def fault_report(self) -> list[dict[str, Any]]:
+        """Every injected fault, whether and where it fired."""
+        out = []
+        for index, fault in enumerate(self.faults):
+            key = proto.fault_fired_key(index)
+            fired = json.loads(self.store.get(key)) if self._store_has(key) else None
+            out.append({"fault": fault.to_text(), "fired": fired is not None,
+                        **({"fired_step": fired["step"], "fired_gen": fired["gen"],
+                            "fired_pid": fired["pid"]} if fired else {})})
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        """Follow generations until every step committed, a drain ended, or failure."""
+        hb_last: dict[tuple[int, str], tuple[int, float]] = {}
         hb_next = 0.0
-        errors_seen = 0
-        suspects: dict[int, float] = {}
-        unexplained_since: float | None = None
-        last_commit_s: float | None = None
-        timeout_s, hb_s = self.train.timeout_s, self.train.heartbeat_s
-        members = set(self.world)
-        while out.next_step < self.train.steps:
+        while self.state.phase in (st.Phase.TRAINING, st.Phase.DRAINING):
+            if self.state.next_step >= self.train.steps:
+                return
             now = time.monotonic()
+            self._admit_joins()
+            dead: dict[int, str] = {}
             # 1. process exits: the fastest, surest signal for workers launched here
-            for w in sorted(self.alive):
-                proc = self.procs.get(w)
+            for w in sorted(self.state.alive):
+                proc = self.procs[w].process
                 if proc is not None and proc.exitcode is not None:
-                    out.dead[w] = f"exit (status {proc.exitcode})"
+                    dead[w] = f"exit (status {proc.exitcode})"
             # 2. error reports
-            num_errors = self.store.add(proto.num_errors_key(gen), 0)
-            while errors_seen < num_errors:
-                report = proto.ErrorReport.from_json(
-                    self.store.get(proto.error_key(gen, errors_seen)))
-                errors_seen += 1
-                out.messages.append(report.message.splitlines()[0])
-                if report.fatal:
-                    out.dead[report.worker] = "error: " + report.message.splitlines()[0]
-                elif report.peer is not None:
-                    suspects.setdefault(report.peer, now)
-                if unexplained_since is None:
-                    unexplained_since = now
+            self._read_errors(dead, now)
             # 3. heartbeats
             if now >= hb_next:
-                hb_next = now + hb_s / 2
-                for w in sorted(self.alive):
-                    count = self.store.add(proto.heartbeat_key(w), 0)
-                    seen, since = hb_last.get(w, (-1, now))
-                    if count != seen:
-                        hb_last[w] = (count, now)
-                    elif now - since > timeout_s - hb_s:
-                        # the last beat may be up to an interval older than when we saw
-                        # it: declaring at timeout - interval keeps detection within timeout
-                        out.dead.setdefault(w, f"hang (no heartbeat for {now - since:.2f} s)")
-                    elif w in suspects and now - since > 2.5 * hb_s:
-                        out.dead.setdefault(w, "reported by peers, heartbeat stopped")
-            if out.dead:
-                break
-            if unexplained_since is not None and now - unexplained_since > timeout_s + 4 * hb_s:
-                out.retry = True  # errors nobody's death explains: rebuild and redo the step
-                break
+                hb_next = now + self.train.heartbeat_s / 2
+                self._check_heartbeats(dead, hb_last, now)
+            if dead:
+                self._on_deaths(dead)
+                if self.drain_done:
+                    return
+                continue
+            self._watch_replacements()
+            if (self.unexplained_since is not None
+                    and now - self.unexplained_since > self.hang_s + 4 * self.train.heartbeat_s):
+                self._on_unexplained()
+                continue
+            if self.stop_signal is not None and self.state.phase is st.Phase.TRAINING:
+                name = signal.Signals(self.stop_signal).name
+                self.log(f"{name} received: finishing the step in flight, then writing a "
+                         "checkpoint and stopping")
+                self.state = st.draining(self.state, name)
+                self.drain_started = now
+            if self.state.phase is st.Phase.DRAINING and \
+                    now - self.drain_started > max(self.hang_s, 2.0) and self._abort_drain():
+                return
             # 4. readiness (end of the transition) and the current step's votes
-            if self.ready_s is None and self.store.add(proto.ready_key(gen), 0) >= len(members):
+            s = self.state
+            if self.ready_s is None and \
+                    self.store.add(proto.ready_key(s.gen), 0) >= len(s.world):
                 self.ready_s = self.now()
-            step = out.next_step
-            if self.store.add(proto.reduced_key(gen, step), 0) >= len(self.plan.workers):
-                end = self.pending is not None and step >= self.pending.at_step
-                self.store.set(proto.verdict_key(gen, step),
-                               proto.COMMIT_END if end else proto.COMMIT)
-                committed = self.now()
-                start = last_commit_s if last_commit_s is not None else (
-                    self.ready_s if self.ready_s is not None else self.gen_started_s)
-                loss = self._collect_loss(gen, step)
-                self._collect_timings(gen, step)
-                self.steps[step] = StepRecord(step, loss, committed - start, gen, committed)
-                self.state_plan, self.from_checkpoint = self.plan, False
-                last_commit_s = committed
-                self.log(f"step {step:4d}  loss {loss:.4f}  step {committed - start:.3f} s  "
-                         f"gen {gen}")
-                for event in self.events:
-                    if event.resumed_at_s is None:
-                        event.resumed_at_s = committed
-                        origin = event.fault_at_s if event.fault_at_s is not None \
-                            else event.detected_at_s
-                        # The transition itself (minus the new plan's median step) is
-                        # computed at the end, once later steps of this plan are known.
-                        self.log(f"recovered: first step after the failure committed "
-                                 f"{committed - origin:.3f} s after it ({event.strategy})")
-                out.next_step = step + 1
-                if not end:
-                    self._maybe_rejoin(out.next_step)
-                if end:
-                    out.switch = True
-                    break
+                self.ready_gens.add(s.gen)
+                self._retire_generations(s.gen)
+            if self.store.add(proto.reduced_key(s.gen, s.next_step), 0) >= len(s.plan.workers):
+                if self._commit():
+                    return
                 continue
             self._collect_checkpoints()
             self._sleep()
-        return out
+
+    def _read_errors(self, dead: dict[int, str], now: float) -> None:
+        gen = self.state.gen
+        announced = self.store.add(proto.num_errors_key(gen), 0)
+        while self.errors_seen < announced:
+            key = proto.error_key(gen, self.errors_seen)
+            if not self._store_has(key):
+                # reserved but not written yet; give up on it after the hang deadline
+                if self.error_wait_since is None:
+                    self.error_wait_since = now
+                if now - self.error_wait_since < self.hang_s:
+                    break
+                self.errors_seen += 1
+                self.error_wait_since = None
+                continue
+            self.error_wait_since = None
+            raw = self.store.get(key)
+            self.errors_seen += 1
+            self.gen_info.get(gen, {})["errors"] = self.errors_seen
+            try:
+                report = proto.ErrorReport.from_json(raw)
+            except ValueError:
+                self.log(f"generation {gen}: ignored a malformed error report")
+                continue
+            first_line = report.message.splitlines()[0] if report.message else "?"
+            self.messages.append(first_line)
+            if report.worker not in self.state.alive:
+                continue
+            if report.fatal:
+                dead[report.worker] = "error: " + first_line
+            elif report.peer is not None:
+                self.suspects.setdefault(report.peer, now)
+            if self.unexplained_since is None:
+                self.unexplained_since = now
+
+    def _check_heartbeats(self, dead: dict[int, str],
+                          hb_last: dict[tuple[int, str], tuple[int, float]],
+                          now: float) -> None:
+        hb_s = self.train.heartbeat_s
+        for w in sorted(self.state.alive):
+            p = self.procs[w]
+            key = proto.heartbeat_key(w, p.incarnation)
+            count = self.store.add(key, 0)
+            seen, since = hb_last.get((w, p.incarnation), (-1, now))
+            if count != seen:
+                hb_last[(w, p.incarnation)] = (count, now)
+            elif now - since > self.hang_s - hb_s:
+                # the last beat may be up to an interval older than when we saw it:
+                # declaring at timeout - interval keeps detection within the deadline
+                dead.setdefault(w, f"hang (no heartbeat for {now - since:.2f} s)")
+            elif w in self.suspects and now - since > 2.5 * hb_s:
+                dead.setdefault(w, "reported by peers, heartbeat stopped")
 
     def _sleep(self) -> None:
-        sentinels = [p.sentinel for w, p in self.procs.items() if w in self.alive]
+        sentinels = [p.process.sentinel for w, p in self.procs.items()
+                     if w in self.state.alive and p.process is not None]
         if sentinels:
             multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
         else:
             time.sleep(_POLL_S)
 
+    # ------------------------------------------------------------------ commits
+    def _commit(self) -> bool:
+        """Every worker of the plan reduced the step in flight: commit it.
+
+        Returns:
+            True when the loop must end (a drain finished at this boundary).
+        """
+        s = self.state
+        step, gen = s.next_step, s.gen
+        draining = s.phase is st.Phase.DRAINING
+        end = s.switch_due or draining
+        self.store.set(proto.verdict_key(gen, step), proto.COMMIT_END if end else proto.COMMIT)
+        committed = self.now()
+        start = self.last_commit_s if self.last_commit_s is not None else (
+            self.ready_s if self.ready_s is not None else self.gen_started_s)
+        loss = self._collect_loss(gen, step)
+        self._collect_timings(gen, step)
+        self.steps[step] = StepRecord(step, loss, committed - start, gen, committed,
+                                      len(s.plan.workers))
+        self.state = st.committed(s, step)
+        self.gen_info.setdefault(gen, {"groups": [], "first_step": step})["last_step"] = step
+        # every worker read the previous verdict before it reduced this step
+        if step - 1 >= self.gen_info[gen].get("first_step", step):
+            for key in (proto.verdict_key(gen, step - 1), proto.reduced_key(gen, step - 1)):
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(key)
+        self.last_commit_s = committed
+        self._log_step(step, loss, committed - start, gen)
+        for event in self.events:
+            if event.resumed_at_s is None and not event.idle:
+                event.resumed_at_s = committed
+                origin = event.fault_at_s if event.fault_at_s is not None \
+                    else event.detected_at_s
+                self.log(f"recovered: first step after the failure committed "
+                         f"{committed - origin:.3f} s after it ({event.strategy})")
+        self.hooks.on_commit(self, step)
+        if draining:
+            return True
+        if end:
+            self._switch()
+            return False
+        self._maybe_rejoin()
+        return False
+
+    def _log_step(self, step: int, loss: float, step_s: float, gen: int) -> None:
+        every = max(1, self.train.steps // 25) if self.train.steps > 50 else 1
+        if step % every == 0 or step == self.train.steps - 1 or step == self.start_step:
+            self.log(f"step {step:4d}  loss {loss:.4f}  step {step_s:.3f} s  gen {gen}")
+
     def _collect_timings(self, gen: int, step: int) -> None:
-        for w in self.plan.workers:
+        for w in self.state.plan.workers:
             key = proto.timing_key(gen, step, w)
-            if self.store.check([key]):
+            if self._store_has(key):
                 doc = json.loads(self.store.get(key))
                 self.op_times.append({"step": step, "gen": gen, "worker": w, **doc})
+                self.store.delete_key(key)
 
     def _collect_loss(self, gen: int, step: int) -> float:
         pieces: list[tuple[int, float]] = []
-        for w in self.plan.workers:
+        for w in self.state.plan.workers:
             key = proto.loss_key(gen, step, w)
-            if self.store.check([key]):
+            if self._store_has(key):
                 pieces.extend((int(m), float(v)) for m, v in json.loads(self.store.get(key)))
+                self.store.delete_key(key)
         # sum in global micro-batch order: the same grouping whatever the plan
         return math.fsum(v for _, v in sorted(pieces))
 
-    # ------------------------------------------------------------------ checkpoints
-    def _collect_checkpoints(self) -> None:
-        every = self.train.checkpoint_every
-        if every <= 0 or self.out_dir is None:
-            return
-        last = max(self.steps, default=-1) + 1
-        for num_steps in range(every, last + 1, every):
-            if num_steps in self.checkpoints:
-                continue
-            key = proto.checkpoint_count_key(num_steps)
-            if not self.store.check([key]) or self.store.add(key, 0) < self.shape.num_layers:
-                continue
-            folder = self.out_dir / "checkpoints" / f"step{num_steps}"
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(self.shape.num_layers):
-                key_i = proto.checkpoint_layer_key(num_steps, i)
-                (folder / f"layer{i}.pt").write_bytes(self.store.get(key_i))
-                self.store.delete_key(key_i)
-            (folder / "COMPLETE").write_text(str(num_steps))
-            self.checkpoints[num_steps] = self.now()
-            self.log(f"checkpoint after {num_steps} steps written to {folder}")
+    def _abort_drain(self) -> bool:
+        """The step in flight did not commit in time after a stop was asked: abort it.
 
-    def _restore(self, committed: int) -> tuple[int, dict[str, Any]]:
-        """Publish the newest complete checkpoint at or before ``committed`` steps."""
-        best = max(s for s in self.checkpoints if s <= committed)
-        if best == 0:
-            return 0, {"kind": "init"}
-        assert self.out_dir is not None
-        folder = self.out_dir / "checkpoints" / f"step{best}"
-        for i in range(self.shape.num_layers):
-            self.store.set(proto.restore_layer_key(self.gen, i),
-                           (folder / f"layer{i}.pt").read_bytes())
-        return best, {"kind": "restore", "step": best}
+        Returns:
+            True (the loop ends; the committed state is checkpointed by ``_finish``).
+        """
+        s = self.state
+        self.store.set(proto.verdict_key(s.gen, s.next_step), proto.ABORT)
+        self.log(f"the step in flight ({s.next_step}) did not finish in time: aborted")
+        return True
 
-    # ------------------------------------------------------------------ recovery
-    def _decide_fn(self) -> Decide:
-        if self._decide is None:
-            self._decide = PlannerDecide(self.config, self.profile, self.policy)
-        return self._decide
-
-    def _recover(self, outcome: Coordinator._Outcome, next_step: int) -> int:
-        gen = self.gen
-        detected = self.now()
-        self.store.set(proto.verdict_key(gen, next_step), proto.ABORT)
-        self.store.set(proto.abort_key(gen), "1")
-        failed = frozenset(outcome.dead)
-        for w in failed:  # fence: a hung worker must never come back into this run
-            proc = self.procs.get(w)
+    # ------------------------------------------------------------------ failures
+    def _fence(self, workers: frozenset[int]) -> None:
+        """A hung worker must never come back into this run: kill local ones."""
+        for w in workers:
+            proc = self.procs[w].process if w in self.procs else None
             if proc is not None and proc.exitcode is None and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
-        self.alive -= failed
-        if not failed:
-            self.log(f"generation {gen}: unexplained errors ({'; '.join(outcome.messages)}); "
-                     "rebuilding the groups and redoing the step")
-            self.gen += 1
-            if self.from_checkpoint:
-                restored, load = self._restore(len(self.steps))
-                self._publish(self.plan, restored, load=load)
-                return restored
-            self._publish(self.state_plan, next_step)
-            return next_step
+            p = self.procs.get(w)
+            if p is not None:
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(proto.heartbeat_key(w, p.incarnation))
+
+    def _on_deaths(self, dead: dict[int, str]) -> None:
+        s = self.state
+        failed = frozenset(dead) & s.alive
+        detected = self.now()
+        new, broken = st.workers_died(s, failed)
+        self._fence(failed)
         fault_at = self._fault_time(failed)
         event = Event(workers=sorted(failed), cause="; ".join(
-            f"w{w}: {outcome.dead[w]}" for w in sorted(failed)), gen=gen, step=next_step,
+            f"w{w}: {dead[w]}" for w in sorted(failed)), gen=s.gen, step=s.next_step,
             fault_at_s=fault_at, detected_at_s=detected,
             detected_after_s=None if fault_at is None else detected - fault_at)
         self.events.append(event)
+        if not broken:
+            self.state = new
+            event.idle, event.strategy = True, "none"
+            event.reason = "only idle workers died; training went on"
+            self.log(f"idle worker(s) {sorted(failed)} died ({event.cause}); training goes on")
+            return
+        self.store.set(proto.verdict_key(s.gen, s.next_step), proto.ABORT)
+        self.store.set(proto.abort_key(s.gen), "1")
         detect_txt = "" if event.detected_after_s is None else \
             f" {event.detected_after_s:.3f} s after the fault"
-        self.log(f"FAILURE at step {next_step}: {event.cause}; detected{detect_txt}")
-        if not self.alive:
+        self.log(f"FAILURE at step {s.next_step}: {event.cause}; detected{detect_txt}")
+        self.hooks.on_failure(self, event)
+        self.state = new
+        if not new.alive:
             raise WorkerFailure("every worker failed")
-        decision = self._decision(failed)
-        event.decide_s = decision[1]
-        decision_value = decision[0]
-        event.strategy = str(decision_value.strategy)
-        event.reason = decision_value.reason
-        event.decision = decision_value.to_dict()
-        if decision_value.plan is None:
-            raise WorkerFailure(f"no recovery possible: {decision_value.reason}")
-        self._log_decision(decision_value)
-        new_plan = decision_value.plan
-        unknown = set(new_plan.workers) - self.alive
-        if unknown:
-            raise WorkerFailure(f"the policy's plan uses workers {sorted(unknown)} that are not "
-                                "alive")
-        self.gen += 1
-        if event.strategy == "restart":
-            restored, load = self._restore(len(self.steps))
-            event.lost_steps = next_step - restored
-            for s in range(restored, next_step):
-                self.steps.pop(s, None)
-            self.from_checkpoint = True
-            self._publish(new_plan, restored, load=load)
-            return restored
-        self.pending = None
-        interim = getattr(getattr(decision_value, "chosen", None), "interim_plan", None)
-        if event.strategy == "reroute-then-dynamic" and interim is not None:
-            # Phase 1 now: train rerouted (no state moves). Phase 2 at a step boundary once
-            # the planned background window has passed: migrate and switch. The migration
-            # runs between two steps here, not overlapped with training.
-            chosen = decision_value.chosen  # type: ignore[attr-defined]
+        if new.phase is st.Phase.DRAINING:
+            event.strategy, event.reason = "none", "stopping: the drain ends here"
+            self.drain_done = True
+            return
+        self._recover(event)
+
+    def _recover(self, event: Event) -> None:
+        s = self.state
+        decision, decide_s = self._decision()
+        event.decide_s = decide_s
+        event.strategy = str(decision.strategy)
+        event.reason = decision.reason
+        event.decision = decision.to_dict()
+        if decision.plan is None:
+            self._fail(f"no recovery possible: {decision.reason}")
+            return
+        self._log_decision(decision)
+        rec = self._recovery_of(decision)
+        if rec.strategy == "restart":
+            assert rec.restored_step is not None
+            event.lost_steps = s.next_step - rec.restored_step
+            for step in range(rec.restored_step, s.next_step):
+                self.steps.pop(step, None)
+        try:
+            self.state = st.recovered(s, rec)
+        except ValueError as exc:
+            self._fail(f"the policy's plan is unusable: {exc}")
+            return
+        self._after_new_gen()
+
+    def _recovery_of(self, decision: DecisionLike) -> st.Recovery:
+        s = self.state
+        strategy = str(decision.strategy)
+        plan = decision.plan
+        assert plan is not None
+        if strategy == "restart":
+            return st.Recovery("restart", plan, restored_step=s.latest_checkpoint())
+        chosen = getattr(decision, "chosen", None)
+        interim = getattr(chosen, "interim_plan", None)
+        if strategy == "reroute-then-dynamic" and interim is not None:
             after = 1
             if chosen.interim_step_s and chosen.interim_s:
                 after = max(1, math.ceil(chosen.interim_s / chosen.interim_step_s))
-            self.pending = PendingSwitch(new_plan, decision_value.migration,
-                                         next_step + after - 1)
-            self._publish(interim, next_step)
-            return next_step
-        self._publish(new_plan, next_step, migration=decision_value.migration)
-        return next_step
+            return st.Recovery(strategy, plan, migration=decision.migration, interim=interim,
+                               switch_after=after)
+        return st.Recovery(strategy, plan, migration=decision.migration)
 
-    def _maybe_rejoin(self, next_step: int) -> None:
-        """Relaunch dead local workers once training runs again; fold them back in when
-        they are up and the policy says it pays (the switch happens at the next commit)."""
-        if not self.train.rejoin or self.pending is not None:
-            return
-        if any(e.resumed_at_s is None for e in self.events):
-            return
-        dead_local = [w for w in self.procs if w not in self.alive and w not in self.replaced]
-        if dead_local:
-            self.replaced.update(dead_local)
-            self.rejoining.update(dead_local)
-            self._launch(dead_local, replacement=True)
-            self.log(f"relaunched worker(s) {dead_local} (repair); they rejoin when ready")
-            return
-        ready = sorted(w for w in self.rejoining
-                       if self.store.check([proto.rejoin_ready_key(w)]))
-        rejoin = getattr(self._decide_fn(), "rejoin", None)
-        if not ready or rejoin is None:
-            return
-        self.rejoining.difference_update(ready)
-        decision = rejoin(self.plan, frozenset(ready), frozenset(self.alive | set(ready)),
-                          self.now())
-        record = {"workers": ready, "step": next_step, "strategy": str(decision.strategy),
-                  "reason": decision.reason}
-        self.rejoins.append(record)
-        self.log(f"rejoin of worker(s) {ready}: {decision.strategy} ({decision.reason})")
-        if str(decision.strategy) == "keep" or decision.plan is None:
-            return  # not worth it: the repaired workers stay idle
-        self.pending = PendingSwitch(decision.plan, decision.migration, next_step,
-                                     rejoin=tuple(ready))
+    def _after_new_gen(self) -> None:
+        """Drop checkpoint assemblies of abandoned timelines, then publish."""
+        with self.lock:
+            for key in [k for k in self.assemblies if k[1] < self.state.epoch]:
+                self.ckpt.discard(self.assemblies.pop(key))
+        self._publish()
 
-    def _switch(self, next_step: int) -> None:
-        """Switch plans at a step boundary (second phase of a two-phase recovery, or a
-        rejoin): migrate, then train on the new plan."""
-        assert self.pending is not None
-        pending, self.pending = self.pending, None
-        self.gen += 1
-        for w in pending.rejoin:
-            self.alive.add(w)
-            self.store.set(proto.rejoin_gen_key(w), str(self.gen))
-        self.log(f"switching to the dynamic plan after step {next_step - 1} "
-                 f"({len(pending.migration.transfers) if pending.migration else 0} transfers)")
-        for line in pending.plan.describe().splitlines():
-            self.log(f"  {line}")
-        self._publish(pending.plan, next_step, migration=pending.migration)
+    def _fail(self, reason: str) -> None:
+        self.state = st.stopped(self.state, reason)
+        raise WorkerFailure(reason)
 
-    def _decision(self, failed: frozenset[int]) -> tuple[DecisionLike, float]:
+    def _on_unexplained(self) -> None:
+        """Errors that no death explains: redo the generation, boundedly."""
+        s = self.state
+        gen = s.gen
+        self.store.set(proto.verdict_key(gen, s.next_step), proto.ABORT)
+        self.store.set(proto.abort_key(gen), "1")
+        action = st.retry_action(s, self.train.max_retries)
+        summary = "; ".join(dict.fromkeys(self.messages))[:300]
+        if action is st.RetryAction.RETRY:
+            self.log(f"generation {gen}: errors no death explains ({summary}); rebuilding the "
+                     f"groups and redoing step {s.next_step} (retry {s.retries + 1} of "
+                     f"{self.train.max_retries})")
+            self.state = st.retried(s)
+        elif action is st.RetryAction.RESTART:
+            plan = s.state_plan if set(s.state_plan.workers) <= s.alive else s.plan
+            restored = s.latest_checkpoint()
+            self.log(f"generation {gen}: errors persist after {s.retries} retries ({summary}); "
+                     f"restarting from the checkpoint after {restored} steps")
+            for step in range(restored, s.next_step):
+                self.steps.pop(step, None)
+            self.state = st.escalated(s, plan, restored)
+        else:
+            self._fail(f"errors persist after {self.train.max_retries} retries and a restart: "
+                       f"{summary}")
+        self._after_new_gen()
+
+    def _decision(self) -> tuple[DecisionLike, float]:
         """Ask the policy, starting from the placement the workers' state really has.
 
         Returns:
             The decision and the seconds it took.
         """
-        base = self.state_plan
-        newly = frozenset(w for w in base.workers if w not in self.alive)
+        s = self.state
+        base = s.state_plan
+        newly = frozenset(w for w in base.workers if w not in s.alive)
         t = time.monotonic()
-        if not newly:  # only workers idle in that placement died: keep it
-            return ManualDecision("keep", base, reason="the failed workers held no state"), 0.0
-        since_ckpt = self.now() - self.checkpoints[max(self.checkpoints)]
-        decision = self._decide_fn()(base, newly, frozenset(self.alive), self.now(), since_ckpt)
-        if self.from_checkpoint and str(decision.strategy) != "restart":
+        if not newly:
+            # the placement is intact (only a migration source or the interim plan's
+            # extra workers died): train on it again
+            return ManualDecision("keep", base, reason="the state's placement is intact"), 0.0
+        since_ckpt = self.now() - self.checkpoint_times.get(s.latest_checkpoint(), 0.0)
+        decision = self._decide_fn()(base, newly, s.alive, self.now(), since_ckpt)
+        if s.from_checkpoint and str(decision.strategy) != "restart":
             # the state was just reloaded and nothing committed since: only a restart
             # (reload again, on the survivors) is consistent with it
             restart = [c for c in getattr(decision, "candidates", ())
@@ -715,37 +1093,259 @@ class Coordinator:
 
     def _log_decision(self, decision: DecisionLike) -> None:
         doc = decision.to_dict()
-        cands = doc.get("candidates") or []
-        parts = []
-        for c in cands:
-            if isinstance(c, dict):
-                step = c.get("step_s")
-                tr = c.get("transition_s")
-                ok = "" if c.get("feasible", True) else " (infeasible)"
-                parts.append(f"{c.get('strategy')}: step {step if step is None else round(step, 4)}"
-                             f" s, transition {tr if tr is None else round(tr, 3)} s{ok}")
         self.log(f"decision: {decision.strategy} ({decision.reason})")
-        for p in parts:
-            self.log(f"  candidate {p}")
+        for c in doc.get("candidates") or []:
+            if isinstance(c, dict):
+                step, tr = c.get("step_s"), c.get("transition_s")
+                ok = "" if c.get("feasible", True) else " (infeasible)"
+                self.log(f"  candidate {c.get('strategy')}: step "
+                         f"{step if step is None else round(step, 4)} s, transition "
+                         f"{tr if tr is None else round(tr, 3)} s{ok}")
         if decision.plan is not None:
             for line in decision.plan.describe().splitlines():
                 self.log(f"  {line}")
 
-    def _fault_time(self, failed: frozenset[int]) -> float | None:
-        """When the injected fault fired (worker wall clock -> run clock), if it was one."""
-        times = []
-        for w in failed:
-            key = proto.fault_time_key(w)
-            if self.store.check([key]):
-                wall = float(self.store.get(key).decode())
-                times.append(self.now() - (time.time() - wall))
-                self.store.delete_key(key)
-        return min(times) if times else None
+    # ------------------------------------------------------------------ switches, rejoins
+    def _switch(self) -> None:
+        """The pending plan change happens at this boundary: migrate, then train on it."""
+        s = self.state
+        assert s.pending is not None
+        pending = s.pending
+        self.state = st.switched(s)
+        self.log(f"switching plans after step {s.next_step - 1} "
+                 f"({len(pending.migration.transfers) if pending.migration else 0} transfers)")
+        for line in pending.plan.describe().splitlines():
+            self.log(f"  {line}")
+        self._after_new_gen()
+
+    def _watch_replacements(self) -> None:
+        """Admit replacements that came up as idle workers; relaunch dead local workers
+        (repair, ``[train] rejoin``) once training runs again."""
+        for w, p in list(self.procs.items()):
+            if not p.replacement or p.ready or w in self.state.alive:
+                continue
+            if p.process is not None and p.process.exitcode is not None:
+                continue  # died while starting: relaunched below
+            if self._registered(p):
+                p.ready = True
+                self.state = st.rejoin_ready(self.state, [w])
+                self.store.set(proto.start_gen_key(w, p.incarnation), str(self.state.gen + 1))
+                self.log(f"worker {w} (repaired) is up; idle until a plan uses it")
+        if not self.train.rejoin or self.state.phase is not st.Phase.TRAINING:
+            return
+        if any(e.resumed_at_s is None and not e.idle for e in self.events):
+            return  # relaunch only once training runs again
+        for w in range(self.num_local):
+            p = self.procs[w]
+            if w in self.state.alive or p.process is None or p.process.exitcode is None:
+                continue
+            failed_starts = self.failed_starts.get(w, 0)
+            if p.replacement and not p.ready:
+                failed_starts += 1
+                self.failed_starts[w] = failed_starts
+            if failed_starts >= MAX_FAILED_STARTS:
+                if failed_starts == MAX_FAILED_STARTS:
+                    self.failed_starts[w] += 1
+                    self.log(f"worker {w}: {MAX_FAILED_STARTS} replacements died before they "
+                             "were up; no more repairs of this worker")
+                continue
+            self._launch([w], replacement=True)
+            self.log(f"relaunched worker {w} (repair); it rejoins when ready")
+
+    def _maybe_rejoin(self) -> None:
+        """Ask the policy whether idle workers should be folded in (once per state)."""
+        s = self.state
+        if s.pending is not None or not s.idle or s.phase is not st.Phase.TRAINING:
+            return
+        asked = (s.gen, s.idle)
+        if self.rejoin_asked == asked:
+            return
+        self.rejoin_asked = asked
+        rejoin = getattr(self._decide_fn(), "rejoin", None)
+        if rejoin is None:
+            return
+        try:
+            decision = rejoin(s.plan, s.idle, s.alive, self.now())
+        except ValueError as exc:
+            self.log(f"rejoin of {sorted(s.idle)} not possible: {exc}")
+            return
+        record = {"workers": sorted(s.idle), "step": s.next_step,
+                  "strategy": str(decision.strategy), "reason": decision.reason}
+        self.rejoins.append(record)
+        self.log(f"idle worker(s) {sorted(s.idle)}: {decision.strategy} ({decision.reason})")
+        if str(decision.strategy) == "keep" or decision.plan is None:
+            return
+        try:
+            self.state = st.rejoin_planned(s, decision.plan, decision.migration, s.idle)
+        except ValueError as exc:
+            self.log(f"rejoin plan unusable: {exc}")
+
+    # ------------------------------------------------------------------ bulk state
+    def _on_blob(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        """Answer a bulk request (on a server thread)."""
+        try:
+            op, kind = str(header["op"]), str(header["kind"])
+            layer = int(header["layer"])
+        except (KeyError, TypeError, ValueError):
+            raise BlobError("malformed request") from None
+        if not 0 <= layer < self.shape.num_layers:
+            raise BlobError(f"layer {layer} does not exist")
+        if op == "put" and kind == "checkpoint":
+            step, gen = int(header["step"]), int(header["gen"])
+            if gen < self.state.epoch:
+                raise BlobError(f"checkpoint upload from generation {gen}, before the last "
+                                f"restart (generation {self.state.epoch}): refused")
+            with self.lock:
+                key = (step, gen)
+                if key not in self.assemblies:
+                    self.assemblies[key] = self.ckpt.begin(step, gen, self.shape.num_layers)
+                assembly = self.assemblies[key]
+            if assembly.add(layer, payload):
+                self.completed.put(key)
+            return {}, b""
+        if op == "put" and kind == "final":
+            with self.lock:
+                if int(header["gen"]) != self.final_gen:
+                    raise BlobError("final upload for another generation")
+                self.finals.setdefault(layer, payload)
+            return {}, b""
+        if op == "get" and kind == "restore":
+            try:
+                manifest = self.ckpt.manifest(int(header["step"]))
+                return {}, manifest.read_layer(layer)
+            except CheckpointError as exc:
+                raise BlobError(str(exc)) from None
+        raise BlobError(f"unknown request {op} {kind}")
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        return {"config": self.digest, "job": self.job_name, "dtype": self.train.dtype,
+                "num_layers": self.shape.num_layers}
+
+    def _collect_checkpoints(self) -> None:
+        while True:
+            try:
+                step, gen = self.completed.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                assembly = self.assemblies.pop((step, gen), None)
+            if assembly is None:
+                continue
+            self.state, accepted = st.checkpoint_complete(self.state, step, gen)
+            if not accepted:
+                self.ckpt.discard(assembly)
+                continue
+            manifest = self.ckpt.commit(assembly, plan=self.state.state_plan.to_dict(),
+                                        meta=self._checkpoint_meta())
+            self.checkpoint_times[step] = self.now()
+            self.log(f"checkpoint after {step} steps written to {manifest.folder}")
+
+    # ------------------------------------------------------------------ the end
+    def _finish(self) -> dict[str, Any]:
+        s = self.state
+        interrupted = s.phase is st.Phase.DRAINING
+        self.state = st.finished(s)
+        self._publish_stop()
+        for event in self.events:  # an event whose recovery never committed a step
+            if event.resumed_at_s is None and not event.idle and not event.strategy:
+                event.strategy = "none"
+        layers = self._gather_finals()
+        step = self.state.next_step
+        self._collect_checkpoints()
+        if step not in self.ckpt.steps():
+            assembly = self.ckpt.begin(step, self.state.gen, self.shape.num_layers)
+            for i, data in layers.items():
+                assembly.add(i, data)
+            manifest = self.ckpt.commit(assembly, plan=self.state.state_plan.to_dict(),
+                                        meta=self._checkpoint_meta())
+            self.log(f"checkpoint after {step} steps written to {manifest.folder}")
+        params: dict[str, torch.Tensor] = {}
+        for i, data in sorted(layers.items()):
+            try:
+                tree = unpack(data)
+            except PackError as exc:
+                raise WorkerFailure(f"layer {i}: the final state does not decode: {exc}") from None
+            names = _layer_param_names(self.shape, i)
+            for name, tensor in zip(names, tree["params"], strict=True):
+                params[f"layers.{i}.{name}"] = tensor
+        self._wait_exits()
+        self._finish_transitions()
+        digest = param_hash(params)
+        _save_atomic(params, self.out_dir / "params.pt")
+        steps = [self.steps[k] for k in sorted(self.steps)]
+        report = {
+            "steps": [{"step": r.step, "loss": r.loss, "step_s": r.step_s, "gen": r.gen}
+                      for r in steps],
+            "loss": [r.loss for r in steps],
+            "step_s": [r.step_s for r in steps],
+            "events": [e.to_dict() for e in self.events],
+            "rejoins": self.rejoins,
+            "refused": self.refused,
+            "faults": self.fault_report(),
+            "param_hash": digest,
+            "initial_plan": self.plan0.to_dict(),
+            "final_plan": self.state.plan.to_dict(),
+            "dtype": self.train.dtype,
+            "num_workers": self.num_workers,
+            "total_s": self.now(),
+            "run_dir": str(self.out_dir),
+            "resumed_from_step": None if self.resumed_from is None else self.resumed_from.step,
+            "committed_steps": step,
+            "interrupted": None if not interrupted else self.state.reason,
+            "checkpoints": self.ckpt.steps(),
+        }
+        self.params = params
+        _write_atomic_text(self.out_dir / "report.json", json.dumps(report, indent=2))
+        # per-op compute times (calibration input for the profiler), kept apart: large
+        _write_atomic_text(self.out_dir / "op_times.json", json.dumps(self.op_times))
+        self._write_metrics(steps)
+        return report
+
+    def _gather_finals(self) -> dict[int, bytes]:
+        """Wait (bounded) for one holder of every layer to upload its state."""
+        deadline = time.monotonic() + max(10.0, 5 * self.hang_s)
+        while True:
+            with self.lock:
+                have = dict(self.finals)
+            missing = [i for i in range(self.shape.num_layers) if i not in have]
+            if not missing:
+                return have
+            gone = [i for i in missing if all(
+                self.procs[w].process is not None and self.procs[w].process.exitcode
+                not in (None, 0) for w in self.final_holders[i])]
+            if gone or time.monotonic() > deadline:
+                raise WorkerFailure(f"layers {missing}: no holder uploaded its final state "
+                                    f"(holders {[self.final_holders[i] for i in missing]})")
+            time.sleep(_POLL_S)
+
+    def _wait_exits(self) -> None:
+        """Workers exit once they uploaded; a death after the last commit is reported."""
+        leave_by = time.monotonic() + max(5.0, 2 * self.hang_s)
+        for w in sorted(self.state.alive):
+            proc = self.procs[w].process
+            if proc is not None:
+                proc.join(max(0.0, leave_by - time.monotonic()))
+        for w in sorted(self.state.alive):
+            proc = self.procs[w].process
+            if proc is not None and proc.exitcode not in (None, 0):
+                fault_at = self._fault_time(frozenset({w}))
+                now = self.now()
+                self.events.append(Event(
+                    workers=[w], cause=f"w{w}: exit (status {proc.exitcode}) after the last "
+                    "step committed", gen=self.state.gen, step=self.state.next_step,
+                    fault_at_s=fault_at, detected_at_s=now,
+                    detected_after_s=None if fault_at is None else now - fault_at,
+                    strategy="none", reason="training had finished; its replicas supplied "
+                    "the final parameters"))
+                self.log(f"worker {w} died after the last step; its replicas supplied the "
+                         "final parameters")
 
     def _finish_transitions(self) -> None:
         """Transition = fault to first commit after recovery, minus the new plan's step."""
         records = sorted(self.steps.values(), key=lambda r: r.committed_at_s)
         for event in self.events:
+            if event.idle:
+                continue
             later = [r for r in records if r.committed_at_s > event.detected_at_s]
             if not later:
                 continue
@@ -756,82 +1356,44 @@ class Coordinator:
             start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
             event.transition_s = first.committed_at_s - start - own_s
 
-    # ------------------------------------------------------------------ the end
-    def _finish(self) -> dict[str, Any]:
-        self.store.set(proto.abort_key(self.gen), "1")
-        # Every live holder uploads each of its layers; take the first holder's copy that
-        # arrives. A worker may die after the last commit (in its last optimizer step):
-        # its replicas hold the same state.
-        final = {i: [w for w in self.plan.holders(i) if w in self.alive]
-                 for i in range(self.shape.num_layers)}
-        self.gen += 1
-        self.store.set(proto.directive_key(self.gen), proto.dumps(
-            {"action": "stop", "gen": self.gen, "dead": [], "final": final}))
-        for w in self.replaced - self.alive:  # repaired but never used: let them exit
-            self.store.set(proto.rejoin_gen_key(w), str(self.gen))
-        params: dict[str, torch.Tensor] = {}
-        deadline = time.monotonic() + max(10.0, 5 * self.train.timeout_s)
-        for i, holders in final.items():
-            blob = None
-            while blob is None:
-                for w in holders:
-                    if self.store.check([proto.final_layer_key(i, w)]):
-                        blob = self.store.get(proto.final_layer_key(i, w))
-                        break
-                else:
-                    gone = all(w in self.procs and self.procs[w].exitcode not in (None, 0)
-                               for w in holders)
-                    if gone or time.monotonic() > deadline:
-                        raise WorkerFailure(f"layer {i}: no holder uploaded its final "
-                                            f"parameters (holders {holders})")
-                    time.sleep(_POLL_S)
-            named = torch.load(io.BytesIO(blob), weights_only=True)
-            for name, tensor in named.items():
-                params[f"layers.{i}.{name}"] = tensor
-        # the workers exit once they uploaded; wait for them so that a death after the
-        # last commit is seen and reported
-        leave_by = time.monotonic() + max(5.0, 2 * self.train.timeout_s)
-        for w in sorted(self.alive):
-            if w in self.procs:
-                self.procs[w].join(max(0.0, leave_by - time.monotonic()))
-        for w in sorted(self.alive):
-            proc = self.procs.get(w)
-            if proc is not None and proc.exitcode not in (None, 0):
-                fault_at = self._fault_time(frozenset({w}))
-                now = self.now()
-                self.events.append(Event(
-                    workers=[w], cause=f"w{w}: exit (status {proc.exitcode}) after the last "
-                    "step committed", gen=self.gen, step=len(self.steps), fault_at_s=fault_at,
-                    detected_at_s=now, detected_after_s=None if fault_at is None
-                    else now - fault_at, strategy="none",
-                    reason="training had finished; its replicas supplied the final parameters"))
-                self.log(f"worker {w} died after the last step; its replicas supplied the "
-                         "final parameters")
-        digest = param_hash(params)
-        if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(params, self.out_dir / "params.pt")
-        steps = [self.steps[s] for s in sorted(self.steps)]
-        report = {
-            "steps": [{"step": r.step, "loss": r.loss, "step_s": r.step_s, "gen": r.gen}
-                      for r in steps],
-            "loss": [r.loss for r in steps],
-            "step_s": [r.step_s for r in steps],
-            "events": [e.to_dict() for e in self.events],
-            "rejoins": self.rejoins,
-            "param_hash": digest,
-            "initial_plan": self.initial_plan.to_dict(),
-            "final_plan": self.plan.to_dict(),
-            "dtype": self.train.dtype,
-            "num_workers": self.num_workers,
-            "total_s": self.now(),
-        }
-        self.params = params
-        if self.out_dir is not None:
-            (self.out_dir / "report.json").write_text(json.dumps(report, indent=2))
-            # per-op compute times (calibration input for the profiler), kept apart: large
-            (self.out_dir / "op_times.json").write_text(json.dumps(self.op_times))
-        return report
+    def _write_metrics(self, steps: list[StepRecord]) -> None:
+        """``metrics.jsonl``: one line per committed step (appended across resumes)."""
+        tokens = self.config.job.global_batch * self.shape.seq_len
+        lines = [json.dumps({"step": r.step, "loss": r.loss, "step_s": r.step_s,
+                             "tokens_per_s": tokens / r.step_s if r.step_s > 0 else None,
+                             "gen": r.gen, "plan_workers": r.num_workers})
+                 for r in steps]
+        path = self.out_dir / "metrics.jsonl"
+        old = path.read_text() if path.exists() and self.resumed_from is not None else ""
+        keep = [ln for ln in old.splitlines()
+                if ln and json.loads(ln)["step"] < self.start_step]
+        _write_atomic_text(path, "".join(f"{ln}\n" for ln in keep + lines))
+
+
+def _layer_param_names(shape: GPTShape, index: int) -> list[str]:
+    from chameleon_ft.runtime.model import layer_param_names
+
+    return layer_param_names(shape, index)
+
+
+def _write_atomic_text(path: Path, text: str) -> None:
+    from chameleon_ft.runtime.checkpoint import write_atomic
+
+    write_atomic(path, text.encode())
+
+
+def _save_atomic(params: dict[str, torch.Tensor], path: Path) -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(params, buf)
+    _write_atomic_text_bytes(path, buf.getvalue())
+
+
+def _write_atomic_text_bytes(path: Path, data: bytes) -> None:
+    from chameleon_ft.runtime.checkpoint import write_atomic
+
+    write_atomic(path, data)
 
 
 def param_hash(params: dict[str, torch.Tensor]) -> str:

@@ -179,6 +179,30 @@ class LayerState:
         return torch.cat(params + [m.reshape(-1) for m in self.exp_avg]
                          + [v.reshape(-1) for v in self.exp_avg_sq])
 
+    def state_tree(self) -> dict[str, list[torch.Tensor]]:
+        """Parameters and moments as a tree of tensors (what migration and checkpoints pack)."""
+        return {"params": [p.detach() for p in self.module.parameters()],
+                "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq)}
+
+    def load_tree(self, tree: dict[str, list[torch.Tensor]]) -> None:
+        """Inverse of :meth:`state_tree` (values copied into this layer's tensors).
+
+        Raises:
+            ValueError: when the tree does not match the layer's shapes.
+        """
+        try:
+            pairs = [*zip(self.module.parameters(), tree["params"], strict=True),
+                     *zip(self.exp_avg, tree["exp_avg"], strict=True),
+                     *zip(self.exp_avg_sq, tree["exp_avg_sq"], strict=True)]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("layer state of the wrong structure") from None
+        with torch.no_grad():
+            for target, value in pairs:
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(f"layer state of shape {tuple(value.shape)} for a tensor "
+                                     f"of shape {tuple(target.shape)}")
+                target.copy_(value)
+
     def load_flat(self, flat: torch.Tensor) -> None:
         """Inverse of :meth:`flat`."""
         targets = [p.data for p in self.module.parameters()] + self.exp_avg + self.exp_avg_sq

@@ -4,7 +4,17 @@ workers exchange through the ``TCPStore``.
 Everything of one generation lives under ``gen{g}/``: the directive (plan, schedule,
 migration, what to load), the process groups' rendezvous, error reports, the per-step
 "reduced" counters and the commit verdicts. A new generation never reads an old one's
-keys, so a late message from before a failure cannot be mistaken for a current one.
+keys, so a late message from before a failure cannot be mistaken for a current one; the
+coordinator deletes a generation's keys once every live worker has moved past it.
+
+Per-process keys carry the process's *incarnation* (a nonce the coordinator hands out
+when a process takes a worker id), so a fenced process that comes back (a hung remote
+worker that is continued) can never pass for the replacement that took its id.
+
+Writers always write a message's key before the counter that announces it, and the
+coordinator checks a key exists before it reads it: no read in the coordinator's watch
+loop ever blocks. Bulk state (checkpoints, the final state) does not travel here: see
+``runtime.blobs``.
 """
 
 from __future__ import annotations
@@ -15,15 +25,32 @@ from typing import Any
 
 JOB_KEY = "job"
 """JSON: what every worker needs to build its model and train (see ``JobInfo``)."""
-NEXT_ID_KEY = "join/next"
-"""Counter handing out worker ids to workers that join from another host."""
-REGISTERED_KEY = "join/count"
-"""Counter of workers that registered."""
+JOIN_SLOTS_KEY = "join/slots"
+"""Counter a remote worker increments to reserve the index of its join request (it then
+writes the request; the coordinator skips a slot left unwritten past the hang deadline)."""
 
 COMMIT = "commit"
 COMMIT_END = "commit-end"
 """Commit, then leave the generation: a planned plan change at a step boundary."""
 ABORT = "abort"
+
+CURRENT_GEN_KEY = "gen/current"
+"""The newest published generation (workers that fell behind skip to it)."""
+
+FAULTS_KEY = "faults/list"
+"""JSON list of injected faults ``[rank, step, kind, phase]``; the index is the fault's id."""
+FAULTS_VERSION_KEY = "faults/version"
+"""Counter bumped whenever the fault list changes (workers re-read it at each step)."""
+
+
+def join_request_key(index: int) -> str:
+    """The ``index``-th join request (JSON ``JoinRequest``)."""
+    return f"join/req/{index}"
+
+
+def join_reply_key(wnonce: str) -> str:
+    """The coordinator's answer to the join request with nonce ``wnonce``."""
+    return f"join/reply/{wnonce}"
 
 
 def directive_key(gen: int) -> str:
@@ -32,7 +59,8 @@ def directive_key(gen: int) -> str:
 
 
 def abort_key(gen: int) -> str:
-    """Set when generation ``gen`` ends (failure, retry or the end of training)."""
+    """Set when generation ``gen`` ends, whatever the reason (failure, retry, a planned
+    switch, the end of training): workers blocked in its collectives are released."""
     return f"gen{gen}/abort"
 
 
@@ -47,7 +75,7 @@ def reduced_key(gen: int, step: int) -> str:
 
 
 def verdict_key(gen: int, step: int) -> str:
-    """``commit`` or ``abort`` for ``step``, written once by the coordinator."""
+    """``commit``, ``commit-end`` or ``abort`` for ``step``, written once by the coordinator."""
     return f"gen{gen}/verdict/{step}"
 
 
@@ -62,58 +90,48 @@ def timing_key(gen: int, step: int, worker: int) -> str:
 
 
 def num_errors_key(gen: int) -> str:
-    """Counter of error reports in generation ``gen``."""
+    """Counter of error reports announced in generation ``gen``."""
     return f"gen{gen}/num_errors"
 
 
+def error_slot_key(gen: int) -> str:
+    """Counter a worker increments to reserve the index of its error report."""
+    return f"gen{gen}/error_slots"
+
+
 def error_key(gen: int, index: int) -> str:
-    """The ``index``-th error report (JSON ``ErrorReport``)."""
+    """The ``index``-th error report (JSON ``ErrorReport``), written before it is counted."""
     return f"gen{gen}/error/{index}"
 
 
-def heartbeat_key(worker: int) -> str:
-    """Counter a worker increments every heartbeat interval."""
-    return f"hb/{worker}"
+def rendezvous_keys(gen: int, groups: list[tuple[str, int]]) -> list[str]:
+    """The keys gloo's rendezvous writes for the groups ``(prefix, size)`` of ``gen``."""
+    return [f"{prefix}/0/{rank}" for prefix, size in groups for rank in range(size)]
 
 
-def fault_time_key(worker: int) -> str:
-    """Wall-clock time at which an injected fault fired on ``worker`` (for reports)."""
-    return f"fault/{worker}"
+def heartbeat_key(worker: int, incarnation: str) -> str:
+    """Counter the process ``incarnation`` of ``worker`` increments every heartbeat."""
+    return f"hb/{worker}/{incarnation}"
 
 
-def worker_info_key(worker: int) -> str:
-    """JSON: host, pid and address of a registered worker."""
-    return f"worker/{worker}"
+def worker_info_key(worker: int, incarnation: str) -> str:
+    """JSON: host, pid and address of a registered process."""
+    return f"worker/{worker}/{incarnation}"
 
 
-def rejoin_ready_key(worker: int) -> str:
-    """Set by a repaired worker once it is up and waiting to be folded back in."""
-    return f"rejoin/{worker}/ready"
+def start_gen_key(worker: int, incarnation: str) -> str:
+    """The first generation a process admitted later (a repaired worker) follows."""
+    return f"start/{worker}/{incarnation}"
 
 
-def rejoin_gen_key(worker: int) -> str:
-    """The generation a repaired worker starts from (set when the coordinator uses it)."""
-    return f"rejoin/{worker}/gen"
+def fault_claim_key(index: int) -> str:
+    """Counter: the first process to increment it fires fault ``index`` (it fires once)."""
+    return f"faults/claim/{index}"
 
 
-def checkpoint_layer_key(step: int, layer: int) -> str:
-    """A layer's serialised state after ``step`` committed steps, uploaded by a worker."""
-    return f"ckpt/{step}/layer{layer}"
-
-
-def checkpoint_count_key(step: int) -> str:
-    """Counter of layers uploaded for the checkpoint after ``step`` steps."""
-    return f"ckpt/{step}/count"
-
-
-def restore_layer_key(gen: int, layer: int) -> str:
-    """A layer's checkpointed state, published by the coordinator for a restart."""
-    return f"gen{gen}/restore/layer{layer}"
-
-
-def final_layer_key(layer: int, worker: int) -> str:
-    """A layer's final parameters as ``worker`` holds them, uploaded at the end."""
-    return f"final/layer{layer}/w{worker}"
+def fault_fired_key(index: int) -> str:
+    """JSON: when, where and by whom fault ``index`` fired (written just before it does)."""
+    return f"faults/fired/{index}"
 
 
 @dataclass(frozen=True)
@@ -134,10 +152,18 @@ class ErrorReport:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ErrorReport:
-        """Parse :meth:`to_json` output."""
-        d = json.loads(text)
-        return cls(worker=int(d["worker"]), fatal=bool(d["fatal"]),
-                   peer=None if d["peer"] is None else int(d["peer"]), message=str(d["message"]))
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            ValueError: for a malformed report.
+        """
+        try:
+            d = json.loads(text)
+            return cls(worker=int(d["worker"]), fatal=bool(d["fatal"]),
+                       peer=None if d["peer"] is None else int(d["peer"]),
+                       message=str(d["message"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise ValueError("malformed error report") from None
 
 
 def dumps(doc: dict[str, Any]) -> str:

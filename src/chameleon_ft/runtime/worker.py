@@ -2,20 +2,23 @@
 
 The worker loop (docs/design.md section 5):
 
-1. read the directive of generation ``g`` (plan, schedule, migration, what to load);
+1. read the directive of generation ``g`` (plan, schedule, migration, what to load, the
+   generation's collective deadline, the incarnation of every member);
 2. build the generation's process groups from ``PrefixStore(gen{g}/...)``: one group over
    every participating worker for point-to-point sends, one per gradient bucket;
-3. receive migrated layers (parameters and AdamW moments) or load a checkpoint;
+3. receive migrated layers (parameters and optimizer state) or reload a checkpoint;
 4. run steps: the schedule's forward/backward operations with sends and receives, the
    gradient all-reduce rounds, then report "reduced" and wait for the coordinator's
-   verdict; apply AdamW only on ``commit``;
+   verdict; apply the optimizer only on ``commit``;
 5. on any communication error: report it, break every connection of the generation (so
    peers blocked on this worker fail at once instead of waiting for the timeout), and go
-   to step 1 with ``g + 1``.
+   to step 1 with the next generation. The old generation's groups are destroyed.
 
-Two helper threads, each with its own store connection: a heartbeat, and a watcher that
-breaks the generation's connections as soon as the coordinator sets its abort key (so a
-worker blocked on a live peer is released within milliseconds of a failure elsewhere).
+Two helper threads, each with its own store connection: a heartbeat that is also the
+watchdog of the coordinator (if the store stops answering for half the hang deadline the
+process exits: no worker outlives its coordinator), and a watcher that breaks a
+generation's connections as soon as the coordinator sets its abort key. The watcher
+follows the current generation by itself, so it never stays parked on an old one.
 
 Gloo note: ``ProcessGroupGloo.abort()`` does not wake operations already waiting, but a
 receive that times out closes its pair, and the peer's pending operations on that pair
@@ -25,8 +28,6 @@ then fail at once. :func:`break_connections` uses that to tear a generation down
 from __future__ import annotations
 
 import contextlib
-import functools
-import io
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.data import ByteCorpus, corpus_digest
 from chameleon_ft.runtime.model import (
     AdamW,
@@ -54,11 +56,17 @@ from chameleon_ft.runtime.model import (
     loss_sum,
     torch_dtype,
 )
+from chameleon_ft.runtime.packing import PackError, pack, unpack
 
 _BREAK_TAG = 2_000_000_000
 """Tag of the throw-away receive that closes a pair (never sent by anyone)."""
 _MIGRATION_TAG = 1_000_000_000
 _WARMUP_TAG = 1_500_000_000
+_WAIT_SLICE_S = 0.5
+"""Granularity of the worker's waits on the coordinator: each slice it checks that the
+coordinator still answers and that its generation is still current."""
+
+EXIT_OK, EXIT_ERROR, EXIT_COORDINATOR_GONE, EXIT_FENCED = 0, 1, 3, 4
 
 
 class InjectedError(RuntimeError):
@@ -73,10 +81,23 @@ class CommError(RuntimeError):
         self.peer = peer
 
 
+class GenerationOver(RuntimeError):
+    """The coordinator moved on past the generation this worker waits in."""
+
+
 @dataclass(frozen=True)
 class JobInfo:
-    """What the coordinator tells every worker about the job (the ``job`` store key)."""
+    """What the coordinator tells every worker about the job (the ``job`` store key).
 
+    Public: it holds nothing secret (the token never travels).
+    """
+
+    job_name: str
+    job_id: str
+    """Random per run: join proofs are bound to it."""
+    nonce: str
+    """The coordinator's join nonce."""
+    num_workers: int
     shape: GPTShape
     dtype: str
     lr: float
@@ -84,31 +105,35 @@ class JobInfo:
     seed: int
     micro_batch: int
     global_batch: int
-    timeout_s: float
     heartbeat_s: float
+    hang_timeout_s: float
     backend: str
-    faults: tuple[tuple[int, int, str, str], ...]
-    """``(rank, step, kind, phase)``."""
     corpus_digest: str
     checkpoint_every: int
     control_timeout_s: float
-    """Deadline of one wait on the coordinator (a directive, a verdict); waits are re-armed
-    as long as the coordinator's store answers."""
+    """Deadline of connecting and of one bulk transfer."""
+    blob_port: int
+    """The coordinator's bulk-state server (same host as the store)."""
 
     def to_json(self) -> str:
         """Serialise."""
         d = dict(vars(self))
         d["shape"] = vars(self.shape)
-        d["faults"] = [list(f) for f in self.faults]
         return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobInfo:
-        """Parse :meth:`to_json` output."""
-        d = json.loads(text)
-        d["shape"] = GPTShape(**d["shape"])
-        d["faults"] = tuple(tuple(f) for f in d["faults"])
-        return cls(**d)
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            ValueError: for text that is not a job description of this version.
+        """
+        try:
+            d = json.loads(text)
+            d["shape"] = GPTShape(**d["shape"])
+            return cls(**d)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise ValueError("the store does not hold a chameleon job of this version") from None
 
 
 def resolve_backend(name: str) -> str:
@@ -184,12 +209,37 @@ class _Generation:
         for group, rank, size in groups:
             break_connections(group, rank, size)
 
+    def close(self) -> None:
+        """Tear the groups down and drop them: their sockets and threads go away."""
+        self.break_all()
+        with self.lock:
+            groups, self.groups = self.groups, []
+        for group, _, _ in groups:
+            with contextlib.suppress(Exception):
+                group.shutdown()
+        del groups
+
+
+def _close_later(generation: _Generation) -> None:
+    """Close an old generation's groups off the training thread (breaking a pair waits
+    a millisecond per peer)."""
+    threading.Thread(target=generation.close, daemon=True, name=f"close-gen{generation.gen}"
+                     ).start()
+
+
+def _exit_now(code: int, message: str) -> None:
+    """Leave at once (no destructors: abandoned groups could block), saying why."""
+    with contextlib.suppress(Exception):
+        os.write(2, f"{message}\n".encode())
+    os._exit(code)
+
 
 class Worker:
     """One training process: its layers, optimizer state and the generation loop."""
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
-                 connect_timeout_s: float = 30.0, replacement: bool = False) -> None:
+                 incarnation: str, secret: bytes, connect_timeout_s: float = 30.0,
+                 replacement: bool = False) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -197,18 +247,24 @@ class Worker:
             host: the coordinator's store host.
             port: the store port.
             address: the address other workers reach this one at.
-            connect_timeout_s: deadline of connecting and reading the job; later waits
-                use the job's ``control_timeout_s``.
+            incarnation: the nonce the coordinator gave this process with its id.
+            secret: the job secret that authenticates bulk transfers.
+            connect_timeout_s: deadline of connecting and reading the job.
             replacement: a repaired worker rejoining a running job under a dead one's id.
         """
         self.id = worker_id
+        self.incarnation = incarnation
         self.replacement = replacement
         self.host, self.port, self.address = host, port, address
-        self.control_timeout = timedelta(seconds=connect_timeout_s)
-        self.store = self._connect()
+        self.store = dist.TCPStore(host, port, is_master=False,
+                                   timeout=timedelta(seconds=connect_timeout_s))
         self.job = JobInfo.from_json(self.store.get(proto.JOB_KEY))
-        self.control_timeout = timedelta(seconds=self.job.control_timeout_s)
-        self.store.set_timeout(self.control_timeout)
+        self.hang_s = self.job.hang_timeout_s
+        # one request to the store must not outlast the hang deadline: a silent coordinator
+        # is a dead one
+        self.store.set_timeout(timedelta(seconds=max(self.hang_s / 2, 0.2)))
+        self.blobs = BlobClient(host, self.job.blob_port, secret,
+                                timeout_s=self.job.control_timeout_s)
         self.dtype = torch_dtype(self.job.dtype)
         self.backend = resolve_backend(self.job.backend)
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
@@ -233,13 +289,12 @@ class Worker:
         self.last_optimizer_s: float | None = None
         """Seconds of the last optimizer step (reported with the next step's timings)."""
         self.last_commit_wait_s: float | None = None
-        """Seconds from reporting "reduced" to reading the verdict, last step (the last
-        worker to reduce waits only for the coordinator: the control overhead)."""
+        """Seconds from reporting "reduced" to reading the verdict, last step."""
         self.stage = StageModel()
-        self.faults = [f for f in self.job.faults if f[0] == worker_id]
-        self.fired: set[tuple[int, int, str, str]] = set()
+        self.faults: list[tuple[int, int, str, str]] = []
+        """Armed faults of this rank: ``(index, step, kind, phase)``."""
+        self.faults_version = -1
         self.current: _Generation | None = None
-        self.graveyard: list[_Generation] = []  # old groups: destroying them could block
         self.gen_changed = threading.Condition()
         self.num_tokens_global = self.job.global_batch * self.job.shape.seq_len
         self._warm_up_kernels()
@@ -265,137 +320,208 @@ class Worker:
         hidden.backward(torch.ones_like(hidden))
 
     # ------------------------------------------------------------------ plumbing
-    def _connect(self) -> dist.TCPStore:
+    def _client(self, timeout_s: float) -> dist.TCPStore:
         return dist.TCPStore(self.host, self.port, is_master=False,
-                             timeout=self.control_timeout)
+                             timeout=timedelta(seconds=timeout_s))
 
     def _heartbeat(self) -> None:
-        store = self._connect()
-        key = proto.heartbeat_key(self.id)
+        """Beat every ``heartbeat_s``; exit when the coordinator stops answering.
+
+        The store client's deadline is half the hang deadline, so a coordinator that is
+        killed (connection refused) or stopped (no answer) takes this worker with it within
+        ``hang_timeout_s``; so does a worker that was itself stopped and continued later.
+        """
+        gone = (f"chameleon worker {self.id}: the coordinator at {self.host}:{self.port} "
+                "stopped answering; exiting")
+        try:
+            store = self._client(max(self.hang_s / 2, 0.2))
+        except Exception:
+            _exit_now(EXIT_COORDINATOR_GONE, gone)
+        key = proto.heartbeat_key(self.id, self.incarnation)
         while True:
             try:
                 store.add(key, 1)
-            except Exception:  # the coordinator is gone: nobody will ever need us again
-                os._exit(3)
+            except Exception:
+                _exit_now(EXIT_COORDINATOR_GONE, gone)
             time.sleep(self.job.heartbeat_s)
 
     def _watch(self) -> None:
-        """Break the current generation's connections when the coordinator aborts it."""
-        store = self._connect()
-        watched = -1
+        """Break a generation's connections as soon as the coordinator aborts it.
+
+        Waits on the abort key of the current generation in short slices and re-reads
+        which generation is current after each, so it follows the worker from generation
+        to generation whatever way the previous one ended.
+        """
+        store = self._client(max(self.hang_s / 2, 0.2))
         while True:
             with self.gen_changed:
-                self.gen_changed.wait_for(functools.partial(self._moved_past, watched))
+                self.gen_changed.wait_for(
+                    lambda: self.current is not None and not self.current.broken,
+                    timeout=_WAIT_SLICE_S)
                 gen = self.current
-            assert gen is not None
-            watched = gen.gen
-            while True:
-                try:
-                    store.wait([proto.abort_key(watched)])
-                    break
-                except dist.DistStoreError:
-                    if not _answers(store):
-                        os._exit(3)
-                except Exception:
-                    os._exit(3)
+            if gen is None or gen.broken:
+                continue
+            try:
+                store.wait([proto.abort_key(gen.gen)], timedelta(seconds=_WAIT_SLICE_S))
+            except dist.DistStoreError:
+                continue  # not aborted yet (or the store is slow): look again
+            except Exception:
+                time.sleep(_WAIT_SLICE_S)  # the heartbeat decides whether the coordinator died
+                continue
             gen.break_all()
 
-    def _await(self, key: str) -> bytes:
-        """Wait for a key the coordinator writes, ``control_timeout_s`` at a time, for as
-        long as the coordinator answers (an idle worker may wait for the whole run).
+    def _await(self, key: str, gen: int | None = None) -> bytes:
+        """Wait for a key the coordinator writes, in slices, for as long as it answers.
+
+        Args:
+            key: the key.
+            gen: the generation the wait belongs to; when the coordinator has published a
+                later one than ``gen + 1``, the wait is abandoned.
 
         Raises:
-            DistStoreError: when the coordinator no longer answers.
+            GenerationOver: when the coordinator moved on.
         """
         while True:
             try:
+                self.store.wait([key], timedelta(seconds=_WAIT_SLICE_S))
                 return bytes(self.store.get(key))
             except dist.DistStoreError:
-                if not _answers(self.store):
-                    raise
+                if gen is not None and self._current_gen() > gen + 1:
+                    raise GenerationOver(f"generation {gen} is over") from None
 
-    def _moved_past(self, gen: int) -> bool:
-        return self.current is not None and self.current.gen != gen
+    def _current_gen(self) -> int:
+        if not self.store.check([proto.CURRENT_GEN_KEY]):
+            return 0
+        return int(self.store.get(proto.CURRENT_GEN_KEY))
+
+    def _directive(self, gen: int) -> tuple[int, dict[str, Any]]:
+        """The directive of ``gen``, or of a later generation if the coordinator has moved
+        past ``gen`` (this worker was slow, or idle while generations came and went)."""
+        while True:
+            key = proto.directive_key(gen)
+            try:
+                self.store.wait([key], timedelta(seconds=_WAIT_SLICE_S))
+                return gen, json.loads(self.store.get(key))
+            except dist.DistStoreError:
+                gen = max(gen, self._current_gen())
 
     def _report(self, fatal: bool, peer: int | None, message: str, gen: int) -> None:
+        """Tell the coordinator (the report is written before it is counted)."""
         report = proto.ErrorReport(worker=self.id, fatal=fatal, peer=peer, message=message)
-        index = self.store.add(proto.num_errors_key(gen), 1) - 1
-        self.store.set(proto.error_key(gen, index), report.to_json())
+        with contextlib.suppress(Exception):
+            index = self.store.add(proto.error_slot_key(gen), 1) - 1
+            self.store.set(proto.error_key(gen, index), report.to_json())
+            self.store.add(proto.num_errors_key(gen), 1)
 
-    def _maybe_fault(self, step: int, phase: str) -> None:
-        for fault in self.faults:
-            rank, fstep, kind, fphase = fault
-            if fstep != step or fphase != phase or fault in self.fired:
+    def _refresh_faults(self) -> None:
+        version = self.store.add(proto.FAULTS_VERSION_KEY, 0)
+        if version == self.faults_version:
+            return
+        self.faults_version = version
+        faults = json.loads(self.store.get(proto.FAULTS_KEY)) \
+            if self.store.check([proto.FAULTS_KEY]) else []
+        self.faults = [(index, int(step), str(kind), str(phase))
+                       for index, (rank, step, kind, phase) in enumerate(faults)
+                       if rank == self.id]
+
+    def _maybe_fault(self, step: int, phase: str, gen: int) -> None:
+        for fault in list(self.faults):
+            index, fstep, kind, fphase = fault
+            if fphase != phase or step < fstep:
                 continue
-            self.fired.add(fault)
-            self.store.set(proto.fault_time_key(self.id), repr(time.time()))
+            self.faults.remove(fault)
+            if self.store.add(proto.fault_claim_key(index), 1) != 1:
+                continue  # another process of this rank fired it already
+            self.store.set(proto.fault_fired_key(index), json.dumps(
+                {"time": time.time(), "step": step, "gen": gen, "worker": self.id,
+                 "incarnation": self.incarnation, "pid": os.getpid()}))
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                raise InjectedError(f"injected error on worker {rank} at step {step} ({phase})")
+                raise InjectedError(f"injected error on worker {self.id} at step {step} "
+                                    f"({phase})")
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
-        """Register, then follow the coordinator's generations until told to stop."""
+        """Register, then follow the coordinator's generations until told to stop.
+
+        Raises:
+            GenerationOver: never escapes; fenced workers return.
+        """
         info = {"host": socket.gethostname(), "pid": os.getpid(), "address": self.address}
-        self.store.set(proto.worker_info_key(self.id), json.dumps(info))
-        threading.Thread(target=self._heartbeat, daemon=True).start()
-        threading.Thread(target=self._watch, daemon=True).start()
+        self.store.set(proto.worker_info_key(self.id, self.incarnation), json.dumps(info))
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        threading.Thread(target=self._watch, daemon=True, name="abort-watcher").start()
         gen = 0
         if self.replacement:
-            # a repaired worker: wait until the coordinator folds it into a generation
-            self.faults = []  # the injected faults were for the process it replaces
-            self.store.set(proto.rejoin_ready_key(self.id), "1")
-            gen = int(self._await(proto.rejoin_gen_key(self.id)))
-        else:
-            self.store.add(proto.REGISTERED_KEY, 1)
+            # a repaired worker: the coordinator says from which generation on it follows
+            gen = int(self._await(proto.start_gen_key(self.id, self.incarnation)))
+        previous: _Generation | None = None
         while True:
-            directive = json.loads(self._await(proto.directive_key(gen)))
+            gen, directive = self._directive(gen)
             if directive["action"] == "stop":
-                self._upload_final(directive)
+                if previous is not None:
+                    previous.close()
+                self._stop(directive)
                 return
-            if self.id in directive["dead"]:
-                return  # fenced: the coordinator already gave up on this worker
+            if directive["incarnations"].get(str(self.id)) != self.incarnation:
+                _exit_now(EXIT_FENCED, f"chameleon worker {self.id}: fenced by the "
+                          "coordinator (declared dead or replaced); exiting")
+            self._refresh_faults()
             try:
-                self._run_generation(gen, directive)
+                previous = self._run_generation(gen, directive, previous)
+            except GenerationOver:
+                previous = self.current
             except Exception as exc:  # injected, or a bug: the worker is going away
                 self._report(True, None, f"{type(exc).__name__}: {exc}\n"
                              f"{traceback.format_exc()}", gen)
                 raise
             gen += 1
 
-    def _run_generation(self, gen: int, d: dict[str, Any]) -> None:
+    def _run_generation(self, gen: int, d: dict[str, Any],
+                        previous: _Generation | None) -> _Generation | None:
+        """Take part in generation ``gen`` until it ends; returns its groups (to close once
+        the next generation is up), or None when this worker was idle in it."""
         plan = ExecutionPlan.from_dict(d["plan"])
         world: list[int] = d["world"]
         if self.id not in world:
             self._set_layers({})  # idle: ``held`` stays valid until a step commits without us
-            return
+            if previous is not None:
+                _close_later(previous)
+            return None
         generation = _Generation(gen)
         with self.gen_changed:
-            if self.current is not None:
-                self.graveyard.append(self.current)
             self.current = generation
             self.gen_changed.notify_all()
         try:
-            world_group = self._build_groups(gen, generation, world, d["rounds"])
-            self._load_state(gen, d, plan, world, world_group)
+            world_group = self._build_groups(gen, generation, world, d["rounds"],
+                                             float(d["collective_timeout_s"]))
+            self._maybe_fault(d["step"], "recovery", gen)
+            self._load_state(gen, d, plan, world_group)
             self.store.add(proto.ready_key(gen), 1)
+            if previous is not None:  # the old groups are no longer needed: free them
+                _close_later(previous)
+                previous = None
             if self.id not in plan.workers:
-                return  # only a migration source: idle in the new plan (must not vote)
+                return generation  # only a migration source: idle in the new plan
             _debug(f"w{self.id} gen {gen} ready")
             for step in range(d["step"], d["steps"]):
-                if not self._run_step(gen, step, plan, d, world, world_group):
-                    return
+                if not self._run_step(gen, step, plan, d, world_group):
+                    break
         except CommError as exc:
             self._report(False, exc.peer, str(exc), gen)
             generation.break_all()
+        finally:
+            if previous is not None:
+                _close_later(previous)
+        return generation
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self, gen: int, generation: _Generation, world: list[int],
-                      rounds: list[list[list[list[int]]]]) -> dist.ProcessGroup:
-        timeout_s = self.job.timeout_s
+                      rounds: list[list[list[list[int]]]],
+                      timeout_s: float) -> dist.ProcessGroup:
         try:
             world_group = make_group(self.store, f"gen{gen}/world/", world.index(self.id),
                                      len(world), backend=self.backend, timeout_s=timeout_s,
@@ -414,8 +540,8 @@ class Worker:
                 generation.add(group, m.index(self.id), len(m))
                 self.buckets[m] = group
         except (RuntimeError, dist.DistError) as exc:
-            raise CommError(f"building the groups of generation {gen} failed: {exc}",
-                            None) from None
+            raise CommError(f"building the groups of generation {gen} failed: "
+                            f"{str(exc).splitlines()[0][:200]}", None) from None
         self.world_rank = {w: i for i, w in enumerate(world)}
         self._warm_up(world_group, world)
         return world_group
@@ -452,7 +578,16 @@ class Worker:
         module = build_layer(self.job.shape, index, seed=self.job.seed, dtype=self.dtype)
         return LayerState(module.to(self.device))
 
-    def _load_state(self, gen: int, d: dict[str, Any], plan: ExecutionPlan, world: list[int],
+    def _layer_from_bytes(self, index: int, data: bytes) -> LayerState:
+        state = self._new_layer(index)
+        try:
+            state.load_tree(unpack(data, self.device))
+        except (PackError, ValueError) as exc:
+            raise RuntimeError(f"worker {self.id}: the state received for layer {index} "
+                               f"does not load: {exc}") from None
+        return state
+
+    def _load_state(self, gen: int, d: dict[str, Any], plan: ExecutionPlan,
                     group: dist.ProcessGroup) -> None:
         """Fill the layers of this worker's new stage: keep, receive, restore or create."""
         wanted = list(plan.layers_by_worker.get(self.id, range(0)))
@@ -463,14 +598,17 @@ class Worker:
         elif load is not None and load["kind"] == "restore":
             layers = {}
             for i in wanted:
-                state = self._new_layer(i)
-                blob = self.store.get(proto.restore_layer_key(gen, i))
-                state.load_flat(torch.load(io.BytesIO(blob), weights_only=True)
-                                .to(self.device, self.dtype))
-                layers[i] = state
+                try:
+                    _, blob = self.blobs.request({"op": "get", "kind": "restore",
+                                                  "step": load["step"], "layer": i,
+                                                  "gen": gen})
+                except BlobError as exc:
+                    raise CommError(f"worker {self.id}: reading layer {i} of the checkpoint "
+                                    f"after {load['step']} steps failed: {exc}", None) from None
+                layers[i] = self._layer_from_bytes(i, blob)
         migration = d.get("migration")
         if migration:
-            self._migrate(migration, layers, group)
+            self._migrate(migration, layers, group, d["step"], gen)
         missing = [i for i in wanted if i not in layers]
         if missing:
             raise RuntimeError(f"worker {self.id}: no state for layers {missing} in "
@@ -479,38 +617,63 @@ class Worker:
         self._set_layers({i: layers[i] for i in wanted})
 
     def _migrate(self, migration: dict[str, Any], layers: dict[int, LayerState],
-                 group: dist.ProcessGroup) -> None:
-        """Run the restorer's transfers round by round: slices of flattened state."""
+                 group: dist.ProcessGroup, step: int, gen: int) -> None:
+        """Run the restorer's transfers round by round.
+
+        A layer's state is packed into bytes (identical on every replica, so a layer may
+        be split across several senders); each transfer sends the total length, then its
+        slice of the bytes.
+        """
         transfers = migration["transfers"]
+        packed: dict[int, torch.Tensor] = {}
         parts: dict[int, dict[int, torch.Tensor]] = {}
+        totals: dict[int, int] = {}
+        first = True
         for rnd in migration["rounds"]:
-            works: list[tuple[Any, int, torch.Tensor | None]] = []
+            works: list[tuple[Any, int, Any]] = []
+            receives: list[tuple[int, int, int, int]] = []
             for index in rnd:
                 layer, src, dst, part, num_parts = transfers[index]
-                tag = _MIGRATION_TAG + index
+                tag = _MIGRATION_TAG + 2 * index
                 if src == self.id:
-                    piece = torch.tensor_split(layers[layer].flat(), num_parts)[part].contiguous()
-                    works.append((self._send(group, piece, dst, tag), dst, piece))
+                    if layer not in packed:
+                        raw = pack(layers[layer].state_tree())
+                        packed[layer] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                    data = packed[layer]
+                    size = torch.tensor([data.numel()], dtype=torch.int64)
+                    piece = torch.tensor_split(data, num_parts)[part].contiguous()
+                    works.append((self._send(group, size, dst, tag), dst, size))
+                    works.append((self._send(group, piece.to(self.device), dst, tag + 1), dst,
+                                  piece))
                 elif dst == self.id:
-                    size = torch.tensor_split(torch.empty(self._new_layer(layer).numel()),
-                                              num_parts)[part].numel()
-                    buf = torch.empty(size, dtype=self.dtype, device=self.device)
+                    receives.append((layer, src, part, num_parts))
+                    size = torch.zeros(1, dtype=torch.int64)
+                    self._recv(group, size, src, tag, "migration size")
+                    total = int(size.item())
+                    if totals.setdefault(layer, total) != total:
+                        raise RuntimeError(f"layer {layer}: replicas disagree on the size of "
+                                           "its state")
+                    length = torch.tensor_split(torch.empty(total, dtype=torch.uint8),
+                                                num_parts)[part].numel()
+                    buf = torch.empty(length, dtype=torch.uint8, device=self.device)
                     parts.setdefault(layer, {})[part] = buf
                     try:
-                        work = group.recv([buf], self.world_rank[src], tag)
+                        works.append((group.recv([buf], self.world_rank[src], tag + 1), src,
+                                      buf))
                     except RuntimeError as exc:
                         raise CommError(f"worker {self.id}: migration from {src} failed: "
                                         f"{exc}", src) from None
-                    works.append((work, src, None))
+                if first:
+                    first = False
+                    self._maybe_fault(step, "migration", gen)
             for work, peer, _ in works:
                 self._wait(work, peer, "migration")
         expected = {t[0]: t[4] for t in transfers if t[2] == self.id}
         for layer, num_parts in expected.items():
             got = parts.get(layer, {})
             assert len(got) == num_parts, f"layer {layer}: {len(got)} of {num_parts} parts"
-            state = self._new_layer(layer)
-            state.load_flat(torch.cat([got[p] for p in range(num_parts)]))
-            layers[layer] = state
+            data = torch.cat([got[p].cpu() for p in range(num_parts)])
+            layers[layer] = self._layer_from_bytes(layer, data.numpy().tobytes())
 
     def _wait(self, work: Any, peer: int | None, what: str) -> None:
         try:
@@ -539,15 +702,16 @@ class Worker:
 
     # ------------------------------------------------------------------ one step
     def _run_step(self, gen: int, step: int, plan: ExecutionPlan, d: dict[str, Any],
-                  world: list[int], group: dist.ProcessGroup) -> bool:
+                  group: dist.ProcessGroup) -> bool:
         """Forward/backward per the schedule, all-reduce, vote, and apply on commit.
 
         Returns:
-            False when the coordinator aborted the step (a failure elsewhere).
+            False when the generation ends at this step (aborted, or a planned switch).
 
         Raises:
             CommError: when a transfer or all-reduce of this worker failed.
         """
+        self._refresh_faults()
         ops = d["ops"].get(str(self.id), [])
         offsets = plan.microbatch_offsets()
         b, t, h = self.job.micro_batch, self.job.shape.seq_len, self.job.shape.hidden_size
@@ -597,7 +761,7 @@ class Worker:
                 inflight[(p, s, m)] = (x, out)
                 if not seen_forward:
                     seen_forward = True
-                    self._maybe_fault(step, "forward")
+                    self._maybe_fault(step, "forward", gen)
             else:
                 x, out = inflight.pop((p, s, m))
                 if s == num_stages - 1:
@@ -618,7 +782,7 @@ class Worker:
                                   payload))
                 if not seen_backward:
                     seen_backward = True
-                    self._maybe_fault(step, "backward")
+                    self._maybe_fault(step, "backward", gen)
         for work, peer, _ in sends:
             self._wait(work, peer, "send")
         self._all_reduce(d["rounds"])
@@ -632,17 +796,17 @@ class Worker:
         _debug(f"w{self.id} step {step} reduced")
         t_reduced = time.perf_counter()
         self.store.add(proto.reduced_key(gen, step), 1)
-        verdict = self._await(proto.verdict_key(gen, step)).decode()
+        verdict = self._await(proto.verdict_key(gen, step), gen).decode()
         self.last_commit_wait_s = time.perf_counter() - t_reduced
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
-        self._maybe_fault(step, "optimizer")
+        self._maybe_fault(step, "optimizer", gen)
         t0 = time.perf_counter()
         for state in self.layers.values():
             self.optimizer.apply(state, step + 1)
         self.last_optimizer_s = time.perf_counter() - t0
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
-        self._maybe_checkpoint(step + 1, plan)
+        self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
 
     def _all_reduce(self, rounds: list[list[list[list[int]]]]) -> None:
@@ -678,36 +842,30 @@ class Worker:
         holders = plan.holders(layer)
         return bool(holders) and holders[0] == self.id
 
-    def _maybe_checkpoint(self, num_steps: int, plan: ExecutionPlan) -> None:
+    def _upload(self, kind: str, layer: int, state: LayerState, **fields: Any) -> None:
+        try:
+            self.blobs.request({"op": "put", "kind": kind, "layer": layer,
+                                "worker": self.id, **fields}, pack(state.state_tree()))
+        except BlobError as exc:
+            # a checkpoint that cannot complete is not fatal: the coordinator keeps the
+            # previous one; say why
+            print(f"worker {self.id}: upload of layer {layer} ({kind}) refused: {exc}",
+                  file=sys.stderr, flush=True)
+
+    def _maybe_checkpoint(self, num_steps: int, plan: ExecutionPlan, gen: int) -> None:
         every = self.job.checkpoint_every
         if every <= 0 or num_steps % every:
             return
         for i, state in self.layers.items():
             if self._writes(plan, i):
-                buf = io.BytesIO()
-                torch.save(state.flat().cpu(), buf)
-                self.store.set(proto.checkpoint_layer_key(num_steps, i), buf.getvalue())
-                self.store.add(proto.checkpoint_count_key(num_steps), 1)
+                self._upload("checkpoint", i, state, step=num_steps, gen=gen)
 
-    def _upload_final(self, directive: dict[str, Any]) -> None:
-        """Upload the final parameters of every layer this worker is a listed holder of."""
+    def _stop(self, directive: dict[str, Any]) -> None:
+        """Upload the state of every layer this worker is a listed holder of, then leave."""
         for layer, workers in directive["final"].items():
-            if self.id not in workers:
-                continue
-            state = self.layers[int(layer)]
-            named = {n: p.detach().cpu() for n, p in state.module.named_parameters()}
-            buf = io.BytesIO()
-            torch.save(named, buf)
-            self.store.set(proto.final_layer_key(int(layer), self.id), buf.getvalue())
-
-
-def _answers(store: dist.TCPStore) -> bool:
-    """Whether the coordinator's store still answers."""
-    try:
-        store.check([proto.JOB_KEY])
-    except Exception:
-        return False
-    return True
+            if self.id in workers and int(layer) in self.held:
+                self._upload("final", int(layer), self.held[int(layer)],
+                             step=directive["step"], gen=directive["gen"])
 
 
 def _debug(message: str) -> None:
@@ -715,45 +873,28 @@ def _debug(message: str) -> None:
         print(f"[{time.time():.3f}] {message}", file=sys.stderr, flush=True)
 
 
-def local_address(host: str, port: int) -> str:
-    """The address of the interface that reaches ``host:port`` (what peers should dial).
-
-    A coordinator bound to every interface (``0.0.0.0``) has workers on other hosts, so
-    its local workers advertise this host's own address rather than loopback.
-    """
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    if host in ("0.0.0.0", "::", ""):
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return "127.0.0.1"
-    with socket.create_connection((host, port), timeout=5) as s:
-        return str(s.getsockname()[0])
-
-
-def worker_main(worker_id: int, host: str, port: int, address: str | None = None,
-                replacement: bool = False) -> None:
+def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
+                secret: bytes, replacement: bool = False) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
-    coordinator disappeared. ``os._exit`` skips the destructors of abandoned process
-    groups, which could block on connections to dead peers.
+    coordinator disappeared, 4 when fenced. ``os._exit`` skips the destructors of
+    abandoned process groups, which could block on connections to dead peers.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    code = 0
+    code = EXIT_OK
     try:
-        worker = Worker(worker_id, host, port, address=address or local_address(host, port),
-                        replacement=replacement)
+        worker = Worker(worker_id, host, port, address=address, incarnation=incarnation,
+                        secret=secret, replacement=replacement)
         worker.run()
     except InjectedError:
-        code = 1
+        code = EXIT_ERROR
     except dist.DistStoreError:
-        code = 3
+        code = EXIT_COORDINATOR_GONE
     except BaseException:
         traceback.print_exc()
-        code = 1
+        code = EXIT_ERROR
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -24,7 +24,7 @@ class FaultKind(StrEnum):
 
 
 class FaultPhase(StrEnum):
-    """Where in a step the fault fires."""
+    """Where the fault fires."""
 
     FORWARD = "forward"
     """After the worker's first forward operation of the step."""
@@ -32,16 +32,28 @@ class FaultPhase(StrEnum):
     """After the worker's first backward operation of the step."""
     OPTIMIZER = "optimizer"
     """After the step was committed, before the worker applies it."""
+    RECOVERY = "recovery"
+    """While the worker joins a new generation (after building its groups, before it
+    reports ready): a failure during a recovery."""
+    MIGRATION = "migration"
+    """After the worker posted its first state transfer of a migration (as sender or
+    receiver): a failure while state moves."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
-    """One injected fault: worker ``rank`` fails at step ``step`` (0-based) in ``phase``."""
+    """One injected fault: worker ``rank`` fails in ``phase`` of step ``step`` (0-based).
+
+    A fault fires once: the first time the process holding ``rank`` reaches ``phase`` in a
+    step numbered ``step`` or later (for ``recovery`` and ``migration``: a generation that
+    starts at such a step). So a fault on a rank that died and was repaired fires in the
+    replacement, and a fault on a rank that sits idle fires when it works again.
+    """
 
     rank: int
     """Worker id that fails."""
     step: int
-    """0-based index of the step during which it fails (fires on the first attempt only)."""
+    """0-based step from which on the fault is armed."""
     kind: str = FaultKind.KILL.value
     """``kill``, ``hang`` or ``error``."""
     phase: str = FaultPhase.FORWARD.value
@@ -123,8 +135,25 @@ class TrainSpec:
     """``gloo``, ``nccl``, or ``auto`` (NCCL when every worker has a GPU, else gloo)."""
     heartbeat_s: float = 0.1
     """Interval of worker heartbeats into the store."""
-    timeout_s: float = 3.0
-    """Deadline of every blocking call; a worker silent this long is declared hung."""
+    timeout_s: float = 0.0
+    """Shorthand: when set (> 0), the default of both ``collective_timeout_s`` and
+    ``hang_timeout_s``."""
+    collective_timeout_s: float = 0.0
+    """Deadline of every send, receive and all-reduce between workers. 0 (default): derived
+    for each generation from its plan, ``max(3 s, 10 x (estimated step + migration))``; a
+    value set here is a floor that a slower plan raises (with a log line). It must exceed
+    the longest wait of a healthy worker: a worker carrying rerouted micro-batches makes
+    its peers wait longer."""
+    hang_timeout_s: float = 0.0
+    """A worker whose heartbeat is silent this long is declared hung and fenced; workers
+    whose coordinator is silent this long exit. 0 (default): ``max(2 s, 20 heartbeats)``."""
+    max_retries: int = 2
+    """Consecutive recoveries from errors that no death explains (the same step redone on
+    rebuilt groups) before escalating to a checkpoint restart; if errors go on after
+    that, training stops with the reason."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept on disk (older ones are deleted once a newer one is
+    complete)."""
     join_timeout_s: float = 60.0
     """How long the coordinator waits for every worker to join (process start or remote);
     also the deadline of each of a worker's waits on the coordinator, re-armed while the
@@ -147,14 +176,31 @@ class TrainSpec:
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_choice("backend", self.backend, ("auto", "gloo", "nccl"))
         check_positive("heartbeat_s", self.heartbeat_s)
-        check_positive("timeout_s", self.timeout_s)
+        for name in ("timeout_s", "collective_timeout_s", "hang_timeout_s"):
+            check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("join_timeout_s", self.join_timeout_s)
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
-        if self.heartbeat_s * 2 > self.timeout_s:
-            fail("heartbeat_s", f"{self.heartbeat_s} must be at most half of timeout_s "
-                 f"{self.timeout_s}, or healthy workers would be declared hung")
+        check_int("max_retries", self.max_retries, minimum=0)
+        check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
+        if self.heartbeat_s * 2 > self.hang_s:
+            fail("heartbeat_s", f"{self.heartbeat_s} must be at most half of hang_timeout_s "
+                 f"{self.hang_s:g}, or healthy workers would be declared hung")
         for text in self.faults:
             parse_fault(text)
+
+    @property
+    def hang_s(self) -> float:
+        """The hang threshold in effect (``hang_timeout_s``, the shorthand, or the default)."""
+        if self.hang_timeout_s > 0:
+            return self.hang_timeout_s
+        if self.timeout_s > 0:
+            return self.timeout_s
+        return max(2.0, 20 * self.heartbeat_s)
+
+    @property
+    def collective_floor_s(self) -> float:
+        """The collective deadline set by the user (0: none, derived per plan only)."""
+        return self.collective_timeout_s or self.timeout_s
 
     @property
     def fault_plan(self) -> tuple[Fault, ...]:

@@ -1,0 +1,260 @@
+"""Checkpoints on disk: written atomically, described by a manifest, verified on load.
+
+Layout of a run directory::
+
+    checkpoints/
+        step00000020/            a complete checkpoint after 20 committed steps
+            manifest.json        step, generation, plan, per-layer file, size and sha256
+            layer0.bin ...       one file per layer: its parameters and optimizer state
+        .partial-step00000040-g3/  an assembly in progress (never read)
+
+A checkpoint is assembled in a ``.partial-*`` folder named by its step and the generation
+that uploads it, so uploads of two timelines (before and after a restart) never mix. Each
+layer file is written under a temporary name, flushed, fsynced and renamed; when every
+layer is there the manifest is written the same way and the folder is renamed to its final
+name, then the parent folder is fsynced. A reader therefore sees either a whole
+checkpoint or none. The last ``keep`` complete checkpoints are kept.
+
+Pure Python (no torch): the layer files are opaque bytes here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+"""Version of the manifest layout."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not match its manifest."""
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one whole.
+
+    The bytes go to a temporary sibling, are flushed and fsynced, then renamed over the
+    target; the folder is fsynced so the rename survives a crash.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint after ``step`` committed steps."""
+    return f"step{step:08d}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds."""
+
+    step: int
+    """Committed steps the state includes."""
+    gen: int
+    """The generation that uploaded it."""
+    num_layers: int
+    layers: dict[int, tuple[str, int, str]]
+    """Layer -> (file name, size in bytes, sha256 hex)."""
+    plan: dict[str, Any]
+    """The plan that was running (for the record; any plan can load the state)."""
+    meta: dict[str, Any]
+    """Run facts (job name, config digest, dtype...) checked before resuming."""
+    folder: Path
+
+    def to_json(self) -> str:
+        """The manifest file's text."""
+        return json.dumps({
+            "format": FORMAT, "step": self.step, "gen": self.gen,
+            "num_layers": self.num_layers,
+            "layers": {str(i): {"file": f, "bytes": n, "sha256": h}
+                       for i, (f, n, h) in sorted(self.layers.items())},
+            "plan": self.plan, "meta": self.meta}, indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        """Parse and check the manifest of ``folder`` (not the layer contents).
+
+        Raises:
+            CheckpointError: for a missing, malformed or incomplete manifest.
+        """
+        try:
+            doc = json.loads((folder / MANIFEST).read_text())
+            if doc.get("format") != FORMAT:
+                raise CheckpointError(f"{folder}: unknown checkpoint format {doc.get('format')}")
+            layers = {int(i): (str(v["file"]), int(v["bytes"]), str(v["sha256"]))
+                      for i, v in doc["layers"].items()}
+            manifest = cls(step=int(doc["step"]), gen=int(doc["gen"]),
+                           num_layers=int(doc["num_layers"]), layers=layers,
+                           plan=dict(doc["plan"]), meta=dict(doc["meta"]), folder=folder)
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{folder}: unreadable manifest ({exc})") from None
+        if sorted(layers) != list(range(manifest.num_layers)):
+            raise CheckpointError(f"{folder}: the manifest lists layers {sorted(layers)}, "
+                                  f"expected 0..{manifest.num_layers - 1}")
+        for i, (name, size, _) in layers.items():
+            path = folder / name
+            if not path.is_file() or path.stat().st_size != size:
+                raise CheckpointError(f"{folder}: layer {i} file {name} is missing or not "
+                                      f"{size} bytes")
+        return manifest
+
+    def read_layer(self, layer: int) -> bytes:
+        """The bytes of ``layer``, verified against the manifest's sha256.
+
+        Raises:
+            CheckpointError: when the file is missing or its contents changed.
+        """
+        name, size, digest = self.layers[layer]
+        try:
+            data = (self.folder / name).read_bytes()
+        except OSError as exc:
+            raise CheckpointError(f"{self.folder}: layer {layer}: {exc}") from None
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointError(f"{self.folder}: layer {layer} ({name}) does not match its "
+                                  "sha256 in the manifest; the checkpoint is corrupt")
+        return data
+
+
+class Assembly:
+    """One checkpoint being uploaded layer by layer (thread-safe)."""
+
+    def __init__(self, root: Path, step: int, gen: int, num_layers: int) -> None:
+        self.step, self.gen, self.num_layers = step, gen, num_layers
+        self.folder = root / f".partial-{step_dir_name(step)}-g{gen}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.layers: dict[int, tuple[str, int, str]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, layer: int, data: bytes) -> bool:
+        """Store one layer's bytes (a repeated upload of a layer is ignored).
+
+        Returns:
+            Whether every layer is now present.
+
+        Raises:
+            CheckpointError: for a layer index outside the model.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        with self.lock:
+            if layer not in self.layers:
+                name = f"layer{layer}.bin"
+                write_atomic(self.folder / name, data)
+                self.layers[layer] = (name, len(data), hashlib.sha256(data).hexdigest())
+            return len(self.layers) == self.num_layers
+
+    @property
+    def complete(self) -> bool:
+        """Whether every layer arrived."""
+        with self.lock:
+            return len(self.layers) == self.num_layers
+
+
+class CheckpointStore:
+    """The ``checkpoints/`` folder of a run directory."""
+
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        """Open (and create) the folder; leftovers of interrupted assemblies are removed.
+
+        Args:
+            run_dir: the run directory.
+            keep: complete checkpoints to keep.
+        """
+        self.root = Path(run_dir) / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        for leftover in self.root.glob(".partial-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def begin(self, step: int, gen: int, num_layers: int) -> Assembly:
+        """Start (or restart) assembling the checkpoint after ``step`` steps from ``gen``."""
+        return Assembly(self.root, step, gen, num_layers)
+
+    def commit(self, assembly: Assembly, *, plan: dict[str, Any],
+               meta: dict[str, Any]) -> Manifest:
+        """Write the manifest and publish the checkpoint under its final name.
+
+        Raises:
+            CheckpointError: when a layer is missing.
+        """
+        if not assembly.complete:
+            missing = sorted(set(range(assembly.num_layers)) - set(assembly.layers))
+            raise CheckpointError(f"checkpoint after {assembly.step} steps: layers {missing} "
+                                  "missing")
+        manifest = Manifest(step=assembly.step, gen=assembly.gen,
+                            num_layers=assembly.num_layers, layers=dict(assembly.layers),
+                            plan=plan, meta=meta, folder=assembly.folder)
+        write_atomic(assembly.folder / MANIFEST, manifest.to_json().encode())
+        final = self.root / step_dir_name(assembly.step)
+        if final.exists():  # the same step again (a redo after a restart): replace it
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(assembly.folder, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(assembly.folder, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return Manifest.read(final)
+
+    def discard(self, assembly: Assembly) -> None:
+        """Drop an assembly that will never complete."""
+        shutil.rmtree(assembly.folder, ignore_errors=True)
+
+    def _prune(self) -> None:
+        complete = self.steps()
+        for step in complete[:-self.keep]:
+            shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        """Committed-step counts of the complete checkpoints, ascending."""
+        out = []
+        for path in self.root.glob("step*"):
+            if path.is_dir() and (path / MANIFEST).is_file():
+                with contextlib.suppress(ValueError):
+                    out.append(int(path.name[len("step"):]))
+        return sorted(out)
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of the checkpoint after ``step`` steps.
+
+        Raises:
+            CheckpointError: when it is missing or damaged.
+        """
+        return Manifest.read(self.root / step_dir_name(step))
+
+    def latest(self) -> Manifest | None:
+        """The newest checkpoint whose manifest and files check out, or None.
+
+        A damaged newer checkpoint is skipped in favour of an older intact one.
+        """
+        for step in reversed(self.steps()):
+            with contextlib.suppress(CheckpointError):
+                return self.manifest(step)
+        return None

@@ -1,0 +1,140 @@
+"""Will the workers fit? Memory needed per worker against what this host gives them.
+
+Checked before any worker starts: a job that cannot fit would otherwise launch, thrash,
+and end by the kernel's out-of-memory killer a minute or two later with a misleading
+"worker exited with status -9".
+
+The need of a worker is the runtime's own: every parameter of its stage in the run's
+dtype, its gradient, and the optimizer's state (AdamW: two moments), plus the activations
+kept for the micro-batches in flight (at most the number of stages, 1F1B), plus the
+process itself (the Python interpreter and torch). CPU workers of one host share its
+available memory; a GPU worker has its device's memory.
+"""
+
+from __future__ import annotations
+
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.profile import Profile
+from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.model import ModelSpec
+
+PROCESS_BYTES = 300 * 2**20
+"""Resident memory of a worker process before its layers (measured: ~220 MiB after
+importing torch, plus gloo's buffers and threads)."""
+OPTIMIZER_COPIES = 2
+"""Optimizer state per parameter, in parameter-sized tensors (AdamW: two moments)."""
+_DTYPE_BYTES = {"float32": 4, "float64": 8}
+GIB = 2**30
+
+
+def layer_parameters(model: ModelSpec) -> list[int]:
+    """Parameters of each planner layer of the runtime's GPT (embedding, blocks, head)."""
+    h, f, v, t = model.hidden_size, model.ffn, model.vocab_size, model.seq_len
+    block = 3 * h * h + h * h + 2 * h + 2 * h + h * f + f + f * h + h
+    return [v * h + t * h, *([block] * model.num_blocks), 2 * h + h * v]
+
+
+def _activation_elements(model: ModelSpec, micro_batch: int) -> float:
+    """Elements autograd keeps per block and micro-batch (no recomputation): the
+    Korthikanti et al. count in elements, ``s b h (34 + 5 a s / h) / 2``, rounded up."""
+    s, b, h, a = model.seq_len, micro_batch, model.hidden_size, model.num_heads
+    return s * b * h * (34 + 5 * a * s / h) / 2
+
+
+def worker_bytes(config: Config, plan: ExecutionPlan) -> dict[int, float]:
+    """Bytes each worker of ``plan`` needs in the runtime (process included)."""
+    assert config.model is not None
+    dtype = _DTYPE_BYTES[config.train.dtype]
+    params = layer_parameters(config.model)
+    act = _activation_elements(config.model, config.job.micro_batch) * dtype
+    out: dict[int, float] = {}
+    for _, stage_index, stage in plan.iter_stages():
+        pipe_stages = max(p.num_stages for p in plan.pipelines)
+        in_flight = max(1, pipe_stages - stage_index)
+        n = sum(params[i] for i in stage.layers)
+        state = n * dtype * (2 + OPTIMIZER_COPIES)
+        out[stage.worker] = out.get(stage.worker, 0.0) + state + in_flight * act * len(
+            stage.layers) + PROCESS_BYTES
+    return out
+
+
+def available_bytes() -> int | None:
+    """This host's available memory (``MemAvailable``), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _fmt(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB / 10 else \
+        f"{num_bytes / 2**20:.0f} MiB"
+
+
+def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_local: int, *,
+                 backend: str | None = None, available: int | None = None,
+                 gpu_bytes: list[int] | None = None) -> list[str]:
+    """Refuse a job whose local workers cannot fit; return notes worth a log line.
+
+    Args:
+        config: the job.
+        plan: the initial plan.
+        profile: per-layer costs (unused for the need, which is the runtime's own).
+        num_local: workers launched on this host (ids ``0..num_local-1``).
+        backend: ``gloo``/``nccl`` (default: ``[train] backend`` resolved on this host).
+        available: bytes of host memory available (default: read from the system).
+        gpu_bytes: memory of each local GPU (default: asked of torch when NCCL runs).
+
+    Raises:
+        ValueError: naming what is needed and what there is.
+    """
+    del profile
+    notes: list[str] = []
+    if num_local == 0:
+        return notes
+    need = worker_bytes(config, plan)
+    local = [need.get(w, float(PROCESS_BYTES)) for w in range(num_local)]
+    if backend is None:
+        backend = config.train.backend
+        if backend == "auto":
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = config.cluster.device
+    device_name = device.name if device is not None else "custom"
+    if backend == "gloo" and device_name != "cpu":
+        notes.append(f"note: cluster.device is {device_name!r}, but the workers run on this "
+                     "host's CPU (gloo): the plan's timings are estimates for that device, "
+                     "not for this machine")
+    dtype = config.train.dtype
+    if backend == "nccl":  # pragma: no cover - needs GPUs
+        if gpu_bytes is None:
+            import torch
+
+            gpu_bytes = [torch.cuda.get_device_properties(d).total_memory
+                         for d in range(torch.cuda.device_count())]
+        per_gpu: dict[int, float] = {}
+        for w, n in enumerate(local):
+            per_gpu[w % len(gpu_bytes)] = per_gpu.get(w % len(gpu_bytes), 0.0) + n
+        for d, n in per_gpu.items():
+            if n > gpu_bytes[d]:
+                raise ValueError(f"memory: the workers on GPU {d} need {_fmt(n)} ({dtype} "
+                                 f"parameters, gradients, optimizer state, activations), the "
+                                 f"device has {_fmt(gpu_bytes[d])}; use more GPUs, a longer "
+                                 "pipeline (job.pp) or a smaller model")
+        return notes
+    have = available_bytes() if available is None else available
+    total = sum(local)
+    if have is not None and total > have:
+        largest = max(local)
+        raise ValueError(
+            f"memory: {num_local} local workers need {_fmt(total)} (up to {_fmt(largest)} "
+            f"each: {dtype} parameters, gradients and optimizer state of the stage, "
+            f"activations, and the process itself), this host has {_fmt(have)} available; "
+            "use a smaller model, fewer local workers (--remote-workers), or more hosts")
+    return notes
+
