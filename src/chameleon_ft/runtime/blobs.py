@@ -197,7 +197,9 @@ class BlobClient:
             try:
                 with socket.create_connection((self.host, self.port),
                                               timeout=self.timeout_s) as sock:
-                    send_message(sock, self.secret, header, payload)
+                    # the server may refuse before the payload is through: its reply says why
+                    with contextlib.suppress(OSError):
+                        send_message(sock, self.secret, header, payload)
                     reply, data = recv_message(sock, self.secret, self.timeout_s,
                                                max_reply_bytes)
             except (OSError, BlobError) as exc:

@@ -700,7 +700,7 @@ class Coordinator:
         for g in sorted(k for k in self.gen_info if k < before):
             info = self.gen_info.pop(g)
             keys = [proto.directive_key(g), proto.abort_key(g), proto.ready_key(g),
-                    proto.num_errors_key(g), proto.error_slot_key(g)]
+                    proto.error_slot_key(g)]
             for step in range(info["first_step"], info["last_step"] + 1):
                 keys += [proto.reduced_key(g, step), proto.verdict_key(g, step)]
             keys += [proto.error_key(g, i) for i in range(info.get("errors", 0))]
@@ -801,23 +801,28 @@ class Coordinator:
             self._sleep()
 
     def _read_errors(self, dead: dict[int, str], now: float) -> None:
+        """Read the generation's error reports in slot order, never blocking: a slot that
+        was reserved but not written (its writer died in between) is skipped after the
+        hang deadline; a malformed report is logged and ignored."""
         gen = self.state.gen
-        announced = self.store.add(proto.num_errors_key(gen), 0)
-        while self.errors_seen < announced:
+        slots = self.store.add(proto.error_slot_key(gen), 0)
+        while self.errors_seen < slots:
             key = proto.error_key(gen, self.errors_seen)
             if not self._store_has(key):
-                # reserved but not written yet; give up on it after the hang deadline
                 if self.error_wait_since is None:
                     self.error_wait_since = now
                 if now - self.error_wait_since < self.hang_s:
                     break
+                self.log(f"generation {gen}: error report {self.errors_seen} was never "
+                         "written (its writer died); skipped")
                 self.errors_seen += 1
                 self.error_wait_since = None
                 continue
             self.error_wait_since = None
             raw = self.store.get(key)
             self.errors_seen += 1
-            self.gen_info.get(gen, {})["errors"] = self.errors_seen
+            if gen in self.gen_info:
+                self.gen_info[gen]["errors"] = self.errors_seen
             try:
                 report = proto.ErrorReport.from_json(raw)
             except ValueError:

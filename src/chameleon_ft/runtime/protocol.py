@@ -11,9 +11,11 @@ Per-process keys carry the process's *incarnation* (a nonce the coordinator hand
 when a process takes a worker id), so a fenced process that comes back (a hung remote
 worker that is continued) can never pass for the replacement that took its id.
 
-Writers always write a message's key before the counter that announces it, and the
-coordinator checks a key exists before it reads it: no read in the coordinator's watch
-loop ever blocks. Bulk state (checkpoints, the final state) does not travel here: see
+Messages from many writers (error reports, join requests) go into numbered slots: a
+writer reserves a slot with a counter, then writes it. The coordinator reads the slots in
+order and checks a key exists before it reads it, so no read in its watch loop ever
+blocks; a slot reserved by a writer that died before writing is skipped after the hang
+deadline; a malformed message is ignored. Bulk state (checkpoints, the final state) does not travel here: see
 ``runtime.blobs``.
 """
 
@@ -89,18 +91,14 @@ def timing_key(gen: int, step: int, worker: int) -> str:
     return f"gen{gen}/timing/{step}/{worker}"
 
 
-def num_errors_key(gen: int) -> str:
-    """Counter of error reports announced in generation ``gen``."""
-    return f"gen{gen}/num_errors"
-
-
 def error_slot_key(gen: int) -> str:
-    """Counter a worker increments to reserve the index of its error report."""
+    """Counter a worker increments to reserve the index of its error report (it then
+    writes the report; the coordinator skips a slot left unwritten past the deadline)."""
     return f"gen{gen}/error_slots"
 
 
 def error_key(gen: int, index: int) -> str:
-    """The ``index``-th error report (JSON ``ErrorReport``), written before it is counted."""
+    """The ``index``-th error report (JSON ``ErrorReport``)."""
     return f"gen{gen}/error/{index}"
 
 

@@ -106,7 +106,10 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
             backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = config.cluster.device
     device_name = device.name if device is not None else "custom"
+    mismatch = ""
     if backend == "gloo" and device_name != "cpu":
+        mismatch = (f" (cluster.device is {device_name!r}, but the workers would run on this "
+                    "host's CPU)")
         notes.append(f"note: cluster.device is {device_name!r}, but the workers run on this "
                      "host's CPU (gloo): the plan's timings are estimates for that device, "
                      "not for this machine")
@@ -134,7 +137,8 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         raise ValueError(
             f"memory: {num_local} local workers need {_fmt(total)} (up to {_fmt(largest)} "
             f"each: {dtype} parameters, gradients and optimizer state of the stage, "
-            f"activations, and the process itself), this host has {_fmt(have)} available; "
-            "use a smaller model, fewer local workers (--remote-workers), or more hosts")
+            f"activations, and the process itself), this host has {_fmt(have)} available"
+            f"{mismatch}; use a smaller model, fewer local workers (--remote-workers), or "
+            "more hosts")
     return notes
 

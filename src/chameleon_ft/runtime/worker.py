@@ -406,12 +406,11 @@ class Worker:
                 gen = max(gen, self._current_gen())
 
     def _report(self, fatal: bool, peer: int | None, message: str, gen: int) -> None:
-        """Tell the coordinator (the report is written before it is counted)."""
+        """Tell the coordinator: reserve a slot, then write the report into it."""
         report = proto.ErrorReport(worker=self.id, fatal=fatal, peer=peer, message=message)
         with contextlib.suppress(Exception):
             index = self.store.add(proto.error_slot_key(gen), 1) - 1
             self.store.set(proto.error_key(gen, index), report.to_json())
-            self.store.add(proto.num_errors_key(gen), 1)
 
     def _refresh_faults(self) -> None:
         version = self.store.add(proto.FAULTS_VERSION_KEY, 0)

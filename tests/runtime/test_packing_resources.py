@@ -1,0 +1,103 @@
+"""Packed layer state (migration, checkpoints) and the memory check before launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from chameleon_ft.plan import initial_plan
+from chameleon_ft.profile import build_profile
+from chameleon_ft.runtime.model import GPTShape, LayerState, build_layer
+from chameleon_ft.runtime.packing import PackError, pack, unpack
+from chameleon_ft.runtime.resources import check_memory, worker_bytes
+from chameleon_ft.spec import load_config
+from chameleon_ft.spec.config import config_from_mapping
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_optimizer_state_round_trips_through_packing() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
+    for opt_cls, kwargs in ((torch.optim.AdamW, {"betas": (0.9, 0.95)}),
+                            (torch.optim.SGD, {"momentum": 0.9}), (torch.optim.Adam, {})):
+        opt = opt_cls(model.parameters(), lr=0.01, **kwargs)
+        model(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        tree = {"module": model.state_dict(), "optimizer": opt.state_dict()}
+        data = pack(tree)
+        assert data == pack({"module": model.state_dict(), "optimizer": opt.state_dict()})
+        back = unpack(data)
+        fresh = opt_cls(model.parameters(), lr=0.5)
+        fresh.load_state_dict(back["optimizer"])
+        assert fresh.state_dict()["param_groups"][0]["lr"] == 0.01
+        for k, v in back["module"].items():
+            assert torch.equal(v, model.state_dict()[k])
+
+
+def test_layer_state_tree_round_trip() -> None:
+    shape = GPTShape(num_blocks=1, hidden_size=8, num_heads=2, vocab_size=16, seq_len=4,
+                     ffn_size=16)
+    a = LayerState(build_layer(shape, 1, seed=1, dtype=torch.float64))
+    for m in a.exp_avg:
+        m.fill_(0.5)
+    b = LayerState(build_layer(shape, 1, seed=2, dtype=torch.float64))
+    b.load_tree(unpack(pack(a.state_tree())))
+    assert torch.equal(a.flat(), b.flat())
+    with pytest.raises(ValueError, match=r"shape|structure"):
+        LayerState(build_layer(shape, 0, seed=1, dtype=torch.float64)).load_tree(
+            unpack(pack(a.state_tree())))
+
+
+@pytest.mark.parametrize("data", [b"", b"CHL1", b"XXXX" + bytes(20),
+                                  b"CHL1" + (10**6).to_bytes(8, "big") + b"{}"])
+def test_garbage_does_not_unpack(data: bytes) -> None:
+    with pytest.raises(PackError):
+        unpack(data)
+
+
+def test_truncated_tensor_bytes_do_not_unpack() -> None:
+    data = pack({"x": torch.arange(10, dtype=torch.float64)})
+    with pytest.raises(PackError, match="truncated"):
+        unpack(data[:-8])
+
+
+def test_unpackable_values_are_refused() -> None:
+    with pytest.raises(PackError):
+        pack({"f": object()})
+    with pytest.raises(PackError):
+        pack({(1, 2): 3})
+
+
+def test_paper32_does_not_fit_this_host_one_line() -> None:
+    config = load_config(EXAMPLES / "paper32.toml")
+    plan = initial_plan(config, build_profile(config))
+    with pytest.raises(ValueError) as info:
+        check_memory(config, plan, build_profile(config), config.num_workers, backend="gloo",
+                     available=24 * 2**30)
+    message = str(info.value)
+    assert message.startswith("memory: 32 local workers need") and "\n" not in message
+    assert "24.0 GiB available" in message and "--remote-workers" in message
+    assert "cluster.device is 'a100-80g'" in message
+
+
+def test_tiny_fits_and_the_device_mismatch_is_noted() -> None:
+    config = load_config(EXAMPLES / "tiny_cpu.toml")
+    plan = initial_plan(config, build_profile(config))
+    need = worker_bytes(config, plan)
+    assert sorted(need) == [0, 1, 2, 3] and all(n > 300 * 2**20 for n in need.values())
+    assert check_memory(config, plan, build_profile(config), 4, backend="gloo",
+                        available=8 * 2**30) == []
+    tiny_on_a100 = config_from_mapping({
+        "model": {"num_blocks": 2, "hidden_size": 32, "num_heads": 2, "vocab_size": 256,
+                  "seq_len": 32},
+        "cluster": {"num_nodes": 2, "devices_per_node": 2, "device": "a100-80g"},
+        "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2}})
+    plan = initial_plan(tiny_on_a100, build_profile(tiny_on_a100))
+    (note,) = check_memory(tiny_on_a100, plan, build_profile(tiny_on_a100), 4,
+                           backend="gloo", available=8 * 2**30)
+    assert "'a100-80g'" in note and "CPU" in note
+    with pytest.raises(ValueError, match="memory"):
+        check_memory(config, plan, build_profile(config), 4, backend="gloo", available=2**20)
