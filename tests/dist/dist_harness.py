@@ -50,13 +50,22 @@ def alive(pid: int) -> bool:
     return True
 
 
-def run_job(out_dir: Path, *, policy: str = "chameleon", faults: tuple[str, ...] = (),
+def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[str, ...] = (),
             on_log: Callable[[Coordinator, str], None] | None = None,
+            coordinator: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
     Every worker is gone when this returns (the coordinator reaps them; the finally here
     kills any survivor by pid as a last resort).
+
+    Args:
+        out_dir: the run directory (None: the coordinator's default).
+        policy: the recovery policy.
+        faults: injected faults.
+        on_log: called with each log line.
+        coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
+        train: ``[train]`` overrides.
     """
     config = tiny_config(**train)
     lines: list[str] = []
@@ -68,10 +77,13 @@ def run_job(out_dir: Path, *, policy: str = "chameleon", faults: tuple[str, ...]
             on_log(holder["c"], message)
 
     coord = Coordinator(config, policy=policy, faults=[parse_fault(f) for f in faults],
-                        out_dir=out_dir, log=log)
+                        out_dir=out_dir, log=log, **(coordinator or {}))
     holder["c"] = coord
     try:
         report = coord.run()
+    except BaseException:
+        print("\n".join(lines[-40:]))  # pytest shows it with the failure
+        raise
     finally:
         pids = [p.pid for p in coord.all_procs if p.pid is not None]
         for pid in pids:

@@ -64,6 +64,8 @@ _POLL_S = 0.002
 COLLECTIVE_FLOOR_S = 3.0
 """Smallest collective deadline derived from a plan (gloo's first transfers on a loaded
 machine take hundreds of milliseconds)."""
+CHECKPOINT_LOG_S = 10.0
+"""At most one "checkpoint written" line per this many seconds."""
 MAX_FAILED_STARTS = 3
 """Replacements of one worker that may die before they are up; then repairs stop."""
 COLLECTIVE_FACTOR = 10.0
@@ -370,6 +372,7 @@ class Coordinator:
         """Per generation not yet retired: its groups and steps (for deleting its keys)."""
         self.ready_gens: set[int] = set()
         self.failed_starts: dict[int, int] = {}
+        self.checkpoint_logged_s = -CHECKPOINT_LOG_S
         self.joins_seen = 0
         self.join_wait_since: float | None = None
         self.fault_times_used: set[int] = set()
@@ -493,6 +496,9 @@ class Coordinator:
                 self.log(f"resuming from {self.resumed_from.folder} "
                          f"({self.resumed_from.step} steps)")
             self._launch(range(self.num_local))
+            if self.num_local:
+                pids = " ".join(str(self.procs[w].process.pid) for w in range(self.num_local))
+                self.log(f"launched workers 0-{self.num_local - 1} (pids {pids})")
             self._wait_joined()
             self._publish()
             self._loop()
@@ -502,6 +508,10 @@ class Coordinator:
             self._reap()
             with contextlib.suppress(Exception):
                 self.blobs.close()
+            with self.lock:  # checkpoints that will never complete
+                for assembly in self.assemblies.values():
+                    self.ckpt.discard(assembly)
+                self.assemblies.clear()
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -666,7 +676,7 @@ class Coordinator:
                    for m in sorted({tuple(b[0]) for rnd in sync_rounds for b in rnd
                                     if len(b[0]) > 1})]
         self.gen_info[s.gen] = {"groups": groups, "first_step": s.next_step,
-                                "last_step": s.next_step}
+                                "last_step": s.next_step - 1, "world": world}
         decide = self._decide_fn()
         precompute = getattr(decide, "precompute", None)
         if precompute is not None:
@@ -701,9 +711,14 @@ class Coordinator:
             info = self.gen_info.pop(g)
             keys = [proto.directive_key(g), proto.abort_key(g), proto.ready_key(g),
                     proto.error_slot_key(g)]
-            for step in range(info["first_step"], info["last_step"] + 1):
+            with contextlib.suppress(Exception):
+                slots = self.store.add(proto.error_slot_key(g), 0)
+                keys += [proto.error_key(g, i) for i in range(slots)]
+            # the committed steps and the one in flight when the generation ended
+            for step in range(info["first_step"], info["last_step"] + 2):
                 keys += [proto.reduced_key(g, step), proto.verdict_key(g, step)]
-            keys += [proto.error_key(g, i) for i in range(info.get("errors", 0))]
+                for w in info["world"]:
+                    keys += [proto.loss_key(g, step, w), proto.timing_key(g, step, w)]
             keys += proto.rendezvous_keys(g, info["groups"])
             for key in keys:
                 with contextlib.suppress(Exception):
@@ -794,6 +809,9 @@ class Coordinator:
                 self.ready_gens.add(s.gen)
                 self._retire_generations(s.gen)
             if self.store.add(proto.reduced_key(s.gen, s.next_step), 0) >= len(s.plan.workers):
+                # a step that commits shows the generation works: earlier reports were stale
+                self.unexplained_since = None
+                self.suspects.clear()
                 if self._commit():
                     return
                 continue
@@ -821,8 +839,6 @@ class Coordinator:
             self.error_wait_since = None
             raw = self.store.get(key)
             self.errors_seen += 1
-            if gen in self.gen_info:
-                self.gen_info[gen]["errors"] = self.errors_seen
             try:
                 report = proto.ErrorReport.from_json(raw)
             except ValueError:
@@ -885,9 +901,10 @@ class Coordinator:
         self.steps[step] = StepRecord(step, loss, committed - start, gen, committed,
                                       len(s.plan.workers))
         self.state = st.committed(s, step)
-        self.gen_info.setdefault(gen, {"groups": [], "first_step": step})["last_step"] = step
+        info = self.gen_info.get(gen, {"first_step": step})
+        info["last_step"] = step
         # every worker read the previous verdict before it reduced this step
-        if step - 1 >= self.gen_info[gen].get("first_step", step):
+        if step - 1 >= info["first_step"]:
             for key in (proto.verdict_key(gen, step - 1), proto.reduced_key(gen, step - 1)):
                 with contextlib.suppress(Exception):
                     self.store.delete_key(key)
@@ -1243,7 +1260,9 @@ class Coordinator:
             manifest = self.ckpt.commit(assembly, plan=self.state.state_plan.to_dict(),
                                         meta=self._checkpoint_meta())
             self.checkpoint_times[step] = self.now()
-            self.log(f"checkpoint after {step} steps written to {manifest.folder}")
+            if self.now() - self.checkpoint_logged_s >= CHECKPOINT_LOG_S:
+                self.checkpoint_logged_s = self.now()
+                self.log(f"checkpoint after {step} steps written to {manifest.folder}")
 
     # ------------------------------------------------------------------ the end
     def _finish(self) -> dict[str, Any]:

@@ -438,6 +438,9 @@ class Worker:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "glitch":
+                raise CommError(f"worker {self.id}: injected glitch at step {step} ({phase})",
+                                None)
             else:
                 raise InjectedError(f"injected error on worker {self.id} at step {step} "
                                     f"({phase})")

@@ -1,6 +1,6 @@
 """Runtime training settings (section ``[train]``): used by ``chameleon train`` only.
 
-Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|error[,phase=...]`` strings,
+Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``,
 parsed here (pure Python) so that the CLI, the config file and the tests share one format.
 """
 
@@ -20,7 +20,11 @@ class FaultKind(StrEnum):
     HANG = "hang"
     """SIGSTOP: the process stops answering but keeps its sockets open."""
     ERROR = "error"
-    """An exception raised inside the worker's training code."""
+    """An exception raised inside the worker's training code (the worker exits)."""
+    GLITCH = "glitch"
+    """A transient communication failure: the worker breaks its generation's connections
+    and reports the error, but stays alive. Errors no death explains: the coordinator
+    redoes the generation (bounded by ``max_retries``)."""
 
 
 class FaultPhase(StrEnum):
@@ -64,6 +68,9 @@ class Fault:
         check_int("step", self.step, minimum=0)
         check_choice("kind", self.kind, [k.value for k in FaultKind])
         check_choice("phase", self.phase, [p.value for p in FaultPhase])
+        if self.kind == FaultKind.GLITCH and self.phase == FaultPhase.OPTIMIZER:
+            fail("phase", "a glitch is a communication failure; the optimizer phase "
+                 "communicates nothing (use forward, backward, recovery or migration)")
 
     def to_text(self) -> str:
         """The ``rank=R,step=S,kind=K,phase=P`` form."""
@@ -71,7 +78,7 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """Parse ``rank=R,step=S,kind=kill|hang|error[,phase=forward|backward|optimizer]``.
+    """Parse ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``.
 
     Raises:
         ValueError: naming ``fault`` and the offending part.
@@ -166,7 +173,7 @@ class TrainSpec:
     launched itself, once training runs again, and let the policy decide whether to fold
     it back in (the plan changes at a step boundary, state migrates to it)."""
     faults: tuple[str, ...] = ()
-    """Injected faults, each ``rank=R,step=S,kind=kill|hang|error[,phase=...]``."""
+    """Injected faults, each ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``."""
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps)
