@@ -104,8 +104,10 @@ class Run:
     """``chameleon train`` in the background, its progress read line by line."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        # its own session: a signal to the process group (Ctrl-C) spares the test
         self.proc = subprocess.Popen(_cmd("train", *args), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env or _env())
+                                     stderr=subprocess.STDOUT, text=True, env=env or _env(),
+                                     start_new_session=True)
         self.lines: list[str] = []
 
     def until(self, pattern: str, limit_s: float = 90) -> re.Match[str]:
@@ -185,7 +187,10 @@ def test_a_signal_drains_checkpoints_and_says_how_to_resume(
     try:
         pids = _pids(run)
         run.until(r"step +(1[6-9]|[2-9]\d)\b")
-        os.kill(run.proc.pid, sig)
+        if sig == signal.SIGINT:  # Ctrl-C: the terminal signals every process of the group
+            os.killpg(run.proc.pid, sig)
+        else:
+            os.kill(run.proc.pid, sig)
         assert run.finish() == code
     finally:
         run.kill()

@@ -885,6 +885,11 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # Ctrl-C in a terminal (SIGINT) or a scheduler's SIGTERM reach the whole process
+    # group; the coordinator drains the run and tells the workers when to stop, and a
+    # worker whose coordinator is gone exits by its heartbeat watchdog.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = EXIT_OK
     try:
         worker = Worker(worker_id, host, port, address=address, incarnation=incarnation,
