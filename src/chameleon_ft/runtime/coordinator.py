@@ -740,7 +740,9 @@ class Coordinator:
         """When an injected fault fired on one of ``failed`` (worker wall clock -> run clock)."""
         times = []
         for index, fault in enumerate(self.faults):
-            if fault.rank not in failed or index in self.fault_times_used:
+            # a glitch does not take its worker out: it explains no death
+            if fault.rank not in failed or index in self.fault_times_used or \
+                    fault.kind == "glitch":
                 continue
             key = proto.fault_fired_key(index)
             if self._store_has(key):

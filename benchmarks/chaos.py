@@ -1,0 +1,235 @@
+"""Chaos benchmark: hundreds of random faults against the real runtime, every run held
+against a failure-free run of the same job in float64.
+
+Each run trains a small GPT on ``--workers`` worker processes with re-join on, while
+``chameleon_ft.runtime.chaos.ChaosHooks`` injects ``--faults`` faults in episodes: kills,
+hangs, errors and glitches in every phase of a step, two workers at once, a fault during
+a recovery, during a migration, on a repaired worker. Then one more run has its
+coordinator SIGKILLed (with one worker stopped) and is continued with ``--resume``.
+
+Reported: faults injected and fired, runs whose parameters equal the failure-free run's
+(max difference), steps lost outside restarts, stray processes, detection and recovery
+time (median, p99) and how often each strategy was chosen.
+
+Usage::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos.py --workers 8 --faults 20 \\
+        --runs 15 --seed 1 [--json out/chaos8.json] [--no-resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+LAYOUTS = {4: (2, 2, 2, 2), 8: (2, 4, 2, 4), 16: (4, 4, 4, 4), 32: (8, 4, 4, 8)}
+"""workers -> (nodes, devices per node, pp, dp)."""
+
+
+def chaos_doc(workers: int, steps: int) -> dict[str, Any]:
+    """The job: a 2-block GPT in float64 on ``workers`` worker processes."""
+    nodes, per_node, pp, dp = LAYOUTS[workers]
+    big = workers >= 16  # many processes on few cores: heartbeats arrive later
+    return {
+        "model": {"name": f"chaos{workers}", "num_blocks": max(2, pp), "hidden_size": 32,
+                  "num_heads": 2, "vocab_size": 256, "seq_len": 32},
+        "cluster": {"num_nodes": nodes, "devices_per_node": per_node, "device": "cpu"},
+        "job": {"pp": pp, "dp": dp, "global_batch": 4 * dp, "micro_batch": 2},
+        "profile": {"kind": "analytic"},
+        "recovery": {"detect_s": 0.05, "rebuild_s": 0.05, "restart_s": 0.5,
+                     "checkpoint_load_s": 0.05, "checkpoint_interval_s": 3.0},
+        "train": {"steps": steps, "dtype": "float64", "lr": 3e-3,
+                  "hang_timeout_s": 3.0 if big else 1.0,
+                  "heartbeat_s": 0.1 if big else 0.05, "checkpoint_every": 5,
+                  "rejoin": True, "max_retries": 3, "join_timeout_s": 300.0},
+    }
+
+
+def _toml(doc: dict[str, Any]) -> str:
+    lines = []
+    for table, values in doc.items():
+        lines.append(f"[{table}]")
+        for key, value in values.items():
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_reference(doc: dict[str, Any], out: Path) -> dict[str, Any]:
+    from chameleon_ft.runtime.coordinator import Coordinator
+    from chameleon_ft.spec.config import config_from_mapping
+
+    coord = Coordinator(config_from_mapping(doc), out_dir=out)
+    report = coord.run()
+    assert not report["events"], "the failure-free reference had failures"
+    return coord.params
+
+
+POLICIES = ("chameleon", "reroute", "dynamic", "shrink", "reroute-then-dynamic", "restart")
+"""Run i uses POLICIES[i % 6] (``--policy`` fixes one): every strategy meets chaos."""
+
+
+def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
+              reference: dict[str, Any], policy: str) -> dict[str, Any]:
+    from chameleon_ft.runtime.chaos import ChaosHooks, check_run
+    from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
+    from chameleon_ft.spec.config import config_from_mapping
+
+    steps = doc["train"]["steps"]
+    hooks = ChaosHooks(seed=seed, budget=faults, last_step=steps - 25)
+    coord = Coordinator(config_from_mapping(doc), out_dir=out, hooks=hooks, policy=policy)
+    started = time.monotonic()
+    try:
+        report = coord.run()
+    except WorkerFailure as exc:
+        pids = [p.pid for p in coord.all_procs if p.pid is not None]
+        return {"failed": str(exc), "injected": len(hooks.injected), "fired": 0,
+                "exact": False, "max_diff": float("inf"), "stray": 0, "events": 0,
+                "strategies": {}, "lost_by_restarts": 0, "lost_outside_restarts": 0,
+                "detect_s": [], "recover_s": [], "pids": len(pids)}
+    pids = [p.pid for p in coord.all_procs if p.pid is not None]
+    time.sleep(0.5)
+    result = check_run(report, coord.params, reference, hooks, pids, steps)
+    result["wall_s"] = time.monotonic() - started
+    result["policy"] = policy
+    result["unfired"] = [f["fault"] for f in report["faults"] if not f["fired"]]
+    return result
+
+
+def _alive(pid: int) -> bool:
+    from chameleon_ft.runtime.chaos import _alive as alive
+
+    return alive(pid)
+
+
+def run_coordinator_kill(doc: dict[str, Any], out: Path,
+                         reference: dict[str, Any]) -> dict[str, Any]:
+    """SIGKILL the coordinator (one worker stopped), then ``--resume``; compare."""
+    import torch
+
+    config = out / "job.toml"
+    out.mkdir(parents=True, exist_ok=True)
+    config.write_text(_toml(doc))
+    hang_s = doc["train"]["hang_timeout_s"]
+    cmd = [sys.executable, "-m", "chameleon_ft", "train", "--config", str(config), "--out",
+           str(out / "run")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    pids: list[int] = []
+    killed_at_step = None
+    for line in proc.stdout:
+        m = re.search(r"launched workers 0-\d+ \(pids ([\d ]+)\)", line)
+        if m:
+            pids = [int(p) for p in m.group(1).split()]
+        m = re.search(r"step +(\d+) ", line)
+        if m and int(m.group(1)) >= doc["train"]["steps"] // 2:
+            killed_at_step = int(m.group(1))
+            break
+    stopped = pids[1]
+    os.kill(stopped, signal.SIGSTOP)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    t0 = time.monotonic()
+    others = [p for p in pids if p != stopped]
+    while any(_alive(p) for p in others) and time.monotonic() - t0 < hang_s + 10:
+        time.sleep(0.02)
+    others_gone_s = time.monotonic() - t0
+    time.sleep(hang_s + 0.5)
+    os.kill(stopped, signal.SIGCONT)
+    t1 = time.monotonic()
+    while _alive(stopped) and time.monotonic() - t1 < hang_s + 10:
+        time.sleep(0.02)
+    continued_gone_s = time.monotonic() - t1
+    stray = sum(1 for p in pids if _alive(p))
+    for p in pids:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=900)
+    ok = resumed.returncode == 0
+    params = torch.load(out / "run" / "params.pt") if ok else {}
+    max_diff = max(float((params[k] - reference[k]).abs().max()) for k in reference) \
+        if ok else float("inf")
+    m = re.search(r"resuming from .*\((\d+) steps\)", resumed.stdout)
+    return {"killed_at_step": killed_at_step, "resumed_from": int(m.group(1)) if m else None,
+            "workers_gone_after_s": others_gone_s, "continued_gone_after_s": continued_gone_s,
+            "hang_timeout_s": hang_s, "stray": stray, "resume_ok": ok,
+            "max_diff": max_diff, "exact": max_diff < 1e-9}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8, choices=sorted(LAYOUTS))
+    parser.add_argument("--faults", type=int, default=20, help="faults per run")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--policy", choices=POLICIES,
+                        help="one policy for every run (default: run i uses the i-th of "
+                             f"{', '.join(POLICIES)})")
+    parser.add_argument("--steps", type=int, help="steps per run (default 12 per fault + 40)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="skip the coordinator-kill + --resume run")
+    parser.add_argument("--json", metavar="FILE", help="write every run's figures here")
+    args = parser.parse_args()
+
+    from chameleon_ft.runtime.chaos import summarize
+
+    steps = args.steps or 12 * args.faults + 40
+    doc = chaos_doc(args.workers, steps)
+    with tempfile.TemporaryDirectory(prefix="chameleon-chaos-") as tmp:
+        root = Path(tmp)
+        t = time.monotonic()
+        reference = run_reference(doc, root / "reference")
+        print(f"reference: {steps} steps on {args.workers} workers in "
+              f"{time.monotonic() - t:.1f} s", flush=True)
+        runs = []
+        for i in range(args.runs):
+            seed = args.seed + i
+            policy = args.policy or POLICIES[i % len(POLICIES)]
+            result = run_chaos(doc, args.faults, seed, root / f"run{i}", reference, policy)
+            runs.append(result)
+            print(f"run {i} ({policy}, seed {seed}): {result['injected']} injected, "
+                  f"{result['fired']} "
+                  f"fired, {result['events']} failures "
+                  f"{json.dumps(result['strategies'])}, max diff {result['max_diff']:.2e}, "
+                  f"stray {result['stray']}, {result.get('wall_s', 0):.0f} s"
+                  + (f", FAILED: {result['failed']}" if "failed" in result else "")
+                  + (f", unfired: {result['unfired']}" if result.get("unfired") else ""),
+                  flush=True)
+        summary = summarize([r for r in runs if "failed" not in r])
+        summary["failed_runs"] = sum(1 for r in runs if "failed" in r)
+        kill = None
+        if not args.no_resume:
+            kill = run_coordinator_kill(doc, root / "coordinator-kill", reference)
+            print(f"coordinator kill at step {kill['killed_at_step']}: workers gone after "
+                  f"{kill['workers_gone_after_s']:.2f} s, the stopped one "
+                  f"{kill['continued_gone_after_s']:.2f} s after SIGCONT (hang timeout "
+                  f"{kill['hang_timeout_s']} s); resumed from step {kill['resumed_from']}, "
+                  f"max diff {kill['max_diff']:.2e}, stray {kill['stray']}", flush=True)
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary,
+                                               "runs": runs, "coordinator_kill": kill},
+                                              indent=1))
+    ok = summary["failed_runs"] == 0 and summary["runs_exact"] == summary["runs"] and \
+        summary["faults_fired"] == summary["faults_injected"] and \
+        summary["stray_processes"] == 0 and (kill is None or kill["exact"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
