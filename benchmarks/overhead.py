@@ -69,7 +69,6 @@ def _torch_worker(rank: int, world: int, port: int, config_path: str, pp: int, d
         from chameleon_ft.runtime.datasets import load_data
         from chameleon_ft.runtime.model import torch_dtype
         from chameleon_ft.runtime.models import load_model, to_run
-        from chameleon_ft.spec import load_config
 
         torch.set_num_threads(1)
         config = _config(config_path, pp=pp, dp=dp)
