@@ -12,14 +12,17 @@ initial values) on ``dp x pp`` worker processes over gloo:
   the pipeline's micro-batches (``no_sync`` but for the last), then AdamW.
 
 Our side is ``chameleon_ft.runtime.coordinator.Coordinator(config).run()``; its report has
-every committed step's ``step_s``. Both sides report the median over the timed steps
-(after warm-up); the ratio is ours / PyTorch's. Every wait is bounded: process groups
-have a timeout, children are joined with a deadline and killed after it.
+every committed step's ``step_s``. Each run is a fresh process; the two sides alternate
+``--repeats`` times (the machine's load drifts), and each side reports the median of all
+its timed steps (after warm-up); the ratio is ours / PyTorch's. Every wait is bounded:
+process groups have a timeout, runs and children have deadlines and are killed after
+them.
 
 Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py \\
-        [--config examples/tiny_cpu.toml] [--steps 40] [--warmup 5] [--pp-one] [--json FILE]
+        [--config examples/tiny_cpu.toml] [--steps 40] [--warmup 5] [--repeats 3] [--pp-one]
+        [--json FILE]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --torch-only --steps 3
 """
 
@@ -31,6 +34,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -166,7 +170,7 @@ def measure_torch(config_path: str, *, pp: int, dp: int, steps: int,
         RuntimeError: with the failing worker's traceback, or when the run overran.
     """
     world = pp * dp
-    ctx = mp.get_context("fork")  # torch is not started in the parent: forking is safe
+    ctx = mp.get_context("fork")  # a fresh process that has not started torch: safe to fork
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_torch_worker, args=(r, world, port, config_path, pp, dp,
@@ -214,53 +218,91 @@ def measure_ours(config_path: str, *, pp: int, dp: int, steps: int) -> list[floa
     return times
 
 
+def _side(side: str, config_path: str, pp: int, dp: int, steps: int,
+          timeout_s: float) -> list[float]:
+    """One side's per-step seconds, measured in a fresh process (so that PyTorch's forked
+    workers never inherit a process that has started torch, and runs do not share state)."""
+    cmd = [sys.executable, __file__, "--side", side, "--config", config_path, "--pp", str(pp),
+           "--dp", str(dp), "--steps", str(steps)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{side} run overran {timeout_s:.0f} s") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"{side} run failed (status {done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
+    times: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run both sides and print the medians and the ratio."""
+    """Run both sides, alternating, and print the medians and the ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="first steps not timed")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each side, alternating (the median of all timed "
+                             "steps is reported)")
     parser.add_argument("--pp-one", action="store_true",
                         help="also compare at pp = 1 (DistributedDataParallel)")
     parser.add_argument("--torch-only", action="store_true",
                         help="only PyTorch's side (a smoke check)")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline of one run")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--side", choices=("torch", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--pp", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dp", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.side is not None:  # a child run: print the step times as JSON
+        measure = measure_torch if args.side == "torch" else measure_ours
+        print(json.dumps(measure(args.config, pp=args.pp, dp=args.dp, steps=args.steps)))
+        return {"side": args.side}
     config = _config(args.config)
     layouts = [(config.job.pp, config.job.dp)]
     if args.pp_one and config.job.pp > 1:
         layouts.append((1, config.job.pp * config.job.dp))
-    out: dict[str, Any] = {"config": args.config, "steps": args.steps,
-                           "warmup": args.warmup, "load": os.getloadavg(), "layouts": []}
+    out: dict[str, Any] = {"config": args.config, "steps": args.steps, "warmup": args.warmup,
+                           "repeats": args.repeats, "load_before": os.getloadavg()}
     rows: list[dict[str, Any]] = []
-    # PyTorch's runs first: they fork this process, which must not have started torch yet
+    sides = ["torch"] if args.torch_only else ["torch", "ours"]
     for pp, dp in layouts:
         row: dict[str, Any] = {"pp": pp, "dp": dp,
                                "torch": "pipelining 1F1B + all-reduce" if pp > 1 else "DDP"}
-        try:
-            torch_s = measure_torch(args.config, pp=pp, dp=dp, steps=args.steps)
-            row["torch_median_s"] = statistics.median(torch_s[args.warmup:] or torch_s)
-        except RuntimeError as exc:
-            row["torch_error"] = str(exc)
+        timed: dict[str, list[float]] = {side: [] for side in sides}
+        per_run: dict[str, list[float]] = {side: [] for side in sides}
+        for _ in range(args.repeats):
+            for side in sides:
+                try:
+                    steps_s = _side(side, args.config, pp, dp, args.steps, args.timeout_s)
+                except RuntimeError as exc:
+                    row[f"{side}_error"] = str(exc)
+                    continue
+                kept = steps_s[args.warmup:] or steps_s
+                timed[side].extend(kept)
+                per_run[side].append(statistics.median(kept))
+        for side in sides:
+            if timed[side]:
+                row[f"{side}_median_s"] = statistics.median(timed[side])
+                row[f"{side}_run_medians_s"] = per_run[side]
+        if "torch_median_s" in row and "ours_median_s" in row:
+            row["ratio"] = row["ours_median_s"] / row["torch_median_s"]
         rows.append(row)
-    for row in rows:
-        pp, dp = row["pp"], row["dp"]
-        if not args.torch_only:
-            ours_s = measure_ours(args.config, pp=pp, dp=dp, steps=args.steps)
-            row["ours_median_s"] = statistics.median(ours_s[args.warmup:] or ours_s)
-            if "torch_median_s" in row:
-                row["ratio"] = row["ours_median_s"] / row["torch_median_s"]
         torch_text = (f"{row['torch_median_s'] * 1e3:.1f} ms" if "torch_median_s" in row
-                      else "failed: " + row["torch_error"].splitlines()[-1])
+                      else "failed: " + row.get("torch_error", "").splitlines()[-1])
         line = f"pp {pp} x dp {dp}: PyTorch ({row['torch']}) {torch_text}"
         if "ours_median_s" in row:
             line += f"; ours {row['ours_median_s'] * 1e3:.1f} ms"
         if "ratio" in row:
             line += f"; ratio {row['ratio']:.2f}"
+        line += "  (run medians: " + ", ".join(
+            f"{side} " + " ".join(f"{v * 1e3:.1f}" for v in per_run[side]) for side in sides) + ")"
         print(line, flush=True)
     out["layouts"] = rows
-    print(f"load average at the end: {os.getloadavg()}")
+    out["load_after"] = os.getloadavg()
+    print(f"load average before {out['load_before']}, after {out['load_after']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return out
