@@ -212,8 +212,10 @@ def to_run(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str)
 
 def probe_outputs(model: LayeredModel, inputs: torch.Tensor,
                   dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every layer's output for ``inputs``, computed on the meta device
-    (no memory, no arithmetic): what a stage boundary sends and receives.
+    """Shape and dtype of every layer's output for ``inputs``: what a stage boundary sends
+    and receives. Each layer runs on the meta device (no memory, no arithmetic); a layer
+    that cannot (some transformers versions enter autocast, which meta lacks) runs once on
+    CPU on zeros of the right shape.
 
     Args:
         model: the layered model.
@@ -223,12 +225,17 @@ def probe_outputs(model: LayeredModel, inputs: torch.Tensor,
     Returns:
         ``[(shape, dtype)]`` per layer, in order.
     """
-    x = torch.empty(inputs.shape, dtype=inputs.dtype if not inputs.is_floating_point()
-                    else dtype, device="meta")
+    shape = tuple(inputs.shape)
+    x_dtype = dtype if inputs.is_floating_point() else inputs.dtype
     out: list[tuple[tuple[int, ...], torch.dtype]] = []
     with torch.no_grad():
         for i in range(model.num_layers):
-            layer = model.build_layer(i).to(dtype).to("meta")
-            x = layer(x)
-            out.append((tuple(x.shape), x.dtype))
+            layer = model.build_layer(i).to(dtype)
+            try:
+                y = layer.to("meta")(torch.empty(shape, dtype=x_dtype, device="meta"))
+            except (RuntimeError, NotImplementedError):
+                layer = model.build_layer(i).to(dtype)
+                y = layer(torch.zeros(shape, dtype=x_dtype))
+            shape, x_dtype = tuple(y.shape), y.dtype
+            out.append((shape, x_dtype))
     return out
