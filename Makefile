@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench clean examples
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[runtime,dev]'
+	$(BIN)/python -m pip install -q -e '.[runtime,dev,hf]'
 	touch $(STAMP)
 
 # The main job: train a tiny GPT on 4 worker processes (dp 2 x pp 2), kill one of them
@@ -19,6 +19,16 @@ $(STAMP): $(BIN)/python pyproject.toml
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/chameleon train --config examples/tiny_cpu.toml \
 		--fault rank=3,step=120,kind=kill,phase=backward --out runs/demo
+
+# The Llama example's model directory and token file (examples/llama_tiny_cpu.toml),
+# built locally: no download.
+examples: examples/data/tokens.bin examples/data/llama-tiny/config.json
+
+examples/data/tokens.bin: $(STAMP) examples/make_tokens.py
+	$(BIN)/python examples/make_tokens.py --out $@
+
+examples/data/llama-tiny/config.json: $(STAMP) examples/make_llama.py
+	$(BIN)/python examples/make_llama.py --out examples/data/llama-tiny
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

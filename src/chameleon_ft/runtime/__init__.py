@@ -1,6 +1,11 @@
 """The real runtime: data x pipeline parallel training of a tiny GPT on worker processes
 over ``torch.distributed`` that survives killed, hung or failing workers in place.
 
+- ``models``: the layered-model protocol and its adapters (the built-in GPT, Hugging Face
+  Llama, a user's factory), ``load_model(config)``;
+- ``datasets``: data sources by global sample position (bytes, token files, factories);
+- ``optim``: any torch.optim optimizer per layer, its state as bytes, schedules;
+- ``reference``: the plain single-process trainer the runtime's results are checked against;
 - ``model``: the GPT cut into the planner's layers, AdamW with per-layer state;
 - ``data``: the deterministic byte-level corpus (the standard library's sources);
 - ``worker``: a training process following the coordinator's generations;

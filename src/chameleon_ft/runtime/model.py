@@ -19,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chameleon_ft.runtime.models.base import StageModel
 from chameleon_ft.spec.model import ModelSpec
+
+__all__ = ["AdamW", "GPTShape", "LayerState", "StageModel", "build_layer", "layer_param_names",
+           "loss_sum", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -137,25 +141,8 @@ def layer_param_names(shape: GPTShape, index: int) -> list[str]:
     return [n for n, _ in build_layer(shape, index, seed=0, dtype=torch.float32).named_parameters()]
 
 
-class StageModel(nn.Module):
-    """The layers one worker holds, run in order; names are ``layers.{i}.<param>``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict()
-
-    def indices(self) -> list[int]:
-        """Held layer indices, ascending."""
-        return sorted(int(k) for k in self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the held layers in order: tokens (B, T) or hidden (B, T, H) in, hidden or
-        logits out."""
-        for i in self.indices():
-            x = self.layers[str(i)](x)
-        return x
-
-
+# To be removed once the worker uses chameleon_ft.runtime.optim.LayerTrainState (any
+# torch.optim optimizer, state as its own state_dict) instead of LayerState and AdamW.
 @dataclass
 class LayerState:
     """One layer's module and its AdamW moments, one (m, v) pair per parameter."""
@@ -215,6 +202,7 @@ class LayerState:
         assert offset == flat.numel(), "flattened state of the wrong size"
 
 
+# To be removed with LayerState (see above): torch.optim.AdamW replaces it.
 @dataclass(frozen=True)
 class AdamW:
     """Decoupled-weight-decay Adam (Loshchilov and Hutter), written out so its state is

@@ -28,9 +28,18 @@ from typing import Any
 
 from chameleon_ft.spec._fields import fail, from_mapping, prefixed
 from chameleon_ft.spec.cluster import ClusterSpec
+from chameleon_ft.spec.data import DataSpec
 from chameleon_ft.spec.device import DeviceSpec, device_preset
 from chameleon_ft.spec.job import JobSpec
 from chameleon_ft.spec.model import ModelSpec, model_preset
+from chameleon_ft.spec.model_source import (
+    HF_ARCHITECTURE_KEYS,
+    ModelSource,
+    ModelSourceKind,
+    hf_model_spec,
+    read_hf_config,
+)
+from chameleon_ft.spec.optimizer import OptimizerSpec, optimizer_from_mapping
 from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource
 from chameleon_ft.spec.recovery import PolicySpec, RecoverySpec
 from chameleon_ft.spec.train import TrainSpec
@@ -44,13 +53,20 @@ class Config:
     """A whole job: what is trained, on what, how, and how failures are handled."""
 
     model: ModelSpec | None
-    """The model; ``None`` when the profile is ``uniform`` or ``file``."""
+    """The model's architecture as the planner sees it; ``None`` when the profile is
+    ``uniform`` or ``file`` and no architecture is given (e.g. a ``python`` model)."""
     cluster: ClusterSpec
     job: JobSpec
     profile: ProfileSource = field(default_factory=ProfileSource)
     recovery: RecoverySpec = field(default_factory=RecoverySpec)
     policy: PolicySpec = field(default_factory=PolicySpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    model_source: ModelSource = field(default_factory=ModelSource)
+    """Which implementation the runtime trains (``[model] source``, ``path``, ``factory``)."""
+    data: DataSpec = field(default_factory=DataSpec)
+    """Where the runtime's samples come from (``[data]``)."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """The runtime's optimizer and learning-rate schedule (``[optimizer]``)."""
     extra: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Raw tables listed in ``EXTRA_SECTIONS``."""
     base_dir: str = "."
@@ -96,10 +112,86 @@ class Config:
             return self.model.num_layers
         return None
 
+    @property
+    def seq_len(self) -> int:
+        """The training sequence length: the architecture's, else ``[model] seq_len`` of a
+        ``python`` model (0 when neither is given)."""
+        if self.model is not None:
+            return self.model.seq_len
+        return self.model_source.seq_len
+
+    @property
+    def data_seed(self) -> int:
+        """Seed of the sample order: ``[data] seed``, else ``[train] seed``."""
+        return self.train.seed if self.data.seed is None else self.data.seed
+
     def resolve(self, path: str) -> Path:
         """Resolve a path written in the config file."""
         p = Path(path)
         return p if p.is_absolute() else Path(self.base_dir) / p
+
+
+def _string(field_name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        fail(field_name, f"must be a string, got {value!r}")
+    return value
+
+
+def _model_table(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec | None, ModelSource]:
+    """Split ``[model]`` into the architecture (for the planner) and the source (for the
+    runtime); a Hugging Face directory's config.json supplies the architecture."""
+    if not isinstance(data, Mapping):
+        fail("model", f"must be a table, got {data!r}")
+    data = dict(data)
+    source = _string("model.source", data.pop("source", ModelSourceKind.GPT.value))
+    path = _string("model.path", data.pop("path", ""))
+    factory = _string("model.factory", data.pop("factory", ""))
+    if source == ModelSourceKind.PYTHON and not set(data) - {"name", "seq_len"}:
+        # A python model without architecture keys: the profile must be uniform or a file.
+        seq_len = data.get("seq_len", 0)
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+            fail("model.seq_len", f"must be an integer, got {seq_len!r}")
+        if "name" in data:
+            _string("model.name", data["name"])
+        return None, _source(source=source, factory=factory, seq_len=seq_len)
+    if source == ModelSourceKind.HF and path:
+        for key in ("preset", *HF_ARCHITECTURE_KEYS):
+            if key in data:
+                fail(f"model.{key}", "is read from model.path's config.json; remove it")
+        unknown = set(data) - {"name", "seq_len"}
+        if unknown:
+            fail(f"model.{sorted(unknown)[0]}", "unknown key; with model.path the keys are: "
+                 "source, path, name, seq_len")
+        if "seq_len" not in data:
+            fail("model.seq_len", "is required: the training sequence length")
+        seq_len = data["seq_len"]
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            fail("model.seq_len", f"must be a positive integer, got {seq_len!r}")
+        model_source = _source(source=source, path=path, factory=factory)
+        resolved = Path(path) if Path(path).is_absolute() else Path(base_dir) / path
+        hf = read_hf_config(resolved)
+        name = _string("model.name", data.get("name", resolved.name or "hf"))
+        return hf_model_spec(hf, seq_len=seq_len, name=name), model_source
+    if source == ModelSourceKind.HF and "preset" not in data:
+        data.setdefault("mlp", "swiglu")  # Llama blocks
+    try:
+        spec = _model(data)
+    except ValueError as exc:
+        raise prefixed("model", exc) from None
+    if source == ModelSourceKind.HF:
+        if spec.mlp != "swiglu":
+            fail("model.mlp", f'source = "hf" builds Llama (swiglu) blocks, got {spec.mlp!r}')
+        if spec.tied_embeddings:
+            fail("model.tied_embeddings", 'source = "hf" keeps the embedding and the head '
+                 "apart; tied embeddings are not supported")
+    return spec, _source(source=source, path=path, factory=factory)
+
+
+def _source(**kwargs: Any) -> ModelSource:
+    try:
+        return ModelSource(**kwargs)
+    except ValueError as exc:
+        raise prefixed("model", exc) from None
 
 
 def _model(data: Mapping[str, Any]) -> ModelSpec:
@@ -181,8 +273,8 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
     Raises:
         ValueError: naming the field for unknown tables or keys and invalid values.
     """
-    known = {"model", "cluster", "job", "profile", "recovery", "policy", "train",
-             *EXTRA_SECTIONS}
+    known = {"model", "cluster", "job", "profile", "recovery", "policy", "train", "data",
+             "optimizer", *EXTRA_SECTIONS}
     for key in data:
         if key not in known:
             fail(key, f"unknown table; known tables are: {', '.join(sorted(known))}")
@@ -190,12 +282,16 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
         if required not in data:
             fail(required, f"the [{required}] table is required")
     profile = _section(ProfileSource, data.get("profile", {}), "profile")
-    model = None
+    model: ModelSpec | None = None
+    model_source = ModelSource()
     if "model" in data:
         try:
-            model = _model(data["model"])
+            model, model_source = _model_table(data["model"], base_dir)
         except ValueError as exc:
             raise prefixed("model", exc) from None
+    train_table = data.get("train", {})
+    optimizer = optimizer_from_mapping(data.get("optimizer", {}),
+                                       train_table if isinstance(train_table, Mapping) else {})
     extra = {k: data[k] for k in EXTRA_SECTIONS if k in data}
     try:
         return Config(
@@ -205,7 +301,10 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
             profile=profile,
             recovery=_section(RecoverySpec, data.get("recovery", {}), "recovery"),
             policy=_section(PolicySpec, data.get("policy", {}), "policy"),
-            train=_section(TrainSpec, data.get("train", {}), "train"),
+            train=_section(TrainSpec, train_table, "train"),
+            model_source=model_source,
+            data=_section(DataSpec, data.get("data", {}), "data"),
+            optimizer=optimizer,
             extra=extra,
             base_dir=base_dir,
         )

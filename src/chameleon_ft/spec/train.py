@@ -135,9 +135,11 @@ class TrainSpec:
     seed: int = 0
     """Seed of the parameter initialisation (data order is fixed by the step number)."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """Learning rate: a shorthand for ``[optimizer] lr``, which wins when set (a different
+    value in both places is an error)."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """Weight decay of every parameter: a shorthand for ``[optimizer] weight_decay``, as
+    ``lr``."""
     backend: str = "auto"
     """``gloo``, ``nccl``, or ``auto`` (NCCL when every worker has a GPU, else gloo)."""
     heartbeat_s: float = 0.1

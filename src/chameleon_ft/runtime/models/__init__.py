@@ -1,0 +1,65 @@
+"""Models the runtime trains, behind one protocol (:class:`LayeredModel`).
+
+- ``base``: the protocol, the stage module, names, the default loss;
+- ``gpt``: the built-in tiny GPT (``[model] source = "gpt"``, the default);
+- ``hf_llama``: Llama-family models through Hugging Face transformers (``"hf"``);
+- ``factory``: a user's model from ``package.module:function`` (``"python"``).
+
+:func:`load_model` picks the adapter for a config; the runtime never special-cases one.
+"""
+
+from __future__ import annotations
+
+from chameleon_ft.runtime.models.base import (
+    LayeredModel,
+    StageModel,
+    build_stage,
+    check_model,
+    export_model,
+    initial_params,
+    param_name,
+    probe_outputs,
+    split_param_name,
+    targets_per_sample,
+    to_run,
+    token_cross_entropy_sum,
+)
+from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.model_source import ModelSourceKind
+
+__all__ = [
+    "LayeredModel",
+    "StageModel",
+    "build_stage",
+    "check_model",
+    "export_model",
+    "initial_params",
+    "load_model",
+    "param_name",
+    "probe_outputs",
+    "split_param_name",
+    "targets_per_sample",
+    "to_run",
+    "token_cross_entropy_sum",
+]
+
+
+def load_model(config: Config) -> LayeredModel:
+    """The layered model of ``[model] source``.
+
+    Raises:
+        ValueError: one line naming the ``[model]`` field at fault (a missing or non-Llama
+            ``path``, a factory that does not import...).
+    """
+    source = config.model_source.source
+    if source == ModelSourceKind.HF:
+        from chameleon_ft.runtime.models.hf_llama import HFLlama
+
+        return HFLlama.from_config(config)
+    if source == ModelSourceKind.PYTHON:
+        from chameleon_ft.runtime.models.factory import load_factory_model
+
+        return load_factory_model(config)
+    from chameleon_ft.runtime.models.gpt import GPTModel
+
+    return GPTModel.from_config(config)

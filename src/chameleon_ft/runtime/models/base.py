@@ -1,0 +1,241 @@
+"""The layered-model protocol: what the runtime needs of any model it trains.
+
+A model is ``num_layers`` layers run in order. ``build_layer(i)`` returns layer ``i`` with
+its initial parameters, the same values in every process and on every call, so a worker
+builds only the layers of its stage and any plan starts from the same model. A stage is
+the layers of a contiguous range run in order (:class:`StageModel`): layer 0 takes the
+inputs, the last returns the output that ``loss`` takes. The runtime names parameters
+``layers.{i}.<name within the layer>``; the names never depend on the plan, so runs
+under different plans compare name by name.
+
+``loss(output, targets)`` is SUMMED over the micro-batch's target elements; the runtime
+divides by the number of target elements in the whole step, so that the sum over
+micro-batches in any grouping is the step's mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@runtime_checkable
+class LayeredModel(Protocol):
+    """A model cut into layers, as the runtime trains it."""
+
+    num_layers: int
+    """Layers, run in order: layer 0 takes the inputs, the last returns the output."""
+
+    def build_layer(self, index: int) -> nn.Module:
+        """Layer ``index`` with its initial parameters, on CPU, in the model's own dtype
+        (the runtime casts it to the run's dtype and moves it to the device).
+
+        Deterministic: the same values in every process and on every call.
+        """
+        ...
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Scalar loss SUMMED over the micro-batch's target elements."""
+        ...
+
+
+def token_cross_entropy_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss: token cross-entropy summed over every target token.
+
+    Args:
+        output: logits (B, T, V) (or any (..., V)).
+        targets: token ids (B, T) (or the matching leading shape), int64.
+
+    Returns:
+        A scalar tensor.
+    """
+    vocab = output.shape[-1]
+    return F.cross_entropy(output.reshape(-1, vocab), targets.reshape(-1), reduction="sum")
+
+
+def param_name(index: int, name: str) -> str:
+    """The runtime's name of parameter ``name`` of layer ``index``."""
+    return f"layers.{index}.{name}"
+
+
+def split_param_name(full: str) -> tuple[int, str]:
+    """Inverse of :func:`param_name`.
+
+    Raises:
+        ValueError: for a name that is not ``layers.{i}.<name>``.
+    """
+    head, index, *rest = full.split(".", 2)
+    if head != "layers" or not index.isdigit() or not rest:
+        raise ValueError(f"params: {full!r} is not a runtime parameter name layers.I.NAME")
+    return int(index), rest[0]
+
+
+class StageModel(nn.Module):
+    """The layers one worker holds, run in order; names are ``layers.{i}.<param>``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+
+    def indices(self) -> list[int]:
+        """Held layer indices, ascending."""
+        return sorted(int(k) for k in self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the held layers in order: the model's inputs or the previous stage's output
+        in, the next stage's input or the loss's input out."""
+        for i in self.indices():
+            x = self.layers[str(i)](x)
+        return x
+
+
+def build_stage(model: LayeredModel, indices: Iterable[int], *,
+                dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> StageModel:
+    """A :class:`StageModel` holding freshly built layers ``indices``.
+
+    Args:
+        model: the layered model.
+        indices: contiguous layer indices.
+        dtype: cast floating-point parameters to this dtype (default: the model's own).
+        device: move the layers here (default: CPU).
+    """
+    stage = StageModel()
+    for i in indices:
+        layer = model.build_layer(i)
+        if dtype is not None:
+            layer = layer.to(dtype)
+        if device is not None:
+            layer = layer.to(device)
+        stage.layers[str(i)] = layer
+    return stage
+
+
+def initial_params(model: LayeredModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every initial parameter by runtime name (builds the layers one at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(model.num_layers):
+        layer = model.build_layer(i)
+        for name, p in layer.named_parameters():
+            out[param_name(i, name)] = p.detach().to(dtype) if dtype else p.detach()
+    return out
+
+
+class _WithDefaultLoss:
+    """A user's model object without a ``loss``: token cross-entropy summed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.num_layers: int = inner.num_layers
+
+    def build_layer(self, index: int) -> nn.Module:
+        module: nn.Module = self.inner.build_layer(index)
+        return module
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_cross_entropy_sum(output, targets)
+
+    def __getattr__(self, name: str) -> Any:  # export, describe...
+        return getattr(self.inner, name)
+
+
+def check_model(obj: Any, field: str = "model") -> LayeredModel:
+    """Check that ``obj`` is a layered model; give it the default loss if it has none.
+
+    Args:
+        obj: a user's model object.
+        field: the config field or argument named in errors.
+
+    Returns:
+        ``obj``, or a thin wrapper adding :func:`token_cross_entropy_sum` as its loss.
+
+    Raises:
+        ValueError: naming ``field`` when ``num_layers`` or ``build_layer`` is missing or
+            wrong.
+    """
+    num_layers = getattr(obj, "num_layers", None)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{field}: {type(obj).__name__} needs an integer num_layers >= 1, "
+                         f"got {num_layers!r}")
+    if not callable(getattr(obj, "build_layer", None)):
+        raise ValueError(f"{field}: {type(obj).__name__} has no build_layer(index) method")
+    if not callable(getattr(obj, "loss", None)):
+        return _WithDefaultLoss(obj)
+    model: LayeredModel = obj
+    return model
+
+
+def describe(model: LayeredModel) -> str:
+    """One line about the model: its ``describe()`` when it has one."""
+    fn: Callable[[], str] | None = getattr(model, "describe", None)
+    if fn is not None:
+        return fn()
+    return f"{type(model).__name__} with {model.num_layers} layers"
+
+
+def export_model(model: LayeredModel, params: dict[str, torch.Tensor], out_dir: Path) -> bool:
+    """Write the trained model in the model's own format, when it has an ``export``.
+
+    Args:
+        model: the layered model.
+        params: final parameters by runtime name.
+        out_dir: the run's output folder (a Hugging Face model writes ``out_dir/hf``).
+
+    Returns:
+        Whether the model exported anything.
+    """
+    fn = getattr(model, "export", None)
+    if fn is None:
+        return False
+    fn(params, Path(out_dir))
+    return True
+
+
+def targets_per_sample(targets: torch.Tensor) -> int:
+    """Target elements of one sample (the loss's normaliser is this times the global
+    batch): ``T`` for (B, T) tokens, 1 for (B,) labels, ``D`` for (B, D) regression."""
+    return int(targets[0].numel()) if targets.dim() > 0 and targets.shape[0] else 0
+
+
+def to_run(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Move a data tensor to the device; floating-point data takes the run's dtype,
+    integer data (token ids, labels) keeps its own."""
+    if tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
+
+
+def probe_outputs(model: LayeredModel, inputs: torch.Tensor,
+                  dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every layer's output for ``inputs``: what a stage boundary sends
+    and receives. Each layer runs on the meta device (no memory, no arithmetic); a layer
+    that cannot (some transformers versions enter autocast, which meta lacks) runs once on
+    CPU on zeros of the right shape.
+
+    Args:
+        model: the layered model.
+        inputs: a micro-batch's inputs (only its shape and dtype are used).
+        dtype: the run's dtype.
+
+    Returns:
+        ``[(shape, dtype)]`` per layer, in order.
+    """
+    shape = tuple(inputs.shape)
+    x_dtype = dtype if inputs.is_floating_point() else inputs.dtype
+    out: list[tuple[tuple[int, ...], torch.dtype]] = []
+    with torch.no_grad():
+        for i in range(model.num_layers):
+            layer = model.build_layer(i).to(dtype)
+            try:
+                y = layer.to("meta")(torch.empty(shape, dtype=x_dtype, device="meta"))
+            except (RuntimeError, NotImplementedError):
+                layer = model.build_layer(i).to(dtype)
+                y = layer(torch.zeros(shape, dtype=x_dtype))
+            shape, x_dtype = tuple(y.shape), y.dtype
+            out.append((shape, x_dtype))
+    return out

@@ -1,0 +1,240 @@
+"""Optimizers per layer: any ``torch.optim`` optimizer, its state moving with its layer.
+
+Every layer has its own optimizer over its own parameters (:class:`LayerTrainState`), built
+by an optimizer factory ``params -> torch.optim.Optimizer``. An element-wise optimizer
+(SGD, Adam, AdamW, RMSprop...) then updates every parameter exactly as one optimizer over
+the whole model would, whatever the split. A layer's state travels as bytes: the module's
+and the optimizer's own ``state_dict`` (momentum buffers, moments, step counts, created
+lazily by the first step or not yet), so migration, checkpoints and restarts work for any
+optimizer. The receiving side rebuilds the layer (``build_layer(i)``), a fresh optimizer
+from the same factory, and loads the bytes into both.
+
+An optional learning-rate schedule ``lr_at(step) -> float`` sets every parameter group's
+``lr`` before each step; ``[optimizer] schedule`` builds one (:class:`LRSchedule`), the
+Python API takes any callable.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.optimizer import ScheduleKind
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""Builds an optimizer over one layer's parameters."""
+LRScheduleFn = Callable[[int], float]
+"""The learning rate of a 0-based step."""
+
+_STATE_FORMAT = 1
+_NEEDS_CLOSURE = ("LBFGS",)
+"""Optimizers whose ``step`` needs a closure that re-runs the model: not per layer."""
+
+
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Every optimizer class of ``torch.optim`` by name."""
+    out = {}
+    for name in dir(torch.optim):
+        value = getattr(torch.optim, name)
+        if (isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
+                and value is not torch.optim.Optimizer):
+            out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class TorchOptimizer:
+    """An optimizer factory: ``torch.optim.<name>(params, **kwargs)``. A plain value (it
+    pickles, unlike a lambda), so it travels to worker processes."""
+
+    name: str
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over ``params``."""
+        optimizer: torch.optim.Optimizer = getattr(torch.optim, self.name)(
+            params, **dict(self.kwargs))
+        return optimizer
+
+    @property
+    def lr(self) -> float:
+        """The base learning rate."""
+        return float(dict(self.kwargs)["lr"])
+
+
+def optimizer_from_config(config: Config) -> TorchOptimizer:
+    """The optimizer factory of ``[optimizer]`` (with the ``[train]`` shorthands), checked
+    against the class's signature and by building it once over a dummy parameter.
+
+    ``lr`` and ``weight_decay`` come from ``[optimizer]`` when set there, else from
+    ``[train]`` (defaults 1e-3 and 0.0, overriding torch's own defaults);
+    ``[train] weight_decay`` is dropped for a class without that argument when it is 0.
+
+    Raises:
+        ValueError: one line naming the field: an unknown optimizer or argument, or
+            arguments the class rejects.
+    """
+    spec, train = config.optimizer, config.train
+    classes = optimizer_classes()
+    cls = classes.get(spec.name)
+    if cls is None:
+        raise ValueError(f"optimizer.name: unknown optimizer {spec.name!r}; torch.optim has: "
+                         f"{', '.join(sorted(classes))}")
+    if spec.name in _NEEDS_CLOSURE:
+        raise ValueError(f"optimizer.name: {spec.name} needs a closure that re-runs the whole "
+                         "model at every step, which a pipeline cannot give it")
+    params = inspect.signature(cls.__init__).parameters
+    accepts_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    names = [n for n in params if n not in ("self", "params")
+             and params[n].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                        inspect.Parameter.VAR_POSITIONAL)]
+    kwargs = dict(spec.args)
+    for key in kwargs:
+        if key not in names and not accepts_any:
+            raise ValueError(f"optimizer.{key}: not an argument of torch.optim.{spec.name}; "
+                             f"its arguments are: {', '.join(names)}")
+    kwargs.setdefault("lr", train.lr)
+    if "weight_decay" not in kwargs:
+        if "weight_decay" in names or accepts_any:
+            kwargs["weight_decay"] = train.weight_decay
+        elif train.weight_decay != 0:
+            raise ValueError(f"train.weight_decay: torch.optim.{spec.name} takes no "
+                             "weight_decay; remove it or set it to 0")
+    factory = TorchOptimizer(spec.name, tuple(sorted(kwargs.items())))
+    try:
+        factory([nn.Parameter(torch.zeros(2, 2))])
+    except Exception as exc:  # torch raises ValueError, TypeError or RuntimeError
+        raise ValueError(f"optimizer: torch.optim.{spec.name} rejects the arguments "
+                         f"{dict(kwargs)}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                         ) from None
+    return factory
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up, then constant or a half cosine down to ``min_lr``."""
+
+    lr: float
+    """The base (peak) learning rate."""
+    kind: str = ScheduleKind.CONSTANT.value
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    """Step at which ``cosine`` reaches ``min_lr``."""
+    min_lr: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of 0-based step ``step``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.kind == ScheduleKind.CONSTANT:
+            return self.lr
+        span = max(1, self.decay_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedule_from_config(config: Config, base_lr: float | None = None) -> LRSchedule | None:
+    """The ``[optimizer]`` schedule, or ``None`` when the rate is constant (the optimizer's
+    own ``lr`` is then never touched).
+
+    Args:
+        config: the job.
+        base_lr: the peak rate (default: the optimizer factory's ``lr``).
+
+    Raises:
+        ValueError: naming the ``[optimizer]`` field.
+    """
+    spec = config.optimizer
+    if spec.is_default_schedule():
+        return None
+    lr = optimizer_from_config(config).lr if base_lr is None else base_lr
+    decay = spec.decay_steps or config.train.steps
+    if spec.schedule == ScheduleKind.COSINE and decay <= spec.warmup_steps:
+        raise ValueError(f"optimizer.decay_steps: {decay} must exceed warmup_steps "
+                         f"{spec.warmup_steps}")
+    if spec.min_lr > lr:
+        raise ValueError(f"optimizer.min_lr: {spec.min_lr} exceeds the learning rate {lr}")
+    return LRSchedule(lr=lr, kind=spec.schedule, warmup_steps=spec.warmup_steps,
+                      decay_steps=decay, min_lr=spec.min_lr)
+
+
+class LayerTrainState:
+    """One layer's module and its optimizer: what moves when the layer moves."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_schedule: LRScheduleFn | None = None) -> None:
+        """Args:
+            module: the layer (on its device, in the run's dtype).
+            optimizer: over exactly ``module.parameters()``, in that order.
+            lr_schedule: sets every group's ``lr`` before each step; ``None`` keeps it.
+        """
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_schedule = lr_schedule
+
+    @classmethod
+    def create(cls, module: nn.Module, optimizer_factory: OptimizerFactory,
+               lr_schedule: LRScheduleFn | None = None) -> LayerTrainState:
+        """A fresh state: the factory's optimizer over the module's parameters."""
+        return cls(module, optimizer_factory(module.parameters()), lr_schedule)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (``None``, so unused parameters stay untouched)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, step_index: int) -> None:
+        """Apply the accumulated gradients: set the rate of 0-based step ``step_index``
+        from the schedule, then ``optimizer.step()``. Parameters without a gradient are
+        left alone (torch.optim skips them)."""
+        if self.lr_schedule is not None:
+            lr = float(self.lr_schedule(step_index))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+
+    def to_bytes(self) -> bytes:
+        """The module's and the optimizer's ``state_dict``, serialised (device-neutral:
+        loading maps everything to the receiver's device and dtype)."""
+        buf = io.BytesIO()
+        torch.save({"format": _STATE_FORMAT, "module": self.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict()}, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, module: nn.Module, optimizer_factory: OptimizerFactory, data: bytes,
+                   lr_schedule: LRScheduleFn | None = None) -> LayerTrainState:
+        """Rebuild a state from :meth:`to_bytes` output.
+
+        Args:
+            module: the same layer freshly built (``build_layer(i)``), already cast and
+                moved to this worker's dtype and device; its values are overwritten.
+            optimizer_factory: the same factory that built the sender's optimizer.
+            data: the bytes.
+            lr_schedule: as for :meth:`create`.
+
+        Raises:
+            ValueError: for bytes that do not hold this layer's state.
+        """
+        try:
+            blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or foreign payload
+            raise ValueError(f"layer state: unreadable payload of {len(data)} bytes: "
+                             f"{str(exc).splitlines()[0][:200]}") from None
+        if not isinstance(blob, dict) or blob.get("format") != _STATE_FORMAT:
+            raise ValueError("layer state: not a layer state payload")
+        try:
+            module.load_state_dict(blob["module"], strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"layer state: does not match the layer: "
+                             f"{str(exc).splitlines()[-1].strip()}") from None
+        state = cls.create(module, optimizer_factory, lr_schedule)
+        state.optimizer.load_state_dict(blob["optimizer"])
+        return state

@@ -1,0 +1,140 @@
+"""[model] source/path/factory, [data] and [optimizer]: parsing and the errors a user sees
+(pure: a Hugging Face directory's config.json is read as JSON, no torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chameleon_ft.profile.analytic import analytic_profile
+from chameleon_ft.spec import config_from_mapping, device_preset, load_config
+
+CLUSTER = {"num_nodes": 1, "devices_per_node": 2, "device": "cpu"}
+JOB = {"pp": 2, "dp": 1, "global_batch": 4, "micro_batch": 2}
+LLAMA_JSON = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512,
+              "max_position_embeddings": 128, "tie_word_embeddings": False,
+              "hidden_act": "silu"}
+
+
+def _doc(model: dict[str, Any], **tables: Any) -> dict[str, Any]:
+    return {"model": model, "cluster": CLUSTER, "job": JOB, **tables}
+
+
+def _llama_dir(root: Path, **changes: Any) -> Path:
+    d = root / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**LLAMA_JSON, **changes}), encoding="utf-8")
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def test_existing_configs_keep_the_gpt_and_the_byte_corpus() -> None:
+    config = load_config(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.toml")
+    assert config.model_source.source == "gpt" and config.data.kind == "bytes"
+    assert config.optimizer.name == "AdamW" and not config.optimizer.args
+    assert config.seq_len == 64 and config.data_seed == config.train.seed
+
+
+def test_hf_directory_gives_the_architecture(tmp_path: Path) -> None:
+    _llama_dir(tmp_path)
+    config = config_from_mapping(_doc({"source": "hf", "path": "llama", "seq_len": 64}),
+                                 base_dir=str(tmp_path))
+    spec = config.model
+    assert spec is not None
+    assert (spec.num_blocks, spec.hidden_size, spec.num_heads, spec.kv_heads, spec.ffn,
+            spec.vocab_size, spec.seq_len, spec.mlp) == (4, 64, 4, 2, 128, 512, 64, "swiglu")
+    assert spec.name == "llama" and config.model_source.path == "llama"
+    assert config.resolve(config.model_source.path) == tmp_path / "llama"
+    profile = analytic_profile(spec, device_preset("cpu"))
+    assert profile.num_layers == 6
+    # q, o: h*h; k, v: h*h/2; gate, up, down: h*f; two norms
+    assert profile.layers[1].param_bytes == 2 * (3 * 64 * 64 + 3 * 64 * 128 + 2 * 64)
+
+
+def test_hf_without_a_path_is_a_llama_from_the_keys() -> None:
+    config = config_from_mapping(_doc({"source": "hf", "num_blocks": 2, "hidden_size": 32,
+                                       "num_heads": 4, "num_kv_heads": 2, "ffn_size": 48,
+                                       "vocab_size": 97, "seq_len": 16}))
+    assert config.model is not None and config.model.mlp == "swiglu"
+    preset = config_from_mapping(_doc({"source": "hf", "preset": "llama3-8b"}))
+    assert preset.model is not None and preset.model.kv_heads == 8
+
+
+def test_python_model_without_architecture(tmp_path: Path) -> None:
+    config = config_from_mapping(_doc({"source": "python", "factory": "pkg.mod:make",
+                                       "seq_len": 10},
+                                      profile={"kind": "uniform", "num_layers": 3}))
+    assert config.model is None and config.seq_len == 10
+    assert config.model_source.factory == "pkg.mod:make"
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"model_type": "mistral"}, "only Llama"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"head_dim": 32}, "head_dim"),
+    ({"vocab_size": "many"}, "vocab_size"),
+])
+def test_unsupported_hf_directories_name_model_path(tmp_path: Path, changes: dict[str, Any],
+                                                    needle: str) -> None:
+    _llama_dir(tmp_path, **changes)
+    with pytest.raises(ValueError, match=needle) as info:
+        config_from_mapping(_doc({"source": "hf", "path": "llama", "seq_len": 64}),
+                            base_dir=str(tmp_path))
+    assert str(info.value).startswith("model.path:") and "\n" not in str(info.value)
+
+
+def test_hf_directory_problems(tmp_path: Path) -> None:
+    def load(model: dict[str, Any]) -> None:
+        config_from_mapping(_doc(model), base_dir=str(tmp_path))
+
+    with pytest.raises(ValueError, match=r"^model\.path: .*not a directory"):
+        load({"source": "hf", "path": "missing", "seq_len": 64})
+    d = _llama_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"^model\.seq_len: is required"):
+        load({"source": "hf", "path": "llama"})
+    with pytest.raises(ValueError, match=r"^model\.seq_len: 256 exceeds"):
+        load({"source": "hf", "path": "llama", "seq_len": 256})
+    with pytest.raises(ValueError, match=r"^model\.hidden_size: is read from model\.path"):
+        load({"source": "hf", "path": "llama", "seq_len": 64, "hidden_size": 8})
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"^model\.path: .*has no model\.safetensors"):
+        load({"source": "hf", "path": "llama", "seq_len": 64})
+    (d / "config.json").write_text("{", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^model\.path: .*not valid JSON"):
+        load({"source": "hf", "path": "llama", "seq_len": 64})
+
+
+@pytest.mark.parametrize(("model", "field"), [
+    ({"source": "jax", "preset": "llama2-7b"}, "model.source"),
+    ({"source": "python", "seq_len": 8}, "model.factory"),
+    ({"source": "python", "factory": "nomodule"}, "model.factory"),
+    ({"preset": "llama2-7b", "factory": "a.b:c"}, "model.factory"),
+    ({"preset": "llama2-7b", "path": "x"}, "model.path"),
+    ({"source": "hf", "preset": "gpt3-1.3b"}, "model.mlp"),
+    ({"source": "hf", "num_blocks": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 97,
+      "seq_len": 16, "mlp": "gelu"}, "model.mlp"),
+    ({"source": 3}, "model.source"),
+])
+def test_bad_model_sources_name_the_field(model: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError) as info:
+        config_from_mapping(_doc(model, profile={"kind": "uniform", "num_layers": 4}))
+    assert str(info.value).startswith(field), str(info.value)
+
+
+def test_optimizer_table_keeps_its_arguments() -> None:
+    config = config_from_mapping(_doc({"preset": "llama2-7b"}, optimizer={
+        "name": "SGD", "lr": 0.1, "momentum": 0.9, "nesterov": True,
+        "schedule": "cosine", "warmup_steps": 10, "min_lr": 0}))
+    opt = config.optimizer
+    assert opt.name == "SGD" and opt.schedule == "cosine" and opt.min_lr == 0.0
+    assert dict(opt.args) == {"lr": 0.1, "momentum": 0.9, "nesterov": True}
+    betas = config_from_mapping(_doc({"preset": "llama2-7b"},
+                                     optimizer={"betas": [0.9, 0.95]}))
+    assert betas.optimizer.args["betas"] == (0.9, 0.95)
