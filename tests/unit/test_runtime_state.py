@@ -239,3 +239,20 @@ def test_drain_finish_and_stop() -> None:
     assert f.phase is st.Phase.FINISHED and f.gen == s.gen + 1
     failed = st.stopped(s, "no replica")
     assert failed.phase is st.Phase.FAILED and failed.gen == s.gen + 1
+
+
+def test_a_replacement_under_a_placed_id_holds_nothing() -> None:
+    # worker 3 dies; the recovery generation fails before its first commit; meanwhile a
+    # replacement took id 3. The next decision must not think the placement is intact.
+    s, _ = st.workers_died(_training(), [3])
+    s = st.recovered(s, st.Recovery("reroute", _plan((0, 2), (1, 2))))
+    s = st.rejoin_ready(s, [3])
+    s, broken = st.workers_died(s, [1])
+    assert broken and s.state_plan == PLAN and 3 in s.alive
+    base, failed, usable = st.decision_inputs(s)
+    assert base == PLAN and failed == {1, 3}
+    assert usable == {0, 2}  # 3 waits for a re-join; it holds none of PLAN's state
+    # once a plan with the replacement commits, it holds that plan's state
+    s = st.recovered(s, st.Recovery("dynamic", _plan((0, 3)), migration=_migration(2, 3)))
+    s = st.committed(s, s.next_step)
+    assert s.holding == {0, 2, 3} and st.decision_inputs(s)[1] == frozenset()

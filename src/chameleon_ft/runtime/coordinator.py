@@ -696,7 +696,7 @@ class Coordinator:
         """The final generation: every worker uploads its layers' state and leaves."""
         s = self.state
         self.store.set(proto.abort_key(s.gen - 1), "1")
-        final = {i: [w for w in s.state_plan.holders(i) if w in s.alive]
+        final = {i: [w for w in s.state_plan.holders(i) if w in s.holding]
                  for i in range(self.shape.num_layers)}
         self.final_gen = s.gen
         self.store.set(proto.directive_key(s.gen), proto.dumps(
@@ -1093,15 +1093,14 @@ class Coordinator:
             The decision and the seconds it took.
         """
         s = self.state
-        base = s.state_plan
-        newly = frozenset(w for w in base.workers if w not in s.alive)
+        base, newly, usable = st.decision_inputs(s)
         t = time.monotonic()
         if not newly:
             # the placement is intact (only a migration source or the interim plan's
             # extra workers died): train on it again
             return ManualDecision("keep", base, reason="the state's placement is intact"), 0.0
         since_ckpt = self.now() - self.checkpoint_times.get(s.latest_checkpoint(), 0.0)
-        decision = self._decide_fn()(base, newly, s.alive, self.now(), since_ckpt)
+        decision = self._decide_fn()(base, newly, usable, self.now(), since_ckpt)
         if s.from_checkpoint and str(decision.strategy) != "restart":
             # the state was just reloaded and nothing committed since: only a restart
             # (reload again, on the survivors) is consistent with it

@@ -98,6 +98,9 @@ class RunState:
     each later decision may use them, and their death breaks nothing."""
     next_step: int
     """The first step not committed."""
+    stateless: frozenset[int] = frozenset()
+    """Worker ids whose process died since ``state_plan`` last committed: a replacement
+    that took such an id holds none of the state ``state_plan`` places on it."""
     pending: PendingSwitch | None = None
     """The second phase of a two-phase recovery or a re-join, waiting for its step."""
     from_checkpoint: bool = True
@@ -112,6 +115,11 @@ class RunState:
     phase: Phase = Phase.TRAINING
     reason: str = ""
     """Why training stopped (``FAILED``) or drains."""
+
+    @property
+    def holding(self) -> frozenset[int]:
+        """Alive workers that hold the state ``state_plan`` places on them."""
+        return self.alive - self.stateless
 
     @property
     def world(self) -> frozenset[int]:
@@ -160,8 +168,22 @@ def workers_died(state: RunState, dead: Iterable[int]) -> tuple[RunState, bool]:
     pending = state.pending
     if pending is not None and pending.workers & gone:
         pending = None
-    new = replace(state, alive=state.alive - gone, idle=state.idle - gone, pending=pending)
+    new = replace(state, alive=state.alive - gone, idle=state.idle - gone, pending=pending,
+                  stateless=state.stateless | gone)
     return new, bool(gone & state.world)
+
+
+def decision_inputs(state: RunState) -> tuple[ExecutionPlan, frozenset[int], frozenset[int]]:
+    """What a recovery decision starts from: the placement the state really has, the
+    workers of it whose state is gone (dead, or replaced by a process that holds
+    nothing), and the workers the policy may use (holders, and idle workers outside the
+    placement; a replacement under an id of the placement waits for a re-join).
+    """
+    base = state.state_plan
+    placed = frozenset(base.workers)
+    failed = placed - state.holding
+    usable = state.holding | (state.alive - placed)
+    return base, failed, usable
 
 
 @dataclass(frozen=True)
@@ -268,7 +290,8 @@ def committed(state: RunState, step: int) -> RunState:
     if step != state.next_step:
         raise ValueError(f"step {step} committed, but step {state.next_step} was in flight")
     return replace(state, next_step=step + 1, state_plan=state.plan, migration=None,
-                   load=None, from_checkpoint=False, retries=0)
+                   load=None, from_checkpoint=False, retries=0,
+                   stateless=state.stateless - frozenset(state.plan.workers))
 
 
 def switched(state: RunState) -> RunState:
