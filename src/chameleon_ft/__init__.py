@@ -5,3 +5,11 @@ The planning core (``spec``, ``profile``, ``plan``, ``perf``, ``recovery``, ``po
 """
 
 __version__ = "0.1.0"
+
+
+def train(*args: object, **kwargs: object) -> dict[str, object]:
+    """Train on worker processes and survive their failures: see
+    :func:`chameleon_ft.runtime.api.train` (imported here only when called: torch)."""
+    from chameleon_ft.runtime.api import train as run
+
+    return run(*args, **kwargs)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from chameleon_ft.plan import initial_plan
 from chameleon_ft.profile import build_profile
 from chameleon_ft.runtime.model import GPTShape, LayerState, build_layer
 from chameleon_ft.runtime.packing import PackError, pack, unpack
-from chameleon_ft.runtime.resources import check_memory, worker_bytes
+from chameleon_ft.runtime.resources import check_memory, layer_parameters, worker_bytes
 from chameleon_ft.spec import load_config
 from chameleon_ft.spec.config import config_from_mapping
 
@@ -86,7 +86,8 @@ def test_paper32_does_not_fit_this_host_one_line() -> None:
 def test_tiny_fits_and_the_device_mismatch_is_noted() -> None:
     config = load_config(EXAMPLES / "tiny_cpu.toml")
     plan = initial_plan(config, build_profile(config))
-    need = worker_bytes(config, plan)
+    profile = build_profile(config)
+    need = worker_bytes(config, plan, profile, layer_parameters(config, profile))
     assert sorted(need) == [0, 1, 2, 3] and all(n > 300 * 2**20 for n in need.values())
     assert check_memory(config, plan, build_profile(config), 4, backend="gloo",
                         available=8 * 2**30) == []

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "metrics.jsonl (default: a new runs/train-<time>)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its newest complete checkpoint")
+    parser.add_argument("--log-every", type=int, metavar="N",
+                        help="a progress line every N steps (default: about 25 per run; "
+                             "failures, decisions and recoveries always)")
     parser.add_argument("--json", action="store_true",
                         help="print the final report as JSON on stdout (progress on stderr)")
     parser.add_argument("--workers", type=int, metavar="N",
@@ -129,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
 
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
                         num_local_workers=local, host=args.host, port=args.port, log=log,
-                        token=token, job_name=args.job_name, resume=args.resume)
+                        token=token, job_name=args.job_name, resume=args.resume,
+                        log_every=args.log_every)
     try:
         report = coord.run()
     except WorkerFailure as exc:

@@ -51,11 +51,17 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime import state as st
 from chameleon_ft.runtime.blobs import BlobError, BlobServer
 from chameleon_ft.runtime.checkpoint import Assembly, CheckpointError, CheckpointStore, Manifest
-from chameleon_ft.runtime.data import corpus_digest
-from chameleon_ft.runtime.model import GPTShape
+from chameleon_ft.runtime.model import torch_dtype
+from chameleon_ft.runtime.models import (
+    export_model,
+    param_name,
+    probe_outputs,
+    targets_per_sample,
+)
 from chameleon_ft.runtime.packing import PackError, unpack
 from chameleon_ft.runtime.resources import check_memory
 from chameleon_ft.runtime.worker import JobInfo
+from chameleon_ft.runtime.workload import Workload, seal_workload
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault, check_faults
 
@@ -235,13 +241,20 @@ def default_run_dir(base: Path | None = None) -> Path:
     return path
 
 
-def config_digest(config: Config) -> str:
-    """What must not change between a run and its ``--resume``: model and numerics."""
+def config_digest(config: Config, workload: Workload | None = None) -> str:
+    """What must not change between a run and its ``--resume``: the model, the data, the
+    optimizer and the numerics (the API's objects by their type and ``repr``)."""
     model = config.model
-    doc = {"model": None if model is None else vars(model), "dtype": config.train.dtype,
+    objects = [] if workload is None else [
+        None if o is None else f"{type(o).__module__}.{type(o).__qualname__}"
+        for o in (workload.model_obj, workload.data_obj, workload.optimizer_obj,
+                  workload.lr_schedule_obj)]
+    doc = {"model": None if model is None else vars(model),
+           "source": vars(config.model_source), "data": vars(config.data),
+           "optimizer": repr(config.optimizer), "dtype": config.train.dtype,
            "seed": config.train.seed, "global_batch": config.job.global_batch,
            "micro_batch": config.job.micro_batch, "lr": config.train.lr,
-           "weight_decay": config.train.weight_decay}
+           "weight_decay": config.train.weight_decay, "objects": objects}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -269,7 +282,9 @@ class Coordinator:
                  port: int = 0, log: Callable[[str], None] | None = None,
                  token: str | None = None, job_name: str | None = None,
                  resume: bool = False, check_resources: bool = True,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None, model: Any = None, data: Any = None,
+                 optimizer: Any = None, lr_schedule: Any = None,
+                 log_every: int | None = None) -> None:
         """Prepare a job (nothing starts until :meth:`run`).
 
         Args:
@@ -291,15 +306,26 @@ class Coordinator:
             resume: continue from the newest complete checkpoint in ``out_dir``.
             check_resources: refuse to launch a job whose workers cannot fit this host.
             hooks: callbacks for harnesses.
+            model: a layered model object (default: ``[model]``).
+            data: a data source object (default: ``[data]``).
+            optimizer: an optimizer factory ``params -> torch.optim.Optimizer`` (default:
+                ``[optimizer]``).
+            lr_schedule: ``step -> learning rate`` (default: ``[optimizer]``'s schedule).
+            log_every: a step line every this many steps (default: about 25 per run);
+                failures, decisions and recoveries are always logged.
 
         Raises:
             ValueError: for faults naming missing workers, layouts that do not fit, a
                 token on a non-loopback address that is too short, a resume without a
                 checkpoint, or workers that would not fit the host's memory.
         """
-        if config.model is None:
-            raise ValueError("model: the runtime needs a [model] table (the GPT to train)")
         self.config = config
+        self.workload = Workload(config, model, data, optimizer, lr_schedule)
+        self.model = self.workload.model()
+        self.data = self.workload.data(self.model)
+        self.workload.optimizer()  # a bad optimizer is refused before anything starts
+        self.workload.lr_schedule()
+        self.num_layers = self.model.num_layers
         self.train = config.train
         self.profile = profile if profile is not None else build_profile(config)
         self.num_workers = config.num_workers
@@ -313,16 +339,19 @@ class Coordinator:
         self.faults: list[Fault] = list(faults)
         check_faults(tuple(self.faults), self.num_workers, self.train.steps)
         self.plan0 = initial_plan(config, self.profile)
-        if self.profile.num_layers != config.model.num_layers:
+        if self.profile.num_layers != self.num_layers:
             raise ValueError(f"profile: {self.profile.num_layers} layers, the model has "
-                             f"{config.model.num_layers}")
+                             f"{self.num_layers}; make them agree ([profile] or the model)")
         self.policy = policy or config.policy.name
         self._decide = decide
         self.host, self.port = host, port
         self.log = log or (lambda _msg: None)
         self.hooks = hooks or Hooks()
-        self.shape = GPTShape.from_spec(config.model)
-        self.job_name = job_name or config.model.name or "chameleon"
+        if log_every is not None and log_every < 1:
+            raise ValueError(f"--log-every: must be >= 1, got {log_every}")
+        self.log_every = log_every
+        self.job_name = job_name or (config.model.name if config.model is not None
+                                     else "") or "chameleon"
         remote_possible = self.num_local < self.num_workers or not auth.is_loopback(host)
         self.token_generated = token is None
         self.token = token or auth.new_token()
@@ -334,7 +363,7 @@ class Coordinator:
         self.out_dir = Path(out_dir) if out_dir is not None else default_run_dir()
         self.out_dir_given = out_dir is not None
         self.ckpt = CheckpointStore(self.out_dir, self.train.keep_checkpoints)
-        self.digest = config_digest(config)
+        self.digest = config_digest(config, self.workload)
         self.start_step = 0
         self.resumed_from: Manifest | None = None
         if resume:
@@ -342,7 +371,8 @@ class Coordinator:
         self.hang_s = self.train.hang_s
         self._check_collective_timeout()
         if check_resources:
-            for line in check_memory(config, self.plan0, self.profile, self.num_local):
+            for line in check_memory(config, self.plan0, self.profile, self.num_local,
+                                     build_layer=self.model.build_layer):
                 self.log(line)
         # run-time fields
         self.procs: dict[int, _Proc] = {}
@@ -391,9 +421,9 @@ class Coordinator:
             raise ValueError(f"--resume: the checkpoint in {manifest.folder} was written by a "
                              "job with another model or numerics (model, dtype, seed, batch, "
                              "optimizer); use the config it was trained with")
-        if manifest.num_layers != self.shape.num_layers:
+        if manifest.num_layers != self.num_layers:
             raise ValueError(f"--resume: the checkpoint has {manifest.num_layers} layers, the "
-                             f"model {self.shape.num_layers}")
+                             f"model {self.num_layers}")
         if manifest.step >= self.train.steps:
             raise ValueError(f"--resume: the checkpoint already holds {manifest.step} steps; "
                              f"ask for more with --steps (now {self.train.steps})")
@@ -443,15 +473,21 @@ class Coordinator:
 
     def _job_info(self, blob_port: int) -> JobInfo:
         job, train = self.config.job, self.train
+        dtype = torch_dtype(train.dtype)
+        x, y = self.data.microbatch(0, 0, job.micro_batch)
+        boundaries = [[list(shape), str(out_dtype).removeprefix("torch.")]
+                      for shape, out_dtype in probe_outputs(self.model, x, dtype)]
         return JobInfo(job_name=self.job_name, job_id=self.job_id, nonce=self.nonce,
-                       num_workers=self.num_workers, shape=self.shape, dtype=train.dtype,
-                       lr=train.lr, weight_decay=train.weight_decay, seed=train.seed,
-                       micro_batch=job.micro_batch, global_batch=job.global_batch,
-                       heartbeat_s=train.heartbeat_s, hang_timeout_s=self.hang_s,
-                       backend=train.backend, corpus_digest=corpus_digest(),
+                       num_workers=self.num_workers, num_layers=self.num_layers,
+                       dtype=train.dtype, micro_batch=job.micro_batch,
+                       global_batch=job.global_batch, heartbeat_s=train.heartbeat_s,
+                       hang_timeout_s=self.hang_s, backend=train.backend,
+                       data_digest=Workload.data_digest(self.data),
                        checkpoint_every=train.checkpoint_every,
                        control_timeout_s=max(train.join_timeout_s, 10 * self.hang_s),
-                       blob_port=blob_port)
+                       blob_port=blob_port, boundaries=boundaries,
+                       targets_per_sample=targets_per_sample(y),
+                       workload=seal_workload(self.workload, self.secret))
 
     def _schedule(self, plan: ExecutionPlan) -> tuple[dict[str, Any], list[Any]]:
         from chameleon_ft.perf import Topology, build_schedule
@@ -697,7 +733,7 @@ class Coordinator:
         s = self.state
         self.store.set(proto.abort_key(s.gen - 1), "1")
         final = {i: [w for w in s.state_plan.holders(i) if w in s.holding]
-                 for i in range(self.shape.num_layers)}
+                 for i in range(self.num_layers)}
         self.final_gen = s.gen
         self.store.set(proto.directive_key(s.gen), proto.dumps(
             {"action": "stop", "gen": s.gen, "step": s.next_step, "final": final}))
@@ -929,8 +965,12 @@ class Coordinator:
         return False
 
     def _log_step(self, step: int, loss: float, step_s: float, gen: int) -> None:
-        every = max(1, self.train.steps // 25) if self.train.steps > 50 else 1
-        if step % every == 0 or step == self.train.steps - 1 or step == self.start_step:
+        every = self.log_every or (max(1, self.train.steps // 25) if self.train.steps > 50
+                                   else 1)
+        recovered = bool(self.events) and self.events[-1].resumed_at_s is None and \
+            not self.events[-1].idle
+        if step % every == 0 or step == self.train.steps - 1 or step == self.start_step or \
+                recovered:
             self.log(f"step {step:4d}  loss {loss:.4f}  step {step_s:.3f} s  gen {gen}")
 
     def _collect_timings(self, gen: int, step: int) -> None:
@@ -1211,7 +1251,7 @@ class Coordinator:
             layer = int(header["layer"])
         except (KeyError, TypeError, ValueError):
             raise BlobError("malformed request") from None
-        if not 0 <= layer < self.shape.num_layers:
+        if not 0 <= layer < self.num_layers:
             raise BlobError(f"layer {layer} does not exist")
         if op == "put" and kind == "checkpoint":
             step, gen = int(header["step"]), int(header["gen"])
@@ -1221,7 +1261,7 @@ class Coordinator:
             with self.lock:
                 key = (step, gen)
                 if key not in self.assemblies:
-                    self.assemblies[key] = self.ckpt.begin(step, gen, self.shape.num_layers)
+                    self.assemblies[key] = self.ckpt.begin(step, gen, self.num_layers)
                 assembly = self.assemblies[key]
             if assembly.add(layer, payload):
                 self.completed.put(key)
@@ -1242,7 +1282,7 @@ class Coordinator:
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         return {"config": self.digest, "job": self.job_name, "dtype": self.train.dtype,
-                "num_layers": self.shape.num_layers}
+                "num_layers": self.num_layers}
 
     def _collect_checkpoints(self) -> None:
         while True:
@@ -1278,7 +1318,7 @@ class Coordinator:
         step = self.state.next_step
         self._collect_checkpoints()
         if step not in self.ckpt.steps():
-            assembly = self.ckpt.begin(step, self.state.gen, self.shape.num_layers)
+            assembly = self.ckpt.begin(step, self.state.gen, self.num_layers)
             for i, data in layers.items():
                 assembly.add(i, data)
             manifest = self.ckpt.commit(assembly, plan=self.state.state_plan.to_dict(),
@@ -1287,16 +1327,17 @@ class Coordinator:
         params: dict[str, torch.Tensor] = {}
         for i, data in sorted(layers.items()):
             try:
-                tree = unpack(data)
-            except PackError as exc:
+                module_state = unpack(data)["module"]
+            except (PackError, KeyError, TypeError) as exc:
                 raise WorkerFailure(f"layer {i}: the final state does not decode: {exc}") from None
-            names = _layer_param_names(self.shape, i)
-            for name, tensor in zip(names, tree["params"], strict=True):
-                params[f"layers.{i}.{name}"] = tensor
+            for name, tensor in module_state.items():
+                params[param_name(i, name)] = tensor
         self._wait_exits()
         self._finish_transitions()
         digest = param_hash(params)
         _save_atomic(params, self.out_dir / "params.pt")
+        if export_model(self.model, params, self.out_dir):
+            self.log(f"model exported in its own format under {self.out_dir}")
         steps = [self.steps[k] for k in sorted(self.steps)]
         report = {
             "steps": [{"step": r.step, "loss": r.loss, "step_s": r.step_s, "gen": r.gen}
@@ -1324,6 +1365,12 @@ class Coordinator:
         # per-op compute times (calibration input for the profiler), kept apart: large
         _write_atomic_text(self.out_dir / "op_times.json", json.dumps(self.op_times))
         self._write_metrics(steps)
+        try:
+            from chameleon_ft.runtime.plots import write_report_png
+
+            write_report_png(report, self.out_dir / "report.png")
+        except Exception as exc:  # a plot must never lose a finished run
+            self.log(f"report.png not written: {exc}")
         return report
 
     def _gather_finals(self) -> dict[int, bytes]:
@@ -1332,7 +1379,7 @@ class Coordinator:
         while True:
             with self.lock:
                 have = dict(self.finals)
-            missing = [i for i in range(self.shape.num_layers) if i not in have]
+            missing = [i for i in range(self.num_layers) if i not in have]
             if not missing:
                 return have
             gone = [i for i in missing if all(
@@ -1383,7 +1430,7 @@ class Coordinator:
 
     def _write_metrics(self, steps: list[StepRecord]) -> None:
         """``metrics.jsonl``: one line per committed step (appended across resumes)."""
-        tokens = self.config.job.global_batch * self.shape.seq_len
+        tokens = self.config.job.global_batch * max(1, self.config.seq_len)
         lines = [json.dumps({"step": r.step, "loss": r.loss, "step_s": r.step_s,
                              "tokens_per_s": tokens / r.step_s if r.step_s > 0 else None,
                              "gen": r.gen, "plan_workers": r.num_workers})
@@ -1393,12 +1440,6 @@ class Coordinator:
         keep = [ln for ln in old.splitlines()
                 if ln and json.loads(ln)["step"] < self.start_step]
         _write_atomic_text(path, "".join(f"{ln}\n" for ln in keep + lines))
-
-
-def _layer_param_names(shape: GPTShape, index: int) -> list[str]:
-    from chameleon_ft.runtime.model import layer_param_names
-
-    return layer_param_names(shape, index)
 
 
 def _write_atomic_text(path: Path, text: str) -> None:

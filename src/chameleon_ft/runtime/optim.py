@@ -17,7 +17,6 @@ Python API takes any callable.
 from __future__ import annotations
 
 import inspect
-import io
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chameleon_ft.runtime.packing import PackError, pack, unpack
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.optimizer import ScheduleKind
 
@@ -201,12 +201,11 @@ class LayerTrainState:
         self.optimizer.step()
 
     def to_bytes(self) -> bytes:
-        """The module's and the optimizer's ``state_dict``, serialised (device-neutral:
-        loading maps everything to the receiver's device and dtype)."""
-        buf = io.BytesIO()
-        torch.save({"format": _STATE_FORMAT, "module": self.module.state_dict(),
-                    "optimizer": self.optimizer.state_dict()}, buf)
-        return buf.getvalue()
+        """The module's and the optimizer's ``state_dict``, packed (``runtime.packing``:
+        no pickle, device-neutral, and deterministic, so replicas of a layer give the same
+        bytes and a migration may take slices of them from several senders)."""
+        return pack({"format": _STATE_FORMAT, "module": self.module.state_dict(),
+                     "optimizer": self.optimizer.state_dict()})
 
     @classmethod
     def from_bytes(cls, module: nn.Module, optimizer_factory: OptimizerFactory, data: bytes,
@@ -224,10 +223,10 @@ class LayerTrainState:
             ValueError: for bytes that do not hold this layer's state.
         """
         try:
-            blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign payload
+            blob = unpack(data)
+        except PackError as exc:  # a truncated or foreign payload
             raise ValueError(f"layer state: unreadable payload of {len(data)} bytes: "
-                             f"{str(exc).splitlines()[0][:200]}") from None
+                             f"{exc}") from None
         if not isinstance(blob, dict) or blob.get("format") != _STATE_FORMAT:
             raise ValueError("layer state: not a layer state payload")
         try:

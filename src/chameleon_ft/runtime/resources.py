@@ -13,6 +13,9 @@ available memory; a GPU worker has its device's memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
 from chameleon_ft.spec.config import Config
@@ -27,11 +30,25 @@ _DTYPE_BYTES = {"float32": 4, "float64": 8}
 GIB = 2**30
 
 
-def layer_parameters(model: ModelSpec) -> list[int]:
-    """Parameters of each planner layer of the runtime's GPT (embedding, blocks, head)."""
-    h, f, v, t = model.hidden_size, model.ffn, model.vocab_size, model.seq_len
-    block = 3 * h * h + h * h + 2 * h + 2 * h + h * f + f + f * h + h
-    return [v * h + t * h, *([block] * model.num_blocks), 2 * h + h * v]
+BF16_BYTES = 2
+"""The analytic profile counts parameters in bf16 bytes."""
+
+
+def layer_parameters(config: Config, profile: Profile,
+                     build_layer: Callable[[int], Any] | None = None) -> list[int]:
+    """Parameters of each layer: from the analytic profile (the same architecture the
+    runtime builds), else by building each layer once (one at a time)."""
+    from chameleon_ft.spec.profile_source import ProfileKind
+
+    if config.profile.kind == ProfileKind.ANALYTIC or build_layer is None:
+        return [round(layer.param_bytes * config.job.tp / BF16_BYTES)
+                for layer in profile.layers]
+    counts = []
+    for i in range(profile.num_layers):
+        module = build_layer(i)
+        counts.append(sum(p.numel() for p in module.parameters()))
+        del module
+    return counts
 
 
 def _activation_elements(model: ModelSpec, micro_batch: int) -> float:
@@ -41,20 +58,29 @@ def _activation_elements(model: ModelSpec, micro_batch: int) -> float:
     return s * b * h * (34 + 5 * a * s / h) / 2
 
 
-def worker_bytes(config: Config, plan: ExecutionPlan) -> dict[int, float]:
-    """Bytes each worker of ``plan`` needs in the runtime (process included)."""
-    assert config.model is not None
+def worker_bytes(config: Config, plan: ExecutionPlan, profile: Profile,
+                 params: list[int]) -> dict[int, float]:
+    """Bytes each worker of ``plan`` needs in the runtime (process included).
+
+    Args:
+        config: the job.
+        plan: the plan.
+        profile: per-layer costs (activations, when the architecture is unknown).
+        params: parameters of each layer (:func:`layer_parameters`).
+    """
     dtype = _DTYPE_BYTES[config.train.dtype]
-    params = layer_parameters(config.model)
-    act = _activation_elements(config.model, config.job.micro_batch) * dtype
+    if config.model is not None:
+        act = [_activation_elements(config.model, config.job.micro_batch) * dtype] * len(params)
+    else:  # the profile's activations are bf16 bytes per micro-batch
+        act = [layer.activation_bytes * dtype / BF16_BYTES for layer in profile.layers]
     out: dict[int, float] = {}
+    pipe_stages = max(p.num_stages for p in plan.pipelines)
     for _, stage_index, stage in plan.iter_stages():
-        pipe_stages = max(p.num_stages for p in plan.pipelines)
         in_flight = max(1, pipe_stages - stage_index)
         n = sum(params[i] for i in stage.layers)
         state = n * dtype * (2 + OPTIMIZER_COPIES)
-        out[stage.worker] = out.get(stage.worker, 0.0) + state + in_flight * act * len(
-            stage.layers) + PROCESS_BYTES
+        out[stage.worker] = out.get(stage.worker, 0.0) + state + in_flight * sum(
+            act[i] for i in stage.layers) + PROCESS_BYTES
     return out
 
 
@@ -77,7 +103,8 @@ def _fmt(num_bytes: float) -> str:
 
 def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_local: int, *,
                  backend: str | None = None, available: int | None = None,
-                 gpu_bytes: list[int] | None = None) -> list[str]:
+                 gpu_bytes: list[int] | None = None,
+                 build_layer: Callable[[int], Any] | None = None) -> list[str]:
     """Refuse a job whose local workers cannot fit; return notes worth a log line.
 
     Args:
@@ -88,15 +115,16 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         backend: ``gloo``/``nccl`` (default: ``[train] backend`` resolved on this host).
         available: bytes of host memory available (default: read from the system).
         gpu_bytes: memory of each local GPU (default: asked of torch when NCCL runs).
+        build_layer: builds a layer, to count its parameters when the profile is not
+            analytic.
 
     Raises:
         ValueError: naming what is needed and what there is.
     """
-    del profile
     notes: list[str] = []
     if num_local == 0:
         return notes
-    need = worker_bytes(config, plan)
+    need = worker_bytes(config, plan, profile, layer_parameters(config, profile, build_layer))
     local = [need.get(w, float(PROCESS_BYTES)) for w in range(num_local)]
     if backend is None:
         backend = config.train.backend

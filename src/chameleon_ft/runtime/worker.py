@@ -46,17 +46,10 @@ import torch.distributed as dist
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.blobs import BlobClient, BlobError
-from chameleon_ft.runtime.data import ByteCorpus, corpus_digest
-from chameleon_ft.runtime.model import (
-    AdamW,
-    GPTShape,
-    LayerState,
-    StageModel,
-    build_layer,
-    loss_sum,
-    torch_dtype,
-)
-from chameleon_ft.runtime.packing import PackError, pack, unpack
+from chameleon_ft.runtime.model import torch_dtype
+from chameleon_ft.runtime.models import StageModel, to_run
+from chameleon_ft.runtime.optim import LayerTrainState
+from chameleon_ft.runtime.workload import Workload, open_workload
 
 _BREAK_TAG = 2_000_000_000
 """Tag of the throw-away receive that closes a pair (never sent by anyone)."""
@@ -98,28 +91,33 @@ class JobInfo:
     nonce: str
     """The coordinator's join nonce."""
     num_workers: int
-    shape: GPTShape
+    num_layers: int
     dtype: str
-    lr: float
-    weight_decay: float
-    seed: int
     micro_batch: int
     global_batch: int
     heartbeat_s: float
     hang_timeout_s: float
     backend: str
-    corpus_digest: str
+    data_digest: str
+    """The data source's digest (a worker on another host checks it has the same data)."""
     checkpoint_every: int
     control_timeout_s: float
     """Deadline of connecting and of one bulk transfer."""
     blob_port: int
     """The coordinator's bulk-state server (same host as the store)."""
+    boundaries: list[list[Any]]
+    """``[shape, dtype]`` of every layer's output for one micro-batch (a stage receives
+    its first layer's input, the previous layer's output, into a buffer of that shape)."""
+    targets_per_sample: int
+    """Target elements of one sample: the loss is summed, then divided by this times the
+    global batch."""
+    workload: str
+    """The model, data and optimizer to train (``runtime.workload``), sealed with the
+    job's secret: a worker without the token cannot open it, and a forged one is refused."""
 
     def to_json(self) -> str:
         """Serialise."""
-        d = dict(vars(self))
-        d["shape"] = vars(self.shape)
-        return json.dumps(d)
+        return json.dumps(dict(vars(self)))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobInfo:
@@ -129,9 +127,7 @@ class JobInfo:
             ValueError: for text that is not a job description of this version.
         """
         try:
-            d = json.loads(text)
-            d["shape"] = GPTShape(**d["shape"])
-            return cls(**d)
+            return cls(**json.loads(text))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ValueError("the store does not hold a chameleon job of this version") from None
 
@@ -266,21 +262,23 @@ class Worker:
         self.blobs = BlobClient(host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s)
         self.dtype = torch_dtype(self.job.dtype)
+        self.work: Workload = open_workload(self.job.workload, secret)
         self.backend = resolve_backend(self.job.backend)
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
             self.device = torch.device("cuda", worker_id % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        digest = corpus_digest()
-        if digest != self.job.corpus_digest:
-            raise ValueError(f"data: this host's corpus {digest} differs from the "
-                             f"coordinator's {self.job.corpus_digest}; use the same Python")
-        self.corpus = ByteCorpus(self.job.shape.seq_len, seed=self.job.seed)
-        self.optimizer = AdamW(lr=self.job.lr, weight_decay=self.job.weight_decay)
-        self.layers: dict[int, LayerState] = {}
+        self.model, self.data = self.work.model(), self.work.data()
+        self.opt_factory, self.lr_schedule = self.work.optimizer(), self.work.lr_schedule()
+        digest = self.work.data_digest(self.data)
+        if digest != self.job.data_digest:
+            raise ValueError(f"data: this host's data ({digest}) differs from the "
+                             f"coordinator's ({self.job.data_digest}); give every host the "
+                             "same files")
+        self.layers: dict[int, LayerTrainState] = {}
         """The layers of this worker's current stage (trained and updated)."""
-        self.held: dict[int, LayerState] = {}
+        self.held: dict[int, LayerTrainState] = {}
         """Every layer whose state this worker holds, valid after ``held_steps`` committed
         steps: the stage's layers plus, until the next commit, the previous stage's (a
         generation that fails before committing leaves the older placement intact, and the
@@ -296,7 +294,8 @@ class Worker:
         self.faults_version = -1
         self.current: _Generation | None = None
         self.gen_changed = threading.Condition()
-        self.num_tokens_global = self.job.global_batch * self.job.shape.seq_len
+        self.loss_count = self.job.global_batch * self.job.targets_per_sample
+        """The loss normaliser: target elements in the whole step."""
         self._warm_up_kernels()
 
     def _warm_up_kernels(self) -> None:
@@ -307,17 +306,20 @@ class Worker:
         that out of step 0 and out of the first step after a recovery that hands this
         worker a new kind of layer.
         """
-        stage = StageModel()
-        last = self.job.shape.num_layers - 1
-        for i in sorted({0, min(1, last), last}):
-            stage.layers[str(i)] = build_layer(self.job.shape, i, seed=0,
-                                               dtype=self.dtype).to(self.device)
-        x, y = self.corpus.microbatch(0, 0, self.job.micro_batch)
-        loss_sum(stage(x.to(self.device)), y.to(self.device), 1).backward()
+        last = self.job.num_layers - 1
+        x, y = self.data.microbatch(0, 0, self.job.micro_batch)
+        x, y = to_run(x, self.dtype, self.device), to_run(y, self.dtype, self.device)
+        first = self._module(0)
+        hidden = first(x)
         # The first backward from a non-scalar output with a given gradient (what every
         # stage but the last runs) is slow once per process, whatever the shapes.
-        hidden = stage.layers["0"](x.to(self.device))
-        hidden.backward(torch.ones_like(hidden))
+        if hidden.requires_grad:
+            hidden.backward(torch.ones_like(hidden))
+        if last > 0:
+            head = self._module(last)
+            inp = self._boundary_buffer(last).requires_grad_(
+                self._boundary_buffer(last).is_floating_point())
+            self.model.loss(head(inp), y).backward()
 
     # ------------------------------------------------------------------ plumbing
     def _client(self, timeout_s: float) -> dist.TCPStore:
@@ -570,24 +572,32 @@ class Worker:
             self._wait(work, peer, "warm-up")
 
     # ------------------------------------------------------------------ state
-    def _set_layers(self, layers: dict[int, LayerState]) -> None:
+    def _set_layers(self, layers: dict[int, LayerTrainState]) -> None:
         self.layers = layers
         self.stage = StageModel()
         for i in sorted(layers):
             self.stage.layers[str(i)] = layers[i].module
 
-    def _new_layer(self, index: int) -> LayerState:
-        module = build_layer(self.job.shape, index, seed=self.job.seed, dtype=self.dtype)
-        return LayerState(module.to(self.device))
+    def _module(self, index: int) -> torch.nn.Module:
+        """Layer ``index`` with its initial parameters, in the run's dtype, on the device."""
+        module: torch.nn.Module = self.model.build_layer(index).to(self.dtype).to(self.device)
+        return module
 
-    def _layer_from_bytes(self, index: int, data: bytes) -> LayerState:
-        state = self._new_layer(index)
+    def _new_layer(self, index: int) -> LayerTrainState:
+        return LayerTrainState.create(self._module(index), self.opt_factory, self.lr_schedule)
+
+    def _layer_from_bytes(self, index: int, data: bytes) -> LayerTrainState:
         try:
-            state.load_tree(unpack(data, self.device))
-        except (PackError, ValueError) as exc:
+            return LayerTrainState.from_bytes(self._module(index), self.opt_factory, data,
+                                              self.lr_schedule)
+        except ValueError as exc:
             raise RuntimeError(f"worker {self.id}: the state received for layer {index} "
                                f"does not load: {exc}") from None
-        return state
+
+    def _boundary_buffer(self, layer: int) -> torch.Tensor:
+        """An empty buffer for the input of ``layer`` (the output of ``layer - 1``)."""
+        shape, dtype = self.job.boundaries[layer - 1]
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
 
     def _load_state(self, gen: int, d: dict[str, Any], plan: ExecutionPlan,
                     group: dist.ProcessGroup) -> None:
@@ -618,7 +628,7 @@ class Worker:
         self.held, self.held_steps = layers, d["step"]
         self._set_layers({i: layers[i] for i in wanted})
 
-    def _migrate(self, migration: dict[str, Any], layers: dict[int, LayerState],
+    def _migrate(self, migration: dict[str, Any], layers: dict[int, LayerTrainState],
                  group: dist.ProcessGroup, step: int, gen: int) -> None:
         """Run the restorer's transfers round by round.
 
@@ -639,7 +649,7 @@ class Worker:
                 tag = _MIGRATION_TAG + 2 * index
                 if src == self.id:
                     if layer not in packed:
-                        raw = pack(layers[layer].state_tree())
+                        raw = layers[layer].to_bytes()
                         packed[layer] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                     data = packed[layer]
                     size = torch.tensor([data.numel()], dtype=torch.int64)
@@ -716,9 +726,9 @@ class Worker:
         self._refresh_faults()
         ops = d["ops"].get(str(self.id), [])
         offsets = plan.microbatch_offsets()
-        b, t, h = self.job.micro_batch, self.job.shape.seq_len, self.job.shape.hidden_size
-        for p in self.stage.parameters():
-            p.grad = None
+        b = self.job.micro_batch
+        for state in self.layers.values():
+            state.zero_grad()
         inflight: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[tuple[Any, int, torch.Tensor]] = []
         losses: list[tuple[int, float]] = []
@@ -741,18 +751,19 @@ class Worker:
             num_stages = plan.pipelines[p].num_stages
             if kind == "F":
                 if s == 0:
-                    x, _ = self.corpus.microbatch(step, offsets[p] + m, b)
-                    x = x.to(self.device)
+                    x, _ = self.data.microbatch(step, (offsets[p] + m) * b, b)
+                    x = to_run(x, self.dtype, self.device)
                 else:
                     src = executor(p, s - 1, m)
-                    x = torch.empty((b, t, h), dtype=self.dtype, device=self.device)
+                    x = self._boundary_buffer(self.stage.indices()[0])
                     self._recv(group, x, src, tag(0, p, s, m), "activation receive")
-                    x.requires_grad_(True)
+                    x.requires_grad_(x.is_floating_point())
                 t0 = time.perf_counter()
                 out = self.stage(x)
                 if s == num_stages - 1:
-                    _, y = self.corpus.microbatch(step, offsets[p] + m, b)
-                    out = loss_sum(out, y.to(self.device), self.num_tokens_global)
+                    _, y = self.data.microbatch(step, (offsets[p] + m) * b, b)
+                    out = self.model.loss(out, to_run(y, self.dtype, self.device)) \
+                        / self.loss_count
                     losses.append((offsets[p] + m, float(out.detach())))
                 else:
                     dst = executor(p, s + 1, m)
@@ -778,8 +789,7 @@ class Worker:
                 op_s["B"].append(time.perf_counter() - t0)
                 if s > 0:
                     dst = executor(p, s - 1, m)
-                    assert x.grad is not None
-                    payload = x.grad.contiguous()
+                    payload = (x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()
                     sends.append((self._send(group, payload, dst, tag(1, p, s - 1, m)), dst,
                                   payload))
                 if not seen_backward:
@@ -805,7 +815,7 @@ class Worker:
         self._maybe_fault(step, "optimizer", gen)
         t0 = time.perf_counter()
         for state in self.layers.values():
-            self.optimizer.apply(state, step + 1)
+            state.step(step)
         self.last_optimizer_s = time.perf_counter() - t0
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan, gen)
@@ -844,10 +854,10 @@ class Worker:
         holders = plan.holders(layer)
         return bool(holders) and holders[0] == self.id
 
-    def _upload(self, kind: str, layer: int, state: LayerState, **fields: Any) -> None:
+    def _upload(self, kind: str, layer: int, state: LayerTrainState, **fields: Any) -> None:
         try:
             self.blobs.request({"op": "put", "kind": kind, "layer": layer,
-                                "worker": self.id, **fields}, pack(state.state_tree()))
+                                "worker": self.id, **fields}, state.to_bytes())
         except BlobError as exc:
             # a checkpoint that cannot complete is not fatal: the coordinator keeps the
             # previous one; say why

@@ -1,0 +1,40 @@
+"""Objects the Python-API tests hand to ``chameleon_ft.train``: module-level, so they
+pickle to the worker processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class TinyMLP:
+    """A layered model that is not a transformer: (B, 6) -> (B, 2) in 4 layers."""
+
+    num_layers = 4
+
+    def build_layer(self, index: int) -> nn.Module:
+        gen = torch.Generator().manual_seed(100 + index)
+        sizes = [(6, 16), (16, 16), (16, 16), (16, 2)]
+        layer = nn.Linear(*sizes[index])
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
+        return layer if index == 3 else nn.Sequential(layer, nn.Tanh())
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, targets, reduction="sum")
+
+
+class TinyRegression:
+    """Sample ``i`` of step ``k``: drawn from a generator keyed by its global position."""
+
+    def __init__(self, global_batch: int) -> None:
+        self.global_batch = global_batch
+
+    def microbatch(self, step: int, first_sample: int,
+                   size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g0 = step * self.global_batch + first_sample
+        x = np.stack([np.random.default_rng(g0 + i).normal(size=6) for i in range(size)])
+        y = np.stack([np.sin(x[:, :3].sum(axis=1)), np.cos(x[:, 3:].sum(axis=1))], axis=1)
+        return torch.tensor(x), torch.tensor(y)
