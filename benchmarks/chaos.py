@@ -83,29 +83,47 @@ POLICIES = ("chameleon", "reroute", "dynamic", "shrink", "reroute-then-dynamic",
 
 
 def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
-              reference: dict[str, Any], policy: str) -> dict[str, Any]:
+              reference: dict[str, Any], policy: str,
+              log_file: Path | None = None) -> dict[str, Any]:
     from chameleon_ft.runtime.chaos import ChaosHooks, check_run
     from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
     from chameleon_ft.spec.config import config_from_mapping
 
     steps = doc["train"]["steps"]
     hooks = ChaosHooks(seed=seed, budget=faults, last_step=steps - 25)
-    coord = Coordinator(config_from_mapping(doc), out_dir=out, hooks=hooks, policy=policy)
+    sink = open(log_file, "a") if log_file else None  # noqa: SIM115 - closed in finally
+
+    def log(line: str) -> None:
+        if sink is not None:
+            sink.write(f"[{time.monotonic():.3f}] {line}\n")
+            sink.flush()
+
+    if sink is not None:
+        sink.write(f"=== run: policy {policy}, seed {seed}\n")
+    coord = Coordinator(config_from_mapping(doc), out_dir=out, hooks=hooks, policy=policy,
+                        log=log)
     started = time.monotonic()
     try:
         report = coord.run()
     except WorkerFailure as exc:
+        log(f"FAILED: {exc}")
         pids = [p.pid for p in coord.all_procs if p.pid is not None]
-        return {"failed": str(exc), "injected": len(hooks.injected), "fired": 0,
-                "exact": False, "max_diff": float("inf"), "stray": 0, "events": 0,
-                "strategies": {}, "lost_by_restarts": 0, "lost_outside_restarts": 0,
-                "detect_s": [], "recover_s": [], "pids": len(pids)}
+        time.sleep(0.5)
+        return {"failed": str(exc), "policy": policy, "injected": len(hooks.injected),
+                "fired": 0, "exact": False, "max_diff": float("inf"),
+                "stray": sum(1 for p in pids if _alive(p)), "events": 0, "strategies": {},
+                "lost_by_restarts": 0, "lost_outside_restarts": 0, "detect_s": [],
+                "recover_s": [], "episodes": [x.episode for x in hooks.injected]}
+    finally:
+        if sink is not None:
+            sink.close()
     pids = [p.pid for p in coord.all_procs if p.pid is not None]
     time.sleep(0.5)
     result = check_run(report, coord.params, reference, hooks, pids, steps)
     result["wall_s"] = time.monotonic() - started
     result["policy"] = policy
-    result["unfired"] = [f["fault"] for f in report["faults"] if not f["fired"]]
+    result["unfired"] = [f["fault"] for f in report["faults"]
+                         if not f["fired"] and not f["retracted"]]
     return result
 
 
@@ -141,13 +159,17 @@ def run_coordinator_kill(doc: dict[str, Any], out: Path,
             break
     stopped = pids[1]
     os.kill(stopped, signal.SIGSTOP)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(10)
     t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
     others = [p for p in pids if p != stopped]
-    while any(_alive(p) for p in others) and time.monotonic() - t0 < hang_s + 10:
-        time.sleep(0.02)
-    others_gone_s = time.monotonic() - t0
+    gone_at: dict[int, float] = {}
+    while len(gone_at) < len(others) and time.monotonic() - t0 < hang_s + 10:
+        for p in others:
+            if p not in gone_at and not _alive(p):
+                gone_at[p] = time.monotonic() - t0
+        time.sleep(0.01)
+    others_gone_s = max(gone_at.values(), default=float("inf"))
+    proc.wait(10)
     time.sleep(hang_s + 0.5)
     os.kill(stopped, signal.SIGCONT)
     t1 = time.monotonic()
@@ -165,6 +187,7 @@ def run_coordinator_kill(doc: dict[str, Any], out: Path,
         if ok else float("inf")
     m = re.search(r"resuming from .*\((\d+) steps\)", resumed.stdout)
     return {"killed_at_step": killed_at_step, "resumed_from": int(m.group(1)) if m else None,
+            "exit_after_s": sorted(gone_at.values()),
             "workers_gone_after_s": others_gone_s, "continued_gone_after_s": continued_gone_s,
             "hang_timeout_s": hang_s, "stray": stray, "resume_ok": ok,
             "max_diff": max_diff, "exact": max_diff < 1e-9}
@@ -183,6 +206,7 @@ def main() -> int:
     parser.add_argument("--no-resume", action="store_true",
                         help="skip the coordinator-kill + --resume run")
     parser.add_argument("--json", metavar="FILE", help="write every run's figures here")
+    parser.add_argument("--log", metavar="FILE", help="append every run's coordinator log here")
     args = parser.parse_args()
 
     from chameleon_ft.runtime.chaos import summarize
@@ -199,7 +223,8 @@ def main() -> int:
         for i in range(args.runs):
             seed = args.seed + i
             policy = args.policy or POLICIES[i % len(POLICIES)]
-            result = run_chaos(doc, args.faults, seed, root / f"run{i}", reference, policy)
+            result = run_chaos(doc, args.faults, seed, root / f"run{i}", reference, policy,
+                               Path(args.log) if args.log else None)
             runs.append(result)
             print(f"run {i} ({policy}, seed {seed}): {result['injected']} injected, "
                   f"{result['fired']} "

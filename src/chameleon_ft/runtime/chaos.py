@@ -49,6 +49,8 @@ class Injected:
     """Index in the coordinator's fault list (None for a signal sent by the harness)."""
     at_step: int = 0
     rank: int = -1
+    retracted: bool = False
+    """Disarmed before it fired: its worker left the plan (not counted as injected)."""
     sent_at_s: float | None = None
     """Run clock when the harness sent its signal (signals only)."""
 
@@ -64,8 +66,9 @@ class ChaosHooks(Hooks):
     """No episode starts at or after this step (the run must have time to recover)."""
     settle_steps: int = 4
     """Steps committed after a recovery before the next episode."""
-    patience_steps: int = 40
-    """Steps to wait for an armed fault to fire, or for a pending episode's moment."""
+    patience_steps: int = 15
+    """Steps to wait for an armed fault to fire (then it is retracted), or for a pending
+    episode's moment."""
     injected: list[Injected] = field(default_factory=list)
     pending: str | None = None
     """An episode waiting for its moment (``cascade``, ``migration``, ``repaired``)."""
@@ -79,7 +82,7 @@ class ChaosHooks(Hooks):
 
     # ---------------------------------------------------------------- bookkeeping
     def _remaining(self) -> int:
-        return self.budget - len(self.injected)
+        return self.budget - sum(1 for x in self.injected if not x.retracted)
 
     def _settled(self, coord: Coordinator, step: int) -> bool:
         if self.pending is not None or self._remaining() <= 0 or step >= self.last_step:
@@ -87,8 +90,13 @@ class ChaosHooks(Hooks):
         if any(e.resumed_at_s is None and not e.idle for e in coord.events):
             return False
         fired = {i for i, f in enumerate(coord.fault_report()) if f["fired"]}
-        if any(x.index is not None and x.index not in fired
-               and step - x.at_step <= self.patience_steps for x in self.injected):
+        waiting = [x for x in self.injected if x.index is not None and not x.retracted
+                   and x.index not in fired]
+        for x in waiting:
+            if step - x.at_step > self.patience_steps and x.index is not None and \
+                    coord.retract(x.index):
+                x.retracted = True
+        if any(not x.retracted for x in waiting):
             return False
         return step - self.quiet_since_step >= self.settle_steps
 
@@ -202,6 +210,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(runs),
         "faults_injected": sum(r["injected"] for r in runs),
         "faults_fired": sum(r["fired"] for r in runs),
+        "faults_retracted": sum(r.get("retracted", 0) for r in runs),
         "runs_exact": sum(1 for r in runs if r["exact"]),
         "max_param_diff": max((r["max_diff"] for r in runs), default=0.0),
         "steps_lost_outside_restarts": sum(r["lost_outside_restarts"] for r in runs),
@@ -221,6 +230,7 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
     max_diff = max(float((params[k] - reference[k]).abs().max()) for k in reference)
     fired_phase = sum(1 for f in report["faults"] if f["fired"])
     signalled = sum(1 for x in hooks.injected if x.index is None)
+    retracted = sum(1 for x in hooks.injected if x.retracted)
     events = [e for e in report["events"] if not e.get("idle")]
     committed = [s["step"] for s in report["steps"]]
     lost_by_restarts = sum(e["lost_steps"] for e in events if e["strategy"] == "restart")
@@ -250,7 +260,8 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
             origin = e["fault_at_s"] if e["fault_at_s"] is not None else e["detected_at_s"]
             recover.append(e["transition_s"] + origin - start)
     return {
-        "injected": len(hooks.injected), "fired": fired_phase + signalled,
+        "injected": len(hooks.injected) - retracted, "fired": fired_phase + signalled,
+        "retracted": retracted,
         "phase_faults": len(report["faults"]), "exact": max_diff < 1e-9,
         "max_diff": max_diff, "steps_ok": committed == list(range(steps)),
         "events": len(events), "strategies": strategies,

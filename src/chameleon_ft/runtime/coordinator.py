@@ -397,7 +397,7 @@ class Coordinator:
                               load=st.Load("restore", self.start_step) if self.start_step
                               else st.INIT)
         self.stop_signal: int | None = None
-        self.rejoin_asked: tuple[int, frozenset[int]] | None = None
+        self.rejoin_asked: tuple[ExecutionPlan, frozenset[int]] | None = None
         self.gen_info: dict[int, dict[str, Any]] = {}
         """Per generation not yet retired: its groups and steps (for deleting its keys)."""
         self.ready_gens: set[int] = set()
@@ -406,6 +406,7 @@ class Coordinator:
         self.joins_seen = 0
         self.join_wait_since: float | None = None
         self.fault_times_used: set[int] = set()
+        self.retracted: set[int] = set()
         self.state_started = False
         self.drain_started = 0.0
         self.drain_done = False
@@ -772,6 +773,14 @@ class Coordinator:
         self._publish_faults()
         return len(self.faults) - 1
 
+    def retract(self, index: int) -> bool:
+        """Disarm fault ``index`` unless it fired already; returns whether it was disarmed
+        (a fault whose worker left every plan would otherwise wait forever)."""
+        if self.store.add(proto.fault_claim_key(index), 1) != 1:
+            return False
+        self.retracted.add(index)
+        return True
+
     def _fault_time(self, failed: frozenset[int]) -> float | None:
         """When an injected fault fired on one of ``failed`` (worker wall clock -> run clock)."""
         times = []
@@ -794,6 +803,7 @@ class Coordinator:
             key = proto.fault_fired_key(index)
             fired = json.loads(self.store.get(key)) if self._store_has(key) else None
             out.append({"fault": fault.to_text(), "fired": fired is not None,
+                        "retracted": index in self.retracted,
                         **({"fired_step": fired["step"], "fired_gen": fired["gen"],
                             "fired_pid": fired["pid"]} if fired else {})})
         return out
@@ -1100,8 +1110,28 @@ class Coordinator:
         self.state = st.stopped(self.state, reason)
         raise WorkerFailure(reason)
 
+    def _absent(self) -> list[int]:
+        """Members of the generation that never joined its groups (no rendezvous key)."""
+        info = self.gen_info.get(self.state.gen)
+        if info is None:
+            return []
+        world = info["world"]
+        return [w for rank, w in enumerate(world)
+                if not self._store_has(f"gen{self.state.gen}/world//0/{rank}")]
+
     def _on_unexplained(self) -> None:
-        """Errors that no death explains: redo the generation, boundedly."""
+        """Errors that no death explains: redo the generation, boundedly.
+
+        A member that never joined the generation's groups while the others gave up on it
+        is alive (its heartbeat beats) but stuck, typically inside the group set-up of an
+        older generation with a peer that stopped mid-handshake (gloo then waits five
+        times its deadline): it is declared failed, which is what it is for this run.
+        """
+        absent = self._absent()
+        if absent and len(absent) < len(self.state.world):
+            self._on_deaths({w: f"did not join generation {self.state.gen}'s groups within "
+                                "the deadline" for w in absent})
+            return
         s = self.state
         gen = s.gen
         self.store.set(proto.verdict_key(gen, s.next_step), proto.ABORT)
@@ -1220,9 +1250,9 @@ class Coordinator:
         s = self.state
         if s.pending is not None or not s.idle or s.phase is not st.Phase.TRAINING:
             return
-        asked = (s.gen, s.idle)
+        asked = (s.plan, s.idle)
         if self.rejoin_asked == asked:
-            return
+            return  # the same question gets the same answer
         self.rejoin_asked = asked
         rejoin = getattr(self._decide_fn(), "rejoin", None)
         if rejoin is None:
@@ -1232,11 +1262,18 @@ class Coordinator:
         except ValueError as exc:
             self.log(f"rejoin of {sorted(s.idle)} not possible: {exc}")
             return
-        record = {"workers": sorted(s.idle), "step": s.next_step,
-                  "strategy": str(decision.strategy), "reason": decision.reason}
+        uses = s.idle & frozenset(decision.plan.workers) if decision.plan is not None \
+            else frozenset()
+        strategy = str(decision.strategy)
+        if strategy != "keep" and not uses:
+            # a plan that leaves every idle worker idle is no re-join: switching to it
+            # would only cost a generation
+            strategy = "keep"
+        record = {"workers": sorted(s.idle), "step": s.next_step, "strategy": strategy,
+                  "reason": decision.reason}
         self.rejoins.append(record)
-        self.log(f"idle worker(s) {sorted(s.idle)}: {decision.strategy} ({decision.reason})")
-        if str(decision.strategy) == "keep" or decision.plan is None:
+        self.log(f"idle worker(s) {sorted(s.idle)}: {strategy} ({decision.reason})")
+        if strategy == "keep" or decision.plan is None:
             return
         try:
             self.state = st.rejoin_planned(s, decision.plan, decision.migration, s.idle)

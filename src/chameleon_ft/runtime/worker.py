@@ -377,8 +377,8 @@ class Worker:
 
         Args:
             key: the key.
-            gen: the generation the wait belongs to; when the coordinator has published a
-                later one than ``gen + 1``, the wait is abandoned.
+            gen: the generation the wait belongs to; once the coordinator has published a
+                later one, this generation is over and the wait is abandoned.
 
         Raises:
             GenerationOver: when the coordinator moved on.
@@ -388,7 +388,7 @@ class Worker:
                 self.store.wait([key], timedelta(seconds=_WAIT_SLICE_S))
                 return bytes(self.store.get(key))
             except dist.DistStoreError:
-                if gen is not None and self._current_gen() > gen + 1:
+                if gen is not None and self._current_gen() > gen:
                     raise GenerationOver(f"generation {gen} is over") from None
 
     def _current_gen(self) -> int:
@@ -397,15 +397,17 @@ class Worker:
         return int(self.store.get(proto.CURRENT_GEN_KEY))
 
     def _directive(self, gen: int) -> tuple[int, dict[str, Any]]:
-        """The directive of ``gen``, or of a later generation if the coordinator has moved
-        past ``gen`` (this worker was slow, or idle while generations came and went)."""
+        """The directive of ``gen``, or of the newest generation if the coordinator has
+        moved past ``gen`` (this worker was slow, or idle while generations came and went):
+        a generation that is not the newest is over, and joining it would only delay."""
         while True:
+            gen = max(gen, self._current_gen())
             key = proto.directive_key(gen)
             try:
                 self.store.wait([key], timedelta(seconds=_WAIT_SLICE_S))
                 return gen, json.loads(self.store.get(key))
             except dist.DistStoreError:
-                gen = max(gen, self._current_gen())
+                continue
 
     def _report(self, fatal: bool, peer: int | None, message: str, gen: int) -> None:
         """Tell the coordinator: reserve a slot, then write the report into it."""
@@ -465,6 +467,8 @@ class Worker:
         previous: _Generation | None = None
         while True:
             gen, directive = self._directive(gen)
+            _debug(f"w{self.id} read directive {gen} ({directive['action']}, world "
+                   f"{directive.get('world')})")
             if directive["action"] == "stop":
                 if previous is not None:
                     previous.close()
@@ -500,8 +504,10 @@ class Worker:
             self.current = generation
             self.gen_changed.notify_all()
         try:
+            _debug(f"w{self.id} gen {gen}: building groups")
             world_group = self._build_groups(gen, generation, world, d["rounds"],
                                              float(d["collective_timeout_s"]))
+            _debug(f"w{self.id} gen {gen}: groups built")
             self._maybe_fault(d["step"], "recovery", gen)
             self._load_state(gen, d, plan, world_group)
             self.store.add(proto.ready_key(gen), 1)
@@ -515,6 +521,7 @@ class Worker:
                 if not self._run_step(gen, step, plan, d, world_group):
                     break
         except CommError as exc:
+            _debug(f"w{self.id} gen {gen}: {exc}")
             self._report(False, exc.peer, str(exc), gen)
             generation.break_all()
         finally:
