@@ -192,7 +192,8 @@ def test_faults_on_repaired_ranks_fire_and_ranks_are_repaired_again(
     assert [f["fired"] for f in report["faults"]] == [True, True]
     assert report["faults"][0]["fired_pid"] != report["faults"][1]["fired_pid"]
     assert [e["workers"] for e in report["events"]] == [[3], [3]]
-    assert [r["strategy"] for r in report["rejoins"]][:2] == ["dynamic", "dynamic"]
+    # the replacement was folded back in after each repair
+    assert sum(1 for r in report["rejoins"] if r["strategy"] == "dynamic") >= 2
     assert max_abs_diff(params, reference("float64", steps=steps)[1]) < 1e-9
 
 

@@ -143,6 +143,7 @@ def _model_table(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec | No
     if not isinstance(data, Mapping):
         fail("model", f"must be a table, got {data!r}")
     data = dict(data)
+    explicit = "source" in data
     source = _string("model.source", data.pop("source", ModelSourceKind.GPT.value))
     path = _string("model.path", data.pop("path", ""))
     factory = _string("model.factory", data.pop("factory", ""))
@@ -178,6 +179,9 @@ def _model_table(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec | No
         spec = _model(data)
     except ValueError as exc:
         raise prefixed("model", exc) from None
+    if not (explicit or path or factory) and spec.mlp == "swiglu" and not spec.tied_embeddings:
+        # without a source, a SwiGLU architecture (the Llama presets) trains as Llama
+        source = ModelSourceKind.HF.value
     if source == ModelSourceKind.HF:
         if spec.mlp != "swiglu":
             fail("model.mlp", f'source = "hf" builds Llama (swiglu) blocks, got {spec.mlp!r}')

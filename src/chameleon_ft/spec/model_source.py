@@ -1,6 +1,7 @@
 """Where the runtime's model comes from (``[model] source``, ``path``, ``factory``).
 
-Three sources: ``gpt`` (the built-in tiny GPT, the default), ``hf`` (a Llama-family causal
+Three sources: ``gpt`` (the built-in tiny GPT; the default for GELU architectures), ``hf``
+(the default for SwiGLU architectures such as the Llama presets: a Llama-family causal
 LM through Hugging Face ``transformers``: a local ``save_pretrained`` directory, or random
 weights from the architecture keys) and ``python`` (``factory = "package.module:function"``
 returning a layered model). This module stays pure: it reads a Hugging Face directory's
@@ -42,7 +43,8 @@ class ModelSource:
 
     source: str = ModelSourceKind.GPT.value
     """``gpt`` (the built-in GPT), ``hf`` (Llama via transformers) or ``python`` (a
-    factory)."""
+    factory). Left out, ``hf`` for a SwiGLU architecture (the Llama presets), else
+    ``gpt``."""
     path: str = ""
     """For ``hf``: a local ``save_pretrained`` directory (config.json + safetensors),
     relative to the config file's folder; empty: random weights from the architecture
