@@ -51,6 +51,8 @@ class Injected:
     rank: int = -1
     retracted: bool = False
     """Disarmed before it fired: its worker left the plan (not counted as injected)."""
+    lost: bool = False
+    """Claimed by a worker that died before recording it fired (counted as not fired)."""
     sent_at_s: float | None = None
     """Run clock when the harness sent its signal (signals only)."""
 
@@ -91,12 +93,14 @@ class ChaosHooks(Hooks):
             return False
         fired = {i for i, f in enumerate(coord.fault_report()) if f["fired"]}
         waiting = [x for x in self.injected if x.index is not None and not x.retracted
-                   and x.index not in fired]
+                   and not x.lost and x.index not in fired]
         for x in waiting:
-            if step - x.at_step > self.patience_steps and x.index is not None and \
-                    coord.retract(x.index):
+            assert x.index is not None
+            if step - x.at_step > self.patience_steps and coord.retract(x.index):
                 x.retracted = True
-        if any(not x.retracted for x in waiting):
+            elif step - x.at_step > 2 * self.patience_steps:
+                x.lost = True  # claimed, never recorded: its worker died in between
+        if any(not (x.retracted or x.lost) for x in waiting):
             return False
         return step - self.quiet_since_step >= self.settle_steps
 

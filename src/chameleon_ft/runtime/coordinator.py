@@ -1050,11 +1050,12 @@ class Coordinator:
         self.log(f"FAILURE at step {s.next_step}: {event.cause}; detected{detect_txt}")
         self.hooks.on_failure(self, event)
         self.state = new
-        if not new.alive:
-            raise WorkerFailure("every worker failed")
         if new.phase is st.Phase.DRAINING:
             event.strategy, event.reason = "none", "stopping: the drain ends here"
             self.drain_done = True
+            return
+        if not new.alive:
+            self._restart_everything(event)
             return
         self._recover(event)
 
@@ -1080,6 +1081,50 @@ class Coordinator:
         except ValueError as exc:
             self._fail(f"the policy's plan is unusable: {exc}")
             return
+        self._after_new_gen()
+
+    def _restart_everything(self, event: Event) -> None:
+        """No worker is left: relaunch every worker launched here, wait for them (and for
+        remote replacements) to be up, and reload the last checkpoint on the initial plan:
+        the job's own restart, without leaving the coordinator.
+
+        Raises:
+            WorkerFailure: without ``[train] rejoin``, or when the workers of the initial
+                plan are not all back within ``join_timeout_s``.
+        """
+        if not self.train.rejoin:
+            raise WorkerFailure("every worker failed (with [train] rejoin the coordinator "
+                                "would relaunch them and reload the last checkpoint)")
+        self.log("every worker failed: relaunching them and reloading the last checkpoint")
+        local = [w for w in range(self.num_local) if w not in self.state.alive]
+        self._launch(local, replacement=True)
+        needed = frozenset(self.plan0.workers)
+        deadline = time.monotonic() + self.train.join_timeout_s
+        while not needed <= self.state.alive:
+            self._admit_joins()
+            for w, proc in list(self.procs.items()):
+                if w in self.state.alive or not proc.replacement or not self._registered(proc):
+                    continue
+                proc.ready = True
+                self.state = st.rejoin_ready(self.state, [w])
+                self.store.set(proto.start_gen_key(w, proc.incarnation),
+                               str(self.state.gen + 1))
+            if any(self.procs[w].process.exitcode is not None for w in local):
+                raise WorkerFailure("every worker failed, and a relaunched one died while "
+                                    "starting")
+            if time.monotonic() > deadline:
+                missing = sorted(needed - self.state.alive)
+                raise WorkerFailure(f"every worker failed; workers {missing} were not back "
+                                    f"within {self.train.join_timeout_s:g} s")
+            time.sleep(0.01)
+        restored = self.state.latest_checkpoint()
+        event.strategy = "restart"
+        event.reason = "every worker failed: all relaunched, the last checkpoint reloaded"
+        event.lost_steps = self.state.next_step - restored
+        for step in range(restored, self.state.next_step):
+            self.steps.pop(step, None)
+        self.state = st.recovered(self.state, st.Recovery("restart", self.plan0,
+                                                          restored_step=restored))
         self._after_new_gen()
 
     def _recovery_of(self, decision: DecisionLike) -> st.Recovery:
