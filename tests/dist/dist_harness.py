@@ -32,10 +32,12 @@ TINY: dict[str, Any] = {
 """4 workers (dp 2 x pp 2) of a 2-block GPT: about 20 ms of compute per step."""
 
 
-def tiny_config(**train: Any) -> Any:
-    """The tiny job with ``[train]`` overrides."""
+def tiny_config(model_override: dict[str, Any] | None = None, **train: Any) -> Any:
+    """The tiny job with ``[train]`` overrides (and optionally another ``[model]``)."""
     doc = copy.deepcopy(TINY)
     doc["train"].update(train)
+    if model_override is not None:
+        doc["model"] = dict(model_override)
     return config_from_mapping(doc)
 
 
@@ -53,6 +55,7 @@ def alive(pid: int) -> bool:
 def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[str, ...] = (),
             on_log: Callable[[Coordinator, str], None] | None = None,
             coordinator: dict[str, Any] | None = None,
+            model_override: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -67,7 +70,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
         train: ``[train]`` overrides.
     """
-    config = tiny_config(**train)
+    config = tiny_config(model_override, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 
