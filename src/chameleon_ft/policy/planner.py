@@ -291,12 +291,7 @@ class Planner:
                                            self._estimator.estimate(state.plan), {},
                                            "keep the current plan; returned workers stay idle")
         if strategy == Strategy.DYNAMIC:
-            dyn = dynamic.candidates(state, frozenset())[0]
-            if dyn.feasible:
-                dyn = replace(dyn, terms={k: v for k, v in dyn.terms.items() if k != "detect_s"},
-                              transition_s=sum(v for k, v in dyn.terms.items()
-                                               if k != "detect_s"))
-            return dyn
+            return dynamic.candidates(state, frozenset(), failure=False)[0]
         if strategy == Strategy.SHRINK:
             return shrink.grow(state)
         return self._reroute_back(state, marked)
@@ -603,10 +598,11 @@ class Planner:
         If the next change is a node failure and that node holds the last live replica
         of some layer of a plan, only a restart can follow: it costs the restart, the
         checkpoint load and on average half a checkpoint interval of work, instead of a
-        survivable recovery's detection and rebuild (``extra_s``). A node is the one that
+        survivable recovery's detection (``extra_s``). A node is the one that
         fails with probability ``1 / live_nodes`` given ``p_fail``, the expected
         node-level failures in the window (at most 1: ``policy.node_failure_share`` of all
-        failures). 0 without checkpoints (no restart to price).
+        failures). 0 without checkpoints (no restart to price). A survivable recovery's own
+        rebuild is small next to ``extra_s`` and depends on the plan; it is left out.
         """
         spec = self.config.recovery
         if not spec.checkpoint:
@@ -615,7 +611,7 @@ class Planner:
         p_fail = min(1.0, num_live * self._worker_rate_per_s(now_s) * window_s
                      * self.config.policy.node_failure_share)
         extra_s = max(0.0, spec.restart_s + spec.checkpoint_load_s
-                      + spec.checkpoint_interval_s / 2 - spec.detect_s - spec.rebuild_s)
+                      + spec.checkpoint_interval_s / 2 - spec.detect_s)
         return p_fail * extra_s / live_nodes
 
     def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,

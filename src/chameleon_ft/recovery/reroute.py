@@ -15,7 +15,7 @@ from __future__ import annotations
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import dead_stages as plan_dead_stages
 from chameleon_ft.plan.reroute import reroute_plan
-from chameleon_ft.recovery.transition import reroute_terms
+from chameleon_ft.recovery.transition import recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     RecoveryState,
@@ -75,6 +75,6 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     newly = sorted((p, s) for p, s in dead if (p, s) not in plan.reroute_map)
     what = ", ".join(f"p{p}s{s}" for p, s in newly) or "nothing new"
     return [candidate_from_estimate(Strategy.REROUTE, new_plan, est,
-                                    reroute_terms(state.config.recovery),
+                                    recovery_terms(state, new_plan, est.step_s),
                                     f"reroute {what} {how} "
                                     f"({len(new_plan.reroutes)} stage(s) rerouted in all)")]

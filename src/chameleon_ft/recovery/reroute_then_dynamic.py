@@ -1,10 +1,12 @@
 """``reroute-then-dynamic``: reroute at once, migrate in the background, then switch.
 
 Training resumes after the reroute's transition and runs at the rerouted step time while
-the dynamic plan's state is copied with the bandwidth training leaves over
-(``recovery.background_share`` of it, at ``migration_efficiency``); un-hidden search time
-also runs in the background. Then training pauses for one communicator rebuild and runs
-the dynamic plan. The policy scores the two phases (see ``policy/score.py``).
+the dynamic plan's receivers build their new layers and its state is copied with the
+bandwidth training leaves over (``recovery.background_share`` of it, at
+``migration_efficiency``); un-hidden search time also runs in the background. Then
+training pauses to create the communicators the final plan adds and to warm up
+(``switch_terms``), and runs the dynamic plan. The policy scores the two phases (see
+``policy/score.py``).
 
 During the background copy a receiving worker holds its rerouted-plan memory plus the
 incoming state; the candidate is infeasible when that does not fit.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from chameleon_ft.recovery.transition import migration_s
+from chameleon_ft.recovery.transition import build_s, migration_s, rebuild_terms
 from chameleon_ft.recovery.types import Candidate, RecoveryState, Strategy, infeasible
 
 
@@ -48,8 +50,14 @@ def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate, *,
         return infeasible(Strategy.REROUTE_THEN_DYNAMIC,
                           f"no room to stage migrated state beside rerouted training "
                           f"({staged_peak / 2**30:.1f} GiB > {capacity / 2**30:.1f} GiB)")
+    held = state.held_layers()
+    switch = rebuild_terms(spec, old=reroute.plan, new=dynamic.plan, held=held,
+                           profile=state.profile, tp=state.config.job.tp,
+                           new_step_s=dynamic.step_s, build_in_background=True)
+    building = 0.0 if spec.rebuild_s is not None else build_s(dynamic.plan, held,
+                                                               state.profile, spec)
     background_s = (migration_s(dynamic.migration.time_s, spec, background=True)
-                    + dynamic.terms.get("search_s", 0.0))
+                    + dynamic.terms.get("search_s", 0.0) + building)
     return Candidate(
         strategy=Strategy.REROUTE_THEN_DYNAMIC, feasible=True, plan=dynamic.plan,
         estimate=dynamic.estimate, step_s=dynamic.step_s,
@@ -58,4 +66,4 @@ def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate, *,
         peak_memory_bytes=peak,
         reason=f"{first_phase}, migrate in the background for {background_s:.1f} s, then switch",
         migration=dynamic.migration, interim_step_s=reroute.step_s, interim_s=background_s,
-        switch_s=spec.rebuild_s, interim_plan=reroute.plan)
+        switch_s=sum(switch.values()), switch_terms=switch, interim_plan=reroute.plan)

@@ -25,7 +25,7 @@ from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.profile import Profile
-from chameleon_ft.recovery.transition import migration_s
+from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     Migration,
@@ -219,8 +219,9 @@ def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
         reason: what the candidate does, for reports.
 
     Returns:
-        The candidate with its migration and ``rebuild_s``/``migrate_s`` terms; infeasible
-        when some layer of ``new_plan`` has no live replica to copy from.
+        The candidate with its migration and rebuild terms (no detection, no lost
+        step: the return is announced); infeasible when some layer of ``new_plan`` has no
+        live replica to copy from.
     """
     spec = state.config.recovery
     try:
@@ -228,6 +229,7 @@ def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
                                        state.topology, max_parts=spec.migration_max_parts)
     except ValueError as exc:
         return infeasible(strategy, str(exc).removeprefix("plan: "))
-    terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
-    return candidate_from_estimate(strategy, new_plan, state.estimate(new_plan), terms, reason,
-                                   migration=migration)
+    est = state.estimate(new_plan)
+    terms = recovery_terms(state, new_plan, est.step_s, failure=False)
+    terms["migrate_s"] = migration_s(migration.time_s, spec)
+    return candidate_from_estimate(strategy, new_plan, est, terms, reason, migration=migration)

@@ -102,7 +102,8 @@ class Candidate:
     transition_s: float
     """Time during which no training happens: the sum of ``terms``."""
     terms: Mapping[str, float]
-    """The named transition terms (detect_s, rebuild_s, search_s, migrate_s, ...)."""
+    """The named transition terms (detect_s, comm_s, build_s, warmup_s, search_s,
+    migrate_s, lost_step_s, ...; ``recovery/transition.py``)."""
     peak_memory_bytes: float
     """Largest per-device peak over the plan's workers."""
     reason: str
@@ -117,7 +118,10 @@ class Candidate:
     interim_s: float = 0.0
     """Two-phase only: seconds of background migration (run at ``interim_step_s``)."""
     switch_s: float = 0.0
-    """Two-phase only: the pause when switching to the final plan (communicator rebuild)."""
+    """Two-phase only: the pause when switching to the final plan (the sum of
+    ``switch_terms``)."""
+    switch_terms: Mapping[str, float] = field(default_factory=dict)
+    """Two-phase only: the switch's terms (communicators the final plan adds, warm-up)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form details for reports (e.g. the pipeline lengths of a dynamic plan)."""
 
@@ -138,6 +142,7 @@ class Candidate:
             out["interim_step_s"] = _num(self.interim_step_s)
             out["interim_s"] = _num(self.interim_s)
             out["switch_s"] = _num(self.switch_s)
+            out["switch_terms"] = {k: _num(v) for k, v in self.switch_terms.items()}
         if self.extra:
             out["extra"] = dict(self.extra)
         if with_plan and self.plan is not None:

@@ -50,7 +50,6 @@ recompute = "selective"
 
 [recovery]
 detect_s = 30.0
-rebuild_s = 5.0
 restart_s = 600.0
 checkpoint_load_s = 120.0
 checkpoint_interval_s = 3600.0
@@ -198,7 +197,6 @@ recompute = "selective"
 
 [recovery]
 detect_s = 30.0
-rebuild_s = 5.0
 restart_s = 300.0
 checkpoint_load_s = 60.0
 checkpoint_interval_s = 3600.0
