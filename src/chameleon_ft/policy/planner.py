@@ -266,6 +266,15 @@ class Planner:
             raise ValueError(f"horizon_s: must be a number >= 0, got {horizon_s!r}")
         return float(horizon_s)
 
+    def recovery_state(self, plan: ExecutionPlan, alive: Iterable[int]) -> RecoveryState:
+        """What a strategy needs to price a change of ``plan`` with ``alive`` workers (for
+        policies that build their own candidates, such as the simulator's peers).
+
+        Raises:
+            ValueError: for a worker outside the cluster.
+        """
+        return self._state(plan, self._workers("alive", alive), None)
+
     def _state(self, plan: ExecutionPlan, alive: frozenset[int],
                since_checkpoint_s: float | None) -> RecoveryState:
         return RecoveryState(config=self.config, profile=self._profile,

@@ -46,19 +46,10 @@ Group = frozenset[int]
 """The workers of one communicator."""
 
 
-@functools.lru_cache(maxsize=64)
-def plan_groups(plan: ExecutionPlan) -> frozenset[Group]:
-    """The communicators ``plan`` needs: one per pipeline (point-to-point between its
-    stages, the hosts of its rerouted stages included) and one per all-reduce bucket,
-    each with two or more workers.
-
-    Args:
-        plan: the plan (hashable; results are cached per plan).
-
-    Returns:
-        The groups' member sets.
-    """
-    out: set[Group] = set()
+def pipeline_groups(plan: ExecutionPlan) -> list[Group]:
+    """One group per pipeline of two or more workers: the workers running its stages, the
+    hosts of its rerouted stages included (its point-to-point traffic)."""
+    out: list[Group] = []
     dead = plan.reroute_map
     for p, pipe in enumerate(plan.pipelines):
         members: set[int] = set()
@@ -69,17 +60,29 @@ def plan_groups(plan: ExecutionPlan) -> frozenset[Group]:
             else:
                 members.update(w for w, _ in reroute.shares)
         if len(members) > 1:
-            out.add(frozenset(members))
-    # Buckets: layers held by the same live workers all-reduce together (few distinct
-    # holder sets, so this stays cheap on thousands of workers).
-    for holders in set(plan.holders_by_layer):
-        if len(holders) > 1:
-            out.add(frozenset(holders))
-    return frozenset(out)
+            out.append(frozenset(members))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def plan_groups(plan: ExecutionPlan) -> frozenset[Group]:
+    """The communicators ``plan`` needs: one per pipeline (:func:`pipeline_groups`) and one
+    per all-reduce bucket (the live workers holding the same layers), each with two or
+    more workers.
+
+    Args:
+        plan: the plan (hashable; results are cached per plan).
+
+    Returns:
+        The groups' member sets.
+    """
+    # Few distinct holder sets, so this stays cheap on thousands of workers.
+    buckets = {frozenset(h) for h in set(plan.holders_by_layer) if len(h) > 1}
+    return frozenset(pipeline_groups(plan)) | buckets
 
 
 def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *, tp: int,
-           everything: bool = False) -> float:
+           everything: bool = False, per_layer: bool = False) -> float:
     """Seconds until every worker has created the communicators ``new`` needs.
 
     Args:
@@ -91,12 +94,18 @@ def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *,
             parallel for a worker group, and a world group spans every device.
         everything: build every group afresh plus a world group (a stop-the-world
             reconfiguration), whatever ``spec.rebuild_all_groups`` says.
+        per_layer: one all-reduce group per layer (each layer's holders, counted once per
+            layer even when several layers share holders) instead of one per bucket.
 
     Returns:
         The busiest worker's sum of its new groups' creation times.
     """
     rebuild_all = everything or spec.rebuild_all_groups or old is None
-    groups = plan_groups(new)
+    groups: list[Group] = list(plan_groups(new))
+    if per_layer:
+        # a holder set shared by several layers is one group per layer
+        groups = [*pipeline_groups(new),
+                  *(frozenset(h) for h in new.holders_by_layer if len(h) > 1)]
     kept = frozenset() if rebuild_all or old is None else plan_groups(old)
     busy: dict[int, float] = defaultdict(float)
     for group in groups:
@@ -143,7 +152,7 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
 
 def rebuild_terms(spec: RecoverySpec, *, old: ExecutionPlan | None, new: ExecutionPlan,
                   held: Mapping[int, Collection[int]], profile: Profile, tp: int,
-                  new_step_s: float, everything: bool = False,
+                  new_step_s: float, everything: bool = False, per_layer: bool = False,
                   build_in_background: bool = False) -> dict[str, float]:
     """``comm_s``, ``build_s`` and ``warmup_s`` of moving from ``old`` to ``new``.
 
@@ -157,6 +166,7 @@ def rebuild_terms(spec: RecoverySpec, *, old: ExecutionPlan | None, new: Executi
         new_step_s: the new plan's step time (the warm-up is a multiple of it).
         everything: a stop-the-world reconfiguration: every group and every layer is
             rebuilt (``held`` is ignored).
+        per_layer: all-reduce groups per layer rather than per bucket (see :func:`comm_s`).
         build_in_background: layers are built while training goes on (two-phase
             recoveries): ``build_s`` is not paid here; the warm-up still is.
 
@@ -166,7 +176,8 @@ def rebuild_terms(spec: RecoverySpec, *, old: ExecutionPlan | None, new: Executi
     if spec.rebuild_s is not None:
         return {"rebuild_s": spec.rebuild_s}
     build = build_s(new, {} if everything else held, profile, spec)
-    return {"comm_s": comm_s(old, new, spec, tp=tp, everything=everything),
+    return {"comm_s": comm_s(old, new, spec, tp=tp, everything=everything,
+                             per_layer=per_layer),
             "build_s": 0.0 if build_in_background else build,
             "warmup_s": spec.warmup_steps * new_step_s if build > 0 else 0.0}
 
