@@ -9,9 +9,10 @@ Every term is named; the constants come from :class:`~chameleon_ft.spec.recovery
   traffic) and one group per all-reduce bucket of two or more workers. Only groups the
   old plan did not have (same members) are created; each costs ``comm_init_s +
   comm_per_rank_s * ranks`` to every member. A worker creates its groups one after the
-  other and workers run in parallel, so the term is the busiest worker's sum. With
-  ``rebuild_all_groups`` (or a stop-the-world reconfiguration) every group counts as new,
-  plus a world group over all the plan's devices;
+  other and workers run in parallel, so the term is the busiest worker's sum. A
+  stop-the-world reconfiguration creates every group plus a world group over all the
+  plan's devices; ``rebuild_all_groups`` describes this project's runtime (see
+  :func:`comm_s`);
 - ``build_s``: layers re-instantiated on the workers that receive them (``layer_build_s``
   per layer plus its parameters, gradients and optimizer state at
   ``layer_build_gb_per_s``), the busiest worker's sum;
@@ -85,41 +86,55 @@ def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *,
            everything: bool = False, per_layer: bool = False) -> float:
     """Seconds until every worker has created the communicators ``new`` needs.
 
+    A group of ``k`` ranks costs each member ``comm_init_s + comm_per_rank_s * k``. Three
+    ways to rebuild:
+
+    - by default only the groups ``old`` did not have (same members) are created;
+    - ``everything`` (a stop-the-world reconfiguration): a world group over every device
+      of ``new`` and every group, whatever ``old`` had;
+    - ``spec.rebuild_all_groups`` (this project's runtime): a world group over the plan's
+      workers that carries the point-to-point traffic and exchanges a first message
+      between every pair at once (the full cost), and a group per bucket that is only
+      formed (``comm_init_s``), its first exchange happening in the first step.
+
     Args:
-        old: the plan before the change (its groups are kept when their members are
-            unchanged); ``None``: nothing is kept.
+        old: the plan before the change; ``None``: nothing is kept.
         new: the plan after it.
         spec: ``comm_init_s``, ``comm_per_rank_s`` and ``rebuild_all_groups``.
         tp: devices per worker; one communicator per tensor-parallel shard is created in
             parallel for a worker group, and a world group spans every device.
-        everything: build every group afresh plus a world group (a stop-the-world
-            reconfiguration), whatever ``spec.rebuild_all_groups`` says.
+        everything: rebuild everything (see above).
         per_layer: one all-reduce group per layer (each layer's holders, counted once per
             layer even when several layers share holders) instead of one per bucket.
 
     Returns:
         The busiest worker's sum of its new groups' creation times.
     """
-    rebuild_all = everything or spec.rebuild_all_groups or old is None
-    groups: list[Group] = list(plan_groups(new))
-    if per_layer:
-        # a holder set shared by several layers is one group per layer
-        groups = [*pipeline_groups(new),
-                  *(frozenset(h) for h in new.holders_by_layer if len(h) > 1)]
-    kept = frozenset() if rebuild_all or old is None else plan_groups(old)
     busy: dict[int, float] = defaultdict(float)
-    for group in groups:
-        if group in kept:
-            continue
-        cost = spec.comm_init_s + spec.comm_per_rank_s * len(group)
+
+    def charge(group: Collection[int], ranks: int, *, first_exchange: bool = True) -> None:
+        cost = spec.comm_init_s + (spec.comm_per_rank_s * ranks if first_exchange else 0.0)
         for worker in group:
             busy[worker] += cost
-    if rebuild_all:
+
+    runtime = spec.rebuild_all_groups and not everything
+    if everything or runtime:
         workers = new.workers
         if len(workers) * tp > 1:
-            cost = spec.comm_init_s + spec.comm_per_rank_s * len(workers) * tp
-            for worker in workers:
-                busy[worker] += cost
+            charge(workers, len(workers) * tp)
+    if per_layer:
+        # a holder set shared by several layers is one group per layer
+        buckets = [frozenset(h) for h in new.holders_by_layer if len(h) > 1]
+    else:
+        buckets = [frozenset(h) for h in set(new.holders_by_layer) if len(h) > 1]
+    if runtime:
+        for group in buckets:
+            charge(group, len(group), first_exchange=False)
+        return max(busy.values(), default=0.0)
+    kept = plan_groups(old) if old is not None and not everything else frozenset()
+    for group in [*pipeline_groups(new), *buckets]:
+        if group not in kept:
+            charge(group, len(group))
     return max(busy.values(), default=0.0)
 
 

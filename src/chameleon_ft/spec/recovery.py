@@ -49,9 +49,11 @@ class RecoverySpec:
     """Creating one communicator, per rank: the bootstrap all-gathers take a step per rank
     (NCCL: 2.5 min on several thousand GPUs)."""
     rebuild_all_groups: bool = False
-    """Every recovery builds every communicator of the new plan afresh, plus a world group
-    over all its workers (this project's runtime builds its groups per generation).
-    False: only groups whose members change are created."""
+    """Every recovery builds the new plan's groups afresh as this project's runtime does: a
+    world group over its workers that carries point-to-point traffic and exchanges a
+    first message between every pair at once, and a group per gradient bucket that is
+    only formed (``comm_init_s`` each). False: only groups whose members change are
+    created, each at its full cost."""
     layer_build_s: float = 0.05
     """Re-instantiating one layer on a worker that receives it: constructing its modules
     (fixed part)."""
