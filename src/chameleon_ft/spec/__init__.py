@@ -3,7 +3,7 @@
 from chameleon_ft.spec.cluster import ClusterSpec
 from chameleon_ft.spec.config import Config, config_from_mapping, load_config
 from chameleon_ft.spec.device import DEVICE_PRESETS, DeviceSpec, device_preset
-from chameleon_ft.spec.job import JobSpec, Placement, Schedule
+from chameleon_ft.spec.job import RUNTIME_SCHEDULES, JobSpec, Placement, Schedule
 from chameleon_ft.spec.model import MODEL_PRESETS, ModelSpec, model_preset
 from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource, Recompute
 from chameleon_ft.spec.recovery import LLAMA3_NODE_MTBF_HOURS, PolicySpec, RecoverySpec
@@ -13,6 +13,7 @@ __all__ = [
     "DEVICE_PRESETS",
     "LLAMA3_NODE_MTBF_HOURS",
     "MODEL_PRESETS",
+    "RUNTIME_SCHEDULES",
     "ClusterSpec",
     "Config",
     "DeviceSpec",
