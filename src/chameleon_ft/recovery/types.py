@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 
 
 class Strategy(StrEnum):
-    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin."""
+    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin;
+    ``recycle`` is ``reroute`` with ReCycle's decoupled backward."""
 
     REROUTE = "reroute"
+    RECYCLE = "recycle"
     DYNAMIC = "dynamic"
     RESTART = "restart"
     SHRINK = "shrink"

@@ -255,10 +255,10 @@ class PlannerPolicy:
     def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
         """The planner's rejoin decision, or a restart from the checkpoint when down."""
         if base.plan is not None:
-            if self._policy not in ("chameleon", "dynamic", "reroute", "shrink"):
-                # Planner.decide_rejoin: restart keeps the plan (reroute gives returned
-                # workers their stages back, shrink re-admits whole replicas, dynamic
-                # re-plans). Answering here skips pricing a plan it would not take.
+            if self._policy not in ("chameleon", "dynamic", "reroute", "recycle", "shrink"):
+                # Planner.decide_rejoin: restart keeps the plan (reroute and recycle give
+                # returned workers their stages back, shrink re-admits whole replicas,
+                # dynamic re-plans). Answering here skips pricing a plan it would not take.
                 return Choice(strategy=KEEP, plan=None)
             decision = self._planner.decide_rejoin(
                 base.plan, tuple(sorted(returned)), alive=tuple(sorted(ctx.alive)),

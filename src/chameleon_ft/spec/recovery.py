@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
 
-POLICY_NAMES = ("chameleon", "reroute", "dynamic", "restart", "shrink", "reroute-then-dynamic")
+POLICY_NAMES = ("chameleon", "reroute", "recycle", "dynamic", "restart", "shrink",
+                "reroute-then-dynamic")
 """Accepted values of ``policy.name``."""
 
 LLAMA3_NODE_MTBF_HOURS = 2048 * 54 * 24 / 419
@@ -76,6 +77,12 @@ class RecoverySpec:
     """Fraction of the link bandwidth state migration achieves."""
     background_share: float = 0.5
     """Share of the bandwidth ``reroute-then-dynamic`` may use while training runs."""
+    decoupled_backward: bool = False
+    """The training system can split a rerouted peer's backward into input- and
+    weight-gradient operations and defer the weight gradients into its idle time
+    (ReCycle's decoupled backward): the ``recycle`` strategy, and Chameleon's rerouting,
+    use it. This project's runtime runs fused backwards: keep it false for
+    ``chameleon train``."""
     search_hidden: bool = True
     """Whether plan search for likely failures runs ahead of time while training is healthy."""
     search_extra_stages: int = 2

@@ -24,8 +24,8 @@ from chameleon_ft.spec._fields import (
 )
 from chameleon_ft.spec.recovery import LLAMA3_NODE_MTBF_HOURS
 
-POLICY_NAMES = ("chameleon", "oobleck", "reroute", "dynamic", "restart", "shrink", "bamboo",
-                "oracle")
+POLICY_NAMES = ("chameleon", "oobleck", "recycle", "reroute", "dynamic", "restart", "shrink",
+                "bamboo", "oracle")
 """Every policy the simulator compares, in report order."""
 
 
