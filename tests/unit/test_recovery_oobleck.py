@@ -13,6 +13,7 @@ from chameleon_ft.recovery.oobleck import (
     BORROW,
     MERGE,
     SIMPLE,
+    instantiate,
     oobleck_spec,
     reconfigure,
     reinstantiate,
@@ -111,3 +112,17 @@ def test_returned_workers_join_at_the_next_reconfiguration(paper32: Planner) -> 
     second = reconfigure(state, {6}, spec)
     assert second.plan is not None and second.extra["joined_workers"] == 1
     assert set(second.plan.workers) == set(range(32)) - {6}
+
+
+def test_oobleck_starts_on_consecutive_workers(paper32: Planner) -> None:
+    plan = instantiate(paper32.initial_plan)
+    assert [[st.worker for st in p.stages] for p in plan.pipelines] == [
+        list(range(4 * p, 4 * p + 4)) for p in range(8)]
+    assert [p.layout for p in plan.pipelines] == [p.layout for p in
+                                                  paper32.initial_plan.pipelines]
+    # a whole node (two pipelines here) is lost: the others keep their workers
+    state = paper32.recovery_state(plan, set(range(8, 32)))
+    spec = oobleck_spec(paper32.templates, num_workers=32, job_length=4, fault_threshold=3)
+    c = reconfigure(state, set(range(8)), spec)
+    assert c.feasible and c.plan is not None and c.extra["rule"] == SIMPLE
+    assert sorted(p.num_stages for p in c.plan.pipelines) == [4] * 6

@@ -23,6 +23,8 @@ where our reading had to choose.
 - **f + 1 replicas**: a reconfiguration that would leave fewer than ``f + 1`` pipelines,
   or a pipeline with no template, is not an Oobleck recovery (the caller restarts from the
   checkpoint).
+- **Start**: the job's pipelines (its lengths, splits and micro-batches) on consecutive
+  workers, as Oobleck's instantiation assigns ranks (:func:`instantiate`).
 - **Batch**: the global batch's micro-batches are split over the instances to minimise
   the slowest one (the 2024 planner's minimax).
 - **Returned workers** wait: they join at the next reconfiguration, entering the rules as
@@ -36,7 +38,7 @@ where our reading had to choose.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.restorer import schedule_migration
@@ -178,6 +180,26 @@ def oobleck_spec(templates: Templates, *, num_workers: int, job_length: int,
     top = max(n0, min(templates.num_layers, num_workers - fault_threshold * n0))
     return OobleckSpec(fault_threshold=fault_threshold, min_length=n0, max_length=top,
                        job_length=job_length)
+
+
+def instantiate(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan``'s pipelines as Oobleck instantiates them: the same lengths, layer splits and
+    micro-batches, each pipeline on consecutive workers (Oobleck's rank grid gives
+    pipeline ``i`` the next ``n`` ranks, stage ``j`` its ``j``-th).
+
+    Args:
+        plan: a plan without reroutes (the job's failure-free plan).
+
+    Returns:
+        The plan with its workers reassigned.
+    """
+    workers = iter(sorted(plan.workers))
+    pipelines = tuple(Pipeline(tuple(Stage(next(workers), st.first_layer, st.end_layer)
+                                     for st in pipe.stages), pipe.num_microbatches)
+                      for pipe in plan.pipelines)
+    out = replace(plan, pipelines=pipelines, reroutes=())
+    out.validate()
+    return out
 
 
 def _pipeline_ranks(plan: ExecutionPlan) -> list[list[int]]:
