@@ -53,6 +53,8 @@ def _spread(state: RecoveryState, headroom: dict[int, float] | None,
         plan = reroute_plan(state.plan, dead_workers(state), headroom)
     except ValueError as exc:
         return str(exc).removeprefix("reroute: ")
+    # A plan without reroutes runs 1F1B either way: one form keeps caches shared.
+    defer = defer and bool(plan.reroutes)
     return plan if plan.defer_weight_grad == defer else replace(plan, defer_weight_grad=defer)
 
 
@@ -72,10 +74,12 @@ def rerouted_plan(state: RecoveryState, *, defer: bool = False
     first: tuple[ExecutionPlan, Estimate, str] | None = None
     headroom: dict[int, float] | None = None
     for deferring in ([True, False] if defer else [False]):
-        suffix = ", weight gradients deferred" if deferring else ""
         spread = _spread(state, None, deferring)
         if isinstance(spread, str):
             return spread
+        if deferring and not spread.defer_weight_grad:
+            continue  # nothing rerouted: nothing to defer
+        suffix = ", weight gradients deferred" if deferring else ""
         est = state.estimate(spread)
         if first is None:
             first = (spread, est, "to same-stage peers" + suffix)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from chameleon_ft.recovery.transition import build_s, migration_s, rebuild_terms
+from chameleon_ft.recovery.transition import migration_s, rebuild_terms
 from chameleon_ft.recovery.types import Candidate, RecoveryState, Strategy, infeasible
 
 
@@ -54,8 +54,8 @@ def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate, *,
     switch = rebuild_terms(spec, old=reroute.plan, new=dynamic.plan, held=held,
                            profile=state.profile, tp=state.config.job.tp,
                            new_step_s=dynamic.step_s, build_in_background=True)
-    building = 0.0 if spec.rebuild_s is not None else build_s(dynamic.plan, held,
-                                                               state.profile, spec)
+    # the final plan's builds are the dynamic candidate's (same layers held before)
+    building = dynamic.terms.get("build_s", 0.0)
     background_s = (migration_s(dynamic.migration.time_s, spec, background=True)
                     + dynamic.terms.get("search_s", 0.0) + building)
     return Candidate(

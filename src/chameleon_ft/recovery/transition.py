@@ -138,6 +138,15 @@ def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *,
     return max(busy.values(), default=0.0)
 
 
+@functools.lru_cache(maxsize=16)
+def _build_prefix(profile: Profile, layer_build_s: float, rate: float) -> tuple[float, ...]:
+    """Prefix sums of each layer's re-instantiation seconds (cached per profile)."""
+    out = [0.0]
+    for layer in profile.layers:
+        out.append(out[-1] + layer_build_s + layer.static_bytes / rate)
+    return tuple(out)
+
+
 def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Profile,
             spec: RecoverySpec) -> float:
     """Seconds until every worker of ``new`` has built the layers it did not hold.
@@ -152,15 +161,26 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
     Returns:
         The busiest worker's build time.
     """
-    rate = spec.layer_build_gb_per_s * 1e9
-    layers = profile.layers
+    prefix = _build_prefix(profile, spec.layer_build_s, spec.layer_build_gb_per_s * 1e9)
     busiest = 0.0
-    for worker, wanted in new.layers_by_worker.items():
+    stages = new.layers_by_worker.items()
+    try:
+        # most workers keep their stage: skip them at hashing speed (ranges hash by value)
+        changed: Collection[tuple[int, range]] = stages - held.items()
+    except TypeError:  # unhashable layer collections: look at every worker
+        changed = stages
+    for worker, wanted in changed:
         have = held.get(worker, ())
-        total = 0.0
-        for layer in wanted:
-            if layer not in have:
-                total += spec.layer_build_s + layers[layer].static_bytes / rate
+        if have == wanted:
+            continue
+        total = prefix[wanted.stop] - prefix[wanted.start]
+        if isinstance(have, range):
+            # layer ranges are contiguous: subtract the overlap at once
+            lo, hi = max(have.start, wanted.start), min(have.stop, wanted.stop)
+            if lo < hi:
+                total -= prefix[hi] - prefix[lo]
+        else:
+            total -= sum(prefix[i + 1] - prefix[i] for i in wanted if i in have)
         busiest = max(busiest, total)
     return busiest
 

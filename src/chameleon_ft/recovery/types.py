@@ -10,6 +10,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from chameleon_ft.perf import Estimate
@@ -182,9 +184,15 @@ class RecoveryState:
         """Samples per step, constant through every recovery."""
         return self.plan.global_batch
 
-    def held_layers(self) -> dict[int, range]:
-        """Layers held by each live worker of the current plan (idle workers hold none)."""
-        return {w: r for w, r in self.plan.layers_by_worker.items() if w in self.alive}
+    def held_layers(self) -> Mapping[int, range]:
+        """Layers held by each live worker of the current plan (idle workers hold none);
+        computed once per state (every candidate of a decision asks)."""
+        return self._held
+
+    @cached_property
+    def _held(self) -> Mapping[int, range]:
+        return MappingProxyType({w: r for w, r in self.plan.layers_by_worker.items()
+                                 if w in self.alive})
 
     def missing_layers(self) -> list[int]:
         """Layers with no live replica."""
