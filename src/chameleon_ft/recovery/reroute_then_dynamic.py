@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from chameleon_ft.recovery.transition import migration_s, rebuild_terms
+from chameleon_ft.recovery.transition import comm_s, migration_s
 from chameleon_ft.recovery.types import Candidate, RecoveryState, Strategy, infeasible
 
 
@@ -50,11 +50,15 @@ def combine(state: RecoveryState, reroute: Candidate, dynamic: Candidate, *,
         return infeasible(Strategy.REROUTE_THEN_DYNAMIC,
                           f"no room to stage migrated state beside rerouted training "
                           f"({staged_peak / 2**30:.1f} GiB > {capacity / 2**30:.1f} GiB)")
-    held = state.held_layers()
-    switch = rebuild_terms(spec, old=reroute.plan, new=dynamic.plan, held=held,
-                           profile=state.profile, tp=state.config.job.tp,
-                           new_step_s=dynamic.step_s, build_in_background=True)
-    # the final plan's builds are the dynamic candidate's (same layers held before)
+    # Only the two candidates' plans are used (they may be named canonically, not as
+    # ``state``): the switch creates the groups the final plan adds to the interim one and
+    # warms up as the dynamic candidate would; its layers are built in the background.
+    switch: dict[str, float]
+    if spec.rebuild_s is not None:
+        switch = {"rebuild_s": spec.rebuild_s}
+    else:
+        switch = {"comm_s": comm_s(reroute.plan, dynamic.plan, spec, tp=state.config.job.tp),
+                  "warmup_s": dynamic.terms.get("warmup_s", 0.0)}
     building = dynamic.terms.get("build_s", 0.0)
     background_s = (migration_s(dynamic.migration.time_s, spec, background=True)
                     + dynamic.terms.get("search_s", 0.0) + building)

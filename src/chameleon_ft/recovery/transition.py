@@ -110,6 +110,13 @@ def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *,
     Returns:
         The busiest worker's sum of its new groups' creation times.
     """
+    return _comm_s(old, new, spec, tp, everything, per_layer)
+
+
+@functools.lru_cache(maxsize=128)
+def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, tp: int,
+            everything: bool, per_layer: bool) -> float:
+    # Memoised: the same pair of plans comes back at every equivalent event.
     busy: dict[int, float] = defaultdict(float)
 
     def charge(group: Collection[int], ranks: int, *, first_exchange: bool = True) -> None:
