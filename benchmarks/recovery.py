@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['detected_after_s']:.3f} / {row['setup_s']:.3f} / "
             f"{row['first_step_excess_s']:.3f}",
             f"{t.get('detect_s', 0.0):.3f} / {setup_est:.3f} / {t.get('warmup_s', 0.0):.3f}"]))
+    for strategy in dict.fromkeys(row["chosen"] for row in rows):
+        mine = [row for row in rows if row["chosen"] == strategy]
+        measured = statistics.median(row["transition_s"] for row in mine)
+        estimated = statistics.median(row["estimated_transition_s"] for row in mine)
+        print(f"{strategy}: median measured transition {measured:.3f} s over {len(mine)} "
+              f"run(s), estimate {estimated:.3f} s ({estimated / measured - 1:+.0%})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
