@@ -5,12 +5,13 @@ pipeline templates once. ``decide(plan, failed)`` builds (or takes from the cach
 candidates of every strategy from the CURRENT plan, scores them for the horizon and picks
 one with the policy:
 
-- ``chameleon``: the highest score among all feasible candidates. With a horizon given
-  (argument or ``policy.horizon_s``) the score is Eq. 8; otherwise it is the expected
-  work over an exponential horizon whose mean comes from the failure-rate estimate
-  (``horizon.py``), divided by that mean.
-- ``reroute`` / ``dynamic`` / ``restart`` / ``shrink`` / ``reroute-then-dynamic``: that
-  strategy; ``restart`` only when it is infeasible.
+- ``chameleon``: the highest score among all feasible candidates (its rerouting is
+  ``recycle`` when the job's system can defer weight gradients, else ``reroute``). With
+  a horizon given (argument or ``policy.horizon_s``) the score is Eq. 8; otherwise it is
+  the expected work over an exponential horizon whose mean comes from the failure-rate
+  estimate (``horizon.py``), divided by that mean.
+- ``reroute`` / ``recycle`` / ``dynamic`` / ``restart`` / ``shrink`` /
+  ``reroute-then-dynamic``: that strategy; ``restart`` only when it is infeasible.
 
 Expedient search: ``precompute(plan)`` fills the cache for every single-worker and
 single-node failure while training is healthy; a decision that hits the cache only
@@ -619,7 +620,8 @@ class Planner:
         plan = state.plan
         if not any(r in plan.dead_workers for r in returned):
             return infeasible(strategy, "no returned worker had a rerouted stage")
-        found = reroute.rerouted_plan(state, defer=strategy == Strategy.RECYCLE)
+        found = reroute.rerouted_plan(state, defer=strategy == Strategy.RECYCLE
+                                      and state.config.recovery.decoupled_backward)
         if isinstance(found, str):
             return infeasible(strategy, found)
         new_plan = found[0]

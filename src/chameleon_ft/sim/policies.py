@@ -5,8 +5,9 @@ A policy turns an event (failure or repair) and the last committed plan into a
 the job rolls back to its last checkpoint. The engine owns time and accounting; policies
 own only the decision.
 
-- ``chameleon``, ``reroute``, ``dynamic``, ``restart``, ``shrink``: the planner's
-  decision under that policy (Eq. 8 with an estimated horizon for ``chameleon``).
+- ``chameleon``, ``reroute``, ``recycle``, ``dynamic``, ``restart``, ``shrink``: the
+  planner's decision under that policy (Eq. 8 with an estimated horizon for
+  ``chameleon``); ``oobleck`` is in ``peers.py``.
 - ``oracle``: the planner's candidates scored by Eq. 8 with the TRUE time to the next
   event of the trace, an upper bound on what any choice among the same candidates does
   over that window.
