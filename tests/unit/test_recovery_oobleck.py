@@ -18,7 +18,10 @@ from chameleon_ft.recovery.oobleck import (
     reconfigure,
     reinstantiate,
 )
-from chameleon_ft.spec.config import load_config
+from chameleon_ft.sim.engine import simulate
+from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
+from chameleon_ft.sim.peers import OobleckPolicy
+from chameleon_ft.spec.config import config_from_mapping, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 INITIAL = [[0, 1], [2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12, 13]]
@@ -126,3 +129,42 @@ def test_oobleck_starts_on_consecutive_workers(paper32: Planner) -> None:
     c = reconfigure(state, set(range(8)), spec)
     assert c.feasible and c.plan is not None and c.extra["rule"] == SIMPLE
     assert sorted(p.num_stages for p in c.plan.pipelines) == [4] * 6
+
+
+def test_the_simulated_oobleck_keeps_returned_workers_idle_until_the_next_failure() -> None:
+    config = config_from_mapping({
+        "cluster": {"num_nodes": 4, "devices_per_node": 2},
+        "job": {"pp": 2, "dp": 4, "global_batch": 16},
+        "profile": {"kind": "uniform", "num_layers": 8, "fwd_s": 0.01, "bwd_input_s": 0.01,
+                    "bwd_weight_s": 0.01, "param_bytes": 1e8, "optimizer_bytes": 6e8,
+                    "activation_bytes": 1e7, "output_bytes": 1e6},
+        "recovery": {"checkpoint_interval_s": 600.0}})
+    planner = Planner(config)
+    policy = OobleckPolicy(planner, config.recovery, fault_threshold=1)
+    plan = policy.start().plan
+    assert plan is not None and [p.stages[0].worker for p in plan.pipelines] == [0, 2, 4, 6]
+    events = (TraceEvent(100.0, EventKind.NODE_FAIL, (1,)),   # workers 2, 3: pipeline 1
+              TraceEvent(200.0, EventKind.REPAIR, (1,)),
+              TraceEvent(300.0, EventKind.WORKER_FAIL, (5,)))  # pipeline 2 loses a stage
+    seen: list[tuple[str, int]] = []
+    original_failure, original_rejoin = policy.on_failure, policy.on_rejoin
+
+    def on_failure(base, failed, ctx):  # type: ignore[no-untyped-def]
+        choice = original_failure(base, failed, ctx)
+        seen.append((choice.strategy, len(choice.plan.workers) if choice.plan else 0))
+        return choice
+
+    def on_rejoin(base, returned, ctx):  # type: ignore[no-untyped-def]
+        choice = original_rejoin(base, returned, ctx)
+        seen.append((choice.strategy, 0))
+        return choice
+
+    policy.on_failure, policy.on_rejoin = on_failure, on_rejoin  # type: ignore[method-assign]
+    result = simulate(Trace(events, 400.0), policy,
+                      failure_free_samples_s=planner.failure_free.throughput_samples_s,
+                      recovery=config.recovery, num_workers=8, workers_per_node=2)
+    # the node's pipeline is gone (simple: 3 pipelines of 2 stay); the repair waits; the
+    # next failure re-instantiates with the returned workers as a new pipeline of the
+    # job's length (7 workers busy: the 1-stage template holds the model here)
+    assert seen == [("simple", 6), ("keep", 0), ("simple", 7)]
+    assert dict(result.decisions)["keep"] == 1
