@@ -149,17 +149,17 @@ def test_the_simulated_oobleck_keeps_returned_workers_idle_until_the_next_failur
     seen: list[tuple[str, int]] = []
     original_failure, original_rejoin = policy.on_failure, policy.on_rejoin
 
-    def on_failure(base, failed, ctx):  # type: ignore[no-untyped-def]
+    def on_failure(base, failed, ctx):
         choice = original_failure(base, failed, ctx)
         seen.append((choice.strategy, len(choice.plan.workers) if choice.plan else 0))
         return choice
 
-    def on_rejoin(base, returned, ctx):  # type: ignore[no-untyped-def]
+    def on_rejoin(base, returned, ctx):
         choice = original_rejoin(base, returned, ctx)
         seen.append((choice.strategy, 0))
         return choice
 
-    policy.on_failure, policy.on_rejoin = on_failure, on_rejoin  # type: ignore[method-assign]
+    policy.on_failure, policy.on_rejoin = on_failure, on_rejoin
     result = simulate(Trace(events, 400.0), policy,
                       failure_free_samples_s=planner.failure_free.throughput_samples_s,
                       recovery=config.recovery, num_workers=8, workers_per_node=2)
