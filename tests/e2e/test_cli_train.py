@@ -91,6 +91,7 @@ def test_train_kill_report_and_params(tiny: Path, tmp_path: Path) -> None:
     (("--fault", "rank=7,step=1,kind=kill"), "rank 7 does not exist"),
     (("--workers", "2"), "needs 4 workers"),
     (("--policy", "nonsense"), "unknown policy"),
+    (("--policy", "recycle"), "simulator baseline"),
 ])
 def test_train_bad_input_one_line(tiny: Path, args: tuple[str, ...], message: str) -> None:
     proc = subprocess.run(_cmd("train", "--config", str(tiny), *args), capture_output=True,

@@ -63,6 +63,7 @@ from chameleon_ft.runtime.resources import check_memory
 from chameleon_ft.runtime.worker import JobInfo
 from chameleon_ft.runtime.workload import Workload, seal_workload
 from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.job import RUNTIME_SCHEDULES
 from chameleon_ft.spec.train import Fault, check_faults
 
 _POLL_S = 0.002
@@ -74,6 +75,9 @@ CHECKPOINT_LOG_S = 10.0
 """At most one "checkpoint written" line per this many seconds."""
 MAX_FAILED_STARTS = 3
 """Replacements of one worker that may die before they are up; then repairs stop."""
+RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
+                    "reroute-then-dynamic")
+"""Policies the runtime executes (``recycle`` needs split backwards, a simulator baseline)."""
 COLLECTIVE_FACTOR = 10.0
 """Derived collective deadline: this many times the plan's estimated step + migration."""
 
@@ -343,6 +347,16 @@ class Coordinator:
             raise ValueError(f"profile: {self.profile.num_layers} layers, the model has "
                              f"{self.num_layers}; make them agree ([profile] or the model)")
         self.policy = policy or config.policy.name
+        if decide is None and self.policy not in RUNTIME_POLICIES:
+            raise ValueError(f"--policy: the runtime runs {', '.join(RUNTIME_POLICIES)}; "
+                             f"{self.policy!r} is a simulator baseline")
+        if config.job.schedule not in RUNTIME_SCHEDULES:
+            raise ValueError(f"job.schedule: the runtime executes "
+                             f"{', '.join(sorted(RUNTIME_SCHEDULES))}; {config.job.schedule!r} "
+                             "is priced by the estimator and the simulator only")
+        if config.recovery.decoupled_backward:
+            raise ValueError("recovery.decoupled_backward: the runtime runs fused backward "
+                             "passes; set it to false for chameleon train")
         self._decide = decide
         self.host, self.port = host, port
         self.log = log or (lambda _msg: None)
