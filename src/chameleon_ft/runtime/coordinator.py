@@ -64,6 +64,7 @@ from chameleon_ft.runtime.worker import JobInfo
 from chameleon_ft.runtime.workload import Workload, seal_workload
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.job import RUNTIME_SCHEDULES
+from chameleon_ft.spec.recovery import POLICY_NAMES
 from chameleon_ft.spec.train import Fault, check_faults
 
 _POLL_S = 0.002
@@ -348,8 +349,9 @@ class Coordinator:
                              f"{self.num_layers}; make them agree ([profile] or the model)")
         self.policy = policy or config.policy.name
         if decide is None and self.policy not in RUNTIME_POLICIES:
-            raise ValueError(f"--policy: the runtime runs {', '.join(RUNTIME_POLICIES)}; "
-                             f"{self.policy!r} is a simulator baseline")
+            what = "a simulator baseline" if self.policy in POLICY_NAMES else "an unknown policy"
+            raise ValueError(f"--policy: {self.policy!r} is {what}; the runtime runs "
+                             f"{', '.join(RUNTIME_POLICIES)}")
         if config.job.schedule not in RUNTIME_SCHEDULES:
             raise ValueError(f"job.schedule: the runtime executes "
                              f"{', '.join(sorted(RUNTIME_SCHEDULES))}; {config.job.schedule!r} "
