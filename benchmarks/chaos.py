@@ -105,7 +105,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
     started = time.monotonic()
     try:
         report = coord.run()
-    except WorkerFailure as exc:
+    except (WorkerFailure, ValueError) as exc:
         log(f"FAILED: {exc}")
         pids = [p.pid for p in coord.all_procs if p.pid is not None]
         time.sleep(0.5)

@@ -612,10 +612,17 @@ class Coordinator:
             joined = sum(1 for p in self.procs.values() if self._registered(p))
             if joined >= self.num_workers:
                 return
-            for w, p in self.procs.items():
-                if p.process is not None and p.process.exitcode is not None:
+            for w, p in list(self.procs.items()):
+                if p.process is None or p.process.exitcode is None or p.registered:
+                    continue
+                starts = self.failed_starts.get(w, 0) + 1
+                self.failed_starts[w] = starts
+                if starts >= MAX_FAILED_STARTS:
                     raise ValueError(f"worker {w} exited with status {p.process.exitcode} "
-                                     "while starting; see its output above")
+                                     f"while starting, {starts} times; see its output above")
+                self.log(f"worker {w} exited with status {p.process.exitcode} while starting; "
+                         "starting it again")
+                self._launch([w])
             if self.stop_signal is not None:
                 raise WorkerFailure("interrupted while workers were joining")
             if time.monotonic() > deadline:

@@ -335,8 +335,12 @@ class Worker:
 
     # ------------------------------------------------------------------ plumbing
     def _client(self, timeout_s: float) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self.port, is_master=False,
-                             timeout=timedelta(seconds=timeout_s))
+        """A store connection of the helper threads: connecting may take long on a loaded
+        host (it is no sign of a dead coordinator), each request then ``timeout_s``."""
+        store = dist.TCPStore(self.host, self.port, is_master=False,
+                              timeout=timedelta(seconds=max(timeout_s, 10.0)))
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
 
     def _heartbeat(self) -> None:
         """Beat every ``heartbeat_s``; exit when the coordinator is gone.
