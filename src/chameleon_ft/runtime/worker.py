@@ -327,11 +327,16 @@ class Worker:
         # stage but the last runs) is slow once per process, whatever the shapes.
         if hidden.requires_grad:
             hidden.backward(torch.ones_like(hidden))
+        if last > 1:  # a middle layer: a floating-point input that needs its gradient
+            inp = self._boundary_buffer(1).zero_()
+            inp.requires_grad_(inp.is_floating_point())
+            out = self._module(1)(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
         if last > 0:
-            head = self._module(last)
-            inp = self._boundary_buffer(last).requires_grad_(
-                self._boundary_buffer(last).is_floating_point())
-            self.model.loss(head(inp), y).backward()
+            inp = self._boundary_buffer(last).zero_()
+            inp.requires_grad_(inp.is_floating_point())
+            self.model.loss(self._module(last)(inp), y).backward()
 
     # ------------------------------------------------------------------ plumbing
     def _client(self, timeout_s: float) -> dist.TCPStore:
