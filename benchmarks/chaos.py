@@ -131,7 +131,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
 
 
 def _alive(pid: int) -> bool:
-    from chameleon_ft.runtime.chaos import _alive as alive
+    from chameleon_ft.runtime.chaos import alive
 
     return alive(pid)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from chameleon_ft.runtime.chaos import alive
 from chameleon_ft.runtime.coordinator import Coordinator
 from chameleon_ft.spec.config import config_from_mapping
 from chameleon_ft.spec.train import parse_fault
@@ -39,17 +40,6 @@ def tiny_config(model_override: dict[str, Any] | None = None, **train: Any) -> A
     if model_override is not None:
         doc["model"] = dict(model_override)
     return config_from_mapping(doc)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process with this pid still exists (zombies count as gone: reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-    return True
 
 
 def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[str, ...] = (),

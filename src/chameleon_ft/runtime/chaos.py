@@ -259,7 +259,7 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
         strategies[e["strategy"]] = strategies.get(e["strategy"], 0) + 1
     stray = 0
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             stray += 1
     # a signal's detection and recovery are timed from when the harness sent it
     sent = {x.rank: x.sent_at_s for x in hooks.injected if x.sent_at_s is not None}
@@ -291,7 +291,8 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
     }
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a reaped child counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -36,7 +36,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -356,9 +356,15 @@ class Coordinator:
             raise ValueError(f"job.schedule: the runtime executes "
                              f"{', '.join(sorted(RUNTIME_SCHEDULES))}; {config.job.schedule!r} "
                              "is priced by the estimator and the simulator only")
+        self.notes: list[str] = []
         if config.recovery.decoupled_backward:
-            raise ValueError("recovery.decoupled_backward: the runtime runs fused backward "
-                             "passes; set it to false for chameleon train")
+            # ReCycle's split backward is priced by the simulator; the runtime's planner
+            # must not choose plans it cannot execute
+            config = replace(config, recovery=replace(config.recovery,
+                                                      decoupled_backward=False))
+            self.config = config
+            self.notes.append("note: recovery.decoupled_backward is a simulator setting; "
+                              "the runtime runs fused backward passes and plans for them")
         self._decide = decide
         self.host, self.port = host, port
         self.log = log or (lambda _msg: None)
@@ -542,6 +548,8 @@ class Coordinator:
             self.log(f"coordinator listening on {self.host}:{self.port}; job "
                      f"{self.job_name!r}, {self.num_local} local workers, "
                      f"{self.num_workers - self.num_local} to join")
+            for note in self.notes:
+                self.log(note)
             if self.announce_token:
                 self.log(f"job token: {self.token}  (give it to remote workers: --token or "
                          f"{auth.TOKEN_ENV})")
