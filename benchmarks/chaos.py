@@ -103,9 +103,18 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
 
     if sink is not None:
         sink.write(f"=== run: policy {policy}, seed {seed}\n")
-    coord = Coordinator(config_from_mapping(doc), out_dir=out, hooks=hooks, policy=policy,
-                        log=log)
     started = time.monotonic()
+    try:
+        coord = Coordinator(config_from_mapping(doc), out_dir=out, hooks=hooks,
+                            policy=policy, log=log)
+    except ValueError as exc:  # e.g. the host's memory is taken by other work right now
+        if sink is not None:
+            sink.close()
+        return {"failed": f"could not start: {exc}", "policy": policy, "injected": 0,
+                "fired": 0, "exact": False, "max_diff": float("inf"), "stray": 0,
+                "events": 0, "strategies": {}, "lost_by_restarts": 0,
+                "lost_outside_restarts": 0, "detect_s": [], "recover_s": [],
+                "episodes": []}
     try:
         report = coord.run()
     except (WorkerFailure, ValueError) as exc:
@@ -202,6 +211,9 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=20, help="faults per run")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--start", type=int, default=0, metavar="K",
+                        help="number the runs from K (seed + K + i, policy (K + i) mod 6): "
+                             "continue an interrupted series")
     parser.add_argument("--policy", choices=POLICIES,
                         help="one policy for every run (default: run i uses the i-th of "
                              f"{', '.join(POLICIES)})")
@@ -223,7 +235,7 @@ def main() -> int:
         print(f"reference: {steps} steps on {args.workers} workers in "
               f"{time.monotonic() - t:.1f} s", flush=True)
         runs = []
-        for i in range(args.runs):
+        for i in range(args.start, args.start + args.runs):
             seed = args.seed + i
             policy = args.policy or POLICIES[i % len(POLICIES)]
             result = run_chaos(doc, args.faults, seed, root / f"run{i}", reference, policy,
