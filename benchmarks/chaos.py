@@ -241,6 +241,10 @@ def main() -> int:
             result = run_chaos(doc, args.faults, seed, root / f"run{i}", reference, policy,
                                Path(args.log) if args.log else None)
             runs.append(result)
+            if args.json:  # after every run: an interrupted series keeps what it measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs},
+                                                      indent=1))
             print(f"run {i} ({policy}, seed {seed}): {result['injected']} injected, "
                   f"{result['fired']} "
                   f"fired, {result['events']} failures "
