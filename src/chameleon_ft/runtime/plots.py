@@ -37,8 +37,9 @@ def write_report_png(report: dict[str, Any], path: Path) -> None:
             continue
         for axis in (top, bottom):
             axis.axvline(rejoin["step"], color="tab:green", ls=":", lw=0.8)
-    title = f"{len(steps)} steps, {sum(1 for e in report['events'] if not e.get('idle'))} " \
-            "failures (red), re-joins (green)"
+    failures = sum(1 for e in report["events"] if not e.get("idle"))
+    title = f"{len(steps)} steps, {failures} failure{'' if failures == 1 else 's'} (red), " \
+            "re-joins (green)"
     top.set_title(title, fontsize=9)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
