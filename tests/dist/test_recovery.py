@@ -134,15 +134,16 @@ def test_failure_during_recovery(tmp_path: Path, reference: Any) -> None:
 
 def test_repaired_worker_rejoins(tmp_path: Path, reference: Any) -> None:
     # policy dynamic: re-plan without worker 3, then fold its relaunched replacement back in
-    report, params, pids = run_job(tmp_path, policy="dynamic", steps=60, rejoin=True,
+    # (150 steps: the replacement must start, which takes seconds on a loaded host)
+    report, params, pids = run_job(tmp_path, policy="dynamic", steps=150, rejoin=True,
                                    faults=("rank=3,step=1,kind=kill,phase=backward",))
     _check_clean(pids)
     assert len(pids) == 5  # four workers and one replacement
-    (rejoin,) = report["rejoins"]
-    assert rejoin["workers"] == [3] and rejoin["strategy"] == "dynamic"
+    used = [r for r in report["rejoins"] if r["strategy"] != "keep"]
+    assert [(r["workers"], r["strategy"]) for r in used] == [([3], "dynamic")]
     assert 3 in {w for p in report["final_plan"]["pipelines"] for w, _, _ in p["stages"]}
-    assert [s["step"] for s in report["steps"]] == list(range(60))
-    _, ref_params = reference("float64", steps=60)
+    assert [s["step"] for s in report["steps"]] == list(range(150))
+    _, ref_params = reference("float64", steps=150)
     assert max_abs_diff(params, ref_params) < 1e-9
 
 
