@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -223,6 +224,12 @@ DEFAULT_RULES = ("rerouted-first", "ready-first")
 """The rules :func:`best_timeline` tries. On 600 random rerouted plans this pair came within
 0.11% (mean) of the best of all three rules, at two thirds of the cost."""
 
+SECOND_RULE_MAX_OPS = 20_000
+"""Graphs with more operations are merged by the first rule alone: on the 16,384-GPU
+interleaved job (70,000 operations per rerouted component) the second rule was never
+faster on 75 random failures (benchmarks/RESULTS.md, section 5), and it doubles the
+cost of the simulator's most expensive step."""
+
 
 @dataclass
 class Timeline:
@@ -295,6 +302,25 @@ class _Graph:
         """The op ``op_id`` as a value."""
         kind, p, s, j, r = self.op_meta[op_id]
         return Op(_KINDS[kind], p, s, j, r)
+
+    @functools.cached_property
+    def layout(self) -> tuple[list[int], list[int], list[list[int]], list[int], list[int]]:
+        """What every rule's run needs and none changes, computed once per graph: the
+        workers in order, each op's dense worker index, each worker's streams, each op's
+        stream and the op after it in its stream (-1 at the end)."""
+        workers = list(self.stream_of_worker)
+        index = {w: i for i, w in enumerate(workers)}
+        op_wi = [index[w] for w in self.op_worker]
+        wi_streams = [self.stream_of_worker[w] for w in workers]
+        num_ops = len(self.op_meta)
+        stream_id = [0] * num_ops
+        next_in_stream = [-1] * num_ops
+        for sid, ids in enumerate(self.streams):
+            for op_id in ids:
+                stream_id[op_id] = sid
+            for a, b in itertools.pairwise(ids):
+                next_in_stream[a] = b
+        return workers, op_wi, wi_streams, stream_id, next_in_stream
 
 
 @functools.lru_cache(maxsize=8192)
@@ -471,10 +497,23 @@ def build_graph(
             chunks = costs[(p, s)]
             if s + 1 < num_stages:
                 next_f, next_b = fwd_id[(p, s + 1)], bwd_id[(p, s + 1)]
+                if (p, s) in rerouted or (p, s + 1) in rerouted:
+                    for r, c in enumerate(chunks):
+                        out_bytes = c.output_bytes
+                        for x in range(r * m, (r + 1) * m):
+                            link(fids[x], next_f[x], out_bytes, next_b[x], bids[x])
+                    continue
+                # One worker on each side: one transfer time per chunk, each way.
+                a, b = pipe.stages[s].worker, pipe.stages[s + 1].worker
                 for r, c in enumerate(chunks):
-                    out_bytes = c.output_bytes
+                    ahead = topology.p2p_s(a, b, c.output_bytes)
+                    back = topology.p2p_s(b, a, c.output_bytes)
                     for x in range(r * m, (r + 1) * m):
-                        link(fids[x], next_f[x], out_bytes, next_b[x], bids[x])
+                        fx, nfx, nbx, bx = fids[x], next_f[x], next_b[x], bids[x]
+                        succs[fx].append((nfx, ahead))
+                        pending[nfx] += 1
+                        succs[nbx].append((bx, back))
+                        pending[bx] += 1
             elif len(chunks) > 1:
                 # The last stage's chunk r feeds the first stage's chunk r + 1.
                 first_f, first_b = fwd_id[(p, 0)], bwd_id[(p, 0)]
@@ -497,20 +536,10 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
     op_meta, op_dur = graph.op_meta, graph.op_dur
     op_act, op_foreign, succs = graph.op_act, graph.op_foreign, graph.succs
     streams = graph.streams
-    workers = list(graph.stream_of_worker)
-    index = {w: i for i, w in enumerate(workers)}
-    op_wi = [index[w] for w in graph.op_worker]
-    wi_streams = [graph.stream_of_worker[w] for w in workers]
+    workers, op_wi, wi_streams, stream_id, next_in_stream = graph.layout
     num_ops, num_workers = len(op_meta), len(workers)
     pending = list(graph.pending)
     ready = [0.0] * num_ops
-    stream_id = [0] * num_ops
-    next_in_stream = [-1] * num_ops
-    for sid, ids in enumerate(streams):
-        for k, op_id in enumerate(ids):
-            stream_id[op_id] = sid
-            if k + 1 < len(ids):
-                next_in_stream[op_id] = ids[k + 1]
     head = [ids[0] for ids in streams]
     end = [0.0] * num_ops
     # Why each op started when it did: the predecessor that released it last, with the
@@ -739,14 +768,20 @@ def best_timeline(
     speeds: Mapping[int, float] | None = None,
     costs: Mapping[tuple[int, int], ChunkCosts] | None = None,
     with_ops: bool = True,
+    lower_bound_s: float = 0.0,
 ) -> Timeline:
     """:func:`simulate` with each order variant and each of :data:`DEFAULT_RULES`; the
     fastest timeline (first on ties).
 
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
+    ``lower_bound_s`` is a makespan no timeline can beat (the estimator passes the slowest
+    failure-free makespan of the component's intact pipelines: their operations, links and
+    stream orders are all still there): once a timeline reaches it the others are skipped,
+    which changes nothing (the first of equal timelines is kept).
 
     Only workers that run several streams (rerouted peers) depend on the rule, so plans
-    without reroutes are simulated with one rule; only ``zero-bubble`` has two variants.
+    without reroutes are simulated with one rule, and so are graphs above
+    :data:`SECOND_RULE_MAX_OPS` operations; only ``zero-bubble`` has several variants.
     """
     chosen = list(range(plan.num_pipelines)) if pipelines is None else list(pipelines)
     rules = list(DEFAULT_RULES)
@@ -755,10 +790,12 @@ def best_timeline(
     best: Timeline | None = None
     for variant in schedule_variants(plan):
         graph = build_graph(plan, profile, topology, chosen, speeds, costs, variant)
-        for rule in rules:
+        for rule in rules if len(graph.op_meta) <= SECOND_RULE_MAX_OPS else rules[:1]:
             timeline = _list_schedule(graph, rule, with_ops)
             if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
                 best = timeline
+            if best.makespan_s <= lower_bound_s + 1e-12:
+                return best
     assert best is not None
     return best
 

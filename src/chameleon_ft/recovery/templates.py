@@ -35,6 +35,9 @@ Layout = tuple[tuple[int, int], ...]
 
 EXHAUSTIVE_MAX_LAYERS = 8
 """Models with more layers use the template alone."""
+EXACT_MAX_OPS = 8_000
+"""One-pipeline estimates with more operations (2 x chunks x micro-batches x stages) are
+extrapolated from the periodic steady state (:meth:`Templates.step_s`)."""
 EXHAUSTIVE_MAX_MICROBATCHES = 16
 """Jobs with more micro-batches per step use the template alone (each ``(length, m)``
 would price every split of every length)."""
@@ -151,10 +154,30 @@ class Templates:
 
     def step_s(self, layout: Layout, num_microbatches: int) -> float:
         """Step seconds of one pipeline with ``layout`` running ``num_microbatches``;
-        infinity when it does not fit memory."""
+        infinity when it does not fit memory.
+
+        Above :data:`EXACT_MAX_OPS` operations per step the pipeline is in its periodic
+        steady state: each further group of ``S`` micro-batches (one group of the
+        interleaved order, ``S`` = stages) adds what the last group added, so the step is
+        extrapolated from two exact estimates with the same remainder modulo ``S`` (exact
+        to rounding on uniform and Llama-shaped pipelines; the searches price their final
+        plans with the estimator itself).
+        """
         key = (layout, num_microbatches)
         value = self._steps.get(key)
         if value is None:
+            stages = len(layout)
+            limit = max(3 * stages, EXACT_MAX_OPS // (2 * self.profile.virtual_stages * stages))
+            if num_microbatches > limit:
+                base = limit - (limit - num_microbatches) % stages
+                last = self.step_s(layout, base)
+                if not math.isfinite(last):
+                    value = last  # memory peaks within the first groups: no fit either
+                else:
+                    per_group = last - self.step_s(layout, base - stages)
+                    value = last + (num_microbatches - base) / stages * per_group
+                self._steps[key] = value
+                return value
             self.num_estimates += 1
             step, fits = self._pipeline_estimate(self.one_pipeline(layout, num_microbatches))
             value = step if fits else math.inf
@@ -290,12 +313,17 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
     while assigned < num_microbatches:
         value, i, m = heapq.heappop(heap)
         kind = kinds[i]
-        if counts.get((kind, m), 0) == 0:
+        group = counts.get((kind, m), 0)
+        if group == 0:
             continue  # stale entry
         if not math.isfinite(value):
             return math.inf, []
-        _move(counts, kind, m, m + 1)
-        assigned += 1
+        # The popped entry stays the smallest while its group lasts (every entry pushed
+        # after it is at least as large and ties come later), so one pipeline at a time
+        # would move the whole group in a row: move it at once.
+        moved = min(group, num_microbatches - assigned)
+        _move(counts, kind, m, m + 1, moved)
+        assigned += moved
         heapq.heappush(heap, (step_s(kind, m + 2), i, m + 1))
         if counts.get((kind, m), 0):
             heapq.heappush(heap, (step_s(kind, m + 1), i, m))
@@ -311,8 +339,14 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
         best = min(candidates, key=lambda key: (step_s(key[0], key[1] + 1), key[1]))
         if not step_s(best[0], best[1] + 1) < worst_s:
             break
-        _move(counts, worst[0], worst[1], worst[1] - 1)
-        _move(counts, best[0], best[1], best[1] + 1)
+        # Moving one micro-batch leaves the same worst and best groups (the pipelines
+        # moved end strictly between them) while both last, unless the worst kind's next
+        # count down ties the worst step: then one move at a time.
+        moved = 1
+        if step_s(worst[0], worst[1] - 1) < worst_s:
+            moved = min(counts[worst], counts[best])
+        _move(counts, worst[0], worst[1], worst[1] - 1, moved)
+        _move(counts, best[0], best[1], best[1] + 1, moved)
     slowest = max(step_s(*key) for key, c in counts.items() if c)
     pools: dict[K, list[int]] = {kind: [] for kind in kinds}
     for (kind, m), c in sorted(counts.items(), key=lambda item: -item[0][1]):
@@ -321,6 +355,6 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
     return slowest, out
 
 
-def _move(counts: dict[tuple[K, int], int], kind: K, src: int, dst: int) -> None:
-    counts[(kind, src)] -= 1
-    counts[(kind, dst)] = counts.get((kind, dst), 0) + 1
+def _move(counts: dict[tuple[K, int], int], kind: K, src: int, dst: int, n: int = 1) -> None:
+    counts[(kind, src)] -= n
+    counts[(kind, dst)] = counts.get((kind, dst), 0) + n
