@@ -714,8 +714,9 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
         timeline.busy_s[w] = busy_s[i]
         timeline.peak_activation_bytes[w] = act_peak[i]
     if num_ops:
-        last = max(range(num_ops), key=lambda i: (end[i], -i))
-        timeline.makespan_s = end[last]
+        makespan = max(end)
+        last = end.index(makespan)  # the first op ending last
+        timeline.makespan_s = makespan
         node = last
         compute = 0.0
         while node >= 0:
