@@ -227,9 +227,9 @@ DEFAULT_RULES = ("rerouted-first", "ready-first")
 SECOND_RULE_MAX_OPS = 20_000
 """Graphs with more operations are merged by the first rule alone: on the 16,384-GPU
 interleaved job (70,000 operations per rerouted component) the second rule was faster on
-5 of 78 rerouted components from random failures, by at most 0.7% (the first was 0.4%
-faster on average; benchmarks/RESULTS.md, section 5), and it doubles the cost of the
-simulator's most expensive step."""
+8 of 78 rerouted components from random failures, by at most 0.7% (the first was 0.37%
+faster on average; benchmarks/schedules.py), and it doubles the cost of the simulator's
+most expensive step."""
 
 
 @dataclass
