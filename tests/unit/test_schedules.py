@@ -89,6 +89,10 @@ def test_interleaved_order_is_megatrons_depth_first() -> None:
     assert order[5] == (b, 1, 0)
     backwards = [op for op in order if op[0] is b]
     assert backwards[:4] == [(b, 1, 0), (b, 1, 1), (b, 0, 0), (b, 0, 1)]
+    # five micro-batches on two stages: groups of 3 and 2 (at least S each), warm-up 2 + 3
+    odd = stage_order(2, 0, 5, "interleaved", 2)
+    assert odd[:6] == ((f, 0, 0), (f, 0, 1), (f, 0, 2), (f, 1, 0), (f, 1, 1), (f, 1, 2))
+    assert odd[6] == (b, 1, 0)
 
 
 def test_chunks_need_the_interleaved_schedule() -> None:
@@ -101,13 +105,15 @@ def test_chunks_need_the_interleaved_schedule() -> None:
 # ---------------------------------------------------------------- closed forms
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3), st.integers(1, 2),
-       st.integers(1, 3), st.floats(0.1, 3.0), st.floats(0.1, 3.0), st.floats(0.0, 2.0))
-def test_interleaved_reproduces_its_closed_form(stages: int, v: int, groups: int,
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3), st.integers(0, 4),
+       st.integers(1, 2), st.integers(1, 3), st.floats(0.1, 3.0), st.floats(0.1, 3.0),
+       st.floats(0.0, 2.0))
+def test_interleaved_reproduces_its_closed_form(stages: int, v: int, groups: int, extra: int,
                                                 per_chunk: int, dp: int, f: float, bi: float,
                                                 bw: float) -> None:
-    """Uniform stages, free links, m a multiple of S: bubble (S - 1) / (v m) exactly."""
-    m = groups * stages
+    """Uniform stages, free links, at least S micro-batches (a multiple of S or not):
+    bubble (S - 1) / (v m) exactly."""
+    m = groups * stages + min(extra, stages - 1)
     profile = fold_profile(uniform_profile(stages * v * per_chunk, fwd_s=f, bwd_input_s=bi,
                                            bwd_weight_s=bw), v)
     plan = ExecutionPlan.uniform(dp=dp, pp=stages, num_layers=profile.num_layers,

@@ -31,7 +31,8 @@ runtime executes (``1f1b`` and ``gpipe`` only, fused backward, one chunk), so th
 runs exactly the schedule the estimator timed.
 
 With the fused backward Eq. 9 holds exactly for uniform 1F1B stages, and interleaving v
-chunks gives ``(m + (S - 1) / v) (t_f + t_b)`` (:mod:`chameleon_ft.perf.closed_form`).
+chunks gives ``(m + (S - 1) / v) (t_f + t_b)`` for ``m >= S``
+(:mod:`chameleon_ft.perf.closed_form`).
 """
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
       backwards; at most ``S - s`` micro-batches in flight.
     - ``gpipe``: every forward, then every backward.
     - ``interleaved``: Megatron's depth-first interleaving: micro-batches in groups of
-      ``S``, each group through chunk 0, then chunk 1, ...; backwards in the reverse chunk
-      order; ``2 (S - s - 1) + (v - 1) S + 1`` forwards before the first backward, then
-      one backward one forward (a partial last group: the order of the next multiple of
-      ``S`` without the missing micro-batches). With ``v = 1`` it is ``1f1b``.
+      ``N >= S`` (:func:`_groups`), each group through chunk 0, then chunk 1, ...;
+      backwards in the reverse chunk order; ``2 (S - s - 1) + (v - 1) N + 1`` forwards
+      before the first backward, then one backward one forward. With ``v = 1`` it is
+      ``1f1b``.
     - ``zero-bubble``: ``1f1b``'s F and B (B the input gradient alone), W of micro-batch
       ``j`` right after B of ``j + lag`` (default ``lag = s``, ZB-H1), the rest at the end.
 
@@ -135,19 +136,12 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
     if schedule == ScheduleName.GPIPE:
         return tuple([(OpKind.F, 0, j) for j in range(m)] + [(OpKind.B, 0, j) for j in range(m)])
     if schedule == ScheduleName.INTERLEAVED and v > 1:
-        # Megatron's order is for whole groups of S micro-batches; with a partial last
-        # group, take the order of the next multiple of S and drop the missing
-        # micro-batches. Dropping operations from deadlock-free fixed orders cannot create
-        # a cycle, so every m works (the closed form is exact for multiples of S).
-        group = num_stages
-        padded = -(-m // group) * group
-        forwards = [(OpKind.F, r, j) for g in range(0, padded, group) for r in range(v)
-                    for j in range(g, g + group)]
-        backwards = [(OpKind.B, r, j) for g in range(0, padded, group)
-                     for r in reversed(range(v)) for j in range(g, g + group)]
-        warm = 2 * (num_stages - stage - 1) + (v - 1) * group + 1
+        groups = _groups(num_stages, m)
+        forwards = [(OpKind.F, r, j) for g in groups for r in range(v) for j in g]
+        backwards = [(OpKind.B, r, j) for g in groups for r in reversed(range(v)) for j in g]
+        warm = 2 * (num_stages - stage - 1) + (v - 1) * len(groups[0]) + 1
         full = _one_forward_one_backward(forwards, backwards, warm)
-        return full if padded == m else tuple(op for op in full if op[2] < m)
+        return full if len(forwards) == m * v else tuple(op for op in full if op[2] < m)
     if schedule not in (ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED,
                         ScheduleName.ZERO_BUBBLE):
         raise ValueError(f"schedule: unknown schedule {schedule!r}")
@@ -166,6 +160,29 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
             done += 1
     out.extend((OpKind.W, 0, k) for k in range(done, m))
     return tuple(out)
+
+
+def _groups(num_stages: int, num_microbatches: int) -> list[range]:
+    """The interleaved order's groups of micro-batches (each runs through chunk 0, then
+    chunk 1, ...).
+
+    ``m >= S``: ``m // S`` groups of at least ``S``, sizes as even as possible (Megatron's
+    groups of ``S`` when ``m`` is a multiple of it; Llama 3's tunable group size
+    otherwise): a chunk's round trip through the ``S`` stages never outlasts a group, so
+    no stage waits between chunks. ``m < S``: one group of ``S`` whose missing
+    micro-batches the caller drops (removing operations from deadlock-free fixed orders
+    cannot create a cycle).
+    """
+    if num_microbatches < num_stages:
+        return [range(num_stages)]
+    count = num_microbatches // num_stages
+    base, extra = divmod(num_microbatches, count)
+    out, lo = [], 0
+    for i in range(count):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
 
 
 def _one_forward_one_backward(forwards: list[tuple[OpKind, int, int]],
