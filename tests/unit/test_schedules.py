@@ -401,3 +401,29 @@ def test_planner_recovers_with_the_jobs_own_schedule(schedule: str,
                 assert c.plan is not None and c.plan.schedule == schedule, c.strategy
                 c.plan.validate()
                 assert c.plan.num_layers == planner.profile.num_layers
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 7), st.data(), st.integers(1, 40), st.sampled_from(SCHEDULES),
+       st.booleans())
+def test_peak_activation_is_the_orders_peak(stages: int, data: st.DataObject, m: int,
+                                            schedule: str, padded: bool) -> None:
+    """The closed-form walk of :func:`peak_activation` equals walking the order itself
+    (zero-bubble: the variant with each W right after its B)."""
+    from chameleon_ft.perf.schedule import peak_activation
+
+    stage = data.draw(st.integers(0, stages - 1))
+    v = data.draw(st.integers(1, 4)) if schedule == "interleaved" else 1
+    acts = data.draw(st.lists(st.integers(0, 9).map(float), min_size=v, max_size=v))
+    kwargs = {"padded": padded} if schedule == "interleaved" else {}
+    if schedule == "zero-bubble":
+        kwargs = {"lag": 0}
+    held = peak = 0.0
+    for kind, r, _ in stage_order(stages, stage, m, schedule, v, **kwargs):
+        if kind is OpKind.F:
+            held += acts[r]
+            peak = max(peak, held)
+        elif kind is OpKind.W or schedule != "zero-bubble":
+            held -= acts[r]
+    assert peak_activation(acts, stages, stage, m, schedule,
+                           padded and schedule == "interleaved") == pytest.approx(peak)

@@ -41,6 +41,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -103,7 +104,8 @@ def zero_bubble_lags(num_stages: int, stage: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=8192)
 def stage_order(num_stages: int, stage: int, num_microbatches: int,
                 schedule: str = "1f1b", virtual_stages: int = 1,
-                lag: int | None = None) -> tuple[tuple[OpKind, int, int], ...]:
+                lag: int | None = None,
+                padded: bool = False) -> tuple[tuple[OpKind, int, int], ...]:
     """The schedule's op order for one stage: ``(kind, chunk, micro-batch)`` triples.
 
     - ``1f1b``: ``S - s`` forwards, then one backward one forward, then the remaining
@@ -112,8 +114,9 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
     - ``interleaved``: Megatron's depth-first interleaving: micro-batches in groups of
       ``N >= S`` (:func:`_groups`), each group through chunk 0, then chunk 1, ...;
       backwards in the reverse chunk order; ``2 (S - s - 1) + (v - 1) N + 1`` forwards
-      before the first backward, then one backward one forward. With ``v = 1`` it is
-      ``1f1b``.
+      before the first backward, then one backward one forward. ``padded``: groups of
+      exactly ``S``, the order of the next multiple of ``S`` without the missing
+      micro-batches (``1f1b``'s memory, more bubble). With ``v = 1`` it is ``1f1b``.
     - ``zero-bubble``: ``1f1b``'s F and B (B the input gradient alone), W of micro-batch
       ``j`` right after B of ``j + lag`` (default ``lag = s``, ZB-H1), the rest at the end.
 
@@ -124,6 +127,7 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
         schedule: a :class:`~chameleon_ft.spec.job.Schedule` value.
         virtual_stages: v, chunks per stage (``interleaved`` only).
         lag: ``zero-bubble`` only: how far W trails its B (see :func:`zero_bubble_lags`).
+        padded: ``interleaved`` only: groups of exactly ``S`` (see above).
 
     Raises:
         ValueError: for an unknown schedule, or chunks with a schedule other than
@@ -136,7 +140,8 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
     if schedule == ScheduleName.GPIPE:
         return tuple([(OpKind.F, 0, j) for j in range(m)] + [(OpKind.B, 0, j) for j in range(m)])
     if schedule == ScheduleName.INTERLEAVED and v > 1:
-        groups = _groups(num_stages, m)
+        groups = _groups(num_stages, max(m, -(-m // num_stages) * num_stages)
+                         if padded else m)
         forwards = [(OpKind.F, r, j) for g in groups for r in range(v) for j in g]
         backwards = [(OpKind.B, r, j) for g in groups for r in reversed(range(v)) for j in g]
         warm = 2 * (num_stages - stage - 1) + (v - 1) * len(groups[0]) + 1
@@ -169,9 +174,9 @@ def _groups(num_stages: int, num_microbatches: int) -> list[range]:
     ``m >= S``: ``m // S`` groups of at least ``S``, sizes as even as possible (Megatron's
     groups of ``S`` when ``m`` is a multiple of it; Llama 3's tunable group size
     otherwise): a chunk's round trip through the ``S`` stages never outlasts a group, so
-    no stage waits between chunks. ``m < S``: one group of ``S`` whose missing
-    micro-batches the caller drops (removing operations from deadlock-free fixed orders
-    cannot create a cycle).
+    no stage waits between chunks, but a group of ``N > S`` keeps ``(v - 1)(N - S)`` more
+    chunks in flight. ``m < S``: one group of ``S`` whose missing micro-batches the caller
+    drops (removing operations from deadlock-free fixed orders cannot create a cycle).
     """
     if num_microbatches < num_stages:
         return [range(num_stages)]
@@ -183,6 +188,49 @@ def _groups(num_stages: int, num_microbatches: int) -> list[range]:
         out.append(range(lo, hi))
         lo = hi
     return out
+
+
+def peak_activation(activation_bytes: Sequence[float], num_stages: int, stage: int,
+                    num_microbatches: int, schedule: str = "1f1b",
+                    padded: bool = False) -> float:
+    """The most activation bytes one stage holds running its order alone, without building
+    the order: the bytes of the first ``w`` forwards, then after each backward-forward pair
+    of the steady state (fused backward; for ``zero-bubble`` the order with each W right
+    after its B, which holds the same). ``activation_bytes`` has one entry per chunk.
+
+    Args:
+        activation_bytes: per model chunk, the bytes one micro-batch keeps.
+        num_stages: S.
+        stage: s.
+        num_microbatches: m.
+        schedule: a :class:`~chameleon_ft.spec.job.Schedule` value.
+        padded: ``interleaved`` only: the padded variant (:func:`stage_order`).
+
+    Returns:
+        Bytes.
+    """
+    m, v = num_microbatches, len(activation_bytes)
+    if schedule == ScheduleName.GPIPE:
+        return m * activation_bytes[0]
+    if schedule != ScheduleName.INTERLEAVED or v == 1:
+        return min(num_stages - stage, m) * activation_bytes[0]
+    if padded:
+        groups = _groups(num_stages, -(-m // num_stages) * num_stages)
+    else:
+        groups = _groups(num_stages, m)
+    forwards: list[float] = []
+    backwards: list[float] = []
+    for group in groups:
+        real = sum(1 for j in group if j < m)  # missing micro-batches hold nothing
+        for r in range(v):
+            forwards.extend([activation_bytes[r]] * real + [0.0] * (len(group) - real))
+        for r in reversed(range(v)):
+            backwards.extend([activation_bytes[r]] * real + [0.0] * (len(group) - real))
+    held = list(itertools.accumulate(forwards, initial=0.0))
+    freed = list(itertools.accumulate(backwards, initial=0.0))
+    warm = min(2 * (num_stages - stage - 1) + (v - 1) * len(groups[0]) + 1, len(forwards))
+    steady = map(operator.sub, held[warm + 1:], freed[1:len(forwards) - warm + 1])
+    return max(held[warm], max(steady, default=0.0))
 
 
 def _one_forward_one_backward(forwards: list[tuple[OpKind, int, int]],
@@ -287,14 +335,23 @@ FUSED_VARIANT = 2
 """The ``zero-bubble`` variant that runs the plan as ``1f1b`` (fused backward)."""
 
 
-def schedule_variants(plan: ExecutionPlan) -> tuple[int, ...]:
-    """The order variants :func:`best_timeline` tries.
+def schedule_variants(plan: ExecutionPlan, pipelines: Sequence[int] | None = None,
+                      virtual_stages: int = 1) -> tuple[int, ...]:
+    """The order variants :func:`best_timeline` tries (the fastest that fits memory wins).
 
     ``zero-bubble``: 0 and 1 index :func:`zero_bubble_lags` (ZB-H1's lag, then W right
     after its B); with reroutes also :data:`FUSED_VARIANT`, because the greedy merge on
     rerouted peers has no ordering guarantee: a zero-bubble plan is never estimated
-    slower than the same plan under 1F1B. One variant for every other schedule.
+    slower than the same plan under 1F1B. ``interleaved`` with a pipeline whose
+    micro-batches are more than ``S`` and not a multiple of it: 0 (groups of at least
+    ``S``: least bubble) and 1 (padded groups of ``S``: least memory), the choice
+    Llama 3 tunes by hand. One variant otherwise.
     """
+    if plan.schedule == ScheduleName.INTERLEAVED and virtual_stages > 1:
+        chosen = range(plan.num_pipelines) if pipelines is None else pipelines
+        uneven = any(p.num_microbatches > p.num_stages and p.num_microbatches % p.num_stages
+                     for p in (plan.pipelines[i] for i in chosen))
+        return (0, 1) if uneven else (0,)
     if plan.schedule not in SPLIT_SCHEDULES:
         return (0,)
     return (0, 1, FUSED_VARIANT) if plan.reroutes else (0, 1)
@@ -361,7 +418,8 @@ def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule:
                             lags[min(variant, len(lags) - 1)])
     else:
         base = ScheduleName.ONE_F_ONE_B.value if schedule in SPLIT_SCHEDULES else schedule
-        order = stage_order(num_stages, stage, m, base, virtual_stages)
+        order = stage_order(num_stages, stage, m, base, virtual_stages,
+                            padded=variant == 1 and base == ScheduleName.INTERLEAVED)
         if split == 2:
             order = tuple(op for kind, r, j in order
                           for op in (((kind, r, j), (OpKind.W, r, j)) if kind is OpKind.B
@@ -790,7 +848,7 @@ def best_timeline(
     lower_bound_s: float = 0.0,
 ) -> Timeline:
     """:func:`simulate` with each order variant and each of :data:`DEFAULT_RULES`; the
-    fastest timeline (first on ties).
+    fastest timeline (first on ties), among those that fit device memory when some do.
 
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
     ``lower_bound_s`` is a makespan no timeline can beat (the estimator passes the slowest
@@ -806,14 +864,28 @@ def best_timeline(
     rules = list(DEFAULT_RULES)
     if not any(r.pipeline in chosen for r in plan.reroutes):
         rules = rules[:1]
+    costs = costs if costs is not None else _stage_costs(plan, profile)
+    variants = schedule_variants(plan, chosen, max(len(c) for c in costs.values()))
+    static: dict[int, float] = {}
+    if len(variants) > 1:
+        # Variants trade bubble for memory: the fastest one that fits wins.
+        for p in chosen:
+            for s, st in enumerate(plan.pipelines[p].stages):
+                if (p, s) not in plan.reroute_map:
+                    static[st.worker] = sum(c.static_bytes for c in costs[(p, s)])
+    capacity = topology.memory_capacity_bytes
     best: Timeline | None = None
-    for variant in schedule_variants(plan):
+    best_fits = False
+    for variant in variants:
         graph = build_graph(plan, profile, topology, chosen, speeds, costs, variant)
         for rule in rules if len(graph.op_meta) <= SECOND_RULE_MAX_OPS else rules[:1]:
             timeline = _list_schedule(graph, rule, with_ops)
-            if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
-                best = timeline
-            if best.makespan_s <= lower_bound_s + 1e-12:
+            fits = all(static.get(w, 0.0) + peak <= capacity
+                       for w, peak in timeline.peak_activation_bytes.items())
+            if (best is None or (fits and not best_fits)
+                    or (fits == best_fits and timeline.makespan_s < best.makespan_s - 1e-12)):
+                best, best_fits = timeline, fits
+            if best_fits and best.makespan_s <= lower_bound_s + 1e-12:
                 return best
     assert best is not None
     return best
