@@ -344,8 +344,8 @@ def schedule_variants(plan: ExecutionPlan, pipelines: Sequence[int] | None = Non
     rerouted peers has no ordering guarantee: a zero-bubble plan is never estimated
     slower than the same plan under 1F1B. ``interleaved`` with a pipeline whose
     micro-batches are more than ``S`` and not a multiple of it: 0 (groups of at least
-    ``S``: least bubble) and 1 (padded groups of ``S``: least memory), the choice
-    Llama 3 tunes by hand. One variant otherwise.
+    ``S``: least bubble) and, only when that does not fit memory, 1 (padded groups of
+    ``S``: least memory), the choice Llama 3 tunes by hand. One variant otherwise.
     """
     if plan.schedule == ScheduleName.INTERLEAVED and virtual_stages > 1:
         chosen = range(plan.num_pipelines) if pipelines is None else pipelines
@@ -848,7 +848,8 @@ def best_timeline(
     lower_bound_s: float = 0.0,
 ) -> Timeline:
     """:func:`simulate` with each order variant and each of :data:`DEFAULT_RULES`; the
-    fastest timeline (first on ties), among those that fit device memory when some do.
+    fastest timeline (first on ties), among those that fit device memory when some do
+    (interleaved: the padded variant only when the first does not fit).
 
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
     ``lower_bound_s`` is a makespan no timeline can beat (the estimator passes the slowest
@@ -887,6 +888,8 @@ def best_timeline(
                 best, best_fits = timeline, fits
             if best_fits and best.makespan_s <= lower_bound_s + 1e-12:
                 return best
+        if best_fits and plan.schedule == ScheduleName.INTERLEAVED:
+            break  # the larger groups fit: padding would only add bubble
     assert best is not None
     return best
 
