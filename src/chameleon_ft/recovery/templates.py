@@ -329,6 +329,14 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
     k = len(layouts)
     if k == 0 or num_microbatches < k:
         return math.inf, []
+    memo: dict[tuple[K, int], float] = {}
+
+    def cost(kind: K, m: int) -> float:  # the caller's step_s, remembered for this call
+        value = memo.get((kind, m))
+        if value is None:
+            value = memo[(kind, m)] = step_s(kind, m)
+        return value
+
     # Group identical layouts: their pipelines are interchangeable, so only the counts of
     # pipelines at each micro-batch count matter.
     kinds = list(dict.fromkeys(layouts))
@@ -338,7 +346,7 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
     rate = {}
     for kind in kinds:
         base = max(1, num_microbatches // k)
-        marginal = step_s(kind, base + 1) - step_s(kind, base)
+        marginal = cost(kind, base + 1) - cost(kind, base)
         rate[kind] = 1.0 / marginal if marginal > 0 and math.isfinite(marginal) else 0.0
     total_rate = sum(rate[kind] * count_of[kind] for kind in kinds)
     # counts[(kind, m)] = pipelines of that kind running m micro-batches
@@ -357,7 +365,7 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
         assigned -= 1
     # heap entries: (step with one more, kind's index, m); the index keeps kinds comparable
     index = {kind: i for i, kind in enumerate(kinds)}
-    heap = [(step_s(kind, m + 1), index[kind], m) for (kind, m), c in counts.items() if c]
+    heap = [(cost(kind, m + 1), index[kind], m) for (kind, m), c in counts.items() if c]
     heapq.heapify(heap)
     while assigned < num_microbatches:
         value, i, m = heapq.heappop(heap)
@@ -373,30 +381,42 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
         moved = min(group, num_microbatches - assigned)
         _move(counts, kind, m, m + 1, moved)
         assigned += moved
-        heapq.heappush(heap, (step_s(kind, m + 2), i, m + 1))
+        heapq.heappush(heap, (cost(kind, m + 2), i, m + 1))
         if counts.get((kind, m), 0):
-            heapq.heappush(heap, (step_s(kind, m + 1), i, m))
+            heapq.heappush(heap, (cost(kind, m + 1), i, m))
+    # The groups with pipelines, in the order they first appeared (ties in max and min go
+    # to the earliest, as over the whole dict).
+    first_seen = {key: i for i, key in enumerate(counts)}
+    alive = {key for key, c in counts.items() if c}
+
+    def shift(kind: K, src: int, dst: int, n: int) -> None:
+        _move(counts, kind, src, dst, n)
+        first_seen.setdefault((kind, dst), len(first_seen))
+        alive.add((kind, dst))
+        if not counts[(kind, src)]:
+            alive.discard((kind, src))
+
     while True:
-        live = [key for key, c in counts.items() if c]
-        worst = max(live, key=lambda key: (step_s(*key), -key[1]))
-        worst_s = step_s(*worst)
+        live = sorted(alive, key=first_seen.__getitem__)
+        worst = max(live, key=lambda key: (cost(*key), -key[1]))
+        worst_s = cost(*worst)
         if worst[1] <= 1:
             break
         candidates = [key for key in live if key != worst or counts[key] > 1]
         if not candidates:
             break  # a single pipeline takes everything
-        best = min(candidates, key=lambda key: (step_s(key[0], key[1] + 1), key[1]))
-        if not step_s(best[0], best[1] + 1) < worst_s:
+        best = min(candidates, key=lambda key: (cost(key[0], key[1] + 1), key[1]))
+        if not cost(best[0], best[1] + 1) < worst_s:
             break
         # Moving one micro-batch leaves the same worst and best groups (the pipelines
         # moved end strictly between them) while both last, unless the worst kind's next
         # count down ties the worst step: then one move at a time.
         moved = 1
-        if step_s(worst[0], worst[1] - 1) < worst_s:
+        if cost(worst[0], worst[1] - 1) < worst_s:
             moved = min(counts[worst], counts[best])
-        _move(counts, worst[0], worst[1], worst[1] - 1, moved)
-        _move(counts, best[0], best[1], best[1] + 1, moved)
-    slowest = max(step_s(*key) for key, c in counts.items() if c)
+        shift(worst[0], worst[1], worst[1] - 1, moved)
+        shift(best[0], best[1], best[1] + 1, moved)
+    slowest = max(cost(*key) for key, c in counts.items() if c)
     pools: dict[K, list[int]] = {kind: [] for kind in kinds}
     for (kind, m), c in sorted(counts.items(), key=lambda item: -item[0][1]):
         pools[kind].extend([m] * c)
