@@ -357,12 +357,27 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
         m = max(1, math.floor(share))
         counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
         assigned += m * count_of[kind]
-    # Never start above the total: take back from the largest shares first.
+    # Never start above the total: take back from the largest shares first, one
+    # micro-batch at a time from the first group with the most. While that group is alone
+    # above every other, it keeps being chosen level after level: it goes down in one go
+    # (through the same keys in the same order, so ties later fall the same way).
     while assigned > num_microbatches:
-        kind, m = max((key for key, c in counts.items() if c and key[1] > 1),
-                      key=lambda key: key[1])
-        _move(counts, kind, m, m - 1)
-        assigned -= 1
+        levels = [(key, c) for key, c in counts.items() if c and key[1] > 1]
+        top = max(key[1] for key, _ in levels)
+        (kind, m), group = next((key, c) for key, c in levels if key[1] == top)
+        below = max((key[1] for key, _ in levels if key[1] < top), default=1)
+        alone = sum(1 for key, _ in levels if key[1] == top) == 1
+        excess = assigned - num_microbatches
+        steps = min(top - below, excess // group) if alone else 0
+        if steps >= 1:
+            for level in range(m - 1, m - steps, -1):
+                counts.setdefault((kind, level), 0)
+            _move(counts, kind, m, m - steps, group)
+            assigned -= steps * group
+            continue
+        moved = min(group, excess)  # the group stays first among the largest meanwhile
+        _move(counts, kind, m, m - 1, moved)
+        assigned -= moved
     # heap entries: (step with one more, kind's index, m); the index keeps kinds comparable
     index = {kind: i for i, kind in enumerate(kinds)}
     heap = [(cost(kind, m + 1), index[kind], m) for (kind, m), c in counts.items() if c]
