@@ -296,7 +296,8 @@ def test_order_fits_is_the_estimators_memory_verdict(stages: int, schedule: str,
 
 def _allocate_one_at_a_time(layouts: Sequence[K], total: int,
                             step_s: Callable[[K, int], float]) -> tuple[float, list[int]]:
-    """The allocation moving one micro-batch per step (the previous implementation)."""
+    """The allocation moving one micro-batch per step (the implementation before group
+    moves, with the same start)."""
     k = len(layouts)
     if k == 0 or total < k:
         return math.inf, []
@@ -313,6 +314,8 @@ def _allocate_one_at_a_time(layouts: Sequence[K], total: int,
     for kind in kinds:
         share = (total * rate[kind] / total_rate) if total_rate > 0 else 1.0
         m = max(1, math.floor(share))
+        while m > 1 and not math.isfinite(step_s(kind, m)):  # the same start: what fits
+            m -= 1
         counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
         assigned += m * count_of[kind]
 

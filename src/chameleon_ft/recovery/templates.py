@@ -309,7 +309,8 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
     """Split ``num_microbatches`` over pipelines minimising the slowest one's step time.
 
     Start from the split in proportion to each pipeline's speed (its marginal seconds per
-    micro-batch), fill the remainder greedily, then move one micro-batch at a time from a
+    micro-batch; no more than fits memory, as the step functions are non-decreasing), fill
+    the remainder greedily, then move one micro-batch at a time from a
     slowest pipeline to the pipeline that would finish soonest with one more, while that
     lowers the maximum. The result is optimal when every ``step_s(layout, m)`` is
     non-decreasing in ``m``: at the fixed point no pipeline can take one more micro-batch
@@ -354,7 +355,7 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
     assigned = 0
     for kind in kinds:
         share = (num_microbatches * rate[kind] / total_rate) if total_rate > 0 else 1.0
-        m = max(1, math.floor(share))
+        m = _fitting(kind, max(1, math.floor(share)), cost)
         counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
         assigned += m * count_of[kind]
     # Never start above the total: take back from the largest shares first, one
@@ -429,6 +430,25 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
         moved = 1
         if cost(worst[0], worst[1] - 1) < worst_s:
             moved = min(counts[worst], counts[best])
+        if counts[worst] == 1:
+            # A lone slowest pipeline gives one micro-batch at a time to the best group;
+            # the next iterations would pick the same two while it stays strictly the
+            # slowest, above the best's new step, and the best group lasts: take them
+            # here without re-ranking (the same moves in the same order).
+            (wk, wm), (bk, bm) = worst, best
+            target = cost(bk, bm + 1)
+            rivals = max([(cost(*key), -key[1]) for key in live if key != worst]
+                         + [(target, -(bm + 1))])
+            steps = 1
+            while steps < counts[best] and wm - steps > 1:
+                level_s = cost(wk, wm - steps)
+                if not (level_s > target and (level_s, -(wm - steps)) > rivals):
+                    break
+                steps += 1
+            for i in range(steps):
+                shift(wk, wm - i, wm - i - 1, 1)
+                shift(bk, bm, bm + 1, 1)
+            continue
         shift(worst[0], worst[1], worst[1] - 1, moved)
         shift(best[0], best[1], best[1] + 1, moved)
     slowest = max(cost(*key) for key, c in counts.items() if c)
@@ -437,6 +457,21 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
         pools[kind].extend([m] * c)
     out = [pools[layout].pop(0) for layout in layouts]
     return slowest, out
+
+
+def _fitting(kind: K, m: int, cost: Callable[[K, int], float]) -> int:
+    """``m``, or the largest count below it whose step is finite (1 at least): a start
+    beyond what fits would only be walked back one micro-batch at a time."""
+    if math.isfinite(cost(kind, m)) or m <= 1:
+        return m
+    lo, hi = 1, m  # cost(hi) is infinite; find the largest finite count below it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if math.isfinite(cost(kind, mid)):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _move(counts: dict[tuple[K, int], int], kind: K, src: int, dst: int, n: int = 1) -> None:
