@@ -98,29 +98,37 @@ def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
 
 
 def order_fits(profile: Profile, layout: Layout, num_microbatches: int, schedule: str,
-               capacity_bytes: float, padded: bool | None = None) -> bool:
+               capacity_bytes: float, padded: bool | None = None,
+               stage_bytes: Sequence[tuple[float, list[float]]] | None = None) -> bool:
     """Whether one pipeline of ``layout`` fits device memory under some order variant the
     estimator tries (:func:`~chameleon_ft.perf.schedule.schedule_variants`): each stage's
     resident bytes plus the activation peak of its operation order
     (:func:`~chameleon_ft.perf.schedule.peak_activation`). A lone pipeline's workers run
     their orders as they are, so the peak does not depend on timing, and the estimator
     keeps a variant that fits whenever one does: the estimator's verdict. ``padded``
-    asks about one interleaved variant only."""
+    asks about one interleaved variant only; ``stage_bytes`` (each stage's resident bytes
+    and per-chunk activations, :func:`layout_bytes`) saves recomputing them."""
     stages = len(layout)
     padding = ((False, True) if schedule == "interleaved" and profile.virtual_stages > 1
                else (False,))
     if padded is not None:
         padding = (padded,)
+    sizes = stage_bytes if stage_bytes is not None else layout_bytes(profile, layout)
     for padded in padding:
-        for s, (lo, hi) in enumerate(layout):
-            static = sum(layer.static_bytes for layer in profile.layers[lo:hi])
-            acts = [c.activation_bytes for c in chunk_sums(profile, lo, hi)]
+        for s, (static, acts) in enumerate(sizes):
             if static + peak_activation(acts, stages, s, num_microbatches, schedule,
                                         padded) > capacity_bytes:
                 break
         else:
             return True
     return False
+
+
+def layout_bytes(profile: Profile, layout: Layout) -> list[tuple[float, list[float]]]:
+    """Per stage of ``layout``: its resident bytes and each chunk's activation bytes."""
+    return [(sum(layer.static_bytes for layer in profile.layers[lo:hi]),
+             [c.activation_bytes for c in chunk_sums(profile, lo, hi)])
+            for lo, hi in layout]
 
 
 class Templates:
@@ -155,6 +163,7 @@ class Templates:
         self._best: dict[tuple[int, int], tuple[float, Layout | None]] = {}
         self._steps: dict[tuple[Layout, int], float] = {}
         self._exact_steps: dict[tuple[Layout, int], tuple[float, bool]] = {}
+        self._layout_bytes: dict[Layout, list[tuple[float, list[float]]]] = {}
         self.num_estimates = 0
         self.memo: dict[tuple[Any, ...], Any] = {}
         """Search results that depend only on these templates and the key (the dynamic
@@ -207,12 +216,15 @@ class Templates:
                 last, _ = self._exact(layout, base)
                 before, _ = self._exact(layout, base - stages)
                 per_mb = (last - before) / stages
+                sizes = self._layout_bytes.get(layout)
+                if sizes is None:
+                    sizes = self._layout_bytes[layout] = layout_bytes(self.profile, layout)
                 fits = order_fits(self.profile, layout, num_microbatches, self.schedule,
-                                  self.capacity_bytes, padded=False)
+                                  self.capacity_bytes, padded=False, stage_bytes=sizes)
                 count = num_microbatches
                 if not fits and self.schedule == "interleaved" and order_fits(
                         self.profile, layout, num_microbatches, self.schedule,
-                        self.capacity_bytes, padded=True):
+                        self.capacity_bytes, padded=True, stage_bytes=sizes):
                     # padded groups: the next multiple of S, its missing micro-batches
                     # leaving their slots idle
                     fits, count = True, -(-num_microbatches // stages) * stages
