@@ -39,15 +39,21 @@ def test_profile_rejects_malformed_documents(tmp_path: Path) -> None:
 
 
 def test_analytic_profile_matches_the_formulas() -> None:
-    model, device = model_preset("llama2-7b"), device_preset("a100-80g")
+    """Under the flat ``mfu`` model a block's time is its FLOPs over ``peak * mfu``: the
+    products, and causal fused attention (half the scores; 2.5 forwards backward)."""
+    model = model_preset("llama2-7b")
+    device = dataclasses.replace(device_preset("a100-80g"), mfu=0.5)
     profile = analytic_profile(model, device, recompute="none")
     assert profile.num_layers == model.num_layers
     params = sum(layer.param_bytes for layer in profile.layers) / 2
     assert 6.6e9 < params < 6.9e9  # Llama 2 7B has 6.74 B parameters
     b, s, h, f = 1, model.seq_len, model.hidden_size, model.ffn
-    flops = 2 * b * s * (4 * h * h + 3 * h * f + 2 * h) + 4 * b * s * s * h
-    assert profile.layers[1].fwd_s == pytest.approx(flops / device.flops)
-    assert profile.layers[1].bwd_s == pytest.approx(2 * flops / device.flops)
+    products = 2 * b * s * (4 * h * h + 3 * h * f)
+    attention = 4 * b * s * s * h / 2
+    assert profile.layers[1].fwd_s == pytest.approx((products + attention) / device.flops)
+    assert profile.layers[1].bwd_s == pytest.approx((2 * products + 2.5 * attention)
+                                                    / device.flops)
+    assert profile.layers[1].bwd_weight_s == pytest.approx(products / device.flops)
     # tensor parallelism divides compute and per-device bytes (free links here)
     tp2 = analytic_profile(model, device, tp=2, recompute="none")
     assert tp2.layers[1].fwd_s == pytest.approx(profile.layers[1].fwd_s / 2)

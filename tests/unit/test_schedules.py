@@ -89,6 +89,10 @@ def test_interleaved_order_is_megatrons_depth_first() -> None:
     assert order[5] == (b, 1, 0)
     backwards = [op for op in order if op[0] is b]
     assert backwards[:4] == [(b, 1, 0), (b, 1, 1), (b, 0, 0), (b, 0, 1)]
+    # five micro-batches on two stages: groups of 3 and 2 (at least S each), warm-up 2 + 3
+    odd = stage_order(2, 0, 5, "interleaved", 2)
+    assert odd[:6] == ((f, 0, 0), (f, 0, 1), (f, 0, 2), (f, 1, 0), (f, 1, 1), (f, 1, 2))
+    assert odd[6] == (b, 1, 0)
 
 
 def test_chunks_need_the_interleaved_schedule() -> None:
@@ -101,13 +105,15 @@ def test_chunks_need_the_interleaved_schedule() -> None:
 # ---------------------------------------------------------------- closed forms
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3), st.integers(1, 2),
-       st.integers(1, 3), st.floats(0.1, 3.0), st.floats(0.1, 3.0), st.floats(0.0, 2.0))
-def test_interleaved_reproduces_its_closed_form(stages: int, v: int, groups: int,
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3), st.integers(0, 4),
+       st.integers(1, 2), st.integers(1, 3), st.floats(0.1, 3.0), st.floats(0.1, 3.0),
+       st.floats(0.0, 2.0))
+def test_interleaved_reproduces_its_closed_form(stages: int, v: int, groups: int, extra: int,
                                                 per_chunk: int, dp: int, f: float, bi: float,
                                                 bw: float) -> None:
-    """Uniform stages, free links, m a multiple of S: bubble (S - 1) / (v m) exactly."""
-    m = groups * stages
+    """Uniform stages, free links, at least S micro-batches (a multiple of S or not):
+    bubble (S - 1) / (v m) exactly."""
+    m = groups * stages + min(extra, stages - 1)
     profile = fold_profile(uniform_profile(stages * v * per_chunk, fwd_s=f, bwd_input_s=bi,
                                            bwd_weight_s=bw), v)
     plan = ExecutionPlan.uniform(dp=dp, pp=stages, num_layers=profile.num_layers,
@@ -395,3 +401,29 @@ def test_planner_recovers_with_the_jobs_own_schedule(schedule: str,
                 assert c.plan is not None and c.plan.schedule == schedule, c.strategy
                 c.plan.validate()
                 assert c.plan.num_layers == planner.profile.num_layers
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 7), st.data(), st.integers(1, 40), st.sampled_from(SCHEDULES),
+       st.booleans())
+def test_peak_activation_is_the_orders_peak(stages: int, data: st.DataObject, m: int,
+                                            schedule: str, padded: bool) -> None:
+    """The closed-form walk of :func:`peak_activation` equals walking the order itself
+    (zero-bubble: the variant with each W right after its B)."""
+    from chameleon_ft.perf.schedule import peak_activation
+
+    stage = data.draw(st.integers(0, stages - 1))
+    v = data.draw(st.integers(1, 4)) if schedule == "interleaved" else 1
+    acts = data.draw(st.lists(st.integers(0, 9).map(float), min_size=v, max_size=v))
+    kwargs = {"padded": padded} if schedule == "interleaved" else {}
+    if schedule == "zero-bubble":
+        kwargs = {"lag": 0}
+    held = peak = 0.0
+    for kind, r, _ in stage_order(stages, stage, m, schedule, v, **kwargs):
+        if kind is OpKind.F:
+            held += acts[r]
+            peak = max(peak, held)
+        elif kind is OpKind.W or schedule != "zero-bubble":
+            held -= acts[r]
+    assert peak_activation(acts, stages, stage, m, schedule,
+                           padded and schedule == "interleaved") == pytest.approx(peak)

@@ -40,8 +40,8 @@ def test_paper32_preset_uses_the_paper32_job():
 def test_llama3_preset_uses_the_16k_job_and_rate():
     job = load_config(ROOT / "examples" / "llama3-405b-16k.toml")
     scenario = preset_scenario("llama3-16k")
-    assert (scenario.config.model, scenario.config.cluster, scenario.config.job) == (
-        job.model, job.cluster, job.job)
+    assert (scenario.config.model, scenario.config.cluster, scenario.config.job,
+            scenario.config.profile) == (job.model, job.cluster, job.job, job.profile)
     # Llama 3: 419 interruptions in 54 days on 2,048 nodes.
     expected = 2048 * 54 * 24 / scenario.failures.node_mtbf_hours
     assert expected == pytest.approx(419, rel=1e-6)

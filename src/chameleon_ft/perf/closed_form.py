@@ -7,7 +7,7 @@ micro-batches *per pipeline*. The graph estimator reproduces Eq. 9 and Eq. 14 ex
 under those conditions; for rerouted plans it assigns whole micro-batches and fills
 bubbles, so it lies between the busiest worker's total work and Eq. 13 computed with
 whole extra micro-batches. It also reproduces the interleaved schedule's step (Narayanan
-et al. 2021) for micro-batch counts that are multiples of S, and ZB-H1's (Qi et al. 2024)
+et al. 2021) for at least S micro-batches, and ZB-H1's (Qi et al. 2024)
 for ``m >= S`` and a weight gradient no longer than the forward or the input gradient.
 """
 
@@ -55,7 +55,7 @@ def step_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int
 
     The bubble is ``(S - 1) / (v m)`` of the ideal step ``m (t_f + t_b)`` (Narayanan et al.
     2021, section 2.2.2; the Llama 3 report's ``(PP - 1) / (V M)``). Exact for the
-    estimator's order when ``m`` is a multiple of ``S``.
+    estimator's order when ``m >= S`` (groups of at least ``S`` micro-batches).
 
     Args:
         num_stages: S.
@@ -115,8 +115,9 @@ def in_flight(schedule: str, num_stages: int, stage_index: int, virtual_stages: 
     ``1f1b``: ``S - i`` (Eq. 14). ``gpipe``: ``S`` (a conservative cap: it holds every
     micro-batch). ``zero-bubble``: ``S`` on every stage (ZB-H1 defers W on stage i by i
     micro-batches; the W keeps its activations). ``interleaved``: the chunks started
-    before the first backward, ``2 (S - i - 1) + (v - 1) S + 1``, over ``v``. All assume
-    at least that many micro-batches; the estimator measures the exact peak.
+    before the first backward, ``2 (S - i - 1) + (v - 1) S + 1``, over ``v`` (groups of
+    ``S`` micro-batches; larger groups hold ``(v - 1) / v`` more per extra micro-batch).
+    All assume at least that many micro-batches; the estimator measures the exact peak.
 
     Raises:
         ValueError: for a bad index or an unknown schedule.

@@ -236,19 +236,22 @@ class Estimator:
         return key
 
     def _canonical_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
-                            brute_force: bool) -> Timeline:
+                            brute_force: bool, with_ops: bool = False) -> Timeline:
         """Timeline of a pipeline without reroutes on workers ``0..S-1`` (stage indices),
-        shared by all identical pipelines."""
+        shared by all identical pipelines. Its op lists are built only when asked for
+        (estimates need the timings alone), then kept."""
         key = None if brute_force else self._pipeline_key(plan, p, speeds)
         cached = None if key is None else self._pipelines.get(key)
-        if cached is None:
+        if cached is None or (with_ops and not cached.ops):
             # Simulate on canonical workers 0..S-1 of one plan holding only this pipeline;
             # the link pattern is part of the key, so reuse is exact.
             pipe = plan.pipelines[p]
             costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
                      for s, st in enumerate(pipe.stages)}
-            cached = best_timeline(plan, self.profile, self.topology, [p], speeds, costs)
-            cached = _relabel(cached, {st.worker: s for s, st in enumerate(pipe.stages)})
+            cached = best_timeline(plan, self.profile, self.topology, [p], speeds, costs,
+                                   with_ops=with_ops)
+            cached = _relabel(cached, {st.worker: s for s, st in enumerate(pipe.stages)},
+                              keep_ops=with_ops)
             if key is not None:
                 self._pipelines[key] = cached
         return cached
@@ -256,7 +259,7 @@ class Estimator:
     def _single_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],
                          brute_force: bool, with_ops: bool) -> Timeline:
         """Timeline of a pipeline without reroutes, shared by all identical pipelines."""
-        cached = self._canonical_pipeline(plan, p, speeds, brute_force)
+        cached = self._canonical_pipeline(plan, p, speeds, brute_force, with_ops)
         workers = [st.worker for st in plan.pipelines[p].stages]
         return _relabel(cached, dict(enumerate(workers)), pipeline=p, keep_ops=with_ops)
 
@@ -324,8 +327,13 @@ class Estimator:
         key = tuple(shape)
         cached = self._components.get(key)
         if cached is None:
+            # The intact pipelines of the component keep every operation, link and stream
+            # order they had alone, so none can finish before its failure-free makespan.
+            rerouted = {r.pipeline for r in plan.reroutes}
+            bound = max((self._canonical_pipeline(plan, p, speeds, False).makespan_s
+                         for p in group if p not in rerouted), default=0.0)
             timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs,
-                                     with_ops=False)
+                                     with_ops=False, lower_bound_s=bound)
             cached = _relabel(timeline, worker_ids, keep_ops=False)
             self._components[key] = cached
             if len(self._components) > self._cache_size:

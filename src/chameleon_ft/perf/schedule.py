@@ -31,14 +31,17 @@ runtime executes (``1f1b`` and ``gpipe`` only, fused backward, one chunk), so th
 runs exactly the schedule the estimator timed.
 
 With the fused backward Eq. 9 holds exactly for uniform 1F1B stages, and interleaving v
-chunks gives ``(m + (S - 1) / v) (t_f + t_b)`` (:mod:`chameleon_ft.perf.closed_form`).
+chunks gives ``(m + (S - 1) / v) (t_f + t_b)`` for ``m >= S``
+(:mod:`chameleon_ft.perf.closed_form`).
 """
 
 from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -101,17 +104,19 @@ def zero_bubble_lags(num_stages: int, stage: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=8192)
 def stage_order(num_stages: int, stage: int, num_microbatches: int,
                 schedule: str = "1f1b", virtual_stages: int = 1,
-                lag: int | None = None) -> tuple[tuple[OpKind, int, int], ...]:
+                lag: int | None = None,
+                padded: bool = False) -> tuple[tuple[OpKind, int, int], ...]:
     """The schedule's op order for one stage: ``(kind, chunk, micro-batch)`` triples.
 
     - ``1f1b``: ``S - s`` forwards, then one backward one forward, then the remaining
       backwards; at most ``S - s`` micro-batches in flight.
     - ``gpipe``: every forward, then every backward.
     - ``interleaved``: Megatron's depth-first interleaving: micro-batches in groups of
-      ``S``, each group through chunk 0, then chunk 1, ...; backwards in the reverse chunk
-      order; ``2 (S - s - 1) + (v - 1) S + 1`` forwards before the first backward, then
-      one backward one forward (a partial last group: the order of the next multiple of
-      ``S`` without the missing micro-batches). With ``v = 1`` it is ``1f1b``.
+      ``N >= S`` (:func:`_groups`), each group through chunk 0, then chunk 1, ...;
+      backwards in the reverse chunk order; ``2 (S - s - 1) + (v - 1) N + 1`` forwards
+      before the first backward, then one backward one forward. ``padded``: groups of
+      exactly ``S``, the order of the next multiple of ``S`` without the missing
+      micro-batches (``1f1b``'s memory, more bubble). With ``v = 1`` it is ``1f1b``.
     - ``zero-bubble``: ``1f1b``'s F and B (B the input gradient alone), W of micro-batch
       ``j`` right after B of ``j + lag`` (default ``lag = s``, ZB-H1), the rest at the end.
 
@@ -122,6 +127,7 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
         schedule: a :class:`~chameleon_ft.spec.job.Schedule` value.
         virtual_stages: v, chunks per stage (``interleaved`` only).
         lag: ``zero-bubble`` only: how far W trails its B (see :func:`zero_bubble_lags`).
+        padded: ``interleaved`` only: groups of exactly ``S`` (see above).
 
     Raises:
         ValueError: for an unknown schedule, or chunks with a schedule other than
@@ -134,19 +140,13 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
     if schedule == ScheduleName.GPIPE:
         return tuple([(OpKind.F, 0, j) for j in range(m)] + [(OpKind.B, 0, j) for j in range(m)])
     if schedule == ScheduleName.INTERLEAVED and v > 1:
-        # Megatron's order is for whole groups of S micro-batches; with a partial last
-        # group, take the order of the next multiple of S and drop the missing
-        # micro-batches. Dropping operations from deadlock-free fixed orders cannot create
-        # a cycle, so every m works (the closed form is exact for multiples of S).
-        group = num_stages
-        padded = -(-m // group) * group
-        forwards = [(OpKind.F, r, j) for g in range(0, padded, group) for r in range(v)
-                    for j in range(g, g + group)]
-        backwards = [(OpKind.B, r, j) for g in range(0, padded, group)
-                     for r in reversed(range(v)) for j in range(g, g + group)]
-        warm = 2 * (num_stages - stage - 1) + (v - 1) * group + 1
+        groups = _groups(num_stages, max(m, -(-m // num_stages) * num_stages)
+                         if padded else m)
+        forwards = [(OpKind.F, r, j) for g in groups for r in range(v) for j in g]
+        backwards = [(OpKind.B, r, j) for g in groups for r in reversed(range(v)) for j in g]
+        warm = 2 * (num_stages - stage - 1) + (v - 1) * len(groups[0]) + 1
         full = _one_forward_one_backward(forwards, backwards, warm)
-        return full if padded == m else tuple(op for op in full if op[2] < m)
+        return full if len(forwards) == m * v else tuple(op for op in full if op[2] < m)
     if schedule not in (ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED,
                         ScheduleName.ZERO_BUBBLE):
         raise ValueError(f"schedule: unknown schedule {schedule!r}")
@@ -165,6 +165,72 @@ def stage_order(num_stages: int, stage: int, num_microbatches: int,
             done += 1
     out.extend((OpKind.W, 0, k) for k in range(done, m))
     return tuple(out)
+
+
+def _groups(num_stages: int, num_microbatches: int) -> list[range]:
+    """The interleaved order's groups of micro-batches (each runs through chunk 0, then
+    chunk 1, ...).
+
+    ``m >= S``: ``m // S`` groups of at least ``S``, sizes as even as possible (Megatron's
+    groups of ``S`` when ``m`` is a multiple of it; Llama 3's tunable group size
+    otherwise): a chunk's round trip through the ``S`` stages never outlasts a group, so
+    no stage waits between chunks, but a group of ``N > S`` keeps ``(v - 1)(N - S)`` more
+    chunks in flight. ``m < S``: one group of ``S`` whose missing micro-batches the caller
+    drops (removing operations from deadlock-free fixed orders cannot create a cycle).
+    """
+    if num_microbatches < num_stages:
+        return [range(num_stages)]
+    count = num_microbatches // num_stages
+    base, extra = divmod(num_microbatches, count)
+    out, lo = [], 0
+    for i in range(count):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
+
+
+def peak_activation(activation_bytes: Sequence[float], num_stages: int, stage: int,
+                    num_microbatches: int, schedule: str = "1f1b",
+                    padded: bool = False) -> float:
+    """The most activation bytes one stage holds running its order alone, without building
+    the order: the bytes of the first ``w`` forwards, then after each backward-forward pair
+    of the steady state (fused backward; for ``zero-bubble`` the order with each W right
+    after its B, which holds the same). ``activation_bytes`` has one entry per chunk.
+
+    Args:
+        activation_bytes: per model chunk, the bytes one micro-batch keeps.
+        num_stages: S.
+        stage: s.
+        num_microbatches: m.
+        schedule: a :class:`~chameleon_ft.spec.job.Schedule` value.
+        padded: ``interleaved`` only: the padded variant (:func:`stage_order`).
+
+    Returns:
+        Bytes.
+    """
+    m, v = num_microbatches, len(activation_bytes)
+    if schedule == ScheduleName.GPIPE:
+        return m * activation_bytes[0]
+    if schedule != ScheduleName.INTERLEAVED or v == 1:
+        return min(num_stages - stage, m) * activation_bytes[0]
+    if padded:
+        groups = _groups(num_stages, -(-m // num_stages) * num_stages)
+    else:
+        groups = _groups(num_stages, m)
+    forwards: list[float] = []
+    backwards: list[float] = []
+    for group in groups:
+        real = sum(1 for j in group if j < m)  # missing micro-batches hold nothing
+        for r in range(v):
+            forwards.extend([activation_bytes[r]] * real + [0.0] * (len(group) - real))
+        for r in reversed(range(v)):
+            backwards.extend([activation_bytes[r]] * real + [0.0] * (len(group) - real))
+    held = list(itertools.accumulate(forwards, initial=0.0))
+    freed = list(itertools.accumulate(backwards, initial=0.0))
+    warm = min(2 * (num_stages - stage - 1) + (v - 1) * len(groups[0]) + 1, len(forwards))
+    steady = map(operator.sub, held[warm + 1:], freed[1:len(forwards) - warm + 1])
+    return max(held[warm], max(steady, default=0.0))
 
 
 def _one_forward_one_backward(forwards: list[tuple[OpKind, int, int]],
@@ -223,6 +289,13 @@ DEFAULT_RULES = ("rerouted-first", "ready-first")
 """The rules :func:`best_timeline` tries. On 600 random rerouted plans this pair came within
 0.11% (mean) of the best of all three rules, at two thirds of the cost."""
 
+SECOND_RULE_MAX_OPS = 20_000
+"""Graphs with more operations are merged by the first rule alone: on the 16,384-GPU
+interleaved job (70,000 operations per rerouted component) the second rule was faster on
+8 of 78 rerouted components from random failures, by at most 0.7% (the first was 0.37%
+faster on average; benchmarks/schedules.py), and it doubles the cost of the simulator's
+most expensive step."""
+
 
 @dataclass
 class Timeline:
@@ -262,14 +335,23 @@ FUSED_VARIANT = 2
 """The ``zero-bubble`` variant that runs the plan as ``1f1b`` (fused backward)."""
 
 
-def schedule_variants(plan: ExecutionPlan) -> tuple[int, ...]:
-    """The order variants :func:`best_timeline` tries.
+def schedule_variants(plan: ExecutionPlan, pipelines: Sequence[int] | None = None,
+                      virtual_stages: int = 1) -> tuple[int, ...]:
+    """The order variants :func:`best_timeline` tries (the fastest that fits memory wins).
 
     ``zero-bubble``: 0 and 1 index :func:`zero_bubble_lags` (ZB-H1's lag, then W right
     after its B); with reroutes also :data:`FUSED_VARIANT`, because the greedy merge on
     rerouted peers has no ordering guarantee: a zero-bubble plan is never estimated
-    slower than the same plan under 1F1B. One variant for every other schedule.
+    slower than the same plan under 1F1B. ``interleaved`` with a pipeline whose
+    micro-batches are more than ``S`` and not a multiple of it: 0 (groups of at least
+    ``S``: least bubble) and, only when that does not fit memory, 1 (padded groups of
+    ``S``: least memory), the choice Llama 3 tunes by hand. One variant otherwise.
     """
+    if plan.schedule == ScheduleName.INTERLEAVED and virtual_stages > 1:
+        chosen = range(plan.num_pipelines) if pipelines is None else pipelines
+        uneven = any(p.num_microbatches > p.num_stages and p.num_microbatches % p.num_stages
+                     for p in (plan.pipelines[i] for i in chosen))
+        return (0, 1) if uneven else (0,)
     if plan.schedule not in SPLIT_SCHEDULES:
         return (0,)
     return (0, 1, FUSED_VARIANT) if plan.reroutes else (0, 1)
@@ -296,6 +378,25 @@ class _Graph:
         kind, p, s, j, r = self.op_meta[op_id]
         return Op(_KINDS[kind], p, s, j, r)
 
+    @functools.cached_property
+    def layout(self) -> tuple[list[int], list[int], list[list[int]], list[int], list[int]]:
+        """What every rule's run needs and none changes, computed once per graph: the
+        workers in order, each op's dense worker index, each worker's streams, each op's
+        stream and the op after it in its stream (-1 at the end)."""
+        workers = list(self.stream_of_worker)
+        index = {w: i for i, w in enumerate(workers)}
+        op_wi = [index[w] for w in self.op_worker]
+        wi_streams = [self.stream_of_worker[w] for w in workers]
+        num_ops = len(self.op_meta)
+        stream_id = [0] * num_ops
+        next_in_stream = [-1] * num_ops
+        for sid, ids in enumerate(self.streams):
+            for op_id in ids:
+                stream_id[op_id] = sid
+            for a, b in itertools.pairwise(ids):
+                next_in_stream[a] = b
+        return workers, op_wi, wi_streams, stream_id, next_in_stream
+
 
 @functools.lru_cache(maxsize=8192)
 def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule: str,
@@ -317,7 +418,8 @@ def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule:
                             lags[min(variant, len(lags) - 1)])
     else:
         base = ScheduleName.ONE_F_ONE_B.value if schedule in SPLIT_SCHEDULES else schedule
-        order = stage_order(num_stages, stage, m, base, virtual_stages)
+        order = stage_order(num_stages, stage, m, base, virtual_stages,
+                            padded=variant == 1 and base == ScheduleName.INTERLEAVED)
         if split == 2:
             order = tuple(op for kind, r, j in order
                           for op in (((kind, r, j), (OpKind.W, r, j)) if kind is OpKind.B
@@ -471,10 +573,23 @@ def build_graph(
             chunks = costs[(p, s)]
             if s + 1 < num_stages:
                 next_f, next_b = fwd_id[(p, s + 1)], bwd_id[(p, s + 1)]
+                if (p, s) in rerouted or (p, s + 1) in rerouted:
+                    for r, c in enumerate(chunks):
+                        out_bytes = c.output_bytes
+                        for x in range(r * m, (r + 1) * m):
+                            link(fids[x], next_f[x], out_bytes, next_b[x], bids[x])
+                    continue
+                # One worker on each side: one transfer time per chunk, each way.
+                a, b = pipe.stages[s].worker, pipe.stages[s + 1].worker
                 for r, c in enumerate(chunks):
-                    out_bytes = c.output_bytes
+                    ahead = topology.p2p_s(a, b, c.output_bytes)
+                    back = topology.p2p_s(b, a, c.output_bytes)
                     for x in range(r * m, (r + 1) * m):
-                        link(fids[x], next_f[x], out_bytes, next_b[x], bids[x])
+                        fx, nfx, nbx, bx = fids[x], next_f[x], next_b[x], bids[x]
+                        succs[fx].append((nfx, ahead))
+                        pending[nfx] += 1
+                        succs[nbx].append((bx, back))
+                        pending[bx] += 1
             elif len(chunks) > 1:
                 # The last stage's chunk r feeds the first stage's chunk r + 1.
                 first_f, first_b = fwd_id[(p, 0)], bwd_id[(p, 0)]
@@ -497,20 +612,10 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
     op_meta, op_dur = graph.op_meta, graph.op_dur
     op_act, op_foreign, succs = graph.op_act, graph.op_foreign, graph.succs
     streams = graph.streams
-    workers = list(graph.stream_of_worker)
-    index = {w: i for i, w in enumerate(workers)}
-    op_wi = [index[w] for w in graph.op_worker]
-    wi_streams = [graph.stream_of_worker[w] for w in workers]
+    workers, op_wi, wi_streams, stream_id, next_in_stream = graph.layout
     num_ops, num_workers = len(op_meta), len(workers)
     pending = list(graph.pending)
     ready = [0.0] * num_ops
-    stream_id = [0] * num_ops
-    next_in_stream = [-1] * num_ops
-    for sid, ids in enumerate(streams):
-        for k, op_id in enumerate(ids):
-            stream_id[op_id] = sid
-            if k + 1 < len(ids):
-                next_in_stream[op_id] = ids[k + 1]
     head = [ids[0] for ids in streams]
     end = [0.0] * num_ops
     # Why each op started when it did: the predecessor that released it last, with the
@@ -684,8 +789,9 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
         timeline.busy_s[w] = busy_s[i]
         timeline.peak_activation_bytes[w] = act_peak[i]
     if num_ops:
-        last = max(range(num_ops), key=lambda i: (end[i], -i))
-        timeline.makespan_s = end[last]
+        makespan = max(end)
+        last = end.index(makespan)  # the first op ending last
+        timeline.makespan_s = makespan
         node = last
         compute = 0.0
         while node >= 0:
@@ -739,26 +845,51 @@ def best_timeline(
     speeds: Mapping[int, float] | None = None,
     costs: Mapping[tuple[int, int], ChunkCosts] | None = None,
     with_ops: bool = True,
+    lower_bound_s: float = 0.0,
 ) -> Timeline:
     """:func:`simulate` with each order variant and each of :data:`DEFAULT_RULES`; the
-    fastest timeline (first on ties).
+    fastest timeline (first on ties), among those that fit device memory when some do
+    (interleaved: the padded variant only when the first does not fit).
 
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
+    ``lower_bound_s`` is a makespan no timeline can beat (the estimator passes the slowest
+    failure-free makespan of the component's intact pipelines: their operations, links and
+    stream orders are all still there): once a timeline reaches it the others are skipped,
+    which changes nothing (the first of equal timelines is kept).
 
     Only workers that run several streams (rerouted peers) depend on the rule, so plans
-    without reroutes are simulated with one rule; only ``zero-bubble`` has two variants.
+    without reroutes are simulated with one rule, and so are graphs above
+    :data:`SECOND_RULE_MAX_OPS` operations; only ``zero-bubble`` has several variants.
     """
     chosen = list(range(plan.num_pipelines)) if pipelines is None else list(pipelines)
     rules = list(DEFAULT_RULES)
     if not any(r.pipeline in chosen for r in plan.reroutes):
         rules = rules[:1]
+    costs = costs if costs is not None else _stage_costs(plan, profile)
+    variants = schedule_variants(plan, chosen, max(len(c) for c in costs.values()))
+    static: dict[int, float] = {}
+    if len(variants) > 1:
+        # Variants trade bubble for memory: the fastest one that fits wins.
+        for p in chosen:
+            for s, st in enumerate(plan.pipelines[p].stages):
+                if (p, s) not in plan.reroute_map:
+                    static[st.worker] = sum(c.static_bytes for c in costs[(p, s)])
+    capacity = topology.memory_capacity_bytes
     best: Timeline | None = None
-    for variant in schedule_variants(plan):
+    best_fits = False
+    for variant in variants:
         graph = build_graph(plan, profile, topology, chosen, speeds, costs, variant)
-        for rule in rules:
+        for rule in rules if len(graph.op_meta) <= SECOND_RULE_MAX_OPS else rules[:1]:
             timeline = _list_schedule(graph, rule, with_ops)
-            if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
-                best = timeline
+            fits = all(static.get(w, 0.0) + peak <= capacity
+                       for w, peak in timeline.peak_activation_bytes.items())
+            if (best is None or (fits and not best_fits)
+                    or (fits == best_fits and timeline.makespan_s < best.makespan_s - 1e-12)):
+                best, best_fits = timeline, fits
+            if best_fits and best.makespan_s <= lower_bound_s + 1e-12:
+                return best
+        if best_fits and plan.schedule == ScheduleName.INTERLEAVED:
+            break  # the larger groups fit: padding would only add bubble
     assert best is not None
     return best
 

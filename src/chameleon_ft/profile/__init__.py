@@ -17,14 +17,22 @@ from chameleon_ft.spec.profile_source import ProfileKind
 
 def build_profile(config: Config) -> Profile:
     """The profile a job file asks for (its ``[profile]`` table), folded into columns when
-    the job interleaves ``virtual_stages`` chunks per worker (:func:`fold_profile`).
+    the job interleaves ``virtual_stages`` chunks per worker (:func:`fold_profile`; for a
+    model whose blocks split evenly into the chunks, the embedding and the head ride with
+    the first and last blocks).
 
     Raises:
         ValueError: when the profile cannot be built (missing file, layer count mismatch).
     """
     profile = _model_profile(config)
-    if config.job.virtual_stages > 1:
-        profile = fold_profile(profile, config.job.virtual_stages)
+    v = config.job.virtual_stages
+    if v > 1:
+        # A model's first and last layers are the embedding and the head: when the blocks
+        # split evenly into v rounds they ride in the first and last chunks (Megatron's
+        # placement); otherwise they are chunks of their own (Llama 3's).
+        attach = (config.profile.kind != ProfileKind.UNIFORM
+                  and (profile.num_layers - 2) % v == 0)
+        profile = fold_profile(profile, v, attach_ends=attach)
         if profile.num_layers < config.job.pp:
             raise ValueError(f"job.pp: {config.job.pp} stages need at least as many columns, "
                              f"{config.job.virtual_stages} chunks per stage leave "
@@ -58,7 +66,9 @@ def _model_profile(config: Config) -> Profile:
         return profile
     assert config.model is not None and config.cluster.device is not None  # Config checks it
     return analytic_profile(config.model, config.cluster.device, micro_batch=config.job.micro_batch,
-                            tp=config.job.tp, cluster=config.cluster, recompute=source.recompute)
+                            tp=config.job.tp, cluster=config.cluster, recompute=source.recompute,
+                            optimizer_shards=config.job.dp if source.shard_optimizer else 1,
+                            fused_attention=source.fused_attention)
 
 
 __all__ = ["LayerCost", "Profile", "analytic_profile", "build_profile", "chunk_sums",

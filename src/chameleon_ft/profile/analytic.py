@@ -1,10 +1,15 @@
-"""Analytic per-layer profile from the model's FLOPs and bytes on a device.
+"""Analytic per-layer profile from the model's operations, priced by the device's roofline.
 
-Public formulas (docs/design.md section 3.6; Narayanan et al. 2021, Korthikanti et al. 2022):
-forward FLOPs of a block ``2 b s (attn_proj h^2 + 2 h f_eff) + 4 b s^2 h``; backward is two
-forwards (input gradient + weight gradient); tensor parallelism divides compute, parameters
-and most activations by ``t`` and adds two all-reduces of ``2 s b h`` bytes per block in
-each direction inside the node.
+docs/design.md section 3.6. Each transformer block is its matrix products (QKV, output
+projection, the MLP's one or two input projections and its output projection), the
+attention core and the elementwise work (norms, residual adds, the activation function),
+each priced by :meth:`~chameleon_ft.spec.device.DeviceSpec.op_seconds`: the larger of its
+FLOPs at the achievable peak and its bytes at the achievable bandwidth. A product's input
+gradient and weight gradient each cost what its forward costs; the attention core follows
+the causal mask (half the score matrix) and its backward recomputes the scores as fused
+attention kernels do (2.5 forwards). Tensor parallelism divides the products and, with
+sequence parallelism, the elementwise work by ``t``, and adds two collectives of the
+block's output per direction (Narayanan et al. 2021; Korthikanti et al. 2022).
 """
 
 from __future__ import annotations
@@ -20,12 +25,43 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 """fp32 master weights plus Adam's two moments."""
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
 """Memory traffic of one mixed-precision AdamW update per parameter (reads and writes)."""
+CAUSAL_SHARE = 0.5
+"""Share of the score matrix a causal attention kernel computes (the masked half is skipped)."""
+ATTENTION_BACKWARD_RATIO = 2.5
+"""Backward over forward FLOPs of fused attention: the scores are recomputed (5 products
+against the forward's 2; Dao 2023)."""
+UNFUSED_SCORE_BYTES = 13
+"""Forward memory traffic per score element of unfused attention (see the block below)."""
 
 
 def _ring_allreduce_s(num_bytes: float, ranks: int, latency_s: float, bw_bytes_s: float) -> float:
     if ranks <= 1 or num_bytes <= 0:
         return 0.0
     return 2 * (ranks - 1) / ranks * num_bytes / bw_bytes_s + 2 * (ranks - 1) * latency_s
+
+
+def _gemm(device: DeviceSpec, m: float, k: float, n: float) -> float:
+    """Seconds of an ``(m x k) @ (k x n)`` bf16 product: read both operands, write the result."""
+    return device.op_seconds(2 * m * k * n, BF16_BYTES * (m * k + k * n + m * n))
+
+
+def activation_bytes_per_token(model: ModelSpec) -> float:
+    """Bytes one block keeps per token for its backward when nothing is recomputed, with a
+    fused attention kernel that keeps no score matrix and sequence parallelism (divide by
+    ``t``).
+
+    Norm inputs (2 x 2h), the QKV input (2h), Q (2h), K and V (4h kv/a), the attention
+    output (2h), the MLP input (2h) and the MLP's activations: GELU's input and output
+    (4f), or SwiGLU's gate, up and their product (6f; the SiLU is recomputed by the fused
+    kernel). GELU models add two dropout masks (2h). For GPT-3 shapes this is Korthikanti
+    et al.'s ``34 s b h / t`` (their Eq. 6).
+    """
+    h, f = model.hidden_size, model.ffn
+    kv_ratio = model.kv_heads / model.num_heads
+    attention = 4 * h + 2 * h + 2 * h + 4 * h * kv_ratio + 2 * h
+    if model.mlp == "swiglu":
+        return attention + 2 * h + 6 * f
+    return attention + 2 * h + 4 * f + 2 * h
 
 
 def analytic_profile(
@@ -36,83 +72,148 @@ def analytic_profile(
     tp: int = 1,
     cluster: ClusterSpec | None = None,
     recompute: str = Recompute.SELECTIVE.value,
+    optimizer_shards: int = 1,
+    fused_attention: bool = True,
 ) -> Profile:
     """Per-layer costs of ``model`` on ``device`` with tensor parallelism ``tp``.
 
     Args:
         model: the transformer.
-        device: the accelerator; its sustained FLOP/s is ``peak_flops * mfu``.
+        device: the accelerator and its roofline (or flat ``mfu``).
         micro_batch: samples per micro-batch.
         tp: tensor-parallel degree (devices per worker).
-        cluster: gives the intra-node link for tensor-parallel all-reduces; ``None`` or an
+        cluster: gives the intra-node link for tensor-parallel collectives; ``None`` or an
             ideal network makes them free.
-        recompute: ``none``, ``selective`` or ``full`` activation recomputation.
+        recompute: ``none``, ``selective`` (the attention core is recomputed) or ``full``
+            (the whole block).
+        optimizer_shards: devices the optimizer state and the gradients are sharded over
+            (ZeRO-2, FSDP as Llama 3 runs it; 1 for replicated ones).
+        fused_attention: a fused attention kernel (FlashAttention: causal half, no score
+            matrix in memory); otherwise the scores are written, softmaxed, dropped out and
+            read back, and kept for the backward unless recomputed.
 
     Returns:
         A profile with ``model.num_layers`` layers, figures per device.
+
+    Raises:
+        ValueError: for an unknown recomputation or a non-positive shard count.
     """
+    if recompute not in {r.value for r in Recompute}:
+        raise ValueError(f"profile.recompute: unknown value {recompute!r}")
+    if optimizer_shards < 1:
+        raise ValueError(f"optimizer_shards: must be >= 1, got {optimizer_shards}")
     b, s, h, a = micro_batch, model.seq_len, model.hidden_size, model.num_heads
-    v, f = model.vocab_size, model.ffn
+    v, f, t = model.vocab_size, model.ffn, tp
     kv_ratio = model.kv_heads / a
-    f_eff = 1.5 * f if model.mlp == "swiglu" else float(f)
-    flops_s = device.flops
-    mem_bw = device.memory_gb_per_s * 1e9
+    tokens = b * s
+    gated = model.mlp == "swiglu"
+    mlp_in = (2 if gated else 1) * f  # gate and up projections for SwiGLU
 
     tp_comm_s = 0.0
-    if cluster is not None and not cluster.ideal_network and tp > 1:
+    if cluster is not None and not cluster.ideal_network and t > 1:
         latency_s, bw = cluster.link(same_node=True)
-        # Two all-reduces of the block's output activation per direction.
-        tp_comm_s = 2 * _ring_allreduce_s(BF16_BYTES * s * b * h, tp, latency_s, bw)
+        # Two all-reduces (or all-gather + reduce-scatter) of the block's output per direction.
+        tp_comm_s = 2 * _ring_allreduce_s(BF16_BYTES * tokens * h, t, latency_s, bw)
 
-    attn_proj = 2 + 2 * kv_ratio  # Q and O are h x h; K and V shrink with grouped-query attention
-    block_params = attn_proj * h * h + 2 * h * f_eff + 2 * h  # + two norms
-    block_matmul = 2 * b * s * block_params
-    block_attn = 4 * b * s * s * h
-    block_fwd_s = (block_matmul + block_attn) / tp / flops_s
+    # ---- one block: its products (forward; input gradient and weight gradient cost the same)
+    qkv_out = h * (1 + 2 * kv_ratio)
+    products = (
+        _gemm(device, tokens, h, qkv_out / t)
+        + _gemm(device, tokens, h / t, h)
+        + _gemm(device, tokens, h, mlp_in / t)
+        + _gemm(device, tokens, f / t, h)
+    )
+    # The attention core: Q K^T and P V over the heads of this device.
+    attention_flops = 4 * b * s * s * h / t
+    qkvo_bytes = BF16_BYTES * tokens * (2 * h + 2 * h * kv_ratio) / t
+    scores = b * s * s * a / t  # score-matrix elements on this device
+    if fused_attention:
+        # The causal half only; the backward recomputes the scores.
+        attention_s = device.op_seconds(CAUSAL_SHARE * attention_flops, qkvo_bytes)
+        attention_bwd_s = device.op_seconds(
+            ATTENTION_BACKWARD_RATIO * CAUSAL_SHARE * attention_flops, 2 * qkvo_bytes)
+    else:
+        # Two batched products over the whole square, and the score matrix through memory:
+        # written (2 bytes), scale-mask-softmax read and written (4), dropout read, written
+        # and its mask (5), read by P V (2); about twice that backward.
+        attention_s = (device.op_seconds(attention_flops, qkvo_bytes)
+                       + device.op_seconds(0.0, UNFUSED_SCORE_BYTES * scores))
+        attention_bwd_s = (device.op_seconds(2 * attention_flops, 2 * qkvo_bytes)
+                           + device.op_seconds(0.0, 2 * UNFUSED_SCORE_BYTES * scores))
+    # Elementwise work, memory-bound: two norms (read + write), two residual adds (two
+    # reads + one write) on this device's 1/t of the tokens (sequence parallelism), and the
+    # activation function on its 1/t of the MLP width. The backward moves about twice as much.
+    elementwise_bytes = BF16_BYTES * tokens * ((2 * 2 * h + 2 * 3 * h) / t
+                                               + (3 if gated else 2) * f / t)
+    elementwise_s = device.op_seconds(0.0, elementwise_bytes)
+    elementwise_bwd_s = device.op_seconds(0.0, 2 * elementwise_bytes)
+
+    block_fwd_s = products + attention_s + elementwise_s
     recompute_s = {
         Recompute.NONE.value: 0.0,
-        Recompute.SELECTIVE.value: block_attn / tp / flops_s,
+        Recompute.SELECTIVE.value: attention_s,
         Recompute.FULL.value: block_fwd_s,
     }[recompute]
+    block_bwd_input_s = products + attention_bwd_s + elementwise_bwd_s + recompute_s
+    block_bwd_weight_s = products
+    kept = activation_bytes_per_token(model) * tokens / t
+    # Unfused attention keeps the softmax output (2 bytes), its dropout mask (1) and the
+    # dropped-out scores (2) per element: Korthikanti et al.'s 5 a s^2 b / t.
+    score_bytes = 0.0 if fused_attention else 5 * scores
     activation = {
-        Recompute.NONE.value: s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)),
-        Recompute.SELECTIVE.value: 34 * s * b * h / tp,
+        Recompute.NONE.value: kept + score_bytes,
+        Recompute.SELECTIVE.value: kept,
         # Only the block input is kept; with sequence parallelism each device keeps 1/t.
-        Recompute.FULL.value: BF16_BYTES * s * b * h / tp,
+        Recompute.FULL.value: BF16_BYTES * tokens * h / t,
     }[recompute]
-    boundary_bytes = BF16_BYTES * s * b * h / tp  # scatter-gather: each device sends 1/t
+    boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
 
-    def layer(name: str, fwd_s: float, params: float, act: float, out: float,
-              extra_bwd_s: float = 0.0, comm_s: float = 0.0) -> LayerCost:
-        per_device = params / tp
+    def layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float,
+              params: float, act: float, out: float, comm_s: float = 0.0) -> LayerCost:
+        per_device = params / t
         return LayerCost(
             name=name,
             fwd_s=fwd_s + comm_s,
-            bwd_input_s=fwd_s + extra_bwd_s + comm_s,
-            bwd_weight_s=fwd_s,
+            bwd_input_s=bwd_input_s + comm_s,
+            bwd_weight_s=bwd_weight_s,
             param_bytes=BF16_BYTES * per_device,
-            optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * per_device,
+            optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * per_device / optimizer_shards,
+            grad_bytes=None if optimizer_shards == 1 else BF16_BYTES * per_device / optimizer_shards,
             activation_bytes=act,
             output_bytes=out,
         )
 
-    layers = [layer("embedding", 0.0, v * h, BF16_BYTES * s * b * h / tp, boundary_bytes)]
+    # Embedding: a gather forward, a scatter-add into its gradient backward.
+    lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
+    layers = [layer("embedding", lookup_s, 0.0, lookup_s, v * h,
+                    BF16_BYTES * tokens * h / t, boundary_bytes)]
+    block_params = (2 + 2 * kv_ratio) * h * h + (mlp_in + f) * h + 2 * h  # + two norms
     for i in range(model.num_blocks):
-        layers.append(layer(f"block{i}", block_fwd_s, block_params, activation, boundary_bytes,
-                            extra_bwd_s=recompute_s, comm_s=tp_comm_s))
-    head_fwd_s = 2 * b * s * h * v / tp / flops_s
-    head_act = BF16_BYTES * s * b * h / tp + 4 * s * b * v / tp  # input + fp32 logits
+        layers.append(layer(f"block{i}", block_fwd_s, block_bwd_input_s, block_bwd_weight_s,
+                            block_params, activation, boundary_bytes, comm_s=tp_comm_s))
+    # Head: the final norm, the logits product and a softmax cross-entropy over fp32 logits.
+    logits_s = _gemm(device, tokens, h, v / t)
+    loss_bytes = 3 * 4 * tokens * v / t
+    norm_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
+    head_fwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + norm_s
+    head_bwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + 2 * norm_s
+    head_act = BF16_BYTES * tokens * h / t + 4 * tokens * v / t  # input + fp32 logits
     # A tied head still keeps its own copy on the last stage (Megatron does the same and
     # all-reduces the two copies' gradients), so its bytes count there.
-    layers.append(layer("head", head_fwd_s, v * h + h, head_act, 0.0))
+    layers.append(layer("head", head_fwd_s, head_bwd_s, logits_s, v * h + h, head_act, 0.0))
 
     total_params_per_device = sum(layer.param_bytes for layer in layers) / BF16_BYTES
-    optimizer_step_s = total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / mem_bw
+    optimizer_step_s = device.op_seconds(
+        0.0, total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / optimizer_shards)
+    if device.mfu is not None:  # the flat model prices memory traffic at the datasheet rate
+        optimizer_step_s = (total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM
+                            / optimizer_shards / (device.memory_gb_per_s * 1e9))
     return Profile(
         layers=tuple(layers),
         optimizer_step_s=optimizer_step_s,
         tokens_per_sample=s,
         micro_batch=micro_batch,
         source="analytic",
-        meta={"model": model.name, "device": device.name, "tp": tp, "recompute": recompute},
+        meta={"model": model.name, "device": device.name, "tp": tp, "recompute": recompute,
+              "optimizer_shards": optimizer_shards, "fused_attention": fused_attention},
     )

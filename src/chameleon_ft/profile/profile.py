@@ -45,11 +45,16 @@ class LayerCost:
     """Activation bytes kept per in-flight micro-batch until its backward."""
     output_bytes: float = 0.0
     """Bytes of the output activation sent downstream (and of its gradient sent back)."""
+    grad_bytes: float | None = None
+    """Gradient bytes kept on the device; ``None``: as many as ``param_bytes`` (fewer when
+    the gradients are sharded over the data-parallel replicas)."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "param_bytes", "optimizer_bytes",
                      "activation_bytes", "output_bytes"):
             _check(f"layer {self.name or '?'}.{name}", getattr(self, name))
+        if self.grad_bytes is not None:
+            _check(f"layer {self.name or '?'}.grad_bytes", self.grad_bytes)
 
     @property
     def bwd_s(self) -> float:
@@ -62,9 +67,14 @@ class LayerCost:
         return self.param_bytes + self.optimizer_bytes
 
     @property
+    def gradient_bytes(self) -> float:
+        """Gradient bytes kept on the device."""
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    @property
     def static_bytes(self) -> float:
         """Bytes resident whatever the schedule: parameters, gradients, optimizer state."""
-        return 2 * self.param_bytes + self.optimizer_bytes
+        return self.param_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,19 +256,10 @@ def uniform_profile(
 def stage_sums(profile: Profile, layers: Sequence[int]) -> LayerCost:
     """The costs of a stage holding ``layers``: sums, except ``output_bytes`` of the last."""
     chosen = [profile.layers[i] for i in layers]
-    return LayerCost(
-        name=f"layers{layers[0]}-{layers[-1]}" if chosen else "empty",
-        fwd_s=sum(c.fwd_s for c in chosen),
-        bwd_input_s=sum(c.bwd_input_s for c in chosen),
-        bwd_weight_s=sum(c.bwd_weight_s for c in chosen),
-        param_bytes=sum(c.param_bytes for c in chosen),
-        optimizer_bytes=sum(c.optimizer_bytes for c in chosen),
-        activation_bytes=sum(c.activation_bytes for c in chosen),
-        output_bytes=chosen[-1].output_bytes if chosen else 0.0,
-    )
+    return _sum_costs(chosen, f"layers{layers[0]}-{layers[-1]}" if chosen else "empty")
 
 
-def fold_profile(profile: Profile, virtual_stages: int) -> Profile:
+def fold_profile(profile: Profile, virtual_stages: int, *, attach_ends: bool = False) -> Profile:
     """The profile an interleaved job plans with: ``virtual_stages`` rounds folded into
     columns.
 
@@ -270,9 +271,15 @@ def fold_profile(profile: Profile, virtual_stages: int) -> Profile:
     plans by layer (templates, reroutes, migrations, all-reduce buckets) then works on
     columns unchanged; the estimator reads the rounds to time each chunk.
 
+    With ``attach_ends`` the first layer (the embedding) joins the second and the last
+    (the head) joins the one before it before the rounds are cut, as Megatron places them
+    in the first and last chunks: then ``L - 2`` blocks split into equal rounds (it is
+    used only when they divide evenly).
+
     Args:
         profile: a plain (unfolded) profile.
         virtual_stages: chunks per stage, at least 1 and at most the number of layers.
+        attach_ends: fold the first and last layers into their neighbours first.
 
     Returns:
         ``profile`` itself for 1, else the folded profile.
@@ -291,12 +298,20 @@ def fold_profile(profile: Profile, virtual_stages: int) -> Profile:
     if virtual_stages > n:
         raise ValueError(f"job.virtual_stages: {virtual_stages} chunks per stage need at least "
                          f"as many layers, the model has {n}")
-    base, extra = divmod(n, virtual_stages)
+    slots = profile.layers
+    if attach_ends and n >= 4:
+        first = _sum_costs(slots[:2], f"{slots[0].name}+{slots[1].name}")
+        last = _sum_costs(slots[-2:], f"{slots[-2].name}+{slots[-1].name}")
+        slots = (first, *slots[2:-2], last)
+        if len(slots) < virtual_stages:
+            raise ValueError(f"job.virtual_stages: {virtual_stages} chunks per stage need at "
+                             f"least as many blocks, the model has {len(slots)}")
+    base, extra = divmod(len(slots), virtual_stages)
     rounds: list[tuple[LayerCost, ...]] = []
     lo = 0
     for r in range(virtual_stages):
         hi = lo + base + (1 if r < extra else 0)
-        rounds.append(profile.layers[lo:hi])
+        rounds.append(slots[lo:hi])
         lo = hi
     columns = []
     for c in range(len(rounds[0])):
@@ -306,12 +321,15 @@ def fold_profile(profile: Profile, virtual_stages: int) -> Profile:
         # first round's (never the head's) stands for the column.
         columns.append(replace(summed, output_bytes=members[0].output_bytes))
     return replace(profile, layers=tuple(columns), rounds=tuple(rounds),
-                   meta={**profile.meta, "virtual_stages": virtual_stages})
+                   meta={**profile.meta, "virtual_stages": virtual_stages,
+                         "attach_ends": attach_ends and n >= 4})
 
 
 def _sum_costs(chosen: Sequence[LayerCost], name: str) -> LayerCost:
+    sharded = any(c.grad_bytes is not None for c in chosen)
     return LayerCost(
         name=name,
+        grad_bytes=sum(c.gradient_bytes for c in chosen) if sharded else None,
         fwd_s=sum(c.fwd_s for c in chosen),
         bwd_input_s=sum(c.bwd_input_s for c in chosen),
         bwd_weight_s=sum(c.bwd_weight_s for c in chosen),

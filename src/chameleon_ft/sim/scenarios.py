@@ -109,10 +109,13 @@ pp = 16
 dp = 128
 global_batch = 2048
 micro_batch = 1
+schedule = "interleaved"
+virtual_stages = 8
 
 [profile]
 kind = "analytic"
-recompute = "full"
+recompute = "none"
+shard_optimizer = true
 
 [recovery]
 decoupled_backward = true        # peers can defer weight gradients (ReCycle)

@@ -44,8 +44,9 @@ from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource
 from chameleon_ft.spec.recovery import PolicySpec, RecoverySpec
 from chameleon_ft.spec.train import TrainSpec
 
-EXTRA_SECTIONS = ("simulation", "failures")
-"""Tables that belong to other commands (the simulator); kept raw and validated there."""
+EXTRA_SECTIONS = ("simulation", "failures", "published")
+"""Tables that belong to other commands (the simulator; the published-runs benchmark);
+kept raw and validated there."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +108,7 @@ class Config:
     @property
     def num_layers(self) -> int | None:
         """Planner layers, when known without building the profile: the model's layers, or
-        for an interleaved job the columns they fold into (``ceil(layers / v)``)."""
+        for an interleaved job the columns they fold into (``profile.fold_profile``)."""
         layers = None
         if self.profile.kind == ProfileKind.UNIFORM:
             layers = self.profile.num_layers
@@ -115,7 +116,11 @@ class Config:
             layers = self.model.num_layers
         if layers is None:
             return None
-        return -(-layers // self.job.virtual_stages)
+        v = self.job.virtual_stages
+        if (v > 1 and self.profile.kind != ProfileKind.UNIFORM and (layers - 2) % v == 0
+                and layers >= 4):
+            return (layers - 2) // v  # embedding and head ride with the end blocks
+        return -(-layers // v)
 
     @property
     def seq_len(self) -> int:
@@ -253,7 +258,9 @@ def _cluster(data: Mapping[str, Any]) -> ClusterSpec:
             base = device_preset(str(base_name))
             merged = {"name": base.name, "peak_flops": base.peak_flops, "mfu": base.mfu,
                       "memory_bytes": base.memory_bytes,
-                      "memory_gb_per_s": base.memory_gb_per_s}
+                      "memory_gb_per_s": base.memory_gb_per_s,
+                      "compute_efficiency": base.compute_efficiency,
+                      "memory_efficiency": base.memory_efficiency}
             merged.update(device_data)
             device_data = merged
         try:

@@ -33,7 +33,17 @@ class ProfileSource:
     path: str = ""
     """JSON profile to read, for ``kind = "file"`` (relative to the config file)."""
     recompute: str = Recompute.SELECTIVE.value
-    """For ``analytic``: activation recomputation, ``none``, ``selective`` or ``full``."""
+    """For ``analytic``: activation recomputation, ``none``, ``selective`` (the attention
+    core) or ``full`` (the whole block)."""
+    fused_attention: bool = True
+    """For ``analytic``: attention by a fused kernel (FlashAttention) that skips the causal
+    half and never writes the score matrix; ``false`` prices the score matrix's memory
+    traffic (softmax, dropout) and keeps it for the backward unless recomputed, as
+    Megatron-LM did before 2022."""
+    shard_optimizer: bool = False
+    """For ``analytic``: each data-parallel replica keeps ``1 / dp`` of the optimizer state
+    and of the gradients (ZeRO-2; FSDP as Llama 3 runs it). The memory model only:
+    recoveries move a worker's share as if its replicas could supply it."""
     num_layers: int = 0
     """For ``uniform``: number of identical layers."""
     fwd_s: float = 0.0
