@@ -105,10 +105,21 @@ def test_recycle_defers_weight_gradients_when_memory_allows() -> None:
 
 
 def test_recycle_runs_fused_backwards_when_deferral_does_not_fit(paper32: Planner) -> None:
+    # a device whose memory holds the fused rerouted plan but not the deferred one (every
+    # deferred weight gradient keeps its activations until it runs)
     plan = paper32.initial_plan
-    state = paper32.recovery_state(plan, set(plan.workers) - {5})
-    deferred = replace(reroute_plan(plan, {5}), defer_weight_grad=True)
-    assert not paper32.estimate(deferred).memory_fits  # every deferred W keeps activations
+    fused_plan = reroute_plan(plan, {5})
+    deferred = replace(fused_plan, defer_weight_grad=True)
+    fused_peak = paper32.estimate(fused_plan).max_memory_bytes
+    deferred_peak = paper32.estimate(deferred).max_memory_bytes
+    assert deferred_peak > fused_peak
+    config = paper32.config
+    assert config.cluster.device is not None
+    device = replace(config.cluster.device, memory_bytes=(fused_peak + deferred_peak) / 2)
+    tight = replace(config, cluster=replace(config.cluster, device=device))
+    planner = Planner(tight)
+    state = planner.recovery_state(plan, set(plan.workers) - {5})
+    assert not planner.estimate(deferred).memory_fits
     (recycle,) = reroute.candidates(state, frozenset({5}), decoupled=True)
     assert recycle.feasible and recycle.plan is not None
     assert not recycle.plan.defer_weight_grad
