@@ -1,10 +1,13 @@
-"""Measure the tiny GPT on this machine and write the JSON profile the estimator reads.
+"""Measure a job's model on this machine and write the JSON profile the estimator reads.
 
 Per layer: forward seconds, input-gradient and weight-gradient seconds (the backward
 split by timing an input-only backward), parameter and AdamW-state bytes, the bytes of the
 tensors autograd keeps for the backward (counted with saved-tensor hooks), and the bytes
 of the output sent to the next stage. Plus the optimizer step, gloo point-to-point latency
-and bandwidth between two processes, and the control round trip of a step commit.
+and bandwidth between two processes, and the control round trip of a step commit. A model
+other than the built-in GPT (``[model] source = "python"`` or ``"hf"``) takes its layers'
+bytes and time ratios from the job's ``[profile]``; its times come from the failure-free
+run (``--from-run``).
 
 Honesty about the machine: a CPU run puts ``num_workers`` processes on the machine's cores,
 so each layer is timed while ``num_workers`` processes run the same measurement at once
@@ -239,6 +242,27 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
               "store_round_trip_s": control_s})
 
 
+def declared_profile(config: Any) -> Profile:
+    """The job's own ``[profile]`` (bytes and time ratios of a model that is not the built-in
+    GPT) with this host's gloo point-to-point and store round-trip times measured.
+
+    Args:
+        config: a job whose ``[profile]`` is ``uniform`` or ``file``.
+    """
+    from chameleon_ft.profile import build_profile
+
+    base = build_profile(config)
+    p2p = measure_p2p()
+    meta = dict(base.meta)
+    meta.update({"dtype": config.train.dtype, "cpu_count": os.cpu_count(),
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "p2p_latency_s": p2p["latency_s"],
+                 "p2p_bandwidth_bytes_s": p2p["bandwidth_bytes_s"],
+                 "p2p_times_s": p2p["times_s"], "store_round_trip_s": measure_control(),
+                 "layers_from": "the job's [profile]"})
+    return replace(base, meta=meta, source="measured")
+
+
 def control_overhead_s(op_times: list[dict[str, Any]], *, skip_steps: int = 3) -> float:
     """Median per-step commit latency of a run: for each step, the shortest wait from
     "reduced" to the verdict over its workers (the last worker to reduce waits only for the
@@ -320,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     if args.dtype:
         config = replace(config, train=replace(config.train, dtype=args.dtype))
-    profile = profile_job(config, repeats=args.repeats, concurrency=1)
+    if config.model_source.source == "gpt":
+        profile = profile_job(config, repeats=args.repeats, concurrency=1)
+    else:
+        # no built-in shape to time layer by layer: the job's [profile] gives the bytes and
+        # the time ratios, the failure-free run below measures the times
+        profile = declared_profile(config)
     if args.from_run:
         from chameleon_ft.runtime.coordinator import Coordinator
 
