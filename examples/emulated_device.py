@@ -25,9 +25,10 @@ from torch import nn
 NUM_LAYERS = 8
 IN_FEATURES = 16
 HIDDEN = 256
-FWD_S_PER_SAMPLE = 0.0015
-"""Device time of one layer's forward, per sample (6 ms for a micro-batch of 4)."""
-BWD_S_PER_SAMPLE = 0.003
+FWD_S_PER_SAMPLE = 0.003
+"""Device time of one layer's forward, per sample (12 ms for a micro-batch of 4): long
+enough that the few milliseconds a loaded host takes to wake a process are small."""
+BWD_S_PER_SAMPLE = 0.006
 """Device time of one layer's backward, per sample (twice the forward)."""
 
 

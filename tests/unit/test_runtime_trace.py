@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -39,6 +40,20 @@ class FakeRun:
         self.calls: list[tuple[str, tuple[int, ...], float]] = []
         self.software_ok = True
         self.stopped: str | None = None
+        self.alive = set(self.running)
+        """The run's view: relaunched workers are alive once they registered."""
+        self.starting: set[int] = set()
+        self.plan_workers = set(self.running)
+        """Workers of the placement the state has (the last plan that committed)."""
+
+    @property
+    def state(self) -> SimpleNamespace:
+        return SimpleNamespace(alive=frozenset(self.alive), stateless=frozenset(),
+                               state_plan=SimpleNamespace(workers=frozenset(self.plan_workers)))
+
+    def register(self) -> None:
+        self.alive |= self.starting
+        self.starting.clear()
 
     def now(self) -> float:
         return self.clock
@@ -53,6 +68,7 @@ class FakeRun:
     def relaunch_workers(self, workers: Sequence[int]) -> list[int]:
         dead = [w for w in workers if w not in self.running and w not in self.unprocessed]
         self.running |= set(dead)
+        self.starting |= set(dead)
         self.calls.append(("relaunch", tuple(dead), self.clock))
         return dead
 
@@ -65,6 +81,8 @@ class FakeRun:
         self.calls.append(("end", (), self.clock))
 
     def process_deaths(self) -> None:
+        self.alive -= self.unprocessed
+        self.plan_workers -= self.unprocessed
         self.unprocessed.clear()
 
 
@@ -136,6 +154,34 @@ def test_a_repair_before_the_death_is_processed_relaunches_later() -> None:
     assert 3 in run.running and not driver.killed
     notes = [d["note"] for d in driver.report([], 4)["trace"]["actions"]]
     assert "after the death is processed: 3" in notes[1] and "once its death" in notes[2]
+
+
+def test_repairs_are_timed_until_up_and_until_trained_on() -> None:
+    trace = _trace("time_s,event,target\n1.0,worker-fail,3\n2.0,repair,1\n"
+                   "4.0,worker-fail,3\n5.0,repair,1\n9,end,\n")
+    run, driver = FakeRun(), TraceDriver(trace, PER_NODE)
+    run.ready_s = 0.0
+    _run_at(driver, run, 1.0)
+    run.process_deaths()
+    _run_at(driver, run, 2.0, 2.5)
+    assert driver.repairs[0]["up_at_s"] is None  # started, not registered yet
+    run.register()
+    _run_at(driver, run, 2.7)
+    run.plan_workers.add(3)  # a plan with it committed
+    _run_at(driver, run, 3.1)
+    first = driver.repairs[0]
+    assert (first["relaunched_at_s"], first["up_at_s"], first["in_plan_at_s"]) == \
+        (2.0, 2.7, 3.1)
+    # killed again, repaired again, up, but never trained on: the second record stays open
+    _run_at(driver, run, 4.0)
+    run.process_deaths()
+    _run_at(driver, run, 5.0)
+    run.register()
+    _run_at(driver, run, 5.5, 6.0)
+    second = driver.report([], 4)["trace"]["repairs"][1]
+    assert second == {"worker": 3, "relaunched_at_s": 5.0, "up_at_s": 5.5,
+                      "in_plan_at_s": None}
+    assert driver.repairs[0]["in_plan_at_s"] == 3.1
 
 
 def test_a_failure_overtakes_a_waiting_repair() -> None:

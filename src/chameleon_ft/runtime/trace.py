@@ -32,6 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
+from chameleon_ft.runtime.state import RunState
 from chameleon_ft.sim.events import EventKind, Trace
 from chameleon_ft.sim.traces import trace_from_csv, validate_trace
 
@@ -131,6 +132,11 @@ class TraceTarget(Protocol):
     ready_s: float | None
     """When the current generation's workers were all ready (run clock), if they are."""
 
+    @property
+    def state(self) -> RunState:
+        """The run's state (who is alive, which placement the state has)."""
+        ...
+
     def now(self) -> float:
         """The run clock, seconds."""
         ...
@@ -195,6 +201,9 @@ class TraceDriver:
         self.done: list[Done] = []
         self.ended_at_s: float | None = None
         """Run clock when the ``end`` row was applied."""
+        self.repairs: list[dict[str, Any]] = []
+        """Each relaunched worker: trace times of the relaunch, of its being up (alive,
+        idle) and of the first commit of a plan that uses it (None until then)."""
 
     @property
     def end_s(self) -> float:
@@ -242,6 +251,7 @@ class TraceDriver:
                 return
             self.origin_s = target.ready_s
         now = target.now() - self.origin_s
+        self._watch_repairs(target, now)
         if self.waiting and not self.ended:
             self._relaunch_waiting(target, now)
         while self.next_index < len(self.actions) and not self.ended:
@@ -251,8 +261,36 @@ class TraceDriver:
             self.next_index += 1
             self._apply(target, action, now)
 
+    def _watch_repairs(self, target: TraceTarget, now: float) -> None:
+        """Time how long each relaunched worker takes to be up and to be trained on."""
+        state = target.state
+        for r in self.repairs:
+            if r["closed"]:
+                continue
+            w = r["worker"]
+            if r["up_at_s"] is None and w in state.alive:
+                r["up_at_s"] = now
+            # trained on: a plan that uses it committed a step (it holds that plan's state)
+            if r["up_at_s"] is not None and w in state.state_plan.workers and \
+                    w not in state.stateless:
+                r["in_plan_at_s"] = now
+                r["closed"] = True
+
+    def _close_repairs(self, workers: Iterable[int]) -> None:
+        """The workers died (or are relaunched again): their open repair records end."""
+        gone = set(workers)
+        for r in self.repairs:
+            if r["worker"] in gone:
+                r["closed"] = True
+
+    def _relaunched(self, workers: Sequence[int], now: float) -> None:
+        self._close_repairs(workers)
+        self.repairs.extend({"worker": w, "relaunched_at_s": now, "up_at_s": None,
+                             "in_plan_at_s": None, "closed": False} for w in workers)
+
     def _relaunch_waiting(self, target: TraceTarget, now: float) -> None:
         launched = target.relaunch_workers(sorted(self.waiting))
+        self._relaunched(launched, now)
         if launched:
             self.waiting -= set(launched)
             self.killed -= set(launched)
@@ -265,6 +303,7 @@ class TraceDriver:
         if action.kind is ActionKind.KILL:
             # a repair still waiting to relaunch one of them is overtaken by this failure
             self.waiting -= set(action.workers)
+            self._close_repairs(action.workers)
             done.workers = tuple(target.kill_workers(list(action.workers)))
             self.killed |= set(action.workers)
             if len(done.workers) < len(action.workers):
@@ -272,6 +311,7 @@ class TraceDriver:
                     str(w) for w in action.workers if w not in done.workers)
         elif action.kind is ActionKind.RELAUNCH:
             launched = target.relaunch_workers(list(action.workers))
+            self._relaunched(launched, now)
             done.workers = tuple(launched)
             self.killed -= set(launched)
             # killed by the trace, but the run has not seen the exit yet: relaunch later
@@ -300,7 +340,8 @@ class TraceDriver:
             ``throughput_samples_s`` (samples committed by ``end`` over the trace's
             duration; when the run stopped before ``end`` (``[train] steps`` ran out),
             over the time to its last commit) and ``trace`` (the actions with the times
-            they were applied).
+            they were applied, and how long each relaunched worker took to be up and to
+            be trained on).
         """
         times = sorted(commit_times_s)
         origin = self.origin_s
@@ -320,5 +361,7 @@ class TraceDriver:
                 "first_step_at_s": origin, "committed_steps": counted,
                 "committed_samples": samples, "measured_s": span,
                 "actions": [d.to_dict() for d in self.done],
+                "repairs": [{k: v for k, v in r.items() if k != "closed"}
+                            for r in self.repairs],
             },
         }
