@@ -842,6 +842,12 @@ class Coordinator:
                 os.kill(proc.pid, signal.SIGKILL)
             self.killed_at.setdefault(w, self.now())
             killed.append(w)
+        # a node's workers die together: wait (briefly) for every signalled process to
+        # exit, so that the loop sees them in one pass and recovers once, not once per
+        # worker with a plan that names the next one to go
+        deadline = time.monotonic() + 1.0
+        for w in killed:
+            self.procs[w].process.join(max(0.0, deadline - time.monotonic()))
         if killed:
             self.log(f"trace: killed worker(s) {killed}")
         return killed
