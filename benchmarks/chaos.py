@@ -48,7 +48,10 @@ def chaos_doc(workers: int, steps: int) -> dict[str, Any]:
         "cluster": {"num_nodes": nodes, "devices_per_node": per_node, "device": "cpu"},
         "job": {"pp": pp, "dp": dp, "global_batch": 4 * dp, "micro_batch": 2},
         "profile": {"kind": "analytic"},
-        "recovery": {"detect_s": 0.05, "rebuild_s": 0.05, "restart_s": 0.5,
+        # the runtime's own transition terms, as measured for examples/tiny_cpu.toml
+        "recovery": {"detect_s": 0.03, "comm_init_s": 0.0017, "comm_per_rank_s": 0.0095,
+                     "rebuild_all_groups": True, "layer_build_s": 0.0,
+                     "layer_build_gb_per_s": 0.74, "warmup_steps": 0.4, "restart_s": 0.1,
                      "checkpoint_load_s": 0.05, "checkpoint_interval_s": 3.0},
         "train": {"steps": steps, "dtype": "float64", "lr": 3e-3,
                   "hang_timeout_s": 3.0 if big else 1.0,
@@ -105,7 +108,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
     started = time.monotonic()
     try:
         report = coord.run()
-    except WorkerFailure as exc:
+    except (WorkerFailure, ValueError) as exc:
         log(f"FAILED: {exc}")
         pids = [p.pid for p in coord.all_procs if p.pid is not None]
         time.sleep(0.5)
@@ -128,7 +131,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
 
 
 def _alive(pid: int) -> bool:
-    from chameleon_ft.runtime.chaos import _alive as alive
+    from chameleon_ft.runtime.chaos import alive
 
     return alive(pid)
 

@@ -7,6 +7,12 @@ reports:
 - ``transition_s``: time from the kill to the first step committed after the recovery,
   minus that plan's own step time (median of its later steps);
 - ``detected_after_s``: kill to detection;
+- the transition measured in three parts (detection; setup: the decision, the new
+  generation's groups, loading or migrating state, until every worker is ready; the first
+  step's excess over the plan's median step) next to the planner's estimate of the same
+  recovery in the transition model's terms (``detect_s``; ``comm_s + build_s + migrate_s``;
+  ``warmup_s``), from the decision the run took (``lost_step_s`` is left out: the
+  measurement starts at the kill);
 - step time before and after (medians of the committed steps of each plan, the first steps
   of each plan excluded) next to ``estimate(plan).step_s`` for the same plans: with the
   profile and network the config names (measured by ``chameleon_ft.runtime.profiler``);
@@ -84,6 +90,14 @@ def run_one(strategy: str, steps: int, fault_step: int, out: Path) -> dict[str, 
     # measured in the new generation (after two warm-up steps). Compute per op changes
     # after a recovery on this shared-core testbed; with it taken as measured, what is
     # left of the error is the graph's schedule, transfers, synchronisation and control.
+    # The transition in parts, measured and estimated (the chosen candidate's terms).
+    after = [r for r in report["steps"] if r["gen"] == last_gen]
+    median_after = _median_step(report, lambda g: g == last_gen, 2)
+    first_step_s = after[0]["step_s"]
+    setup_s = event["resumed_at_s"] - first_step_s - event["detected_at_s"]
+    chosen = next(c for c in event["decision"]["candidates"]
+                  if c["strategy"] == event["strategy"] and c["feasible"])
+    terms = {k: v for k, v in chosen["terms"].items() if k not in ("lost_step_s", "search_s")}
     settled = [r for r in coord.op_times if r["gen"] == last_gen and r["step"] >= fault_step + 3]
     measured_after = calibrate_from_run(coord.profile, settled, skip_steps=0) if settled \
         else online
@@ -99,6 +113,11 @@ def run_one(strategy: str, steps: int, fault_step: int, out: Path) -> dict[str, 
         "chosen": event["strategy"],
         "detected_after_s": event["detected_after_s"],
         "transition_s": event["transition_s"],
+        "first_commit_s": event["resumed_at_s"] - event["fault_at_s"],
+        "setup_s": setup_s,
+        "first_step_excess_s": first_step_s - (median_after or first_step_s),
+        "estimated_terms": terms,
+        "estimated_transition_s": sum(terms.values()),
         "decide_s": event["decide_s"],
         "lost_steps": event["lost_steps"],
         "step_before_s": _median_step(report, lambda g: g == first_gen, 3),
@@ -126,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_one(strategy, args.steps, args.fault_step,
                                     Path(tmp) / f"{strategy}{r}"))
                 row = rows[-1]
-                print(f"{strategy:8s} run {r}: transition {row['transition_s']:.3f} s, detected "
+                print(f"{strategy:8s} run {r}: kill to first commit {row['first_commit_s']:.3f} s, "
+                      f"transition {row['transition_s']:.3f} s, detected "
                       f"after {row['detected_after_s']:.3f} s, step {row['step_before_s']:.3f}"
                       f" -> {row['step_after_s']:.3f} s (online estimate "
                       f"{row['online_before_s']:.3f} -> {row['online_after_s']:.3f} s)",
@@ -136,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before the table: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print("control overhead (commit latency) per run, s: "
           + ", ".join(f"{row['control_s']:.4f}" for row in rows))
-    header = ("strategy", "transition s", "detect s", "lost steps", "step before s",
+    header = ("strategy", "kill to first commit s", "transition s", "detect s", "lost steps",
+              "step before s",
               "est. before s (file / online)", "step after s",
               "est. after s (file / online / online + CPU share / new generation's op times)")
     print(" | ".join(header))
@@ -153,9 +174,31 @@ def main(argv: list[str] | None = None) -> int:
 
     for row in rows:
         print(" | ".join([
-            row["chosen"], f"{row['transition_s']:.3f}", f"{row['detected_after_s']:.3f}",
+            row["chosen"], f"{row['first_commit_s']:.3f}", f"{row['transition_s']:.3f}",
+            f"{row['detected_after_s']:.3f}",
             str(row["lost_steps"]), f"{row['step_before_s']:.3f}", est(row, "before"),
             f"{row['step_after_s']:.3f}", est(row, "after")]))
+    print()
+    print("transition, measured vs the planner's estimate (s): detection / setup (decision, "
+          "groups, state) / first step's excess")
+    header = ("strategy", "measured", "estimated", "error", "measured parts", "estimated parts")
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for row in rows:
+        t = row["estimated_terms"]
+        setup_est = sum(v for k, v in t.items() if k not in ("detect_s", "warmup_s"))
+        print(" | ".join([
+            row["chosen"], f"{row['transition_s']:.3f}", f"{row['estimated_transition_s']:.3f}",
+            f"{row['estimated_transition_s'] / row['transition_s'] - 1:+.0%}",
+            f"{row['detected_after_s']:.3f} / {row['setup_s']:.3f} / "
+            f"{row['first_step_excess_s']:.3f}",
+            f"{t.get('detect_s', 0.0):.3f} / {setup_est:.3f} / {t.get('warmup_s', 0.0):.3f}"]))
+    for strategy in dict.fromkeys(row["chosen"] for row in rows):
+        mine = [row for row in rows if row["chosen"] == strategy]
+        measured = statistics.median(row["transition_s"] for row in mine)
+        estimated = statistics.median(row["estimated_transition_s"] for row in mine)
+        print(f"{strategy}: median measured transition {measured:.3f} s over {len(mine)} "
+              f"run(s), estimate {estimated:.3f} s ({estimated / measured - 1:+.0%})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

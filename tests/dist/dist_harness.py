@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from chameleon_ft.runtime.chaos import alive
 from chameleon_ft.runtime.coordinator import Coordinator
 from chameleon_ft.spec.config import config_from_mapping
 from chameleon_ft.spec.train import parse_fault
@@ -32,27 +33,19 @@ TINY: dict[str, Any] = {
 """4 workers (dp 2 x pp 2) of a 2-block GPT: about 20 ms of compute per step."""
 
 
-def tiny_config(**train: Any) -> Any:
-    """The tiny job with ``[train]`` overrides."""
+def tiny_config(model_override: dict[str, Any] | None = None, **train: Any) -> Any:
+    """The tiny job with ``[train]`` overrides (and optionally another ``[model]``)."""
     doc = copy.deepcopy(TINY)
     doc["train"].update(train)
+    if model_override is not None:
+        doc["model"] = dict(model_override)
     return config_from_mapping(doc)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process with this pid still exists (zombies count as gone: reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-    return True
 
 
 def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[str, ...] = (),
             on_log: Callable[[Coordinator, str], None] | None = None,
             coordinator: dict[str, Any] | None = None,
+            model_override: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -67,7 +60,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
         train: ``[train]`` overrides.
     """
-    config = tiny_config(**train)
+    config = tiny_config(model_override, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 

@@ -294,3 +294,38 @@ def test_generations_leak_no_sockets_threads_or_store_keys(tmp_path: Path,
     assert late[2] <= early[2] + 3, (early, late)  # sockets and files of worker 0
     assert late[3] <= early[3] + 2, (early, late)  # threads of worker 0
     assert max_abs_diff(params, reference("float64", steps=steps)[1]) < 1e-9
+
+
+def test_every_worker_failing_relaunches_them_and_reloads_the_checkpoint(
+        tmp_path: Path, reference: Any) -> None:
+    faults = tuple(f"rank={w},step=3,kind=kill,phase=forward" for w in range(4))
+    report, params, pids = run_job(tmp_path, policy="dynamic", rejoin=True, faults=faults)
+    _clean(pids)
+    assert len(pids) >= 8  # every worker relaunched once
+    last = report["events"][-1]
+    assert last["strategy"] == "restart" and "every worker failed" in last["reason"]
+    assert sorted(w for e in report["events"] for w in e["workers"]) == [0, 1, 2, 3]
+    assert [s["step"] for s in report["steps"]] == list(range(6))
+    assert max_abs_diff(params, reference("float64")[1]) < 1e-9
+
+
+def test_every_worker_failing_without_rejoin_stops_with_the_reason(tmp_path: Path) -> None:
+    faults = tuple(f"rank={w},step=3,kind=kill,phase=forward" for w in range(4))
+    with pytest.raises(WorkerFailure, match="every worker failed"):
+        run_job(tmp_path, policy="dynamic", faults=faults)
+
+
+def test_slow_steps_are_neither_hangs_nor_collective_timeouts(tmp_path: Path) -> None:
+    # Steps longer than the hang deadline: the heartbeat runs beside the compute, and the
+    # collective deadline follows the plan's estimated step, not the hang deadline.
+    from dist_harness import TINY
+
+    big = {"num_blocks": 2, "hidden_size": 256, "num_heads": 4, "vocab_size": 256,
+           "seq_len": 256}
+    report, _, pids = run_job(tmp_path, steps=3, hang_timeout_s=0.4, heartbeat_s=0.05,
+                              model_override=big)
+    _clean(pids)
+    assert not report["events"], report["events"]
+    # the steps outlast the hang deadline
+    assert sorted(s["step_s"] for s in report["steps"])[1] > 0.4
+    assert TINY["model"]["hidden_size"] == 32  # the shared job is untouched

@@ -4,7 +4,6 @@ model end to end, and one-line errors for every kind of bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_helpers import LAYOUT, cmd, env
 
 from chameleon_ft.runtime.reference import train_reference
 from chameleon_ft.spec import load_config
@@ -19,22 +19,16 @@ from chameleon_ft.spec import load_config
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "chameleon_ft", *args]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_python_factories_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = subprocess.run(_cmd("train", "--config", str(EXAMPLES / "mlp_cpu.toml"), "--steps",
+    proc = subprocess.run(cmd("train", "--config", str(EXAMPLES / "mlp_cpu.toml"), "--steps",
                                "8", "--dtype", "float64", "--out", str(out), "--policy",
                                "dynamic", "--fault", "rank=1,step=3,kind=kill,phase=backward"),
-                          capture_output=True, text=True, timeout=150, env=_env())
+                          capture_output=True, text=True, timeout=150, env=env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert [e["workers"] for e in report["events"]] == [[1]]
@@ -61,17 +55,7 @@ path = "{tokens}"
 name = "{optimizer}"
 {optimizer_args}
 
-[cluster]
-num_nodes = 2
-devices_per_node = 2
-device = "cpu"
-
-[job]
-pp = 2
-dp = 2
-global_batch = 8
-micro_batch = 2
-
+""" + LAYOUT + """
 [train]
 steps = 3
 """
@@ -99,8 +83,8 @@ def _job(tmp_path: Path, llama: Path, *, path: str | None = None, tokens: np.nda
 
 
 def _one_line_error(job: Path, field: str) -> None:
-    proc = subprocess.run(_cmd("train", "--config", str(job)), capture_output=True, text=True,
-                          timeout=120, env=_env())
+    proc = subprocess.run(cmd("train", "--config", str(job)), capture_output=True, text=True,
+                          timeout=120, env=env())
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"error: {field}" in lines[0], proc.stderr

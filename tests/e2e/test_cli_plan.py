@@ -20,15 +20,24 @@ def test_plan_json() -> None:
                        "--horizon-s", "36000", "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert doc["decision"]["strategy"] in {"reroute", "dynamic", "restart", "shrink",
+    assert doc["decision"]["strategy"] in {"recycle", "dynamic", "restart", "shrink",
                                            "reroute-then-dynamic"}
     assert doc["decision"]["reason"]
     strategies = [c["strategy"] for c in doc["candidates"]]
-    assert strategies == ["reroute", "dynamic", "restart", "shrink", "reroute-then-dynamic"]
+    # paper32 can defer weight gradients: Chameleon reroutes the ReCycle way
+    assert strategies == ["recycle", "dynamic", "restart", "shrink", "reroute-then-dynamic"]
     for c in doc["candidates"]:
         for key in ("feasible", "step_s", "throughput_samples_s", "transition_s", "score",
-                    "peak_memory_bytes"):
+                    "peak_memory_bytes", "terms"):
             assert key in c
+        if c["feasible"]:
+            assert abs(sum(c["terms"].values()) - c["transition_s"]) <= 1e-6 * c["transition_s"]
+    by = {c["strategy"]: c for c in doc["candidates"]}
+    rebuild = {"detect_s", "comm_s", "build_s", "warmup_s", "lost_step_s"}
+    assert rebuild <= set(by["recycle"]["terms"])
+    assert rebuild | {"migrate_s", "search_s"} <= set(by["dynamic"]["terms"])
+    assert {"restart_s", "load_s", "lost_s"} <= set(by["restart"]["terms"])
+    assert {"comm_s", "warmup_s"} <= set(by["reroute-then-dynamic"]["switch_terms"])
     chosen = next(c for c in doc["candidates"] if c["strategy"] == doc["decision"]["strategy"])
     assert chosen["score"] == max(c["score"] for c in doc["candidates"])
     free = doc["failure_free"]
@@ -44,8 +53,12 @@ def test_plan_table_and_fixed_policy() -> None:
     out = result.stdout
     assert "* reroute" in out
     assert "decision: reroute" in out
-    for name in ("dynamic", "restart", "shrink", "reroute-then-dynamic"):
+    for name in ("recycle", "dynamic", "restart", "shrink", "reroute-then-dynamic"):
         assert name in out
+    # every feasible candidate's transition terms, and the chosen one's
+    assert "transition terms (s):" in out
+    assert "  dynamic: detect_s 30 s, comm_s" in out
+    assert "transition: detect_s 30 s, comm_s" in out
 
 
 def test_plan_bad_input_is_one_line_exit_2() -> None:

@@ -8,33 +8,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import LAYOUT, TINY_MODEL, cmd, env
 
-TOML = """
-[model]
-name = "tinyjob"
-num_blocks = 2
-hidden_size = 32
-num_heads = 2
-vocab_size = 256
-seq_len = 32
+from chameleon_ft.runtime.chaos import alive
 
-[cluster]
-num_nodes = 2
-devices_per_node = 2
-device = "cpu"
-
-[job]
-pp = 2
-dp = 2
-global_batch = 8
-micro_batch = 2
-
+TOML = TINY_MODEL + LAYOUT + """
 [recovery]
 detect_s = 0.05
 rebuild_s = 0.05
@@ -50,29 +33,12 @@ TOKEN = "an-e2e-token-of-enough-length"
 HANG_S = 1.5
 
 
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "chameleon_ft", *args]
 
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_gone(pids: list[int], limit_s: float) -> float:
     start = time.monotonic()
-    while any(_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if time.monotonic() - start > limit_s + 5:
             break
         time.sleep(0.02)
@@ -89,8 +55,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(job: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("ref")
-    proc = subprocess.run(_cmd("train", "--config", str(job), "--out", str(out)),
-                          capture_output=True, text=True, timeout=180, env=_env())
+    proc = subprocess.run(cmd("train", "--config", str(job), "--out", str(out)),
+                          capture_output=True, text=True, timeout=180, env=env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     return dict(torch.load(out / "params.pt"))
 
@@ -103,10 +69,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 class Run:
     """``chameleon train`` in the background, its progress read line by line."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, environ: dict[str, str] | None = None) -> None:
         # its own session: a signal to the process group (Ctrl-C) spares the test
-        self.proc = subprocess.Popen(_cmd("train", *args), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env or _env(),
+        self.proc = subprocess.Popen(cmd("train", *args), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=environ or env(),
                                      start_new_session=True)
         self.lines: list[str] = []
 
@@ -155,14 +121,14 @@ def test_coordinator_death_then_resume(job: Path, tmp_path: Path,
         gone_after = _wait_gone(others, HANG_S + 1)
         assert gone_after <= HANG_S + 1.0, f"workers outlived the coordinator by {gone_after} s"
         time.sleep(HANG_S + 0.5)
-        assert _alive(stopped)
+        assert alive(stopped)
         os.kill(stopped, signal.SIGCONT)
         gone_after = _wait_gone([stopped], HANG_S + 1)
         assert gone_after <= HANG_S + 1.0, f"the continued worker lived {gone_after} s more"
     finally:
         run.kill()
         for p in pids:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
     manifests = sorted((out / "checkpoints").glob("step*/manifest.json"))
     assert manifests, "no checkpoint was written before the coordinator died"
@@ -216,8 +182,8 @@ def test_who_may_join(job: Path, tmp_path: Path) -> None:
         address = run.until(r"listening on (\S+);").group(1)
 
         def join(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(_cmd("worker", "--coordinator", address, *args),
-                                  capture_output=True, text=True, timeout=60, env=_env())
+            return subprocess.run(cmd("worker", "--coordinator", address, *args),
+                                  capture_output=True, text=True, timeout=60, env=env())
 
         def refused(proc: subprocess.CompletedProcess[str], reason: str) -> None:
             assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -226,9 +192,9 @@ def test_who_may_join(job: Path, tmp_path: Path) -> None:
 
         refused(join("--token", "not-the-token-of-this-job"), "wrong token")
         refused(join("--token", TOKEN, "--job", "another-job"), "not 'another-job'")
-        worker = subprocess.Popen(_cmd("worker", "--coordinator", address),
+        worker = subprocess.Popen(cmd("worker", "--coordinator", address),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=_env(CHAMELEON_TOKEN=TOKEN))
+                                  env=env(CHAMELEON_TOKEN=TOKEN))
         run.until(r"step +\d+ ")
         refused(join("--token", TOKEN), "already has its 4 workers")
         assert run.finish() == 0, run.lines[-20:]
@@ -249,8 +215,8 @@ def test_who_may_join(job: Path, tmp_path: Path) -> None:
 def test_a_job_too_large_for_the_host_is_refused_before_launch() -> None:
     examples = Path(__file__).resolve().parents[2] / "examples"
     start = time.monotonic()
-    proc = subprocess.run(_cmd("train", "--config", str(examples / "paper32.toml")),
-                          capture_output=True, text=True, timeout=60, env=_env())
+    proc = subprocess.run(cmd("train", "--config", str(examples / "paper32.toml")),
+                          capture_output=True, text=True, timeout=60, env=env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("chameleon train: error: memory: 32 local"),\
@@ -261,9 +227,9 @@ def test_a_job_too_large_for_the_host_is_refused_before_launch() -> None:
 
 
 def test_resume_without_a_checkpoint_is_one_line(job: Path, tmp_path: Path) -> None:
-    proc = subprocess.run(_cmd("train", "--config", str(job), "--out", str(tmp_path),
+    proc = subprocess.run(cmd("train", "--config", str(job), "--out", str(tmp_path),
                                "--resume"), capture_output=True, text=True, timeout=60,
-                          env=_env())
+                          env=env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--resume: no complete checkpoint" in lines[0]

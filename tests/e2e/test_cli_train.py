@@ -3,34 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import LAYOUT, TINY_MODEL, cmd, env
 
-TINY_TOML = """
-[model]
-num_blocks = 2
-hidden_size = 32
-num_heads = 2
-vocab_size = 256
-seq_len = 32
-
-[cluster]
-num_nodes = 2
-devices_per_node = 2
-device = "cpu"
-
-[job]
-pp = 2
-dp = 2
-global_batch = 8
-micro_batch = 2
-
+TINY_TOML = TINY_MODEL + LAYOUT + """
 [recovery]
 detect_s = 0.05
 rebuild_s = 0.05
@@ -43,15 +24,9 @@ heartbeat_s = 0.1
 """
 
 
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "chameleon_ft", *args]
-
 
 TOKEN = "a-test-token-of-enough-length"
 
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.fixture
@@ -62,8 +37,8 @@ def tiny(tmp_path: Path) -> Path:
 
 
 def _train(tiny: Path, out: Path, *extra: str) -> dict:
-    proc = subprocess.run(_cmd("train", "--config", str(tiny), "--out", str(out), "--json",
-                               *extra), capture_output=True, text=True, timeout=120, env=_env())
+    proc = subprocess.run(cmd("train", "--config", str(tiny), "--out", str(out), "--json",
+                               *extra), capture_output=True, text=True, timeout=120, env=env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -91,10 +66,11 @@ def test_train_kill_report_and_params(tiny: Path, tmp_path: Path) -> None:
     (("--fault", "rank=7,step=1,kind=kill"), "rank 7 does not exist"),
     (("--workers", "2"), "needs 4 workers"),
     (("--policy", "nonsense"), "unknown policy"),
+    (("--policy", "recycle"), "simulator baseline"),
 ])
 def test_train_bad_input_one_line(tiny: Path, args: tuple[str, ...], message: str) -> None:
-    proc = subprocess.run(_cmd("train", "--config", str(tiny), *args), capture_output=True,
-                          text=True, timeout=60, env=_env())
+    proc = subprocess.run(cmd("train", "--config", str(tiny), *args), capture_output=True,
+                          text=True, timeout=60, env=env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -119,9 +95,9 @@ def test_train_bad_trace_one_line(tiny: Path, tmp_path: Path, trace: str, messag
 
 
 def test_worker_silent_coordinator_one_line() -> None:
-    proc = subprocess.run(_cmd("worker", "--coordinator", "127.0.0.1:1", "--connect-timeout", "1",
+    proc = subprocess.run(cmd("worker", "--coordinator", "127.0.0.1:1", "--connect-timeout", "1",
                                "--token", TOKEN),
-                          capture_output=True, text=True, timeout=30, env=_env())
+                          capture_output=True, text=True, timeout=30, env=env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not answer" in lines[0]
@@ -132,11 +108,11 @@ def test_worker_silent_coordinator_one_line() -> None:
 def test_two_hosts_on_loopback_with_a_remote_kill(tiny: Path, tmp_path: Path) -> None:
     # "host" A: the coordinator and workers 0, 1; "host" B: `chameleon worker` with 2, 3.
     # Worker 3 (remote: the coordinator cannot see its process) is killed mid-step.
-    train = subprocess.Popen(_cmd("train", "--config", str(tiny), "--workers", "2",
+    train = subprocess.Popen(cmd("train", "--config", str(tiny), "--workers", "2",
                                   "--remote-workers", "2", "--out", str(tmp_path / "run"),
                                   "--json", "--fault", "rank=3,step=2,kind=kill,phase=forward"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env(CHAMELEON_TOKEN=TOKEN))
+                             env=env(CHAMELEON_TOKEN=TOKEN))
     worker = None
     try:
         assert train.stderr is not None
@@ -147,9 +123,9 @@ def test_two_hosts_on_loopback_with_a_remote_kill(tiny: Path, tmp_path: Path) ->
             if "listening on" in line:
                 address = line.split("listening on ")[1].split(";")[0]
         assert address, "the coordinator never printed its address"
-        worker = subprocess.Popen(_cmd("worker", "--coordinator", address, "--num-workers", "2"),
+        worker = subprocess.Popen(cmd("worker", "--coordinator", address, "--num-workers", "2"),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=_env(CHAMELEON_TOKEN=TOKEN))
+                                  env=env(CHAMELEON_TOKEN=TOKEN))
         out, err = train.communicate(timeout=120)
         assert train.returncode == 0, err[-3000:]
         report = json.loads(out)

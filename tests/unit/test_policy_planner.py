@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chameleon_ft.policy import Planner
+from chameleon_ft.policy.score import break_even_horizon_s
 from chameleon_ft.spec.config import Config, config_from_mapping, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,8 +71,8 @@ def test_short_horizon_prefers_small_transition_long_prefers_fast_step(paper32: 
 
 
 def test_break_even_between_reroute_and_dynamic(paper32: Planner) -> None:
-    """With a zero-transition reroute, dynamic wins exactly beyond
-    D* = T_tr t_r / (t_r - t_d) (Eq. 8 algebra)."""
+    """Dynamic wins exactly beyond D* = (T_d t_r - T_r t_d) / (t_r - t_d) (Eq. 8 algebra);
+    with nothing to rebuild, reroute's transition is only the step in flight."""
     config = paper32.config
     zero = replace(config, recovery=replace(config.recovery, detect_s=0.0, rebuild_s=0.0))
     planner = Planner(zero, profile=paper32.profile)
@@ -80,15 +81,19 @@ def test_break_even_between_reroute_and_dynamic(paper32: Planner) -> None:
     probe = planner.decide(planner.initial_plan, [5], horizon_s=1e6)
     assert probe.cache_hit
     by = {c.strategy: c for c in probe.candidates}
-    t_r, t_d, t_tr = by["reroute"].step_s, by["dynamic"].step_s, by["dynamic"].transition_s
-    assert by["reroute"].transition_s == 0.0 and t_d < t_r
-    d_star = t_tr * t_r / (t_r - t_d)
-    for factor, winner in ((0.98, "reroute"), (1.02, "dynamic")):
+    rerouting = planner.rerouting  # recycle: paper32 can defer weight gradients
+    assert rerouting == "recycle"
+    t_r, t_d, t_tr = by[rerouting].step_s, by["dynamic"].step_s, by["dynamic"].transition_s
+    lost = by[rerouting].terms["lost_step_s"]
+    assert by[rerouting].transition_s == lost == by["dynamic"].terms["lost_step_s"]
+    assert lost == pytest.approx(paper32.failure_free.step_s / 2) and t_d < t_r
+    d_star = break_even_horizon_s(t_r, t_d, t_tr, lost)
+    for factor, winner in ((0.98, rerouting), (1.02, "dynamic")):
         decision = planner.decide(planner.initial_plan, [5], horizon_s=factor * d_star,
                                   policy="chameleon")
         scores = {c.strategy: c.score for c in decision.candidates}
         assert decision.cache_hit
-        loser = "dynamic" if winner == "reroute" else "reroute"
+        loser = "dynamic" if winner == rerouting else rerouting
         assert scores[winner] > scores[loser]
 
 
@@ -100,7 +105,7 @@ def test_repeated_failures_start_from_the_current_plan(paper32: Planner) -> None
     victim = current.pipelines[-1].stages[0].worker
     second = paper32.decide(current, [victim], horizon_s=3600.0)
     by = {c.strategy: c for c in second.candidates}
-    rerouted = by["reroute"].plan
+    rerouted = by[paper32.rerouting].plan
     assert rerouted is not None
     # rerouting keeps the CURRENT (heterogeneous) layouts, not the original ones
     assert [p.layout for p in rerouted.pipelines] == [p.layout for p in current.pipelines]

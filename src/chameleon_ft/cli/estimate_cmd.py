@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model} on {config.cluster.num_nodes} x {config.cluster.devices_per_node} "
           f"{config.cluster.device.name if config.cluster.device else 'devices'}: "
           f"tp {job.tp} x pp {job.pp} x dp {job.dp}, global batch {job.global_batch}, "
-          f"micro-batch {job.micro_batch}, {job.schedule}")
+          f"micro-batch {job.micro_batch}, {job.schedule}"
+          + (f" ({job.virtual_stages} chunks per worker)" if job.virtual_stages > 1 else ""))
     header = ["plan", "step", "samples/s", "tokens/s", "bubble", "peak mem/device", "fits",
               "compute / p2p / all-reduce / optimizer"]
     rows = [_rows("failure-free", base)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=[p for p in POLICY_NAMES],
                         help="chameleon (adaptive) or a fixed strategy; default: the config's")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _terms_text(terms: Mapping[str, float]) -> str:
+    """``name value`` for every transition term, in the model's order."""
+    return ", ".join(f"{k} {human_seconds(v) if v else '0 s'}" for k, v in terms.items()) or "none"
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -104,10 +110,18 @@ def run(args: argparse.Namespace) -> int:
             c.reason,
         ])
     print(table(rows, header))
+    print("transition terms (s):")
+    for c in decision.candidates:
+        if not c.feasible:
+            continue
+        line = _terms_text(c.terms)
+        if c.interim_step_s is not None:
+            line += (f"; then {human_seconds(c.interim_s)} in the background and a switch of "
+                     f"{_terms_text(c.switch_terms)}")
+        print(f"  {c.strategy}: {line}")
     chosen = decision.chosen
-    terms = ", ".join(f"{k} {human_seconds(v)}" for k, v in chosen.terms.items())
     print(f"decision: {decision.strategy}: {decision.reason}")
-    print(f"transition: {terms or 'none'}")
+    print(f"transition: {_terms_text(chosen.terms)}")
     print(f"search: {human_seconds(decision.search_s)} (templates: "
           f"{human_seconds(planner.setup_s)}, once per job)")
     return 0

@@ -67,8 +67,6 @@ def _join(store: dist.TCPStore, job: JobInfo, token: str, wanted_job: str, addre
     Raises:
         ValueError: when the coordinator refuses or does not answer.
     """
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from chameleon_ft.runtime import protocol as proto
@@ -80,12 +78,19 @@ def _join(store: dist.TCPStore, job: JobInfo, token: str, wanted_job: str, addre
     index = store.add(proto.JOIN_SLOTS_KEY, 1) - 1
     store.set(proto.join_request_key(index), request.to_json())
     key = proto.join_reply_key(wnonce)
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-        reply = auth.JoinReply.from_json(store.get(key))
-    except (dist.DistStoreError, ValueError):
-        raise ValueError(f"--coordinator: no answer to the join request within "
-                         f"{timeout_s:g} s") from None
+    deadline = time.monotonic() + timeout_s
+    reply = None
+    while reply is None:
+        try:  # short polls: a long server-side wait is at the mercy of one connection
+            if store.check([key]):
+                reply = auth.JoinReply.from_json(store.get(key))
+                break
+        except (dist.DistError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"--coordinator: no answer to the join request within "
+                             f"{timeout_s:g} s")
+        time.sleep(0.05)
     with contextlib.suppress(Exception):
         store.delete_key(key)
     if not reply.ok:

@@ -31,9 +31,9 @@ from typing import Any
 
 from chameleon_ft.perf.coloring import rounds
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.perf.schedule import Bucket, Op, Timeline, best_timeline, simulate
+from chameleon_ft.perf.schedule import Bucket, Op, Timeline, best_timeline
 from chameleon_ft.plan.plan import ExecutionPlan
-from chameleon_ft.profile.profile import Profile, stage_sums
+from chameleon_ft.profile.profile import Profile, chunk_sums
 
 
 @dataclass(frozen=True)
@@ -204,10 +204,11 @@ class Estimator:
         return value
 
     def _stage_cost(self, lo: int, hi: int) -> Any:
+        """The per-chunk costs of a stage holding layers (columns) ``[lo, hi)``."""
         key = (lo, hi)
         cost = self._stage.get(key)
         if cost is None:
-            cost = stage_sums(self.profile, range(lo, hi))
+            cost = chunk_sums(self.profile, lo, hi)
             self._stage[key] = cost
         return cost
 
@@ -246,7 +247,7 @@ class Estimator:
             pipe = plan.pipelines[p]
             costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
                      for s, st in enumerate(pipe.stages)}
-            cached = simulate(plan, self.profile, self.topology, [p], speeds, costs)
+            cached = best_timeline(plan, self.profile, self.topology, [p], speeds, costs)
             cached = _relabel(cached, {st.worker: s for s, st in enumerate(pipe.stages)})
             if key is not None:
                 self._pipelines[key] = cached
@@ -306,7 +307,7 @@ class Estimator:
         worker_ids: dict[int, int] = {}
         node_ids: dict[int, int] = {}
         node_of = self.topology.node_of
-        shape: list[Any] = [plan.schedule, ranks]
+        shape: list[Any] = [plan.schedule, plan.defer_weight_grad, ranks]
         for p in order:
             pipe = plan.pipelines[p]
             names = []
@@ -443,7 +444,7 @@ def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = No
     def ops(seq: list[Op]) -> list[Op]:
         if pipeline is None:
             return seq
-        return [Op(op.kind, pipeline, op.stage, op.microbatch) for op in seq]
+        return [Op(op.kind, pipeline, op.stage, op.microbatch, op.chunk) for op in seq]
 
     return Timeline(
         ops={mapping[w]: ops(v) for w, v in tl.ops.items()} if keep_ops else {},

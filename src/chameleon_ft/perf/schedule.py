@@ -1,25 +1,37 @@
 """Schedules as data: the per-worker order of forward and backward operations of a plan.
 
 One function, :func:`simulate`, turns a plan into a timed schedule by list scheduling
-over the dependency graph of docs/design.md section 3.1:
+over the dependency graph of docs/design.md section 3.1. Every schedule uses the same
+graph and the same scheduler; they differ only in each stage's operation order:
 
-- F(p, s, j) after F(p, s-1, j) plus the activation transfer between their workers;
-- B(p, s, j) after F(p, s, j), and after B(p, s+1, j) plus the gradient transfer;
-- each (pipeline, stage) is a *stream* of operations in schedule order (1F1B: ``S - s``
-  forwards, then alternate one backward and one forward, then the remaining backwards;
-  GPipe: every forward, then every backward). A stream runs its operations in order.
+- an operation is F (forward), B (backward) or W (weight gradient) of one micro-batch on
+  one model chunk of one (pipeline, stage). B is the fused backward (input gradient then
+  weight gradient) unless the schedule splits it, then B is the input gradient alone and
+  W the weight gradient, which nothing downstream waits for;
+- F(p, s, r, j) after F(p, s-1, r, j), and the first stage's chunk r after the last
+  stage's chunk r-1, plus the activation transfer between their workers; B(p, s, r, j)
+  after F(p, s, r, j) and after the next chunk's B plus the gradient transfer; W after
+  its B;
+- each (pipeline, stage) is a *stream* of operations in the schedule's order
+  (:func:`stage_order`): ``1f1b``, ``gpipe``, ``interleaved`` (v chunks per worker,
+  Narayanan et al. 2021) and ``zero-bubble`` (ZB-H1, Qi et al. 2024). A stream runs its
+  operations in order.
 
-A worker normally runs one stream, so its order is exactly 1F1B and the step time is the
-longest path of the graph (paper Eq. 11). A worker that also runs a rerouted stage's
-micro-batches runs several streams; when it is free it starts one of the stream heads
-that are ready, chosen by a priority rule, so the merge never deadlocks (list scheduling
-of a DAG) and never idles while work is ready. :func:`best_timeline` tries two rules
-and keeps the faster; serving rerouted work first keeps a rerouted step within Eq. 13
-computed with whole micro-batches. The resulting per-worker op lists are what the runtime
-executes, so the runtime runs exactly the schedule the estimator timed.
+A worker normally runs one stream, so its order is exactly the schedule's and the step
+time is the longest path of the graph (paper Eq. 11). A worker that also runs a rerouted
+stage's micro-batches runs several streams; when it is free it starts one of the stream
+heads that are ready, chosen by a priority rule, so the merge never deadlocks (list
+scheduling of a DAG) and never idles while work is ready. When its backward is split
+(``zero-bubble`` plans, or any plan with ``defer_weight_grad``), its W operations form
+streams of their own that run only when no F or B is ready: weight gradients deferred
+into the worker's bubbles, as ReCycle does on rerouted peers. :func:`best_timeline` tries
+two rules and keeps the faster; serving rerouted work first keeps a rerouted step within
+Eq. 13 computed with whole micro-batches. The resulting per-worker op lists are what the
+runtime executes (``1f1b`` and ``gpipe`` only, fused backward, one chunk), so the runtime
+runs exactly the schedule the estimator timed.
 
-Backward operations are fused (input gradient and weight gradient back to back), so
-Eq. 9 holds exactly for uniform stages.
+With the fused backward Eq. 9 holds exactly for uniform 1F1B stages, and interleaving v
+chunks gives ``(m + (S - 1) / v) (t_f + t_b)`` (:mod:`chameleon_ft.perf.closed_form`).
 """
 
 from __future__ import annotations
@@ -33,24 +45,33 @@ from enum import StrEnum
 
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan.plan import ExecutionPlan
-from chameleon_ft.profile.profile import LayerCost, Profile, stage_sums
+from chameleon_ft.profile.profile import LayerCost, Profile, chunk_sums
+from chameleon_ft.spec.job import Schedule as ScheduleName
 
 
 class OpKind(StrEnum):
-    """Operation kinds: forward, and fused backward (input gradient + weight gradient)."""
+    """Operation kinds: forward; backward (fused input and weight gradient, or the input
+    gradient alone when the schedule splits it); weight gradient."""
 
     F = "F"
     B = "B"
+    W = "W"
+
+
+_F, _B, _W = 0, 1, 2
+_KINDS = (OpKind.F, OpKind.B, OpKind.W)
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One operation of one micro-batch of one (pipeline, stage)."""
+    """One operation of one micro-batch of one (pipeline, stage), on one model chunk."""
 
     kind: OpKind
     pipeline: int
     stage: int
     microbatch: int
+    chunk: int = 0
+    """The model chunk (0 .. virtual_stages - 1); always 0 outside ``interleaved``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,48 +82,142 @@ class Bucket:
     layers: tuple[int, ...]
 
 
-@functools.lru_cache(maxsize=4096)
-def stream_order(num_stages: int, stage: int, num_microbatches: int,
-                 schedule: str = "1f1b") -> tuple[tuple[OpKind, int], ...]:
-    """The schedule's op order for one stage: ``(kind, micro-batch)`` pairs.
+SPLIT_SCHEDULES = frozenset({ScheduleName.ZERO_BUBBLE.value})
+"""Schedules whose every stage splits the backward into B and W."""
 
-    1F1B keeps at most ``num_stages - stage`` micro-batches in flight on the stage.
+
+def zero_bubble_lags(num_stages: int, stage: int) -> tuple[int, ...]:
+    """How many micro-batches stage ``stage`` defers its W behind its B, per variant tried.
+
+    ZB-H1 (Qi et al. 2024) delays W on stage ``s`` by ``s`` micro-batches, so every stage
+    holds at most ``S`` micro-batches (stage 0's 1F1B peak) while the deferred W's fill the
+    drain; lag 0 (W right after its B) is 1F1B with the input gradient sent upstream
+    before the weight gradient runs, never slower than 1F1B. The estimator keeps the
+    faster of the two.
     """
-    m = num_microbatches
-    if schedule == "gpipe":
-        return tuple([(OpKind.F, j) for j in range(m)] + [(OpKind.B, j) for j in range(m)])
-    warm = min(num_stages - stage, m)
-    order = [(OpKind.F, j) for j in range(warm)]
-    for k in range(m):
-        order.append((OpKind.B, k))
-        if k + warm < m:
-            order.append((OpKind.F, k + warm))
+    return (stage, 0) if stage else (0,)
+
+
+@functools.lru_cache(maxsize=8192)
+def stage_order(num_stages: int, stage: int, num_microbatches: int,
+                schedule: str = "1f1b", virtual_stages: int = 1,
+                lag: int | None = None) -> tuple[tuple[OpKind, int, int], ...]:
+    """The schedule's op order for one stage: ``(kind, chunk, micro-batch)`` triples.
+
+    - ``1f1b``: ``S - s`` forwards, then one backward one forward, then the remaining
+      backwards; at most ``S - s`` micro-batches in flight.
+    - ``gpipe``: every forward, then every backward.
+    - ``interleaved``: Megatron's depth-first interleaving: micro-batches in groups of
+      ``S``, each group through chunk 0, then chunk 1, ...; backwards in the reverse chunk
+      order; ``2 (S - s - 1) + (v - 1) S + 1`` forwards before the first backward, then
+      one backward one forward (a partial last group: the order of the next multiple of
+      ``S`` without the missing micro-batches). With ``v = 1`` it is ``1f1b``.
+    - ``zero-bubble``: ``1f1b``'s F and B (B the input gradient alone), W of micro-batch
+      ``j`` right after B of ``j + lag`` (default ``lag = s``, ZB-H1), the rest at the end.
+
+    Args:
+        num_stages: S, stages of the pipeline.
+        stage: s, 0-based.
+        num_microbatches: m, micro-batches of the pipeline.
+        schedule: a :class:`~chameleon_ft.spec.job.Schedule` value.
+        virtual_stages: v, chunks per stage (``interleaved`` only).
+        lag: ``zero-bubble`` only: how far W trails its B (see :func:`zero_bubble_lags`).
+
+    Raises:
+        ValueError: for an unknown schedule, or chunks with a schedule other than
+            ``interleaved``.
+    """
+    m, v = num_microbatches, virtual_stages
+    if v > 1 and schedule != ScheduleName.INTERLEAVED:
+        raise ValueError(f"virtual_stages: {v} chunks per stage need the interleaved "
+                         f"schedule, got {schedule!r}")
+    if schedule == ScheduleName.GPIPE:
+        return tuple([(OpKind.F, 0, j) for j in range(m)] + [(OpKind.B, 0, j) for j in range(m)])
+    if schedule == ScheduleName.INTERLEAVED and v > 1:
+        # Megatron's order is for whole groups of S micro-batches; with a partial last
+        # group, take the order of the next multiple of S and drop the missing
+        # micro-batches. Dropping operations from deadlock-free fixed orders cannot create
+        # a cycle, so every m works (the closed form is exact for multiples of S).
+        group = num_stages
+        padded = -(-m // group) * group
+        forwards = [(OpKind.F, r, j) for g in range(0, padded, group) for r in range(v)
+                    for j in range(g, g + group)]
+        backwards = [(OpKind.B, r, j) for g in range(0, padded, group)
+                     for r in reversed(range(v)) for j in range(g, g + group)]
+        warm = 2 * (num_stages - stage - 1) + (v - 1) * group + 1
+        full = _one_forward_one_backward(forwards, backwards, warm)
+        return full if padded == m else tuple(op for op in full if op[2] < m)
+    if schedule not in (ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED,
+                        ScheduleName.ZERO_BUBBLE):
+        raise ValueError(f"schedule: unknown schedule {schedule!r}")
+    forwards = [(OpKind.F, 0, j) for j in range(m)]
+    backwards = [(OpKind.B, 0, j) for j in range(m)]
+    order = _one_forward_one_backward(forwards, backwards, num_stages - stage)
+    if schedule != ScheduleName.ZERO_BUBBLE:
+        return order
+    delay = stage if lag is None else lag
+    out: list[tuple[OpKind, int, int]] = []
+    done = 0  # W's placed so far, in micro-batch order
+    for kind, r, j in order:
+        out.append((kind, r, j))
+        if kind is OpKind.B and j - delay >= done:
+            out.append((OpKind.W, 0, done))
+            done += 1
+    out.extend((OpKind.W, 0, k) for k in range(done, m))
+    return tuple(out)
+
+
+def _one_forward_one_backward(forwards: list[tuple[OpKind, int, int]],
+                              backwards: list[tuple[OpKind, int, int]],
+                              warm: int) -> tuple[tuple[OpKind, int, int], ...]:
+    """``warm`` forwards, then alternately one backward and one forward, then the rest."""
+    warm = min(warm, len(forwards))
+    order = forwards[:warm]
+    nxt = warm
+    for op in backwards:
+        order.append(op)
+        if nxt < len(forwards):
+            order.append(forwards[nxt])
+            nxt += 1
     return tuple(order)
 
 
-# A rule maps (ready time, is backward, micro-batch, pipeline, stage, rerouted) to a key;
-# the smallest key runs first.
-def _rerouted_first(ready_s: float, backward: bool, microbatch: int, pipeline: int, stage: int,
-                    rerouted: bool) -> tuple[float, ...]:
+@functools.lru_cache(maxsize=4096)
+def stream_order(num_stages: int, stage: int, num_microbatches: int,
+                 schedule: str = "1f1b") -> tuple[tuple[OpKind, int], ...]:
+    """The op order of one stage of a one-chunk schedule: ``(kind, micro-batch)`` pairs
+    (:func:`stage_order` without the chunk).
+
+    1F1B keeps at most ``num_stages - stage`` micro-batches in flight on the stage.
+    """
+    return tuple((kind, j) for kind, _, j in
+                 stage_order(num_stages, stage, num_microbatches, schedule))
+
+
+# A rule maps (ready time, kind, micro-batch, pipeline, stage, rerouted, chunk) to a key;
+# the smallest key runs first. Every rule puts W last: a weight gradient runs only when no
+# forward or input gradient is ready (deferred into the worker's idle time).
+def _rerouted_first(ready_s: float, kind: int, microbatch: int, pipeline: int, stage: int,
+                    rerouted: bool, chunk: int) -> tuple[float, ...]:
     # The dead pipeline waits on its peers while a peer's own pipeline can absorb a delay
     # in its bubble, so serving rerouted work first keeps the step within Eq. 13.
-    return (not rerouted, not backward, microbatch, ready_s, pipeline, stage)
+    return (kind == _W, not rerouted, kind != _B, microbatch, ready_s, pipeline, stage, chunk)
 
 
-def _backward_first(ready_s: float, backward: bool, microbatch: int, pipeline: int, stage: int,
-                    rerouted: bool) -> tuple[float, ...]:
-    return (not backward, microbatch, ready_s, pipeline, stage)
+def _backward_first(ready_s: float, kind: int, microbatch: int, pipeline: int, stage: int,
+                    rerouted: bool, chunk: int) -> tuple[float, ...]:
+    return (kind == _W, kind != _B, microbatch, ready_s, pipeline, stage, chunk)
 
 
-def _ready_first(ready_s: float, backward: bool, microbatch: int, pipeline: int, stage: int,
-                 rerouted: bool) -> tuple[float, ...]:
-    return (ready_s, not backward, microbatch, pipeline, stage)
+def _ready_first(ready_s: float, kind: int, microbatch: int, pipeline: int, stage: int,
+                 rerouted: bool, chunk: int) -> tuple[float, ...]:
+    return (kind == _W, ready_s, kind != _B, microbatch, pipeline, stage, chunk)
 
 
 PRIORITIES = {"rerouted-first": _rerouted_first, "backward-first": _backward_first,
               "ready-first": _ready_first}
 """How a worker running several streams picks among operations that are ready now.
-A worker with one stream has no choice: it runs its 1F1B order."""
+A worker with one stream has no choice: it runs its schedule's order."""
 
 DEFAULT_RULES = ("rerouted-first", "ready-first")
 """The rules :func:`best_timeline` tries. On 600 random rerouted plans this pair came within
@@ -129,19 +244,47 @@ class Timeline:
     """Transfers on the critical path."""
 
 
-def _stage_costs(plan: ExecutionPlan, profile: Profile) -> dict[tuple[int, int], LayerCost]:
-    return {(p, s): stage_sums(profile, st.layers) for p, s, st in plan.iter_stages()}
+ChunkCosts = tuple[LayerCost, ...]
+"""The costs of each model chunk of one stage (one entry unless the job interleaves)."""
+
+
+def _stage_costs(plan: ExecutionPlan, profile: Profile) -> dict[tuple[int, int], ChunkCosts]:
+    return {(p, s): chunk_sums(profile, st.first_layer, st.end_layer)
+            for p, s, st in plan.iter_stages()}
+
+
+def splits_backward(plan: ExecutionPlan) -> bool:
+    """Whether some worker of ``plan`` runs B and W as separate operations."""
+    return plan.schedule in SPLIT_SCHEDULES or (plan.defer_weight_grad and bool(plan.reroutes))
+
+
+FUSED_VARIANT = 2
+"""The ``zero-bubble`` variant that runs the plan as ``1f1b`` (fused backward)."""
+
+
+def schedule_variants(plan: ExecutionPlan) -> tuple[int, ...]:
+    """The order variants :func:`best_timeline` tries.
+
+    ``zero-bubble``: 0 and 1 index :func:`zero_bubble_lags` (ZB-H1's lag, then W right
+    after its B); with reroutes also :data:`FUSED_VARIANT`, because the greedy merge on
+    rerouted peers has no ordering guarantee: a zero-bubble plan is never estimated
+    slower than the same plan under 1F1B. One variant for every other schedule.
+    """
+    if plan.schedule not in SPLIT_SCHEDULES:
+        return (0,)
+    return (0, 1, FUSED_VARIANT) if plan.reroutes else (0, 1)
 
 
 @dataclass
 class _Graph:
     """The operation graph of some pipelines, as flat arrays indexed by op id."""
 
-    op_meta: list[tuple[bool, int, int, int]]
-    """``(is backward, pipeline, stage, micro-batch)`` of each op."""
+    op_meta: list[tuple[int, int, int, int, int]]
+    """``(kind, pipeline, stage, micro-batch, chunk)`` of each op (kind 0 F, 1 B, 2 W)."""
     op_worker: list[int]
     op_dur: list[float]
     op_act: list[float]
+    """Activation bytes each op adds (F) or frees (a negative number: B, or W when split)."""
     op_foreign: list[bool]
     succs: list[list[tuple[int, float]]]
     streams: list[list[int]]
@@ -150,24 +293,45 @@ class _Graph:
 
     def op(self, op_id: int) -> Op:
         """The op ``op_id`` as a value."""
-        backward, p, s, j = self.op_meta[op_id]
-        return Op(OpKind.B if backward else OpKind.F, p, s, j)
+        kind, p, s, j, r = self.op_meta[op_id]
+        return Op(_KINDS[kind], p, s, j, r)
 
 
-@functools.lru_cache(maxsize=4096)
-def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule: str
-                   ) -> tuple[tuple[bool, ...], tuple[int, ...], tuple[int, ...]]:
-    """For a stage's stream: whether each position is a backward, and the position of each
-    micro-batch's forward and backward."""
-    order = stream_order(num_stages, stage, num_microbatches, schedule)
-    fpos = [0] * num_microbatches
-    bpos = [0] * num_microbatches
-    for i, (kind, j) in enumerate(order):
-        if kind is OpKind.F:
-            fpos[j] = i
-        else:
-            bpos[j] = i
-    return tuple(kind is OpKind.B for kind, _ in order), tuple(fpos), tuple(bpos)
+@functools.lru_cache(maxsize=8192)
+def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule: str,
+                   virtual_stages: int, split: int, variant: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                              tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """A stage's stream as arrays: kind, chunk and micro-batch of each position, and the
+    position of each ``(chunk, micro-batch)``'s F, B and W (index ``chunk * m + j``; -1
+    when there is none).
+
+    ``split``: 0 fused backward; 1 B and W in the schedule's own order (``zero-bubble``);
+    2 B in the order and every W right after its B (the caller moves the W's to a stream
+    of their own: deferred into idle time).
+    """
+    m = num_microbatches
+    if split == 1:
+        lags = zero_bubble_lags(num_stages, stage)
+        order = stage_order(num_stages, stage, m, schedule, virtual_stages,
+                            lags[min(variant, len(lags) - 1)])
+    else:
+        base = ScheduleName.ONE_F_ONE_B.value if schedule in SPLIT_SCHEDULES else schedule
+        order = stage_order(num_stages, stage, m, base, virtual_stages)
+        if split == 2:
+            order = tuple(op for kind, r, j in order
+                          for op in (((kind, r, j), (OpKind.W, r, j)) if kind is OpKind.B
+                                     else ((kind, r, j),)))
+    size = virtual_stages * m
+    fpos, bpos, wpos = [-1] * size, [-1] * size, [-1] * size
+    kinds, chunks, mbs = [], [], []
+    for i, (kind, r, j) in enumerate(order):
+        code = _KINDS.index(kind)
+        kinds.append(code)
+        chunks.append(r)
+        mbs.append(j)
+        (fpos, bpos, wpos)[code][r * m + j] = i
+    return tuple(kinds), tuple(chunks), tuple(mbs), tuple(fpos), tuple(bpos), tuple(wpos)
 
 
 def build_graph(
@@ -176,16 +340,30 @@ def build_graph(
     topology: Topology,
     pipelines: Sequence[int] | None = None,
     speeds: Mapping[int, float] | None = None,
-    costs: Mapping[tuple[int, int], LayerCost] | None = None,
+    costs: Mapping[tuple[int, int], ChunkCosts] | None = None,
+    variant: int = 0,
 ) -> _Graph:
-    """The operation graph of ``pipelines`` (default: all) of ``plan``."""
+    """The operation graph of ``pipelines`` (default: all) of ``plan``.
+
+    ``costs`` gives each (pipeline, stage)'s per-chunk costs (:func:`chunk_sums`);
+    ``variant`` picks the order variant of :func:`schedule_variants`.
+    """
     chosen = list(range(plan.num_pipelines)) if pipelines is None else list(pipelines)
     costs = costs if costs is not None else _stage_costs(plan, profile)
     speed = speeds or {}
-    rerouted = set(plan.reroute_map)
+    rerouted = plan.reroute_map
+    schedule = plan.schedule
+    if variant == FUSED_VARIANT:
+        schedule = ScheduleName.ONE_F_ONE_B.value
+    split_all = schedule in SPLIT_SCHEDULES
+    # Workers that run several streams: rerouted peers. Their W's, when split, become
+    # streams of their own that run only in idle time.
+    members = set(chosen)
+    peers = {w for r in plan.reroutes if r.pipeline in members for w, _ in r.shares}
+    defer = split_all or (plan.defer_weight_grad and variant != FUSED_VARIANT)
 
     # ---- the graph, as flat arrays indexed by op id (this loop is the hot path)
-    op_meta: list[tuple[bool, int, int, int]] = []
+    op_meta: list[tuple[int, int, int, int, int]] = []
     op_worker: list[int] = []
     op_dur: list[float] = []
     op_act: list[float] = []
@@ -194,73 +372,117 @@ def build_graph(
     stream_of_worker: dict[int, list[int]] = {}
     fwd_id: dict[tuple[int, int], list[int]] = {}
     bwd_id: dict[tuple[int, int], list[int]] = {}
+    wgt_id: dict[tuple[int, int], list[int]] = {}
 
     for p in chosen:
         pipe = plan.pipelines[p]
         num_stages, m = pipe.num_stages, pipe.num_microbatches
         for s in range(num_stages):
-            cost = costs[(p, s)]
+            chunks = costs[(p, s)]
+            v = len(chunks)
+            reroute = rerouted.get((p, s))
+            w0 = pipe.stages[s].worker
+            if reroute is not None or (defer and w0 in peers):
+                split = 2 if defer else 0
+            else:
+                split = 1 if split_all else 0
             base = len(op_worker)
-            backward, fpos, bpos = _stream_layout(num_stages, s, m, plan.schedule)
+            kinds, rounds, mbs, fpos, bpos, wpos = _stream_layout(
+                num_stages, s, m, schedule, v, split, variant)
+            n = len(kinds)
             fwd_id[(p, s)] = [base + i for i in fpos]
             bwd_id[(p, s)] = [base + i for i in bpos]
-            op_meta.extend([(is_b, p, s, j) for is_b, (_, j)
-                            in zip(backward, stream_order(num_stages, s, m, plan.schedule),
-                                   strict=True)])
-            op_act.extend([cost.activation_bytes] * (2 * m))
-            if (p, s) not in rerouted:
-                # One worker runs the whole stream, in order.
-                w = pipe.stages[s].worker
-                sp = speed.get(w, 1.0)
-                fwd, bwd = cost.fwd_s / sp, cost.bwd_s / sp
-                op_worker.extend([w] * (2 * m))
-                op_dur.extend([bwd if is_b else fwd for is_b in backward])
-                op_foreign.extend([False] * (2 * m))
-                stream_of_worker.setdefault(w, []).append(len(streams))
-                streams.append(list(range(base, base + 2 * m)))
+            if split:
+                wgt_id[(p, s)] = [base + i for i in wpos]
+            op_meta.extend(zip(kinds, [p] * n, [s] * n, mbs, rounds, strict=True))
+            # Duration and activation of each (kind, chunk) at unit speed.
+            table: list[tuple[tuple[float, float], ...]] = []
+            for c in chunks:
+                if split:
+                    table.append(((c.fwd_s, c.activation_bytes),
+                                  (c.bwd_input_s, 0.0),
+                                  (c.bwd_weight_s, -c.activation_bytes)))
+                else:
+                    table.append(((c.fwd_s, c.activation_bytes),
+                                  (c.bwd_s, -c.activation_bytes)))
+            cells = [table[r][k] for k, r in zip(kinds, rounds, strict=True)]
+            op_act.extend([a for _, a in cells])
+            if reroute is None:
+                # One worker runs the whole stream, in order (its W's in a stream of
+                # their own when it defers them).
+                sp = speed.get(w0, 1.0)
+                op_worker.extend([w0] * n)
+                op_dur.extend([d / sp for d, _ in cells])
+                op_foreign.extend([False] * n)
+                if split == 2:
+                    own = [base + i for i in range(n) if kinds[i] != _W]
+                    deferred = [base + i for i in range(n) if kinds[i] == _W]
+                    for seq in (own, deferred):
+                        stream_of_worker.setdefault(w0, []).append(len(streams))
+                        streams.append(seq)
+                else:
+                    stream_of_worker.setdefault(w0, []).append(len(streams))
+                    streams.append(list(range(base, base + n)))
                 continue
             executors = plan.executor(p, s)
-            by_worker: dict[int, list[int]] = {}
-            for i, ((_, j), is_b) in enumerate(
-                    zip(stream_order(num_stages, s, m, plan.schedule), backward, strict=True)):
+            by_worker: dict[tuple[int, bool], list[int]] = {}
+            for i, (k, j) in enumerate(zip(kinds, mbs, strict=True)):
                 w = executors[j]
                 op_worker.append(w)
-                op_dur.append((cost.bwd_s if is_b else cost.fwd_s) / speed.get(w, 1.0))
+                op_dur.append(cells[i][0] / speed.get(w, 1.0))
                 op_foreign.append(True)
-                by_worker.setdefault(w, []).append(base + i)
-            for w, ids in by_worker.items():
+                by_worker.setdefault((w, k == _W), []).append(base + i)
+            for (w, _), ids in by_worker.items():
                 stream_of_worker.setdefault(w, []).append(len(streams))
                 streams.append(ids)
 
     num_ops = len(op_worker)
     succs: list[list[tuple[int, float]]] = [[] for _ in range(num_ops)]
     pending = [0] * num_ops
-    delays: dict[tuple[int, int], float] = {}
+    delays: dict[tuple[int, int, float], float] = {}
+
+    def link(src: int, dst: int, num_bytes: float, back: int, front: int) -> None:
+        """Activation ``src -> dst``; its gradient ``back -> front`` (same bytes)."""
+        a, b = op_worker[src], op_worker[dst]
+        delay = delays.get((a, b, num_bytes))
+        if delay is None:
+            delay = delays[(a, b, num_bytes)] = topology.p2p_s(a, b, num_bytes)
+        succs[src].append((dst, delay))
+        pending[dst] += 1
+        rev = delays.get((b, a, num_bytes))
+        if rev is None:
+            rev = delays[(b, a, num_bytes)] = topology.p2p_s(b, a, num_bytes)
+        succs[back].append((front, rev))
+        pending[front] += 1
+
     for p in chosen:
         pipe = plan.pipelines[p]
-        for s in range(pipe.num_stages):
+        num_stages, m = pipe.num_stages, pipe.num_microbatches
+        for s in range(num_stages):
             fids, bids = fwd_id[(p, s)], bwd_id[(p, s)]
             for f, b in zip(fids, bids, strict=True):
                 succs[f].append((b, 0.0))
                 pending[b] += 1
-            if s + 1 == pipe.num_stages:
-                continue
-            out_bytes = costs[(p, s)].output_bytes
-            next_f, next_b = fwd_id[(p, s + 1)], bwd_id[(p, s + 1)]
-            for j in range(pipe.num_microbatches):
-                a, b = op_worker[fids[j]], op_worker[next_f[j]]
-                delay = delays.get((a, b))
-                if delay is None:
-                    delay = delays[(a, b)] = topology.p2p_s(a, b, out_bytes)
-                # activation forward, gradient of the same size backward
-                succs[fids[j]].append((next_f[j], delay))
-                pending[next_f[j]] += 1
-                back = delays.get((b, a))
-                if back is None:
-                    back = delays[(b, a)] = topology.p2p_s(b, a, out_bytes)
-                succs[next_b[j]].append((bids[j], back))
-                pending[bids[j]] += 1
-        delays.clear()  # the output size differs per pipeline stage
+            wids = wgt_id.get((p, s))
+            if wids is not None:
+                for b, w in zip(bids, wids, strict=True):
+                    succs[b].append((w, 0.0))
+                    pending[w] += 1
+            chunks = costs[(p, s)]
+            if s + 1 < num_stages:
+                next_f, next_b = fwd_id[(p, s + 1)], bwd_id[(p, s + 1)]
+                for r, c in enumerate(chunks):
+                    out_bytes = c.output_bytes
+                    for x in range(r * m, (r + 1) * m):
+                        link(fids[x], next_f[x], out_bytes, next_b[x], bids[x])
+            elif len(chunks) > 1:
+                # The last stage's chunk r feeds the first stage's chunk r + 1.
+                first_f, first_b = fwd_id[(p, 0)], bwd_id[(p, 0)]
+                for r in range(len(chunks) - 1):
+                    out_bytes = chunks[r].output_bytes
+                    for j in range(m):
+                        x, y = r * m + j, (r + 1) * m + j
+                        link(fids[x], first_f[y], out_bytes, first_b[y], bids[x])
 
     return _Graph(op_meta, op_worker, op_dur, op_act, op_foreign, succs, streams,
                   stream_of_worker, pending)
@@ -305,7 +527,6 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
     busy_s = [0.0] * num_workers
     act_now = [0.0] * num_workers
     act_peak = [0.0] * num_workers
-    is_fwd = [not meta[0] for meta in op_meta]
 
     # A worker running one stream has no choice to make: its next op starts as soon as the
     # op is released and the worker is free, so such ops are timed eagerly, in dependency
@@ -334,12 +555,10 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
     def account(w: int, op_id: int) -> None:
         order[w].append(op_id)
         busy_s[w] += op_dur[op_id]
-        if is_fwd[op_id]:
-            act_now[w] += op_act[op_id]
-            if act_now[w] > act_peak[w]:
-                act_peak[w] = act_now[w]
-        else:
-            act_now[w] -= op_act[op_id]
+        act = act_now[w] + op_act[op_id]
+        act_now[w] = act
+        if act > act_peak[w]:
+            act_peak[w] = act
 
     def drain() -> None:
         """Time every eager op that can run now, and what they release (the hot loop:
@@ -359,13 +578,10 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
             if with_ops:
                 order[w].append(op_id)
             busy_s[w] += dur
-            if is_fwd[op_id]:
-                act = act_now[w] + op_act[op_id]
-                act_now[w] = act
-                if act > act_peak[w]:
-                    act_peak[w] = act
-            else:
-                act_now[w] -= op_act[op_id]
+            act = act_now[w] + op_act[op_id]
+            act_now[w] = act
+            if act > act_peak[w]:
+                act_peak[w] = act
             # Release before moving the head: the stream's own next op is pushed below.
             for dst, delay in succs[op_id]:
                 arrival = t1 + delay
@@ -401,8 +617,8 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
                 if r < wait:
                     wait = r
                 continue
-            backward, p, s, j = op_meta[op_id]
-            key = priority(r, backward, j, p, s, op_foreign[op_id])
+            kind, p, s, j, chunk = op_meta[op_id]
+            key = priority(r, kind, j, p, s, op_foreign[op_id], chunk)
             if best_key is None or key < best_key:
                 best, best_key = op_id, key
         if best < 0:
@@ -455,7 +671,9 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
         try_start(w, t)
         start_touched(t)
 
-    if any(h != -1 for h in head):  # pragma: no cover - list scheduling of a DAG cannot deadlock
+    if any(h != -1 for h in head):
+        # A fixed per-stage order that waits on an op queued behind it on another worker;
+        # the orders of stage_order never do (tests cover random shapes).
         raise RuntimeError("schedule deadlocked")
 
     timeline = Timeline()
@@ -484,8 +702,9 @@ def simulate(
     topology: Topology,
     pipelines: Sequence[int] | None = None,
     speeds: Mapping[int, float] | None = None,
-    costs: Mapping[tuple[int, int], LayerCost] | None = None,
+    costs: Mapping[tuple[int, int], ChunkCosts] | None = None,
     rule: str = "rerouted-first",
+    variant: int = 0,
 ) -> Timeline:
     """List-schedule the operations of ``pipelines`` (default: all) of ``plan``.
 
@@ -498,13 +717,17 @@ def simulate(
         topology: links between workers.
         pipelines: which pipelines to simulate.
         speeds: relative speed of each worker (default 1.0): durations are divided by it.
-        costs: precomputed per-(pipeline, stage) sums (an optimisation).
+        costs: precomputed per-(pipeline, stage) chunk costs (an optimisation).
         rule: a key of :data:`PRIORITIES`, for workers that run several streams.
+        variant: an index into :func:`schedule_variants` (the order variant).
 
     Returns:
         The timed per-worker schedule.
+
+    Raises:
+        RuntimeError: if the fixed orders deadlock (a bug: the schedules here never do).
     """
-    graph = build_graph(plan, profile, topology, pipelines, speeds, costs)
+    graph = build_graph(plan, profile, topology, pipelines, speeds, costs, variant)
     return _list_schedule(graph, rule)
 
 
@@ -514,26 +737,28 @@ def best_timeline(
     topology: Topology,
     pipelines: Sequence[int] | None = None,
     speeds: Mapping[int, float] | None = None,
-    costs: Mapping[tuple[int, int], LayerCost] | None = None,
+    costs: Mapping[tuple[int, int], ChunkCosts] | None = None,
     with_ops: bool = True,
 ) -> Timeline:
-    """:func:`simulate` with each of :data:`DEFAULT_RULES`; the fastest timeline (first on ties).
+    """:func:`simulate` with each order variant and each of :data:`DEFAULT_RULES`; the
+    fastest timeline (first on ties).
 
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
 
     Only workers that run several streams (rerouted peers) depend on the rule, so plans
-    without reroutes are simulated once.
+    without reroutes are simulated with one rule; only ``zero-bubble`` has two variants.
     """
     chosen = list(range(plan.num_pipelines)) if pipelines is None else list(pipelines)
     rules = list(DEFAULT_RULES)
     if not any(r.pipeline in chosen for r in plan.reroutes):
         rules = rules[:1]
-    graph = build_graph(plan, profile, topology, chosen, speeds, costs)
     best: Timeline | None = None
-    for rule in rules:
-        timeline = _list_schedule(graph, rule, with_ops)
-        if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
-            best = timeline
+    for variant in schedule_variants(plan):
+        graph = build_graph(plan, profile, topology, chosen, speeds, costs, variant)
+        for rule in rules:
+            timeline = _list_schedule(graph, rule, with_ops)
+            if best is None or timeline.makespan_s < best.makespan_s - 1e-12:
+                best = timeline
     assert best is not None
     return best
 
@@ -543,6 +768,7 @@ class Schedule:
     """What each worker executes in one step, in order: the runtime's contract."""
 
     ops: Mapping[int, tuple[Op, ...]]
-    """Per live worker, forward and (fused) backward operations in execution order."""
+    """Per live worker, its operations in execution order: F and fused B for ``1f1b`` and
+    ``gpipe`` (what the runtime executes); chunks and W operations for the others."""
     sync_rounds: tuple[tuple[Bucket, ...], ...]
     """Gradient all-reduce rounds; the buckets of one round share no worker."""

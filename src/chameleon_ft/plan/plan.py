@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from chameleon_ft.spec.job import Schedule
+
+_SCHEDULE_CODES = {s.value: i for i, s in enumerate(Schedule)}
 
 @dataclass(frozen=True, slots=True)
 class Stage:
@@ -102,7 +105,14 @@ class ExecutionPlan:
     micro_batch: int = 1
     """Samples per micro-batch."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``1f1b`` or ``gpipe``."""
+    """Pipeline schedule: ``1f1b``, ``gpipe``, ``interleaved`` or ``zero-bubble``
+    (docs/design.md section 3.1). For ``interleaved`` the plan's layers are the profile's
+    *columns* (:func:`chameleon_ft.profile.fold_profile`): a stage holding columns
+    ``[a, b)`` holds those positions of every model chunk."""
+    defer_weight_grad: bool = False
+    """Whether workers that run several streams (rerouted peers) split each backward into
+    input gradient (B) and weight gradient (W) and run W only when no F or B is ready
+    (ReCycle's decoupled backward). Single-stream workers keep the schedule's order."""
 
     def __hash__(self) -> int:
         # Plans key the planner's and the estimator's caches; a 2,048-worker plan hashes
@@ -111,7 +121,7 @@ class ExecutionPlan:
         cached: int | None = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.num_layers, self.pipelines, self.reroutes, self.micro_batch,
-                           len(self.schedule), self.schedule == "1f1b"))
+                           _SCHEDULE_CODES.get(self.schedule, -1), self.defer_weight_grad))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -140,7 +150,7 @@ class ExecutionPlan:
             placement: ``stage-major`` numbers workers ``s * dp + p``; ``pipeline-major``
                 ``p * pp + s``.
             layer_bounds: ``(first, end)`` per stage; default: as even as possible.
-            schedule: ``1f1b`` or ``gpipe``.
+            schedule: a :class:`~chameleon_ft.spec.job.Schedule` value.
 
         Raises:
             ValueError: when the shapes do not fit.
@@ -278,8 +288,9 @@ class ExecutionPlan:
             raise ValueError("plan.pipelines: a plan needs at least one pipeline")
         if self.micro_batch < 1:
             raise ValueError(f"plan.micro_batch: must be >= 1, got {self.micro_batch}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"plan.schedule: unknown schedule {self.schedule!r}")
+        if self.schedule not in _SCHEDULE_CODES:
+            raise ValueError(f"plan.schedule: unknown schedule {self.schedule!r}; choose one "
+                             f"of {', '.join(_SCHEDULE_CODES)}")
         rerouted = set()
         for r in self.reroutes:
             key = (r.pipeline, r.stage)
@@ -364,6 +375,7 @@ class ExecutionPlan:
             "num_layers": self.num_layers,
             "micro_batch": self.micro_batch,
             "schedule": self.schedule,
+            **({"defer_weight_grad": True} if self.defer_weight_grad else {}),
             "pipelines": [
                 {"num_microbatches": p.num_microbatches,
                  "stages": [[st.worker, st.first_layer, st.end_layer] for st in p.stages]}
@@ -382,6 +394,7 @@ class ExecutionPlan:
             num_layers=int(doc["num_layers"]),
             micro_batch=int(doc.get("micro_batch", 1)),
             schedule=str(doc.get("schedule", "1f1b")),
+            defer_weight_grad=bool(doc.get("defer_weight_grad", False)),
             pipelines=tuple(
                 Pipeline(tuple(Stage(int(w), int(a), int(b)) for w, a, b in p["stages"]),
                          int(p["num_microbatches"]))

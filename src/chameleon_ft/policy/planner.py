@@ -5,12 +5,13 @@ pipeline templates once. ``decide(plan, failed)`` builds (or takes from the cach
 candidates of every strategy from the CURRENT plan, scores them for the horizon and picks
 one with the policy:
 
-- ``chameleon``: the highest score among all feasible candidates. With a horizon given
-  (argument or ``policy.horizon_s``) the score is Eq. 8; otherwise it is the expected
-  work over an exponential horizon whose mean comes from the failure-rate estimate
-  (``horizon.py``), divided by that mean.
-- ``reroute`` / ``dynamic`` / ``restart`` / ``shrink`` / ``reroute-then-dynamic``: that
-  strategy; ``restart`` only when it is infeasible.
+- ``chameleon``: the highest score among all feasible candidates (its rerouting is
+  ``recycle`` when the job's system can defer weight gradients, else ``reroute``). With
+  a horizon given (argument or ``policy.horizon_s``) the score is Eq. 8; otherwise it is
+  the expected work over an exponential horizon whose mean comes from the failure-rate
+  estimate (``horizon.py``), divided by that mean.
+- ``reroute`` / ``recycle`` / ``dynamic`` / ``restart`` / ``shrink`` /
+  ``reroute-then-dynamic``: that strategy; ``restart`` only when it is infeasible.
 
 Expedient search: ``precompute(plan)`` fills the cache for every single-worker and
 single-node failure while training is healthy; a decision that hits the cache only
@@ -28,7 +29,6 @@ from typing import Any
 
 from chameleon_ft.perf import Estimate, Topology, estimator_for
 from chameleon_ft.plan import ExecutionPlan, initial_plan
-from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score
 from chameleon_ft.policy.symmetry import (
@@ -54,23 +54,24 @@ from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.recovery import POLICY_NAMES
 
 _ORDER = {s: i for i, s in enumerate(
-    (Strategy.KEEP, Strategy.REROUTE, Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC,
-     Strategy.SHRINK, Strategy.RESTART))}
+    (Strategy.KEEP, Strategy.REROUTE, Strategy.RECYCLE, Strategy.REROUTE_THEN_DYNAMIC,
+     Strategy.DYNAMIC, Strategy.SHRINK, Strategy.RESTART))}
 """Final tie-break between equal scores: cheaper, less disruptive strategies first."""
 
-_FAILURE_BUILDERS = {Strategy.REROUTE: reroute.candidates, Strategy.DYNAMIC: dynamic.candidates,
+_FAILURE_BUILDERS = {Strategy.REROUTE: reroute.candidates,
+                     Strategy.RECYCLE: reroute.recycle_candidates,
+                     Strategy.DYNAMIC: dynamic.candidates,
                      Strategy.RESTART: restart.candidates, Strategy.SHRINK: shrink.candidates}
-_FAILURE_STRATEGIES = tuple(_FAILURE_BUILDERS)
-"""What a failure is answered with, in the order decisions list them."""
-_OWN = {Strategy.REROUTE: (Strategy.REROUTE,), Strategy.DYNAMIC: (Strategy.DYNAMIC,),
-        Strategy.RESTART: (Strategy.RESTART,), Strategy.SHRINK: (Strategy.SHRINK,),
-        Strategy.REROUTE_THEN_DYNAMIC: (Strategy.REROUTE, Strategy.DYNAMIC)}
-"""The candidates a fixed-strategy policy needs when it does not compare."""
-_REJOIN = {"chameleon": (Strategy.KEEP, Strategy.DYNAMIC, Strategy.REROUTE, Strategy.SHRINK),
-           Strategy.DYNAMIC: (Strategy.KEEP, Strategy.DYNAMIC),
-           Strategy.REROUTE: (Strategy.KEEP, Strategy.REROUTE),
-           Strategy.SHRINK: (Strategy.KEEP, Strategy.SHRINK)}
-"""What a rejoin is answered with, per policy (others: keep, or dynamic to compare)."""
+_OWN = {Strategy.REROUTE: (Strategy.REROUTE,), Strategy.RECYCLE: (Strategy.RECYCLE,),
+        Strategy.DYNAMIC: (Strategy.DYNAMIC,), Strategy.RESTART: (Strategy.RESTART,),
+        Strategy.SHRINK: (Strategy.SHRINK,)}
+"""The candidates a fixed-strategy policy needs when it does not compare
+(reroute-then-dynamic: the job's rerouting and dynamic, see ``Planner._own``)."""
+_REJOIN: dict[str, tuple[Strategy, ...]] = {
+    s: (Strategy.KEEP, s)
+    for s in (Strategy.DYNAMIC, Strategy.REROUTE, Strategy.RECYCLE, Strategy.SHRINK)}
+"""What a rejoin is answered with, per fixed policy (chameleon: see ``Planner._rejoin``;
+others: keep, or dynamic to compare)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,37 @@ class Planner:
             raise ValueError(f"horizon_s: must be a number >= 0, got {horizon_s!r}")
         return float(horizon_s)
 
+    @property
+    def rerouting(self) -> Strategy:
+        """Chameleon's rerouting: ReCycle's (``recycle``, weight gradients deferred on the
+        peers) when the job's system can split the backward, else ``reroute``."""
+        return Strategy.RECYCLE if self.config.recovery.decoupled_backward else Strategy.REROUTE
+
+    def _failure_strategies(self) -> tuple[Strategy, ...]:
+        """What Chameleon answers a failure with, in the order decisions list them."""
+        return (self.rerouting, Strategy.DYNAMIC, Strategy.RESTART, Strategy.SHRINK)
+
+    def _own(self, policy: str) -> tuple[Strategy, ...]:
+        """The strategies a fixed policy takes."""
+        if policy == Strategy.REROUTE_THEN_DYNAMIC:
+            return (self.rerouting, Strategy.DYNAMIC)
+        return _OWN[Strategy(policy)]
+
+    def _rejoin(self, policy: str) -> tuple[Strategy, ...]:
+        """What a rejoin is answered with under ``policy``."""
+        if policy == "chameleon":
+            return (Strategy.KEEP, Strategy.DYNAMIC, self.rerouting, Strategy.SHRINK)
+        return _REJOIN.get(policy, (Strategy.KEEP, Strategy.DYNAMIC))
+
+    def recovery_state(self, plan: ExecutionPlan, alive: Iterable[int]) -> RecoveryState:
+        """What a strategy needs to price a change of ``plan`` with ``alive`` workers (for
+        policies that build their own candidates, such as the simulator's peers).
+
+        Raises:
+            ValueError: for a worker outside the cluster.
+        """
+        return self._state(plan, self._workers("alive", alive), None)
+
     def _state(self, plan: ExecutionPlan, alive: frozenset[int],
                since_checkpoint_s: float | None) -> RecoveryState:
         return RecoveryState(config=self.config, profile=self._profile,
@@ -291,15 +323,10 @@ class Planner:
                                            self._estimator.estimate(state.plan), {},
                                            "keep the current plan; returned workers stay idle")
         if strategy == Strategy.DYNAMIC:
-            dyn = dynamic.candidates(state, frozenset())[0]
-            if dyn.feasible:
-                dyn = replace(dyn, terms={k: v for k, v in dyn.terms.items() if k != "detect_s"},
-                              transition_s=sum(v for k, v in dyn.terms.items()
-                                               if k != "detect_s"))
-            return dyn
+            return dynamic.candidates(state, frozenset(), failure=False)[0]
         if strategy == Strategy.SHRINK:
             return shrink.grow(state)
-        return self._reroute_back(state, marked)
+        return self._reroute_back(state, marked, strategy)
 
     def _lookup(self, kind: str, state: RecoveryState, marked: frozenset[int],
                 wanted: tuple[Strategy, ...]) -> _Found:
@@ -414,7 +441,7 @@ class Planner:
                 continue
             # Equivalent failures of a symmetric plan share one cache entry.
             found = self._lookup("fail", self._state(plan, alive, None), failed,
-                                 _FAILURE_STRATEGIES)
+                                 self._failure_strategies())
             added += 0 if found.hit else 1
         return time.perf_counter() - start
 
@@ -488,14 +515,14 @@ class Planner:
             raise ValueError(
                 f"failed: losing workers {sorted(failed_set)} leaves layer {missing[0]} with no "
                 "live replica and recovery.checkpoint is false, so nothing can restore it")
-        wanted = _FAILURE_STRATEGIES
-        if not compare and chosen_policy in _OWN:
-            wanted = _OWN[Strategy(chosen_policy)]
+        every = self._failure_strategies()
+        own = () if chosen_policy == "chameleon" else self._own(chosen_policy)
+        wanted = own if not compare and own else tuple(dict.fromkeys((*every, *own)))
         found = self._lookup("fail", state, failed_set, wanted)
-        if wanted != _FAILURE_STRATEGIES and not all(c.feasible for c in found.candidates):
+        if not set(every) <= set(wanted) and not all(c.feasible for c in found.candidates):
             # The policy's own strategy is infeasible: it falls back on restart, or on the
             # best of all when restart is infeasible too.
-            more = self._lookup("fail", state, failed_set, _FAILURE_STRATEGIES)
+            more = self._lookup("fail", state, failed_set, tuple(dict.fromkeys((*every, *own))))
             found = replace(more, search_s=found.search_s + more.search_s)
         raw, back = _detail(found, detail, hide_search)
         if since_checkpoint_s is not None:
@@ -503,9 +530,9 @@ class Planner:
                         if c.strategy == Strategy.RESTART and c.feasible else c for c in raw)
         by_strategy = {c.strategy: c for c in raw}
         candidates = raw
-        if Strategy.REROUTE in by_strategy and Strategy.DYNAMIC in by_strategy:
-            candidates = (*raw, combine(state, by_strategy[Strategy.REROUTE],
-                                        by_strategy[Strategy.DYNAMIC]))
+        first = by_strategy.get(self.rerouting)
+        if first is not None and Strategy.DYNAMIC in by_strategy:
+            candidates = (*raw, combine(state, first, by_strategy[Strategy.DYNAMIC]))
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
                             cache_hit=found.hit, back=back)
@@ -553,7 +580,7 @@ class Planner:
         alive_set = (frozenset(plan.workers) | returned_set if alive is None
                      else self._workers("alive", alive) | returned_set)
         state = self._state(plan, alive_set, None)
-        wanted = _REJOIN.get(chosen_policy, (Strategy.KEEP, Strategy.DYNAMIC))
+        wanted = self._rejoin(chosen_policy)
         found = self._lookup("rejoin", state, returned_set, wanted)
         raw, back = _detail(found, detail, hide_search)
         start = time.perf_counter()
@@ -564,8 +591,9 @@ class Planner:
         if Strategy.DYNAMIC in by_strategy:
             dyn = by_strategy[Strategy.DYNAMIC]
             candidates += [dyn, combine(state, running, dyn, first_phase="keep the current plan")]
-        if Strategy.REROUTE in by_strategy:
-            candidates.append(by_strategy[Strategy.REROUTE])
+        for rerouting in (Strategy.REROUTE, Strategy.RECYCLE):
+            if rerouting in by_strategy:
+                candidates.append(by_strategy[rerouting])
         if Strategy.SHRINK in by_strategy:
             grown = by_strategy[Strategy.SHRINK]
             two_phase = combine(state, running, grown, first_phase="keep training")
@@ -574,7 +602,7 @@ class Planner:
                               if two_phase.feasible else
                               infeasible(Strategy.SHRINK, two_phase.reason))
         search_s = found.search_s + time.perf_counter() - start
-        if chosen_policy in (Strategy.REROUTE, Strategy.SHRINK):
+        if chosen_policy in (Strategy.REROUTE, Strategy.RECYCLE, Strategy.SHRINK):
             own = next(c for c in candidates if c.strategy == chosen_policy)
             chosen_policy = chosen_policy if own.feasible else "keep"
         elif chosen_policy not in ("chameleon", "dynamic"):
@@ -583,16 +611,21 @@ class Planner:
                             horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
                             search_s=search_s, cache_hit=found.hit, back=back)
 
-    def _reroute_back(self, state: RecoveryState, returned: frozenset[int]) -> Candidate:
+    def _reroute_back(self, state: RecoveryState, returned: frozenset[int],
+                      strategy: Strategy) -> Candidate:
         """ReCycle's re-join: a returned worker copies its stage's parameters and optimizer
         state from a live replica and takes its micro-batches back; the other dead stages
-        stay rerouted. Infeasible when no returned worker had a rerouted stage."""
+        stay rerouted (``recycle``: their peers keep deferring weight gradients when memory
+        allows). Infeasible when no returned worker had a rerouted stage."""
         plan = state.plan
         if not any(r in plan.dead_workers for r in returned):
-            return infeasible(Strategy.REROUTE, "no returned worker had a rerouted stage")
-        new_plan = reroute_plan(plan, reroute.dead_workers(state))
-        new_plan.validate()
-        return copy_in(state, Strategy.REROUTE, new_plan,
+            return infeasible(strategy, "no returned worker had a rerouted stage")
+        found = reroute.rerouted_plan(state, defer=strategy == Strategy.RECYCLE
+                                      and state.config.recovery.decoupled_backward)
+        if isinstance(found, str):
+            return infeasible(strategy, found)
+        new_plan = found[0]
+        return copy_in(state, strategy, new_plan,
                        f"returned workers take their stages back ({len(new_plan.reroutes)} "
                        "stage(s) still rerouted)")
 
@@ -603,10 +636,11 @@ class Planner:
         If the next change is a node failure and that node holds the last live replica
         of some layer of a plan, only a restart can follow: it costs the restart, the
         checkpoint load and on average half a checkpoint interval of work, instead of a
-        survivable recovery's detection and rebuild (``extra_s``). A node is the one that
+        survivable recovery's detection (``extra_s``). A node is the one that
         fails with probability ``1 / live_nodes`` given ``p_fail``, the expected
         node-level failures in the window (at most 1: ``policy.node_failure_share`` of all
-        failures). 0 without checkpoints (no restart to price).
+        failures). 0 without checkpoints (no restart to price). A survivable recovery's own
+        rebuild is small next to ``extra_s`` and depends on the plan; it is left out.
         """
         spec = self.config.recovery
         if not spec.checkpoint:
@@ -615,7 +649,7 @@ class Planner:
         p_fail = min(1.0, num_live * self._worker_rate_per_s(now_s) * window_s
                      * self.config.policy.node_failure_share)
         extra_s = max(0.0, spec.restart_s + spec.checkpoint_load_s
-                      + spec.checkpoint_interval_s / 2 - spec.detect_s - spec.rebuild_s)
+                      + spec.checkpoint_interval_s / 2 - spec.detect_s)
         return p_fail * extra_s / live_nodes
 
     def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,

@@ -101,6 +101,7 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
                        for r in plan.reroutes),
         micro_batch=plan.micro_batch,
         schedule=plan.schedule,
+        defer_weight_grad=plan.defer_weight_grad,
     )
 
 
@@ -309,5 +310,5 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
          for r in plan.reroutes), key=lambda r: (r.pipeline, r.stage)))
     canon = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
                           reroutes=reroutes, micro_batch=plan.micro_batch,
-                          schedule=plan.schedule)
+                          schedule=plan.schedule, defer_weight_grad=plan.defer_weight_grad)
     return CanonicalForm(plan=canon, renaming=renaming, order=tuple(order))

@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 from chameleon_ft.profile.analytic import analytic_profile
-from chameleon_ft.profile.profile import LayerCost, Profile, stage_sums, uniform_profile
+from chameleon_ft.profile.profile import (
+    LayerCost,
+    Profile,
+    chunk_sums,
+    fold_profile,
+    stage_sums,
+    uniform_profile,
+)
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.profile_source import ProfileKind
 
 
 def build_profile(config: Config) -> Profile:
-    """The profile a job file asks for (its ``[profile]`` table).
+    """The profile a job file asks for (its ``[profile]`` table), folded into columns when
+    the job interleaves ``virtual_stages`` chunks per worker (:func:`fold_profile`).
 
     Raises:
         ValueError: when the profile cannot be built (missing file, layer count mismatch).
     """
+    profile = _model_profile(config)
+    if config.job.virtual_stages > 1:
+        profile = fold_profile(profile, config.job.virtual_stages)
+        if profile.num_layers < config.job.pp:
+            raise ValueError(f"job.pp: {config.job.pp} stages need at least as many columns, "
+                             f"{config.job.virtual_stages} chunks per stage leave "
+                             f"{profile.num_layers}")
+    return profile
+
+
+def _model_profile(config: Config) -> Profile:
     source = config.profile
     if source.kind == ProfileKind.UNIFORM:
         return uniform_profile(
@@ -42,5 +61,5 @@ def build_profile(config: Config) -> Profile:
                             tp=config.job.tp, cluster=config.cluster, recompute=source.recompute)
 
 
-__all__ = ["LayerCost", "Profile", "analytic_profile", "build_profile", "stage_sums",
-           "uniform_profile"]
+__all__ = ["LayerCost", "Profile", "analytic_profile", "build_profile", "chunk_sums",
+           "fold_profile", "stage_sums", "uniform_profile"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -88,10 +88,17 @@ class Profile:
     """``analytic``, ``uniform`` or ``measured``."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """Free-form provenance: model, device, tp, machine, date."""
+    rounds: tuple[tuple[LayerCost, ...], ...] = ()
+    """For an interleaved job (:func:`fold_profile`): the model's layers cut into
+    ``virtual_stages`` consecutive *rounds* (model chunks of a pipeline pass). ``layers``
+    then holds the *columns*: column ``c`` is the ``c``-th layer of every round, summed.
+    Empty for a plain profile (one round: ``layers`` itself)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("profile.layers: a profile needs at least one layer")
+        if self.rounds and any(len(r) > len(self.layers) or not r for r in self.rounds):
+            raise ValueError("profile.rounds: every round needs 1..len(layers) layers")
         _check("profile.optimizer_step_s", self.optimizer_step_s)
         _check("profile.control_s", self.control_s)
         if self.micro_batch < 1:
@@ -99,8 +106,13 @@ class Profile:
 
     @property
     def num_layers(self) -> int:
-        """Number of planner layers."""
+        """Number of planner layers (columns of an interleaved profile)."""
         return len(self.layers)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per stage: the rounds of an interleaved profile, else 1."""
+        return max(1, len(self.rounds))
 
     @cached_property
     def total_param_bytes(self) -> float:
@@ -130,6 +142,8 @@ class Profile:
             "meta": self.meta,
             "layers": [asdict(layer) for layer in self.layers],
         }
+        if self.rounds:
+            doc["rounds"] = [[asdict(layer) for layer in r] for r in self.rounds]
         return json.dumps(doc, indent=2, sort_keys=False)
 
     @classmethod
@@ -150,17 +164,15 @@ class Profile:
         layers_doc = doc.get("layers")
         if not isinstance(layers_doc, list):
             raise ValueError("profile.layers: must be a list")
-        known = set(LayerCost.__dataclass_fields__)
-        layers = []
-        for i, item in enumerate(layers_doc):
-            if not isinstance(item, dict):
-                raise ValueError(f"profile.layers[{i}]: must be an object")
-            unknown = set(item) - known
-            if unknown:
-                raise ValueError(f"profile.layers[{i}].{sorted(unknown)[0]}: unknown key")
-            layers.append(LayerCost(**item))
+        layers = _layers_from_doc(layers_doc, "profile.layers")
+        rounds_doc = doc.get("rounds", [])
+        if not isinstance(rounds_doc, list):
+            raise ValueError("profile.rounds: must be a list")
+        rounds = tuple(_layers_from_doc(r, f"profile.rounds[{i}]")
+                       for i, r in enumerate(rounds_doc))
         return cls(
-            layers=tuple(layers),
+            layers=layers,
+            rounds=rounds,
             optimizer_step_s=float(doc.get("optimizer_step_s", 0.0)),
             control_s=float(doc.get("control_s", 0.0)),
             tokens_per_sample=int(doc.get("tokens_per_sample", 0)),
@@ -189,6 +201,21 @@ class Profile:
         except OSError as exc:
             raise ValueError(f"profile.path: cannot read {str(p)!r}: {exc.strerror}") from None
         return cls.from_json(text)
+
+
+def _layers_from_doc(items: Any, where: str) -> tuple[LayerCost, ...]:
+    if not isinstance(items, list):
+        raise ValueError(f"{where}: must be a list")
+    known = set(LayerCost.__dataclass_fields__)
+    layers = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}[{i}]: must be an object")
+        unknown = set(item) - known
+        if unknown:
+            raise ValueError(f"{where}[{i}].{sorted(unknown)[0]}: unknown key")
+        layers.append(LayerCost(**item))
+    return tuple(layers)
 
 
 def uniform_profile(
@@ -229,3 +256,86 @@ def stage_sums(profile: Profile, layers: Sequence[int]) -> LayerCost:
         activation_bytes=sum(c.activation_bytes for c in chosen),
         output_bytes=chosen[-1].output_bytes if chosen else 0.0,
     )
+
+
+def fold_profile(profile: Profile, virtual_stages: int) -> Profile:
+    """The profile an interleaved job plans with: ``virtual_stages`` rounds folded into
+    columns.
+
+    The model's layers are cut into ``virtual_stages`` consecutive rounds as evenly as
+    possible (longer rounds first); column ``c`` is the ``c``-th layer of every round that
+    has one, its costs and bytes summed. A stage holding columns ``[a, b)`` holds layers
+    ``[a, b)`` of every round: ``virtual_stages`` non-contiguous chunks, the interleaved
+    layout of Narayanan et al. (2021) with the same split in every round. Everything that
+    plans by layer (templates, reroutes, migrations, all-reduce buckets) then works on
+    columns unchanged; the estimator reads the rounds to time each chunk.
+
+    Args:
+        profile: a plain (unfolded) profile.
+        virtual_stages: chunks per stage, at least 1 and at most the number of layers.
+
+    Returns:
+        ``profile`` itself for 1, else the folded profile.
+
+    Raises:
+        ValueError: naming ``job.virtual_stages`` when it does not fit the model.
+    """
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or (
+            virtual_stages < 1):
+        raise ValueError(f"job.virtual_stages: must be an integer >= 1, got {virtual_stages!r}")
+    if profile.rounds:
+        raise ValueError("profile.rounds: the profile is already folded")
+    if virtual_stages == 1:
+        return profile
+    n = profile.num_layers
+    if virtual_stages > n:
+        raise ValueError(f"job.virtual_stages: {virtual_stages} chunks per stage need at least "
+                         f"as many layers, the model has {n}")
+    base, extra = divmod(n, virtual_stages)
+    rounds: list[tuple[LayerCost, ...]] = []
+    lo = 0
+    for r in range(virtual_stages):
+        hi = lo + base + (1 if r < extra else 0)
+        rounds.append(profile.layers[lo:hi])
+        lo = hi
+    columns = []
+    for c in range(len(rounds[0])):
+        members = [r[c] for r in rounds if c < len(r)]
+        summed = _sum_costs(members, f"column{c}")
+        # Every member's output goes to the next chunk; blocks share one size, so the
+        # first round's (never the head's) stands for the column.
+        columns.append(replace(summed, output_bytes=members[0].output_bytes))
+    return replace(profile, layers=tuple(columns), rounds=tuple(rounds),
+                   meta={**profile.meta, "virtual_stages": virtual_stages})
+
+
+def _sum_costs(chosen: Sequence[LayerCost], name: str) -> LayerCost:
+    return LayerCost(
+        name=name,
+        fwd_s=sum(c.fwd_s for c in chosen),
+        bwd_input_s=sum(c.bwd_input_s for c in chosen),
+        bwd_weight_s=sum(c.bwd_weight_s for c in chosen),
+        param_bytes=sum(c.param_bytes for c in chosen),
+        optimizer_bytes=sum(c.optimizer_bytes for c in chosen),
+        activation_bytes=sum(c.activation_bytes for c in chosen),
+        output_bytes=chosen[-1].output_bytes if chosen else 0.0,
+    )
+
+
+def chunk_sums(profile: Profile, first: int, end: int) -> tuple[LayerCost, ...]:
+    """The costs of each model chunk of a stage holding layers (columns) ``[first, end)``.
+
+    One chunk for a plain profile (:func:`stage_sums`); for a folded one, one per round:
+    that round's layers at those positions. A round too short to reach ``first`` gives an
+    empty chunk that only passes its input on.
+    """
+    if not profile.rounds:
+        return (stage_sums(profile, range(first, end)),)
+    out = []
+    for r, layers in enumerate(profile.rounds):
+        chosen = layers[first:end]
+        if chosen:
+            out.append(_sum_costs(chosen, f"round{r}:{first}-{end - 1}"))
+        else:
+            out.append(LayerCost(name=f"round{r}:empty", output_bytes=layers[-1].output_bytes))
+    return tuple(out)

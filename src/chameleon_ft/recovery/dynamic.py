@@ -43,7 +43,7 @@ from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.restorer import assign_workers, schedule_migration
 from chameleon_ft.recovery.templates import Layout, Templates, allocate
-from chameleon_ft.recovery.transition import dynamic_terms, migration_s
+from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     Migration,
@@ -368,12 +368,14 @@ def search(state: RecoveryState) -> SearchResult | None:
                         search_s=time.perf_counter() - start)
 
 
-def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
+def candidates(state: RecoveryState, failed: frozenset[int], *,
+               failure: bool = True) -> list[Candidate]:
     """The best dynamic plan, priced, or why there is none.
 
     Args:
         state: the job and the current plan; ``state.alive`` excludes ``failed``.
         failed: the newly failed workers.
+        failure: answering a failure rather than a re-join (see :func:`dynamic_candidate`).
 
     Returns:
         One candidate (feasible or not).
@@ -386,15 +388,28 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
         return [infeasible(Strategy.DYNAMIC,
                            f"no arrangement of the {len(state.alive)} survivors into pipelines "
                            "fits device memory")]
-    return [dynamic_candidate(state, result)]
+    return [dynamic_candidate(state, result, failure=failure)]
 
 
-def dynamic_candidate(state: RecoveryState, result: SearchResult) -> Candidate:
-    """Price a search result: the measured search time (the policy zeroes it when the
-    decision came from the precomputed cache) plus migration."""
+def dynamic_candidate(state: RecoveryState, result: SearchResult, *,
+                      failure: bool = True) -> Candidate:
+    """Price a search result: the rebuild of what changes (``transition.recovery_terms``),
+    the measured search time (the policy zeroes it when the decision came from the
+    precomputed cache) and the migration.
+
+    Args:
+        state: the job and the plan before the change.
+        result: the search's plan and migration.
+        failure: answering a failure (detection and the lost step are paid) rather than a
+            re-join.
+
+    Returns:
+        The candidate.
+    """
     spec = state.config.recovery
-    terms = dynamic_terms(spec, search_s=result.search_s,
-                          migrate_s=migration_s(result.migration.time_s, spec))
+    terms = recovery_terms(state, result.plan, result.estimate.step_s, failure=failure)
+    terms["search_s"] = result.search_s
+    terms["migrate_s"] = migration_s(result.migration.time_s, spec)
     lengths = result.lengths
     shape = "+".join(f"{lengths.count(n)}x{n}" for n in sorted(set(lengths), reverse=True))
     idle = len(state.alive) - sum(lengths)

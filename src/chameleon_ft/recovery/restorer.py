@@ -25,7 +25,7 @@ from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.profile import Profile
-from chameleon_ft.recovery.transition import migration_s
+from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     Migration,
@@ -147,7 +147,8 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
 
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                        profile: Profile, topology: Topology, *,
-                       max_parts: int = 4) -> Migration:
+                       max_parts: int = 4, first_source: bool = False,
+                       parameters_only: bool = False) -> Migration:
     """Transfers that bring every worker of ``plan`` the layers it lacks, in rounds.
 
     Each missing layer is split into ``k = min(max_parts, replicas)`` equal slices pulled
@@ -160,6 +161,10 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
         profile: gives each layer's parameter plus optimizer-state bytes.
         topology: link costs.
         max_parts: most replicas one layer is split across.
+        first_source: every copy of a layer comes whole from its first live replica
+            (lowest worker id), as Oobleck copies (no balancing, no splitting).
+        parameters_only: move parameters only (Oobleck's SOSP-era code re-creates the
+            optimizer instead of moving its state).
 
     Returns:
         The migration: slots, transfers, DSATUR rounds, time at full link bandwidth.
@@ -187,11 +192,15 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
             sources = holders.get(layer, [])
             if not sources:
                 raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
-            size = profile.layers[layer].state_bytes
+            cost = profile.layers[layer]
+            size = cost.param_bytes if parameters_only else cost.state_bytes
             moved += size
-            parts = min(max_parts, len(sources))
-            chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
-                                                    sent_bytes[w], w))[:parts]
+            if first_source:
+                parts, chosen = 1, sources[:1]
+            else:
+                parts = min(max_parts, len(sources))
+                chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
+                                                        sent_bytes[w], w))[:parts]
             for part, src in enumerate(chosen):
                 sent_bytes[src] += size / parts
                 transfers.append(Transfer(layer=layer, src=src, dst=st.worker, part=part,
@@ -219,8 +228,9 @@ def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
         reason: what the candidate does, for reports.
 
     Returns:
-        The candidate with its migration and ``rebuild_s``/``migrate_s`` terms; infeasible
-        when some layer of ``new_plan`` has no live replica to copy from.
+        The candidate with its migration and rebuild terms (no detection, no lost
+        step: the return is announced); infeasible when some layer of ``new_plan`` has no
+        live replica to copy from.
     """
     spec = state.config.recovery
     try:
@@ -228,6 +238,7 @@ def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
                                        state.topology, max_parts=spec.migration_max_parts)
     except ValueError as exc:
         return infeasible(strategy, str(exc).removeprefix("plan: "))
-    terms = {"rebuild_s": spec.rebuild_s, "migrate_s": migration_s(migration.time_s, spec)}
-    return candidate_from_estimate(strategy, new_plan, state.estimate(new_plan), terms, reason,
-                                   migration=migration)
+    est = state.estimate(new_plan)
+    terms = recovery_terms(state, new_plan, est.step_s, failure=False)
+    terms["migrate_s"] = migration_s(migration.time_s, spec)
+    return candidate_from_estimate(strategy, new_plan, est, terms, reason, migration=migration)

@@ -12,7 +12,7 @@ from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.reroute import dead_stages
 from chameleon_ft.recovery.restorer import copy_in
 from chameleon_ft.recovery.templates import allocate
-from chameleon_ft.recovery.transition import shrink_terms
+from chameleon_ft.recovery.transition import recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,
     RecoveryState,
@@ -51,7 +51,7 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     new_plan.validate()
     est = state.estimate(new_plan)
     return [candidate_from_estimate(
-        Strategy.SHRINK, new_plan, est, shrink_terms(state.config.recovery),
+        Strategy.SHRINK, new_plan, est, recovery_terms(state, new_plan, est.step_s),
         f"drop {len(damaged)} damaged pipeline(s), keep {len(kept)}")]
 
 

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
+from chameleon_ft.perf.closed_form import in_flight
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage, balanced_bounds, layer_costs
 from chameleon_ft.plan.partition import bounds_from_cuts
 from chameleon_ft.profile import Profile
@@ -44,10 +45,10 @@ PipelineEstimate = Callable[[ExecutionPlan], tuple[float, bool]]
 """``one-pipeline plan -> (step_s, memory fits)``."""
 
 
-def stage_memory_bytes(profile: Profile, lo: int, hi: int, in_flight: int) -> float:
-    """Eq. 14 for one stage: static bytes plus ``in_flight`` micro-batches of activations."""
+def stage_memory_bytes(profile: Profile, lo: int, hi: int, held: float) -> float:
+    """Eq. 14 for one stage: static bytes plus ``held`` micro-batches of activations."""
     layers = profile.layers[lo:hi]
-    return sum(c.static_bytes + in_flight * c.activation_bytes for c in layers)
+    return sum(c.static_bytes + held * c.activation_bytes for c in layers)
 
 
 def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
@@ -55,7 +56,8 @@ def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
     """Min-max balanced split subject to Eq. 14 memory per stage; ``None`` when none fits.
 
     Stage ``i`` keeps ``num_stages - i`` micro-batches in flight under 1F1B (all of them
-    under GPipe, bounded here by ``num_stages`` as a conservative cap).
+    under GPipe, bounded here by ``num_stages`` as a conservative cap); the other
+    schedules and interleaved chunks per :func:`chameleon_ft.perf.closed_form.in_flight`.
     """
     costs = layer_costs(profile)
     n = len(costs)
@@ -75,11 +77,11 @@ def memory_bounds(profile: Profile, num_stages: int, capacity_bytes: float,
     cut = [[-1] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
-        in_flight = num_stages - (k - 1) if schedule == "1f1b" else num_stages
+        held = in_flight(schedule, num_stages, k - 1, profile.virtual_stages)
         for i in range(k, n - (num_stages - k) + 1):
             for j in range(i - 1, k - 2, -1):
                 # memory grows as the stage start j moves left: stop at the first overflow
-                if (static[i] - static[j]) + in_flight * (act[i] - act[j]) > capacity_bytes:
+                if (static[i] - static[j]) + held * (act[i] - act[j]) > capacity_bytes:
                     break
                 if best[k - 1][j] == inf:
                     continue
@@ -101,7 +103,7 @@ class Templates:
             profile: per-layer costs.
             capacity_bytes: one device's memory.
             micro_batch: samples per micro-batch of the job.
-            schedule: ``1f1b`` or ``gpipe``.
+            schedule: the job's schedule (its plans keep it).
             num_workers: workers in the cluster (placeholder ids stay within it).
             workers_per_node: to place a template's stages on distinct nodes.
             pipeline_estimate: prices a one-pipeline plan.

@@ -1,45 +1,262 @@
-"""Transition costs: what a recovery costs before training resumes (docs/design.md section 3.3).
+"""Transition costs: what a recovery redoes before training resumes (docs/design.md 3.3).
 
-Every term is named and comes from :class:`~chameleon_ft.spec.recovery.RecoverySpec`
-(whose docstrings cite the published figures), except the two that are computed per
-decision: the un-hidden search time and the migration time.
+Every term is named; the constants come from :class:`~chameleon_ft.spec.recovery.RecoverySpec`
+(whose docstrings cite the published figures) and the rest is computed from the plans:
 
-- reroute: ``detect_s + rebuild_s`` (the in-flight step is redone; that is part of
-  detection's cost in every strategy, so it is not charged twice);
-- dynamic: ``detect_s + rebuild_s + search_s + migrate_s``;
-- shrink: ``detect_s + rebuild_s``;
-- restart: ``detect_s + restart_s + load_s + lost_s`` with ``lost_s`` the exact progress
-  since the last checkpoint when known, else half the checkpoint interval.
+- ``detect_s``: the failure is noticed (not paid by an announced re-join);
+- ``comm_s``: communicators created. A plan communicates over one group per pipeline (the
+  workers running its stages, hosts of its rerouted stages included: its point-to-point
+  traffic) and one group per all-reduce bucket of two or more workers. Only groups the
+  old plan did not have (same members) are created; each costs ``comm_init_s +
+  comm_per_rank_s * ranks`` to every member. A worker creates its groups one after the
+  other and workers run in parallel, so the term is the busiest worker's sum. A
+  stop-the-world reconfiguration creates every group plus a world group over all the
+  plan's devices; ``rebuild_all_groups`` describes this project's runtime (see
+  :func:`comm_s`);
+- ``build_s``: layers re-instantiated on the workers that receive them (``layer_build_s``
+  per layer plus its parameters, gradients and optimizer state at
+  ``layer_build_gb_per_s``), the busiest worker's sum;
+- ``warmup_s``: ``warmup_steps`` of the new plan's step when some worker built layers;
+- ``migrate_s``, ``search_s``: computed per decision (the restorer, the search);
+- ``lost_step_s``: the step in flight when the failure hit, half the failed plan's step on
+  average (the simulator charges the exact partial step instead);
+- restart: ``restart_s + load_s + lost_s`` (``lost_s`` the progress since the last
+  checkpoint, which includes the step in flight).
+
+Rerouting touches only the groups of the damaged stage and of the pipeline whose work
+moves; re-forming pipelines creates the groups of every pipeline it changes, builds the
+layers its workers lack and warms up. With the ``rebuild_s`` shorthand set, ``comm_s``,
+``build_s`` and ``warmup_s`` are replaced by that one flat term (the model before this one).
 """
 
 from __future__ import annotations
 
+import functools
+from collections import defaultdict
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
+
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.profile import Profile
 from chameleon_ft.spec.recovery import RecoverySpec
 
+if TYPE_CHECKING:
+    from chameleon_ft.recovery.types import RecoveryState
 
-def reroute_terms(spec: RecoverySpec) -> dict[str, float]:
-    """Terms of a reroute: detection and a communicator rebuild; no state moves."""
-    return {"detect_s": spec.detect_s, "rebuild_s": spec.rebuild_s}
-
-
-def shrink_terms(spec: RecoverySpec) -> dict[str, float]:
-    """Terms of a shrink: detection and a communicator rebuild; no state moves."""
-    return {"detect_s": spec.detect_s, "rebuild_s": spec.rebuild_s}
+Group = frozenset[int]
+"""The workers of one communicator."""
 
 
-def dynamic_terms(spec: RecoverySpec, *, search_s: float, migrate_s: float) -> dict[str, float]:
-    """Terms of a dynamic re-plan.
+def pipeline_groups(plan: ExecutionPlan) -> list[Group]:
+    """One group per pipeline of two or more workers: the workers running its stages, the
+    hosts of its rerouted stages included (its point-to-point traffic)."""
+    out: list[Group] = []
+    dead = plan.reroute_map
+    for p, pipe in enumerate(plan.pipelines):
+        members: set[int] = set()
+        for s, st in enumerate(pipe.stages):
+            reroute = dead.get((p, s)) if dead else None
+            if reroute is None:
+                members.add(st.worker)
+            else:
+                members.update(w for w, _ in reroute.shares)
+        if len(members) > 1:
+            out.append(frozenset(members))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def plan_groups(plan: ExecutionPlan) -> frozenset[Group]:
+    """The communicators ``plan`` needs: one per pipeline (:func:`pipeline_groups`) and one
+    per all-reduce bucket (the live workers holding the same layers), each with two or
+    more workers.
 
     Args:
-        spec: the recovery settings.
-        search_s: plan-search seconds not hidden behind training (0 on a cache hit).
-        migrate_s: migration time at the full migration bandwidth.
+        plan: the plan (hashable; results are cached per plan).
 
     Returns:
-        ``detect_s``, ``rebuild_s``, ``search_s``, ``migrate_s``.
+        The groups' member sets.
     """
-    return {"detect_s": spec.detect_s, "rebuild_s": spec.rebuild_s, "search_s": search_s,
-            "migrate_s": migrate_s}
+    # Few distinct holder sets, so this stays cheap on thousands of workers.
+    buckets = {frozenset(h) for h in set(plan.holders_by_layer) if len(h) > 1}
+    return frozenset(pipeline_groups(plan)) | buckets
+
+
+def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *, tp: int,
+           everything: bool = False, per_layer: bool = False) -> float:
+    """Seconds until every worker has created the communicators ``new`` needs.
+
+    A group of ``k`` ranks costs each member ``comm_init_s + comm_per_rank_s * k``. Three
+    ways to rebuild:
+
+    - by default only the groups ``old`` did not have (same members) are created;
+    - ``everything`` (a stop-the-world reconfiguration): a world group over every device
+      of ``new`` and every group, whatever ``old`` had;
+    - ``spec.rebuild_all_groups`` (this project's runtime): a world group over the plan's
+      workers that carries the point-to-point traffic and exchanges a first message
+      between every pair at once (the full cost), and a group per bucket that is only
+      formed (``comm_init_s``), its first exchange happening in the first step.
+
+    Args:
+        old: the plan before the change; ``None``: nothing is kept.
+        new: the plan after it.
+        spec: ``comm_init_s``, ``comm_per_rank_s`` and ``rebuild_all_groups``.
+        tp: devices per worker; one communicator per tensor-parallel shard is created in
+            parallel for a worker group, and a world group spans every device.
+        everything: rebuild everything (see above).
+        per_layer: one all-reduce group per layer (each layer's holders, counted once per
+            layer even when several layers share holders) instead of one per bucket.
+
+    Returns:
+        The busiest worker's sum of its new groups' creation times.
+    """
+    return _comm_s(old, new, spec, tp, everything, per_layer)
+
+
+@functools.lru_cache(maxsize=128)
+def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, tp: int,
+            everything: bool, per_layer: bool) -> float:
+    # Memoised: the same pair of plans comes back at every equivalent event.
+    busy: dict[int, float] = defaultdict(float)
+
+    def charge(group: Collection[int], ranks: int, *, first_exchange: bool = True) -> None:
+        cost = spec.comm_init_s + (spec.comm_per_rank_s * ranks if first_exchange else 0.0)
+        for worker in group:
+            busy[worker] += cost
+
+    runtime = spec.rebuild_all_groups and not everything
+    if everything or runtime:
+        workers = new.workers
+        if len(workers) * tp > 1:
+            charge(workers, len(workers) * tp)
+    if per_layer:
+        # a holder set shared by several layers is one group per layer
+        buckets = [frozenset(h) for h in new.holders_by_layer if len(h) > 1]
+    else:
+        buckets = [frozenset(h) for h in set(new.holders_by_layer) if len(h) > 1]
+    if runtime:
+        for group in buckets:
+            charge(group, len(group), first_exchange=False)
+        return max(busy.values(), default=0.0)
+    kept = plan_groups(old) if old is not None and not everything else frozenset()
+    for group in [*pipeline_groups(new), *buckets]:
+        if group not in kept:
+            charge(group, len(group))
+    return max(busy.values(), default=0.0)
+
+
+@functools.lru_cache(maxsize=16)
+def _build_prefix(profile: Profile, layer_build_s: float, rate: float) -> tuple[float, ...]:
+    """Prefix sums of each layer's re-instantiation seconds (cached per profile)."""
+    out = [0.0]
+    for layer in profile.layers:
+        out.append(out[-1] + layer_build_s + layer.static_bytes / rate)
+    return tuple(out)
+
+
+def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Profile,
+            spec: RecoverySpec) -> float:
+    """Seconds until every worker of ``new`` has built the layers it did not hold.
+
+    Args:
+        new: the plan after the change (rerouted stages build nothing).
+        held: the layers each live worker holds now (absent: none; pass ``{}`` for a
+            reconfiguration that re-instantiates every layer).
+        profile: each layer's static bytes.
+        spec: ``layer_build_s`` and ``layer_build_gb_per_s``.
+
+    Returns:
+        The busiest worker's build time.
+    """
+    prefix = _build_prefix(profile, spec.layer_build_s, spec.layer_build_gb_per_s * 1e9)
+    busiest = 0.0
+    stages = new.layers_by_worker.items()
+    try:
+        # most workers keep their stage: skip them at hashing speed (ranges hash by value)
+        changed: Collection[tuple[int, range]] = stages - held.items()
+    except TypeError:  # unhashable layer collections: look at every worker
+        changed = stages
+    for worker, wanted in changed:
+        have = held.get(worker, ())
+        if have == wanted:
+            continue
+        total = prefix[wanted.stop] - prefix[wanted.start]
+        if isinstance(have, range):
+            # layer ranges are contiguous: subtract the overlap at once
+            lo, hi = max(have.start, wanted.start), min(have.stop, wanted.stop)
+            if lo < hi:
+                total -= prefix[hi] - prefix[lo]
+        else:
+            total -= sum(prefix[i + 1] - prefix[i] for i in wanted if i in have)
+        busiest = max(busiest, total)
+    return busiest
+
+
+def rebuild_terms(spec: RecoverySpec, *, old: ExecutionPlan | None, new: ExecutionPlan,
+                  held: Mapping[int, Collection[int]], profile: Profile, tp: int,
+                  new_step_s: float, everything: bool = False, per_layer: bool = False,
+                  build_in_background: bool = False) -> dict[str, float]:
+    """``comm_s``, ``build_s`` and ``warmup_s`` of moving from ``old`` to ``new``.
+
+    Args:
+        spec: the recovery settings (with ``rebuild_s`` set: that one flat term).
+        old: the plan before the change, or ``None`` when nothing is kept.
+        new: the plan after it.
+        held: the layers each live worker holds before the change.
+        profile: per-layer bytes.
+        tp: devices per worker.
+        new_step_s: the new plan's step time (the warm-up is a multiple of it).
+        everything: a stop-the-world reconfiguration: every group and every layer is
+            rebuilt (``held`` is ignored).
+        per_layer: all-reduce groups per layer rather than per bucket (see :func:`comm_s`).
+        build_in_background: layers are built while training goes on (two-phase
+            recoveries): ``build_s`` is not paid here; the warm-up still is.
+
+    Returns:
+        The terms, zeros included (reports show what the model considered).
+    """
+    if spec.rebuild_s is not None:
+        return {"rebuild_s": spec.rebuild_s}
+    build = build_s(new, {} if everything else held, profile, spec)
+    return {"comm_s": comm_s(old, new, spec, tp=tp, everything=everything,
+                             per_layer=per_layer),
+            "build_s": 0.0 if build_in_background else build,
+            "warmup_s": spec.warmup_steps * new_step_s if build > 0 else 0.0}
+
+
+def recovery_terms(state: RecoveryState, new: ExecutionPlan, new_step_s: float, *,
+                   failure: bool = True, everything: bool = False,
+                   build_in_background: bool = False) -> dict[str, float]:
+    """The terms of moving from ``state.plan`` to ``new`` (migration and search excluded).
+
+    Args:
+        state: the job, the plan before the change and the live workers.
+        new: the plan after the change.
+        new_step_s: its step time.
+        failure: a failure (``detect_s`` and ``lost_step_s`` are paid) rather than an
+            announced change (a re-join).
+        everything: a stop-the-world reconfiguration (see :func:`rebuild_terms`).
+        build_in_background: see :func:`rebuild_terms`.
+
+    Returns:
+        ``detect_s`` (failure), ``comm_s``, ``build_s``, ``warmup_s`` (or ``rebuild_s``),
+        ``lost_step_s`` (failure).
+    """
+    spec = state.config.recovery
+    terms = {"detect_s": spec.detect_s} if failure else {}
+    terms.update(rebuild_terms(spec, old=state.plan, new=new, held=state.held_layers(),
+                               profile=state.profile, tp=state.config.job.tp,
+                               new_step_s=new_step_s, everything=everything,
+                               build_in_background=build_in_background))
+    if failure:
+        terms["lost_step_s"] = lost_step_s(state.estimate(state.plan).step_s)
+    return terms
+
+
+def lost_step_s(failed_plan_step_s: float) -> float:
+    """The expected work lost with the step in flight: half a step of the failed plan
+    (a failure strikes uniformly within a step)."""
+    return 0.5 * failed_plan_step_s
 
 
 def lost_progress_s(spec: RecoverySpec, since_checkpoint_s: float | None) -> float:

@@ -10,6 +10,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from chameleon_ft.perf import Estimate
@@ -23,9 +25,11 @@ if TYPE_CHECKING:
 
 
 class Strategy(StrEnum):
-    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin."""
+    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin;
+    ``recycle`` is ``reroute`` with ReCycle's decoupled backward."""
 
     REROUTE = "reroute"
+    RECYCLE = "recycle"
     DYNAMIC = "dynamic"
     RESTART = "restart"
     SHRINK = "shrink"
@@ -102,7 +106,8 @@ class Candidate:
     transition_s: float
     """Time during which no training happens: the sum of ``terms``."""
     terms: Mapping[str, float]
-    """The named transition terms (detect_s, rebuild_s, search_s, migrate_s, ...)."""
+    """The named transition terms (detect_s, comm_s, build_s, warmup_s, search_s,
+    migrate_s, lost_step_s, ...; ``recovery/transition.py``)."""
     peak_memory_bytes: float
     """Largest per-device peak over the plan's workers."""
     reason: str
@@ -117,7 +122,10 @@ class Candidate:
     interim_s: float = 0.0
     """Two-phase only: seconds of background migration (run at ``interim_step_s``)."""
     switch_s: float = 0.0
-    """Two-phase only: the pause when switching to the final plan (communicator rebuild)."""
+    """Two-phase only: the pause when switching to the final plan (the sum of
+    ``switch_terms``)."""
+    switch_terms: Mapping[str, float] = field(default_factory=dict)
+    """Two-phase only: the switch's terms (communicators the final plan adds, warm-up)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form details for reports (e.g. the pipeline lengths of a dynamic plan)."""
 
@@ -138,6 +146,7 @@ class Candidate:
             out["interim_step_s"] = _num(self.interim_step_s)
             out["interim_s"] = _num(self.interim_s)
             out["switch_s"] = _num(self.switch_s)
+            out["switch_terms"] = {k: _num(v) for k, v in self.switch_terms.items()}
         if self.extra:
             out["extra"] = dict(self.extra)
         if with_plan and self.plan is not None:
@@ -175,9 +184,15 @@ class RecoveryState:
         """Samples per step, constant through every recovery."""
         return self.plan.global_batch
 
-    def held_layers(self) -> dict[int, range]:
-        """Layers held by each live worker of the current plan (idle workers hold none)."""
-        return {w: r for w, r in self.plan.layers_by_worker.items() if w in self.alive}
+    def held_layers(self) -> Mapping[int, range]:
+        """Layers held by each live worker of the current plan (idle workers hold none);
+        computed once per state (every candidate of a decision asks)."""
+        return self._held
+
+    @cached_property
+    def _held(self) -> Mapping[int, range]:
+        return MappingProxyType({w: r for w, r in self.plan.layers_by_worker.items()
+                                 if w in self.alive})
 
     def missing_layers(self) -> list[int]:
         """Layers with no live replica."""

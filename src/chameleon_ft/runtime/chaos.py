@@ -48,9 +48,14 @@ class Injected:
     index: int | None = None
     """Index in the coordinator's fault list (None for a signal sent by the harness)."""
     at_step: int = 0
+    at_commit: int = 0
+    """The harness's commit count when the fault was armed (patience is counted in
+    commits: a restart rewinds step numbers)."""
     rank: int = -1
     retracted: bool = False
     """Disarmed before it fired: its worker left the plan (not counted as injected)."""
+    lost: bool = False
+    """Claimed by a worker that died before recording it fired (counted as not fired)."""
     sent_at_s: float | None = None
     """Run clock when the harness sent its signal (signals only)."""
 
@@ -78,6 +83,7 @@ class ChaosHooks(Hooks):
         self.rng = random.Random(self.seed)
         self.quiet_since_step = 0
         self.pending_since = 0
+        self.commits = 0
         self.lock = threading.Lock()
 
     # ---------------------------------------------------------------- bookkeeping
@@ -91,12 +97,15 @@ class ChaosHooks(Hooks):
             return False
         fired = {i for i, f in enumerate(coord.fault_report()) if f["fired"]}
         waiting = [x for x in self.injected if x.index is not None and not x.retracted
-                   and x.index not in fired]
+                   and not x.lost and x.index not in fired]
         for x in waiting:
-            if step - x.at_step > self.patience_steps and x.index is not None and \
-                    coord.retract(x.index):
+            assert x.index is not None
+            age = self.commits - x.at_commit
+            if age > self.patience_steps and coord.retract(x.index):
                 x.retracted = True
-        if any(not x.retracted for x in waiting):
+            elif age > 2 * self.patience_steps:
+                x.lost = True  # claimed, never recorded: its worker died in between
+        if any(not (x.retracted or x.lost) for x in waiting):
             return False
         return step - self.quiet_since_step >= self.settle_steps
 
@@ -108,13 +117,15 @@ class ChaosHooks(Hooks):
             phase = self.rng.choice(phases)
         fault = Fault(rank=rank, step=step, kind=kind, phase=phase)
         index = coord.inject(fault)
-        self.injected.append(Injected(episode, fault.to_text(), index, step))
+        self.injected.append(Injected(episode, fault.to_text(), index, step,
+                                      at_commit=self.commits, rank=rank))
 
     # ---------------------------------------------------------------- hooks
     def on_commit(self, coord: Coordinator, step: int) -> None:
+        self.commits += 1
         if not self.original:
             self.original = {w: p.incarnation for w, p in coord.procs.items()}
-        if self.pending is not None and step - self.pending_since > self.patience_steps:
+        if self.pending is not None and self.commits - self.pending_since > self.patience_steps:
             self.pending = None  # its moment never came (no migration, no re-join)
         if not self._settled(coord, step):
             return
@@ -132,9 +143,10 @@ class ChaosHooks(Hooks):
         elif episode == "cascade":
             self._phase_fault(coord, "cascade", self.rng.choice(plan_workers), step + 1,
                               kinds=("kill", "hang", "error"))
-            self.pending, self.pending_since = "cascade", step
+            # the second fault waits for the recovery from the first (on_failure)
+            self.pending, self.pending_since = "cascade-armed", self.commits
         elif episode in ("migration", "repaired"):
-            self.pending, self.pending_since = episode, step
+            self.pending, self.pending_since = episode, self.commits
             # nothing happens until a generation moves state or folds a repaired worker
             # back in; provoke one with a kill, which is an injected fault of its own
             self._phase_fault(coord, episode, self.rng.choice(plan_workers), step + 1,
@@ -171,19 +183,24 @@ class ChaosHooks(Hooks):
             return
         step = int(directive["step"])
         world = [int(w) for w in directive["world"]]
+        armed = {x.rank for x in self.injected if x.index is not None and not x.retracted
+                 and not x.lost and not coord.fault_report()[x.index]["fired"]}
         if self.pending == "cascade" and world:
             self.pending = None
-            self._phase_fault(coord, "cascade", self.rng.choice(world), step,
+            others = [w for w in world if w not in armed] or world
+            self._phase_fault(coord, "cascade", self.rng.choice(others), step,
                               phase="recovery", kinds=("kill", "hang", "error", "glitch"))
         elif self.pending == "migration" and directive.get("migration"):
-            transfers = directive["migration"]["transfers"]
-            t = self.rng.choice(transfers)
-            self.pending = None
-            self._phase_fault(coord, "migration", self.rng.choice([t[1], t[2]]), step,
-                              phase="migration")
+            ends = sorted({w for t in directive["migration"]["transfers"] for w in t[1:3]
+                           if w not in armed})
+            if ends:
+                self.pending = None
+                self._phase_fault(coord, "migration", self.rng.choice(ends), step,
+                                  phase="migration")
         elif self.pending == "repaired":
             repaired = [w for w in world if directive["incarnations"].get(str(w))
-                        != self.original.get(w) and w in directive["incarnations"]]
+                        != self.original.get(w) and w in directive["incarnations"]
+                        and w not in armed]
             if repaired:
                 self.pending = None
                 rank = self.rng.choice(repaired)
@@ -194,6 +211,8 @@ class ChaosHooks(Hooks):
 
     def on_failure(self, coord: Coordinator, event: Event) -> None:
         self.quiet_since_step = event.step
+        if self.pending == "cascade-armed":
+            self.pending = "cascade"  # the recovery from the first fault comes next
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -240,7 +259,7 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
         strategies[e["strategy"]] = strategies.get(e["strategy"], 0) + 1
     stray = 0
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             stray += 1
     # a signal's detection and recovery are timed from when the harness sent it
     sent = {x.rank: x.sent_at_s for x in hooks.injected if x.sent_at_s is not None}
@@ -272,7 +291,8 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
     }
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a reaped child counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

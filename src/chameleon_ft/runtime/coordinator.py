@@ -36,7 +36,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +64,8 @@ from chameleon_ft.runtime.trace import TraceDriver
 from chameleon_ft.runtime.worker import JobInfo
 from chameleon_ft.runtime.workload import Workload, seal_workload
 from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.job import RUNTIME_SCHEDULES
+from chameleon_ft.spec.recovery import POLICY_NAMES
 from chameleon_ft.spec.train import Fault, check_faults
 
 _POLL_S = 0.002
@@ -75,6 +77,9 @@ CHECKPOINT_LOG_S = 10.0
 """At most one "checkpoint written" line per this many seconds."""
 MAX_FAILED_STARTS = 3
 """Replacements of one worker that may die before they are up; then repairs stop."""
+RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
+                    "reroute-then-dynamic")
+"""Policies the runtime executes (``recycle`` needs split backwards, a simulator baseline)."""
 COLLECTIVE_FACTOR = 10.0
 """Derived collective deadline: this many times the plan's estimated step + migration."""
 
@@ -346,6 +351,23 @@ class Coordinator:
             raise ValueError(f"profile: {self.profile.num_layers} layers, the model has "
                              f"{self.num_layers}; make them agree ([profile] or the model)")
         self.policy = policy or config.policy.name
+        if decide is None and self.policy not in RUNTIME_POLICIES:
+            what = "a simulator baseline" if self.policy in POLICY_NAMES else "an unknown policy"
+            raise ValueError(f"--policy: {self.policy!r} is {what}; the runtime runs "
+                             f"{', '.join(RUNTIME_POLICIES)}")
+        if config.job.schedule not in RUNTIME_SCHEDULES:
+            raise ValueError(f"job.schedule: the runtime executes "
+                             f"{', '.join(sorted(RUNTIME_SCHEDULES))}; {config.job.schedule!r} "
+                             "is priced by the estimator and the simulator only")
+        self.notes: list[str] = []
+        if config.recovery.decoupled_backward:
+            # ReCycle's split backward is priced by the simulator; the runtime's planner
+            # must not choose plans it cannot execute
+            config = replace(config, recovery=replace(config.recovery,
+                                                      decoupled_backward=False))
+            self.config = config
+            self.notes.append("note: recovery.decoupled_backward is a simulator setting; "
+                              "the runtime runs fused backward passes and plans for them")
         self._decide = decide
         self.host, self.port = host, port
         self.log = log or (lambda _msg: None)
@@ -539,6 +561,8 @@ class Coordinator:
             self.log(f"coordinator listening on {self.host}:{self.port}; job "
                      f"{self.job_name!r}, {self.num_local} local workers, "
                      f"{self.num_workers - self.num_local} to join")
+            for note in self.notes:
+                self.log(note)
             if self.announce_token:
                 self.log(f"job token: {self.token}  (give it to remote workers: --token or "
                          f"{auth.TOKEN_ENV})")
@@ -609,10 +633,17 @@ class Coordinator:
             joined = sum(1 for p in self.procs.values() if self._registered(p))
             if joined >= self.num_workers:
                 return
-            for w, p in self.procs.items():
-                if p.process is not None and p.process.exitcode is not None:
+            for w, p in list(self.procs.items()):
+                if p.process is None or p.process.exitcode is None or p.registered:
+                    continue
+                starts = self.failed_starts.get(w, 0) + 1
+                self.failed_starts[w] = starts
+                if starts >= MAX_FAILED_STARTS:
                     raise ValueError(f"worker {w} exited with status {p.process.exitcode} "
-                                     "while starting; see its output above")
+                                     f"while starting, {starts} times; see its output above")
+                self.log(f"worker {w} exited with status {p.process.exitcode} while starting; "
+                         "starting it again")
+                self._launch([w])
             if self.stop_signal is not None:
                 raise WorkerFailure("interrupted while workers were joining")
             if time.monotonic() > deadline:
@@ -1163,11 +1194,12 @@ class Coordinator:
         self.log(f"FAILURE at step {s.next_step}: {event.cause}; detected{detect_txt}")
         self.hooks.on_failure(self, event)
         self.state = new
-        if not new.alive:
-            raise WorkerFailure("every worker failed")
         if new.phase is st.Phase.DRAINING:
             event.strategy, event.reason = "none", "stopping: the drain ends here"
             self.drain_done = True
+            return
+        if not new.alive:
+            self._restart_everything(event)
             return
         self._recover(event)
 
@@ -1193,6 +1225,50 @@ class Coordinator:
         except ValueError as exc:
             self._fail(f"the policy's plan is unusable: {exc}")
             return
+        self._after_new_gen()
+
+    def _restart_everything(self, event: Event) -> None:
+        """No worker is left: relaunch every worker launched here, wait for them (and for
+        remote replacements) to be up, and reload the last checkpoint on the initial plan:
+        the job's own restart, without leaving the coordinator.
+
+        Raises:
+            WorkerFailure: without ``[train] rejoin``, or when the workers of the initial
+                plan are not all back within ``join_timeout_s``.
+        """
+        if not self.train.rejoin:
+            raise WorkerFailure("every worker failed (with [train] rejoin the coordinator "
+                                "would relaunch them and reload the last checkpoint)")
+        self.log("every worker failed: relaunching them and reloading the last checkpoint")
+        local = [w for w in range(self.num_local) if w not in self.state.alive]
+        self._launch(local, replacement=True)
+        needed = frozenset(self.plan0.workers)
+        deadline = time.monotonic() + self.train.join_timeout_s
+        while not needed <= self.state.alive:
+            self._admit_joins()
+            for w, proc in list(self.procs.items()):
+                if w in self.state.alive or not proc.replacement or not self._registered(proc):
+                    continue
+                proc.ready = True
+                self.state = st.rejoin_ready(self.state, [w])
+                self.store.set(proto.start_gen_key(w, proc.incarnation),
+                               str(self.state.gen + 1))
+            if any(self.procs[w].process.exitcode is not None for w in local):
+                raise WorkerFailure("every worker failed, and a relaunched one died while "
+                                    "starting")
+            if time.monotonic() > deadline:
+                missing = sorted(needed - self.state.alive)
+                raise WorkerFailure(f"every worker failed; workers {missing} were not back "
+                                    f"within {self.train.join_timeout_s:g} s")
+            time.sleep(0.01)
+        restored = self.state.latest_checkpoint()
+        event.strategy = "restart"
+        event.reason = "every worker failed: all relaunched, the last checkpoint reloaded"
+        event.lost_steps = self.state.next_step - restored
+        for step in range(restored, self.state.next_step):
+            self.steps.pop(step, None)
+        self.state = st.recovered(self.state, st.Recovery("restart", self.plan0,
+                                                          restored_step=restored))
         self._after_new_gen()
 
     def _recovery_of(self, decision: DecisionLike) -> st.Recovery:

@@ -9,6 +9,11 @@ other than the built-in GPT (``[model] source = "python"`` or ``"hf"``) takes it
 bytes and time ratios from the job's ``[profile]``; its times come from the failure-free
 run (``--from-run``).
 
+Plus the runtime's own transition terms: how long a gloo group of ``k`` workers takes to
+form and exchange a first message between every pair (``comm_init_s + comm_per_rank_s *
+k``), and how long re-instantiating a layer takes (``layer_build_s`` plus its state bytes
+at ``layer_build_gb_per_s``): the ``[recovery]`` values of ``examples/tiny_cpu.toml``.
+
 Honesty about the machine: a CPU run puts ``num_workers`` processes on the machine's cores,
 so each layer is timed while ``num_workers`` processes run the same measurement at once
 (per-layer medians over processes and repeats). The estimator then times the same
@@ -163,6 +168,106 @@ def _p2p_worker(rank: int, port: int, sizes: list[int], repeats: int, queue: Any
     os._exit(0)
 
 
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b)`` with ``a`` clamped at 0."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+             if spread > 0 else 0.0)
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+def _group_worker(rank: int, size: int, port: int, repeats: int, queue: Any) -> None:
+    from chameleon_ft.runtime.worker import make_group
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    times = []
+    for it in range(repeats + 1):
+        # start together: every member announces itself, the last one opens the gate
+        if store.add(f"arrived/{it}", 1) == size:
+            store.set(f"go/{it}", "1")
+        store.wait([f"go/{it}"])
+        start = time.perf_counter()
+        group = make_group(store, f"group{size}/{it}/", rank, size, backend="gloo",
+                           timeout_s=60.0, address="127.0.0.1")
+        formed = time.perf_counter()
+        # a first message each way between every pair, as the runtime's warm-up does
+        works = []
+        for peer in range(size):
+            if peer != rank:
+                works.append(group.send([torch.zeros(1)], peer, it))
+                works.append(group.recv([torch.zeros(1)], peer, it))
+        for work in works:
+            work.wait()
+        if it > 0:  # the first round pays one-off costs (imports, first sockets)
+            times.append((formed - start, time.perf_counter() - start))
+    queue.put((rank, times))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def measure_groups(sizes: tuple[int, ...] = (2, 3, 4), repeats: int = 10) -> dict[str, Any]:
+    """How long a gloo group of ``k`` local workers takes to form and exchange a first
+    message between every pair (what the runtime does for each generation's groups).
+
+    Returns:
+        ``comm_init_s`` and ``comm_per_rank_s`` of a least-squares line through the median
+        time of each size (a round lasts until its slowest member is done), and the raw
+        ``times_s`` per size.
+    """
+    from chameleon_ft.runtime.coordinator import forkserver_context
+
+    ctx = forkserver_context()
+    medians, formed = {}, {}
+    for size in sizes:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_group_worker, args=(r, size, store.port, repeats, queue))
+                 for r in range(size)]
+        for proc in procs:
+            proc.start()
+        try:
+            per_rank = [queue.get(timeout=120)[1] for _ in procs]
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.exitcode is None:
+                    proc.kill()
+        rounds = list(zip(*per_rank, strict=True))
+        medians[size] = statistics.median(max(t[1] for t in ts) for ts in rounds)
+        formed[size] = statistics.median(max(t[0] for t in ts) for ts in rounds)
+    init_s, per_rank_s = _fit_line([float(k) for k in sizes], [medians[k] for k in sizes])
+    return {"comm_init_s": init_s, "comm_per_rank_s": max(0.0, per_rank_s),
+            "times_s": {str(k): medians[k] for k in sizes},
+            "formed_s": {str(k): formed[k] for k in sizes}}
+
+
+def measure_layer_build(shape: GPTShape, dtype_name: str, repeats: int = 10) -> dict[str, Any]:
+    """How long re-instantiating each layer takes here (module, initial values, AdamW
+    moments), as a worker does for a layer it receives.
+
+    Returns:
+        ``layer_build_s`` (fixed part) and ``layer_build_gb_per_s`` of a least-squares line
+        through each layer's median time against its static bytes (parameters, gradients,
+        moments), and the raw ``times_s`` per layer.
+    """
+    torch.set_num_threads(1)
+    dtype = torch_dtype(dtype_name)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    xs, ys = [], []
+    for i in range(shape.num_layers):
+        numel = sum(p.numel() for p in build_layer(shape, i, seed=0, dtype=dtype).parameters())
+        xs.append(float(4 * numel * elem))  # parameters, gradients, two moments
+        ys.append(_median_s(lambda i=i: LayerState(build_layer(shape, i, seed=0, dtype=dtype)),
+                            repeats))
+    fixed_s, s_per_byte = _fit_line(xs, ys)
+    rate = 1e-9 / s_per_byte if s_per_byte > 0 else 1e3  # GB/s; flat: effectively free
+    return {"layer_build_s": fixed_s, "layer_build_gb_per_s": rate,
+            "times_s": [round(y, 6) for y in ys]}
+
+
 def measure_p2p(sizes: tuple[int, ...] = (4, 1 << 17, 1 << 21, 1 << 24),
                 repeats: int = 30) -> dict[str, Any]:
     """Gloo one-way transfer time between two processes of this host (ping-pong / 2).
@@ -187,12 +292,7 @@ def measure_p2p(sizes: tuple[int, ...] = (4, 1 << 17, 1 << 21, 1 << 24),
             p.join(10)
             if p.exitcode is None:
                 p.kill()
-    xs = [float(n) for n in sizes]
-    ys = [results[n] for n in sizes]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-             / sum((x - mean_x) ** 2 for x in xs))
-    latency_s = max(0.0, mean_y - slope * mean_x)
+    latency_s, slope = _fit_line([float(n) for n in sizes], [results[n] for n in sizes])
     return {"latency_s": latency_s, "bandwidth_bytes_s": 1.0 / max(slope, 1e-15),
             "times_s": {str(n): results[n] for n in sizes}}
 
@@ -230,6 +330,8 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
         layers.append(LayerCost(**doc))
     p2p = measure_p2p()
     control_s = measure_control()
+    groups = measure_groups()
+    build = measure_layer_build(shape, dtype, repeats=max(3, repeats // 2))
     return Profile(
         layers=tuple(layers),
         optimizer_step_s=statistics.median(r["optimizer_step_s"] for r in runs),
@@ -239,7 +341,12 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
               "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "p2p_latency_s": p2p["latency_s"], "p2p_bandwidth_bytes_s":
               p2p["bandwidth_bytes_s"], "p2p_times_s": p2p["times_s"],
-              "store_round_trip_s": control_s})
+              "store_round_trip_s": control_s,
+              "recovery": {"comm_init_s": groups["comm_init_s"],
+                           "comm_per_rank_s": groups["comm_per_rank_s"],
+                           "layer_build_s": build["layer_build_s"],
+                           "layer_build_gb_per_s": build["layer_build_gb_per_s"]},
+              "group_times_s": groups["times_s"], "layer_build_times_s": build["times_s"]})
 
 
 def declared_profile(config: Any) -> Profile:
@@ -367,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         "p2p_bandwidth_gb_per_s": meta["p2p_bandwidth_bytes_s"] / 1e9,
         "p2p_one_way_s_by_bytes": meta["p2p_times_s"],
         "store_round_trip_us": meta["store_round_trip_s"] * 1e6,
+        "group_form_s_by_size": meta["group_times_s"],
+        "layer_build_s_by_layer": meta["layer_build_times_s"],
+        "recovery_keys": meta["recovery"],
     }, indent=2))
     return 0
 

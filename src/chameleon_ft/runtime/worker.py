@@ -216,6 +216,18 @@ class _Generation:
         del groups
 
 
+def _refused(host: str, port: int) -> bool:
+    """Whether nothing listens on ``host:port`` any more (a definite answer, unlike a
+    timeout)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def _close_later(generation: _Generation) -> None:
     """Close an old generation's groups off the training thread (breaking a pair waits
     a millisecond per peer)."""
@@ -256,9 +268,9 @@ class Worker:
                                    timeout=timedelta(seconds=connect_timeout_s))
         self.job = JobInfo.from_json(self.store.get(proto.JOB_KEY))
         self.hang_s = self.job.hang_timeout_s
-        # one request to the store must not outlast the hang deadline: a silent coordinator
-        # is a dead one
-        self.store.set_timeout(timedelta(seconds=max(self.hang_s / 2, 0.2)))
+        # the heartbeat thread decides whether the coordinator is gone; the training
+        # thread's requests may take longer on a loaded host without that meaning anything
+        self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
         self.blobs = BlobClient(host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s)
         self.dtype = torch_dtype(self.job.dtype)
@@ -315,23 +327,34 @@ class Worker:
         # stage but the last runs) is slow once per process, whatever the shapes.
         if hidden.requires_grad:
             hidden.backward(torch.ones_like(hidden))
+        if last > 1:  # a middle layer: a floating-point input that needs its gradient
+            inp = self._boundary_buffer(1).zero_()
+            inp.requires_grad_(inp.is_floating_point())
+            out = self._module(1)(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
         if last > 0:
-            head = self._module(last)
-            inp = self._boundary_buffer(last).requires_grad_(
-                self._boundary_buffer(last).is_floating_point())
-            self.model.loss(head(inp), y).backward()
+            inp = self._boundary_buffer(last).zero_()
+            inp.requires_grad_(inp.is_floating_point())
+            self.model.loss(self._module(last)(inp), y).backward()
 
     # ------------------------------------------------------------------ plumbing
     def _client(self, timeout_s: float) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self.port, is_master=False,
-                             timeout=timedelta(seconds=timeout_s))
+        """A store connection of the helper threads: connecting may take long on a loaded
+        host (it is no sign of a dead coordinator), each request then ``timeout_s``."""
+        store = dist.TCPStore(self.host, self.port, is_master=False,
+                              timeout=timedelta(seconds=max(timeout_s, 10.0)))
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
 
     def _heartbeat(self) -> None:
-        """Beat every ``heartbeat_s``; exit when the coordinator stops answering.
+        """Beat every ``heartbeat_s``; exit when the coordinator is gone.
 
-        The store client's deadline is half the hang deadline, so a coordinator that is
-        killed (connection refused) or stopped (no answer) takes this worker with it within
-        ``hang_timeout_s``; so does a worker that was itself stopped and continued later.
+        A coordinator that died leaves nothing listening on its port (the connection is
+        refused: exit at once); one that is stopped or cut off stops answering (exit once
+        ``hang_timeout_s`` passed since the last beat it took). A worker that was itself
+        stopped and continued finds out at its next beat. A slow answer under load is not
+        a death: a beat may time out, only a silence of the whole deadline counts.
         """
         gone = (f"chameleon worker {self.id}: the coordinator at {self.host}:{self.port} "
                 "stopped answering; exiting")
@@ -340,11 +363,15 @@ class Worker:
         except Exception:
             _exit_now(EXIT_COORDINATOR_GONE, gone)
         key = proto.heartbeat_key(self.id, self.incarnation)
+        last_ok = time.monotonic()
         while True:
             try:
-                store.add(key, 1)
+                store.add(key, 1)  # the answer is not used: a late one read later is harmless
+                last_ok = time.monotonic()
             except Exception:
-                _exit_now(EXIT_COORDINATOR_GONE, gone)
+                if _refused(self.host, self.port) or \
+                        time.monotonic() - last_ok > self.hang_s:
+                    _exit_now(EXIT_COORDINATOR_GONE, gone)
             time.sleep(self.job.heartbeat_s)
 
     def _watch(self) -> None:

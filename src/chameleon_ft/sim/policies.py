@@ -5,8 +5,9 @@ A policy turns an event (failure or repair) and the last committed plan into a
 the job rolls back to its last checkpoint. The engine owns time and accounting; policies
 own only the decision.
 
-- ``chameleon``, ``reroute``, ``dynamic``, ``restart``, ``shrink``: the planner's
-  decision under that policy (Eq. 8 with an estimated horizon for ``chameleon``).
+- ``chameleon``, ``reroute``, ``recycle``, ``dynamic``, ``restart``, ``shrink``: the
+  planner's decision under that policy (Eq. 8 with an estimated horizon for
+  ``chameleon``); ``oobleck`` is in ``peers.py``.
 - ``oracle``: the planner's candidates scored by Eq. 8 with the TRUE time to the next
   event of the trace, an upper bound on what any choice among the same candidates does
   over that window.
@@ -46,7 +47,7 @@ class Choice:
     stall_s: float = 0.0
     """Seconds without progress before ``plan`` runs (the transition, minus rolled-back work)."""
     terms: tuple[tuple[str, float], ...] = ()
-    """The stall by cause (``detect_s``, ``rebuild_s``, ``restart_s``...), summing to ``stall_s``."""
+    """The stall by cause (``detect_s``, ``comm_s``, ``restart_s``...), summing to ``stall_s``."""
     rollback: bool = False
     """Restart from the last checkpoint: the engine discards the work done since it."""
     state: Any = field(default=None, compare=False)
@@ -101,7 +102,9 @@ def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
     """Build a :class:`Choice` from a priced candidate.
 
     With ``rollback`` the candidate's ``lost_s`` term (its estimate of the work lost since
-    the checkpoint) is left out of the stall: the engine charges the exact lost work.
+    the checkpoint) is left out of the stall: the engine charges the exact lost work. So is
+    ``lost_step_s`` (the expected step in flight): the engine charges the exact partial
+    step of every failure.
 
     Args:
         strategy: the strategy name.
@@ -117,7 +120,7 @@ def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
         The choice, with a ``transition_other_s`` term for any part the terms do not name.
     """
     named = {k: float(v) for k, v in terms.items() if v}
-    stall_s = float(transition_s)
+    stall_s = float(transition_s) - named.pop("lost_step_s", 0.0)
     if rollback:
         stall_s -= named.pop("lost_s", 0.0)
     stall_s = max(stall_s, 0.0)
@@ -198,7 +201,7 @@ def decision_choice(decision: Any, recovery: RecoverySpec) -> Choice:
     # then a short switch to the final plan.
     final = terms_choice(strategy, chosen.plan, step_s=chosen.step_s,
                          throughput_samples_s=chosen.throughput_samples_s,
-                         transition_s=chosen.switch_s, terms={"rebuild_s": chosen.switch_s},
+                         transition_s=chosen.switch_s, terms=chosen.switch_terms,
                          rollback=False)
     first = terms_choice(strategy, chosen.interim_plan, step_s=chosen.interim_step_s,
                          throughput_samples_s=decision.plan.global_batch / chosen.interim_step_s,
@@ -253,10 +256,10 @@ class PlannerPolicy:
     def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
         """The planner's rejoin decision, or a restart from the checkpoint when down."""
         if base.plan is not None:
-            if self._policy not in ("chameleon", "dynamic", "reroute", "shrink"):
-                # Planner.decide_rejoin: restart keeps the plan (reroute gives returned
-                # workers their stages back, shrink re-admits whole replicas, dynamic
-                # re-plans). Answering here skips pricing a plan it would not take.
+            if self._policy not in ("chameleon", "dynamic", "reroute", "recycle", "shrink"):
+                # Planner.decide_rejoin: restart keeps the plan (reroute and recycle give
+                # returned workers their stages back, shrink re-admits whole replicas,
+                # dynamic re-plans). Answering here skips pricing a plan it would not take.
                 return Choice(strategy=KEEP, plan=None)
             decision = self._planner.decide_rejoin(
                 base.plan, tuple(sorted(returned)), alive=tuple(sorted(ctx.alive)),

@@ -49,8 +49,8 @@ kind = "analytic"
 recompute = "selective"
 
 [recovery]
+decoupled_backward = true        # peers can defer weight gradients (ReCycle)
 detect_s = 30.0
-rebuild_s = 5.0
 restart_s = 600.0
 checkpoint_load_s = 120.0
 checkpoint_interval_s = 3600.0
@@ -115,6 +115,7 @@ kind = "analytic"
 recompute = "full"
 
 [recovery]
+decoupled_backward = true        # peers can defer weight gradients (ReCycle)
 restart_s = 900.0
 checkpoint_interval_s = 3600.0
 
@@ -197,8 +198,8 @@ kind = "analytic"
 recompute = "selective"
 
 [recovery]
+decoupled_backward = true        # peers can defer weight gradients (ReCycle)
 detect_s = 30.0
-rebuild_s = 5.0
 restart_s = 300.0
 checkpoint_load_s = 60.0
 checkpoint_interval_s = 3600.0

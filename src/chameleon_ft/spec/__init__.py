@@ -4,7 +4,7 @@ from chameleon_ft.spec.cluster import ClusterSpec
 from chameleon_ft.spec.config import Config, config_from_mapping, load_config
 from chameleon_ft.spec.data import DataKind, DataSpec
 from chameleon_ft.spec.device import DEVICE_PRESETS, DeviceSpec, device_preset
-from chameleon_ft.spec.job import JobSpec, Placement, Schedule
+from chameleon_ft.spec.job import RUNTIME_SCHEDULES, JobSpec, Placement, Schedule
 from chameleon_ft.spec.model import MODEL_PRESETS, ModelSpec, model_preset
 from chameleon_ft.spec.model_source import ModelSource, ModelSourceKind
 from chameleon_ft.spec.optimizer import OptimizerSpec, ScheduleKind
@@ -16,6 +16,7 @@ __all__ = [
     "DEVICE_PRESETS",
     "LLAMA3_NODE_MTBF_HOURS",
     "MODEL_PRESETS",
+    "RUNTIME_SCHEDULES",
     "ClusterSpec",
     "Config",
     "DataKind",

@@ -90,8 +90,9 @@ class Config:
                      "such as \"h100-80g\" or give a [cluster.device] table")
         num_layers = self.num_layers
         if num_layers is not None and job.pp > num_layers:
-            fail("job.pp", f"{job.pp} stages need at least as many layers, the model has "
-                 f"{num_layers}")
+            what = ("layers, the model has" if job.virtual_stages == 1 else
+                    f"columns, {job.virtual_stages} chunks per stage leave")
+            fail("job.pp", f"{job.pp} stages need at least as many {what} {num_layers}")
 
     @property
     def workers_per_node(self) -> int:
@@ -105,12 +106,16 @@ class Config:
 
     @property
     def num_layers(self) -> int | None:
-        """Planner layers, when known without building the profile."""
+        """Planner layers, when known without building the profile: the model's layers, or
+        for an interleaved job the columns they fold into (``ceil(layers / v)``)."""
+        layers = None
         if self.profile.kind == ProfileKind.UNIFORM:
-            return self.profile.num_layers
-        if self.model is not None:
-            return self.model.num_layers
-        return None
+            layers = self.profile.num_layers
+        elif self.model is not None:
+            layers = self.model.num_layers
+        if layers is None:
+            return None
+        return -(-layers // self.job.virtual_stages)
 
     @property
     def seq_len(self) -> int:

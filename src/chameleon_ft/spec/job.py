@@ -9,10 +9,22 @@ from chameleon_ft.spec._fields import check_choice, check_int, fail
 
 
 class Schedule(StrEnum):
-    """Pipeline schedules the estimator and the runtime both execute."""
+    """Pipeline schedules (docs/design.md section 3.1). The estimator prices all of them;
+    the runtime executes only :data:`RUNTIME_SCHEDULES`."""
 
     ONE_F_ONE_B = "1f1b"
     GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"
+    """Interleaved 1F1B (Narayanan et al. 2021): each worker holds ``virtual_stages``
+    non-contiguous model chunks."""
+    ZERO_BUBBLE = "zero-bubble"
+    """ZB-H1 (Qi et al. 2024): the backward split into input gradient and weight gradient,
+    weight gradients deferred into idle time at 1F1B's peak memory."""
+
+
+RUNTIME_SCHEDULES = frozenset({Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value})
+"""Schedules the torch runtime executes (fused backward, one chunk per worker). The planner
+never switches a job to another schedule: only ``[job] schedule`` chooses it."""
 
 
 class Placement(StrEnum):
@@ -39,7 +51,11 @@ class JobSpec:
     micro_batch: int = 1
     """Samples per micro-batch."""
     schedule: str = Schedule.ONE_F_ONE_B.value
-    """``1f1b`` (one forward one backward) or ``gpipe`` (all forwards, then all backwards)."""
+    """``1f1b`` (one forward one backward), ``gpipe`` (all forwards, then all backwards),
+    ``interleaved`` (1F1B over ``virtual_stages`` chunks per worker) or ``zero-bubble``
+    (ZB-H1). The runtime executes only ``1f1b`` and ``gpipe``."""
+    virtual_stages: int = 1
+    """Model chunks per worker for ``interleaved`` (v in Narayanan et al. 2021); 1 otherwise."""
     placement: str = Placement.STAGE_MAJOR.value
     """``stage-major`` (worker ``s*dp+p``) or ``pipeline-major`` (worker ``p*pp+s``)."""
 
@@ -47,6 +63,10 @@ class JobSpec:
         for name in ("tp", "pp", "dp", "global_batch", "micro_batch"):
             check_int(name, getattr(self, name))
         check_choice("schedule", self.schedule, [s.value for s in Schedule])
+        check_int("virtual_stages", self.virtual_stages)
+        if self.virtual_stages > 1 and self.schedule != Schedule.INTERLEAVED:
+            fail("virtual_stages", f"{self.virtual_stages} chunks per worker need schedule = "
+                 f'"interleaved", got {self.schedule!r}')
         check_choice("placement", self.placement, [p.value for p in Placement])
         if self.global_batch % self.micro_batch:
             fail("global_batch", f"{self.global_batch} is not divisible by micro_batch "

@@ -5,8 +5,12 @@ Defaults come from published measurements (see docs/design.md, "Sources of the d
 - detection: about 30 s with active inspection (ByteRobust; default collective timeouts
   take about 10 min); a killed gloo peer is seen in 10-50 ms, a hung one only at the
   timeout, so 30 s is the realistic figure for a production job;
-- communicator rebuild: gloo about 20 ms on a few ranks (measured), ElasWave < 1 s with
-  partial rebuild, NCCL at thousands of ranks several seconds: 5 s by default;
+- communicator creation: about 1 s per NCCL communicator plus 10 ms per rank (0.66-3 s for
+  8 ranks inside a node, 2-5 s across nodes; 2.5 min on several thousand GPUs, where the
+  bootstrap all-gathers take a step per rank); gloo on a few local ranks: milliseconds
+  (measured by ``chameleon_ft.runtime.profiler``);
+- layer re-instantiation: a fixed cost per layer plus its state at the host-to-device rate;
+  a new layout's first step is a warm-up step;
 - job restart: 5-15 min at scale (scheduler, containers, imports, NCCL init): 10 min;
 - checkpoint load: about 2 min for a large model from remote storage;
 - checkpoints every ~1 h (Clockwork's TorchPass page assumes 1.5 h), so restart loses half;
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 
 from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
 
-POLICY_NAMES = ("chameleon", "reroute", "dynamic", "restart", "shrink", "reroute-then-dynamic")
+POLICY_NAMES = ("chameleon", "reroute", "recycle", "dynamic", "restart", "shrink",
+                "reroute-then-dynamic")
 """Accepted values of ``policy.name``."""
 
 LLAMA3_NODE_MTBF_HOURS = 2048 * 54 * 24 / 419
@@ -33,9 +38,32 @@ class RecoverySpec:
     detect_s: float = 30.0
     """Time from a failure to its detection (heartbeat deadline or collective error);
     about 30 s with active inspection (ByteRobust)."""
-    rebuild_s: float = 5.0
-    """Tearing down and rebuilding the communicators of the new plan (gloo ~20 ms,
-    ElasWave < 1 s, NCCL at scale seconds)."""
+    rebuild_s: float | None = None
+    """Shorthand for the three rebuild terms below: a flat time every recovery pays for
+    communicators, layers and warm-up alike (the model before transition costs followed
+    what changes). Unset: ``comm_s``, ``build_s`` and ``warmup_s`` are computed per plan."""
+    comm_init_s: float = 1.0
+    """Creating one communicator, fixed part: topology detection, buffers, connections
+    (NCCL: 0.66-3 s for 8 ranks inside a node, 2-5 s across nodes; docs/design.md,
+    "Sources of the defaults")."""
+    comm_per_rank_s: float = 0.01
+    """Creating one communicator, per rank: the bootstrap all-gathers take a step per rank
+    (NCCL: 2.5 min on several thousand GPUs)."""
+    rebuild_all_groups: bool = False
+    """Every recovery builds the new plan's groups afresh as this project's runtime does: a
+    world group over its workers that carries point-to-point traffic and exchanges a
+    first message between every pair at once, and a group per gradient bucket that is
+    only formed (``comm_init_s`` each). False: only groups whose members change are
+    created, each at its full cost."""
+    layer_build_s: float = 0.05
+    """Re-instantiating one layer on a worker that receives it: constructing its modules
+    (fixed part)."""
+    layer_build_gb_per_s: float = 20.0
+    """Re-instantiating a layer: its parameters, gradients and optimizer state allocated and
+    initialised at this rate, GB/s (a host-built layer copied over PCIe 4.0 x16)."""
+    warmup_steps: float = 1.0
+    """Extra steps of the new plan's step time that its first step takes when some worker
+    built new layers (allocator growth, kernel selection, first-use connections)."""
     restart_s: float = 600.0
     """Restarting every process of the job (scheduler, container, imports, init); 5-15 min
     at scale."""
@@ -49,6 +77,12 @@ class RecoverySpec:
     """Fraction of the link bandwidth state migration achieves."""
     background_share: float = 0.5
     """Share of the bandwidth ``reroute-then-dynamic`` may use while training runs."""
+    decoupled_backward: bool = False
+    """The training system can split a rerouted peer's backward into input- and
+    weight-gradient operations and defer the weight gradients into its idle time
+    (ReCycle's decoupled backward): the ``recycle`` strategy, and Chameleon's rerouting,
+    use it. This project's runtime runs fused backwards: keep it false for
+    ``chameleon train``."""
     search_hidden: bool = True
     """Whether plan search for likely failures runs ahead of time while training is healthy."""
     search_extra_stages: int = 2
@@ -67,8 +101,12 @@ class RecoverySpec:
         check_int("search_extra_stages", self.search_extra_stages, minimum=0)
         check_int("search_exhaustive_workers", self.search_exhaustive_workers, minimum=1)
         check_int("migration_max_parts", self.migration_max_parts)
-        for name in ("detect_s", "rebuild_s", "restart_s", "checkpoint_load_s"):
+        for name in ("detect_s", "restart_s", "checkpoint_load_s", "comm_init_s",
+                     "comm_per_rank_s", "layer_build_s", "warmup_steps"):
             check_positive(name, getattr(self, name), allow_zero=True)
+        if self.rebuild_s is not None:
+            check_positive("rebuild_s", self.rebuild_s, allow_zero=True)
+        check_positive("layer_build_gb_per_s", self.layer_build_gb_per_s)
         check_positive("checkpoint_interval_s", self.checkpoint_interval_s)
         for name in ("migration_efficiency", "background_share"):
             value = getattr(self, name)

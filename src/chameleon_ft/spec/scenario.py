@@ -24,7 +24,8 @@ from chameleon_ft.spec._fields import (
 )
 from chameleon_ft.spec.recovery import LLAMA3_NODE_MTBF_HOURS
 
-POLICY_NAMES = ("chameleon", "reroute", "dynamic", "restart", "shrink", "bamboo", "oracle")
+POLICY_NAMES = ("chameleon", "oobleck", "recycle", "reroute", "dynamic", "restart", "shrink",
+                "bamboo", "oracle")
 """Every policy the simulator compares, in report order."""
 
 
@@ -114,6 +115,8 @@ class SimulationSpec:
     """CSV trace to replay instead of generating one (relative to the scenario file)."""
     bamboo_tax: float = 0.24
     """Bamboo's steady throughput tax for redundant computation (Oobleck's simulator: 0.197-0.279)."""
+    oobleck_fault_threshold: int = 3
+    """Oobleck's ``f``: it keeps at least ``f + 1`` pipelines (its code's default, 3)."""
     sweep_node_mtbf_hours: tuple[float, ...] = ()
     """For a sweep: node MTBF values, hours. Empty: no sweep."""
     sweep_repair_hours: tuple[float, ...] = ()
@@ -130,6 +133,7 @@ class SimulationSpec:
         check_int("seeds", self.seeds)
         check_int("seed", self.seed, minimum=0)
         check_positive("bamboo_tax", self.bamboo_tax, allow_zero=True)
+        check_int("oobleck_fault_threshold", self.oobleck_fault_threshold, minimum=0)
         if self.bamboo_tax >= 1:
             fail("bamboo_tax", f"is a fraction of throughput and must be < 1, got {self.bamboo_tax}")
         for i, value in enumerate(self.sweep_node_mtbf_hours):

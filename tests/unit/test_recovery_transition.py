@@ -1,0 +1,131 @@
+"""The transition model: what each recovery redoes (recovery/transition.py), and ReCycle's
+rerouting with deferred weight gradients."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.plan.reroute import reroute_plan
+from chameleon_ft.policy import Planner
+from chameleon_ft.recovery import reroute
+from chameleon_ft.recovery.transition import comm_s, plan_groups
+from chameleon_ft.sim.scenarios import preset_scenario
+from chameleon_ft.spec.config import load_config
+from chameleon_ft.spec.recovery import RecoverySpec
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = RecoverySpec(comm_init_s=1.0, comm_per_rank_s=0.01)
+
+
+def uniform(dp: int = 4, pp: int = 4) -> ExecutionPlan:
+    return ExecutionPlan.uniform(dp=dp, pp=pp, num_layers=8, num_microbatches=4 * dp)
+
+
+def test_groups_are_pipelines_and_buckets() -> None:
+    plan = uniform()  # stage-major: stage s of pipeline p is worker 4 s + p
+    groups = plan_groups(plan)
+    pipelines = {frozenset({p, 4 + p, 8 + p, 12 + p}) for p in range(4)}
+    buckets = {frozenset(range(4 * s, 4 * s + 4)) for s in range(4)}
+    assert groups == pipelines | buckets
+
+
+def test_reroute_creates_only_the_damaged_groups() -> None:
+    plan = uniform()
+    rerouted = reroute_plan(plan, {5})  # stage 1 of pipeline 1
+    new = plan_groups(rerouted) - plan_groups(plan)
+    # the damaged stage's bucket without 5, and pipeline 1's group with its hosts
+    assert new == {frozenset({4, 6, 7}), frozenset({1, 4, 6, 7, 9, 13})}
+    # the busiest worker (a host) creates both: 2 inits and 3 + 6 ranks
+    assert comm_s(plan, rerouted, SPEC, tp=1) == pytest.approx(2 * 1.0 + 0.01 * 9)
+    # a stop-the-world rebuild creates everything plus a world group over 15 workers: a
+    # host is in the world, its own pipeline's group, pipeline 1's and its bucket
+    everything = comm_s(plan, rerouted, SPEC, tp=1, everything=True)
+    assert everything == pytest.approx(4 * 1.0 + 0.01 * (15 + 4 + 6 + 3))
+    # nothing changes, nothing is created
+    assert comm_s(plan, plan, SPEC, tp=1) == 0.0
+
+
+def test_tensor_parallel_ranks_count_in_the_world_group_only() -> None:
+    plan = uniform()
+    world = comm_s(None, plan, SPEC, tp=8, everything=True) - comm_s(None, plan, SPEC, tp=8)
+    assert world == pytest.approx(1.0 + 0.01 * 16 * 8)
+
+
+def test_the_runtime_forms_bucket_groups_without_a_first_exchange() -> None:
+    spec = RecoverySpec(comm_init_s=0.002, comm_per_rank_s=0.01, rebuild_all_groups=True)
+    plan = uniform(dp=2, pp=2)
+    rerouted = reroute_plan(plan, {3})
+    # world group of the 3 live workers, then worker 0's bucket {0, 1}, formed only
+    assert comm_s(plan, rerouted, spec, tp=1) == pytest.approx(0.002 + 0.03 + 0.002)
+
+
+@pytest.fixture(scope="module")
+def paper32() -> Planner:
+    return Planner(load_config(ROOT / "examples" / "paper32.toml"))
+
+
+def test_dynamic_rebuilds_more_than_reroute(paper32: Planner) -> None:
+    decision = paper32.decide(paper32.initial_plan, [5], horizon_s=3600.0)
+    by = {str(c.strategy): c for c in decision.candidates}
+    rerouting, dyn = by["recycle"], by["dynamic"]
+    assert rerouting.terms["build_s"] == 0.0 and rerouting.terms["warmup_s"] == 0.0
+    assert dyn.terms["build_s"] > 0 and dyn.terms["warmup_s"] == pytest.approx(dyn.step_s)
+    assert dyn.terms["comm_s"] > rerouting.terms["comm_s"] > 0
+    assert rerouting.terms["lost_step_s"] == dyn.terms["lost_step_s"] == pytest.approx(
+        paper32.failure_free.step_s / 2)
+    # the flat shorthand replaces the three rebuild terms
+    flat = Planner(replace(paper32.config, recovery=replace(paper32.config.recovery,
+                                                            rebuild_s=5.0)),
+                   profile=paper32.profile)
+    c = next(c for c in flat.decide(flat.initial_plan, [5]).candidates
+             if c.strategy == "dynamic")
+    assert c.terms["rebuild_s"] == 5.0 and "comm_s" not in c.terms
+
+
+def test_recycle_defers_weight_gradients_when_memory_allows() -> None:
+    config = preset_scenario("sweep").config  # 1.3B on 80 GB: room for deferred W's
+    planner = Planner(config)
+    plan = planner.initial_plan
+    state = planner.recovery_state(plan, set(plan.workers) - {5})
+    (fused,) = reroute.candidates(state, frozenset({5}))
+    (recycle,) = reroute.candidates(state, frozenset({5}), decoupled=True)
+    assert recycle.feasible and recycle.plan is not None and recycle.plan.defer_weight_grad
+    assert fused.plan is not None and not fused.plan.defer_weight_grad
+    assert recycle.step_s < fused.step_s
+    assert recycle.terms == fused.terms  # the same groups change: same transition
+    # without the capability, recycle is not an option
+    off = replace(config, recovery=replace(config.recovery, decoupled_backward=False))
+    state_off = replace(state, config=off)
+    (none,) = reroute.candidates(state_off, frozenset({5}), decoupled=True)
+    assert not none.feasible and "decoupled_backward" in none.reason
+
+
+def test_recycle_runs_fused_backwards_when_deferral_does_not_fit(paper32: Planner) -> None:
+    plan = paper32.initial_plan
+    state = paper32.recovery_state(plan, set(plan.workers) - {5})
+    deferred = replace(reroute_plan(plan, {5}), defer_weight_grad=True)
+    assert not paper32.estimate(deferred).memory_fits  # every deferred W keeps activations
+    (recycle,) = reroute.candidates(state, frozenset({5}), decoupled=True)
+    assert recycle.feasible and recycle.plan is not None
+    assert not recycle.plan.defer_weight_grad
+
+
+def test_fixed_policies_get_their_own_strategy_when_comparing(paper32: Planner) -> None:
+    for name in ("reroute", "recycle", "dynamic", "shrink"):
+        decision = paper32.decide(paper32.initial_plan, [5], policy=name, horizon_s=3600.0)
+        assert decision.strategy == name
+
+
+def test_cached_canonical_answers_keep_the_deferred_schedule() -> None:
+    planner = Planner(preset_scenario("sweep").config)
+    plan = planner.initial_plan
+    first = planner.decide(plan, [5], policy="recycle", horizon_s=3600.0)
+    again = planner.decide(plan, [6], policy="recycle", horizon_s=3600.0)  # same class
+    assert again.cache_hit
+    for decision in (first, again):
+        assert decision.plan.defer_weight_grad
+        assert planner.estimate(decision.plan).step_s == pytest.approx(decision.chosen.step_s)
