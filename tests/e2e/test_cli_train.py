@@ -85,8 +85,8 @@ def test_train_bad_input_one_line(tiny: Path, args: tuple[str, ...], message: st
 def test_train_bad_trace_one_line(tiny: Path, tmp_path: Path, trace: str, message: str) -> None:
     path = tmp_path / "trace.csv"
     path.write_text(trace)
-    proc = subprocess.run(_cmd("train", "--config", str(tiny), "--trace", str(path)),
-                          capture_output=True, text=True, timeout=60, env=_env(),
+    proc = subprocess.run(cmd("train", "--config", str(tiny), "--trace", str(path)),
+                          capture_output=True, text=True, timeout=60, env=env(),
                           cwd=tmp_path)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
