@@ -55,8 +55,9 @@ def test_node_failure_software_repair_and_end(tmp_path: Path, reference) -> None
     assert trace["end_reached"] and report["interrupted"] is None
     steps = [s["step"] for s in report["steps"]]
     assert steps == list(range(len(steps))) and report["committed_steps"] == len(steps)
-    # throughput: the steps committed by the end (the one in flight then is not counted)
-    assert len(steps) - 1 <= trace["committed_steps"] <= len(steps)
+    # throughput: the steps committed by the end; after it, the drain commits the step in
+    # flight, and a commit may land between the end and the loop's next look at the clock
+    assert len(steps) - 2 <= trace["committed_steps"] <= len(steps)
     assert trace["committed_samples"] == trace["committed_steps"] * TINY["job"]["global_batch"]
     assert report["throughput_samples_s"] == pytest.approx(trace["committed_samples"] / 8.0)
     assert report["throughput_samples_s"] > 0
