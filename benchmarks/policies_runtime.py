@@ -6,11 +6,12 @@ of a model whose layers take a fixed device time (``examples/emulated_device.py`
 worker's memory holding at most 3 of the 8 layers. One run of the benchmark:
 
 1. profiles the testbed on this machine (``python -m chameleon_ft.runtime.profiler``: the
-   gloo latency and bandwidth, the commit latency, and the per-op times measured in a
-   failure-free run of the runtime itself);
-2. writes ``OUT/testbed.toml``: the testbed with that profile, the measured network, and
-   ``[recovery] checkpoint_interval_s`` set to ``checkpoint_every`` steps at the measured
-   failure-free step;
+   gloo latency and bandwidth, the commit latency, group formation and layer
+   re-instantiation times, and the per-op times measured in a failure-free run of the
+   runtime itself);
+2. writes ``OUT/testbed.toml``: the testbed with that profile, the measured network and
+   transition terms, and ``[recovery] checkpoint_interval_s`` set to ``checkpoint_every``
+   steps at the measured failure-free step;
 3. asks the simulator for each trace's prediction (``chameleon simulate --config
    OUT/testbed.toml --trace T --json``);
 4. replays each trace under each policy (``chameleon train --config OUT/testbed.toml
@@ -173,6 +174,7 @@ def measured_testbed(doc: dict[str, Any], profile: dict[str, Any], out: Path) ->
     for link in ("intra_node", "inter_node"):
         doc["cluster"][f"{link}_latency_us"] = round(meta["p2p_latency_s"] * 1e6, 1)
         doc["cluster"][f"{link}_gb_per_s"] = round(meta["p2p_bandwidth_bytes_s"] / 1e9, 3)
+    doc["recovery"].update({k: float(f"{v:.4g}") for k, v in meta["recovery"].items()})
     doc["profile"] = {"kind": "file", "path": str((out / "profile.json").resolve())}
     path = out / "testbed.toml"
     write_toml(doc, path)
