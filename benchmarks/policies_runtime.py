@@ -189,13 +189,29 @@ def measured_testbed(doc: dict[str, Any], profile: dict[str, Any], out: Path) ->
 
 
 # ---------------------------------------------------------------------- runs
-def predict(config: Path, trace: Path, policies: Sequence[str]) -> dict[str, float]:
-    """The simulator's average throughput of each policy on the trace."""
+def simulate(config: Path, trace: Path, policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The simulator's result of each policy on the trace (its JSON report's entry)."""
     proc = subprocess.run(_chameleon("simulate", "--config", str(config), "--trace", str(trace),
                                      "--policies", ",".join(policies), "--json", "--jobs", "1"),
                           check=True, capture_output=True, text=True, env=_env(), timeout=600)
     doc = json.loads(proc.stdout)
-    return {p["name"]: float(p["avg_throughput_samples_s"]) for p in doc["cells"][0]["policies"]}
+    return {p["name"]: p for p in doc["cells"][0]["policies"]}
+
+
+def predict(config: Path, trace: Path, policies: Sequence[str]) -> dict[str, float]:
+    """The simulator's average throughput of each policy on the trace."""
+    return {name: float(p["avg_throughput_samples_s"])
+            for name, p in simulate(config, trace, policies).items()}
+
+
+def simulated_restarts(config: Path, trace: Path,
+                       policies: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Restarts from the checkpoint in the simulator (decided ones and software faults) and
+    the work they threw away, in failure-free seconds."""
+    return {name: {"restarts": round(p["decisions"].get("restart", 0)
+                                     + p["num_software_restarts"]),
+                   "lost_s": p["time_lost_s"].get("lost_work_s", 0.0)}
+            for name, p in simulate(config, trace, policies).items()}
 
 
 def figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -271,14 +287,19 @@ def delayed_repairs(trace_path: Path, delay_s: float, out: Path) -> Path:
 
 def summarize(runs: list[dict[str, Any]], predictions: dict[str, dict[str, float]],
               traces: Sequence[str], policies: Sequence[str],
-              delayed: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
-    """Medians, spreads, prediction errors and the checks."""
+              delayed: dict[str, dict[str, float]] | None = None,
+              restarts: dict[str, dict[str, dict[str, float]]] | None = None,
+              step_s: float | None = None) -> dict[str, Any]:
+    """Medians, spreads, prediction errors and the checks (``step_s``: the estimated
+    failure-free step, to express steps thrown away by restarts in failure-free seconds
+    as the simulator does)."""
     cells: dict[str, dict[str, Any]] = {}
     spreads = []
     for trace in traces:
         for policy in policies:
-            values = [r["throughput_samples_s"] for r in runs
-                      if r["trace"] == trace and r["policy"] == policy and "failed" not in r]
+            cell_runs = [r for r in runs
+                         if r["trace"] == trace and r["policy"] == policy and "failed" not in r]
+            values = [r["throughput_samples_s"] for r in cell_runs]
             if not values:
                 continue
             median = statistics.median(values)
@@ -292,7 +313,11 @@ def summarize(runs: list[dict[str, Any]], predictions: dict[str, dict[str, float
                 "spread": spread, "predicted": predicted,
                 "error": None if predicted is None else (predicted - median) / median,
                 "predicted_delayed": later,
-                "error_delayed": None if later is None else (later - median) / median}
+                "error_delayed": None if later is None else (later - median) / median,
+                "restarts": [r["strategies"].get("restart", 0) for r in cell_runs],
+                "restarts_simulated": (restarts or {}).get(trace, {}).get(policy),
+                "lost_s": statistics.median(r["lost_steps"] for r in cell_runs) * step_s
+                if step_s else None}
     noise = statistics.median(spreads) if spreads else 0.0
     ahead, within = [], []
     for trace in traces:
@@ -317,8 +342,9 @@ def summarize(runs: list[dict[str, Any]], predictions: dict[str, dict[str, float
 def table(summary: dict[str, Any], traces: Sequence[str], policies: Sequence[str]) -> str:
     """The Markdown table of RESULTS.md."""
     lines = ["| trace | policy | measured samples/s (runs) | spread | simulator | error | "
-             "simulator, repairs delayed | error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "simulator, repairs delayed | error | restarts (runs / simulator) | "
+             "work lost to restarts, s (median run / simulator) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for trace in traces:
         for policy in policies:
             cell = summary["cells"].get(f"{trace}/{policy}")
@@ -331,8 +357,14 @@ def table(summary: dict[str, Any], traces: Sequence[str], policies: Sequence[str
                 f"{cell['predicted_delayed']:.1f}"
             err_later = "-" if cell["error_delayed"] is None else \
                 f"{cell['error_delayed']:+.1%}"
+            restarts = ", ".join(str(n) for n in cell["restarts"])
+            sim = cell["restarts_simulated"]
+            simulated = "-" if sim is None else sim["restarts"]
+            lost = "-" if cell["lost_s"] is None or sim is None else \
+                f"{cell['lost_s']:.0f} / {sim['lost_s']:.0f}"
             lines.append(f"| {trace} | {policy} | {cell['median']:.1f} ({runs}) | "
-                         f"{cell['spread']:.1%} | {pred} | {err} | {later} | {err_later} |")
+                         f"{cell['spread']:.1%} | {pred} | {err} | {later} | {err_later} | "
+                         f"{restarts} / {simulated} | {lost} |")
     return "\n".join(lines)
 
 
@@ -405,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     delay = statistics.median(up) + statistics.median(steps) if up and steps else 0.0
     delayed = {p.stem: predict(config, delayed_repairs(p, delay, out), policies)
                for p in trace_paths} if delay else None
-    summary = summarize(runs, predictions, names, policies, delayed)
+    restarts = {p.stem: simulated_restarts(config, p, policies) for p in trace_paths}
+    # measured_testbed set the interval to checkpoint_every estimated failure-free steps
+    testbed = tomllib.loads(config.read_text())
+    step_s = testbed["recovery"]["checkpoint_interval_s"] / testbed["train"]["checkpoint_every"]
+    summary = summarize(runs, predictions, names, policies, delayed, restarts, step_s)
     summary["wall_s"] = time.monotonic() - started
     summary["load"] = [r["load_before"] for r in runs]
     summary["repair_delay_s"] = delay
