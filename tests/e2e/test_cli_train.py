@@ -76,6 +76,24 @@ def test_train_bad_input_one_line(tiny: Path, args: tuple[str, ...], message: st
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
+@pytest.mark.parametrize(("trace", "message"), [
+    ("time_s,event,target\n1.0,worker-fail\n2.0,end,\n", "trace row 1 (worker-fail at 1.0 s): "
+     "needs a target"),
+    ("time_s,event,target\n1.0,worker-fail,4\n2.0,end,\n", "worker 4 is outside the cluster"),
+    ("when,what\n", "the first line must be the header"),
+])
+def test_train_bad_trace_one_line(tiny: Path, tmp_path: Path, trace: str, message: str) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text(trace)
+    proc = subprocess.run(cmd("train", "--config", str(tiny), "--trace", str(path)),
+                          capture_output=True, text=True, timeout=60, env=env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--trace" in lines[0] and message in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()  # refused before a run directory is made
+
+
 def test_worker_silent_coordinator_one_line() -> None:
     proc = subprocess.run(cmd("worker", "--coordinator", "127.0.0.1:1", "--connect-timeout", "1",
                                "--token", TOKEN),

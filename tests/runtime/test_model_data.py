@@ -114,3 +114,17 @@ def test_calibration_from_run_times() -> None:
     assert [c.bwd_input_s for c in profile.layers] == pytest.approx([0.15] * 4)
     assert profile.optimizer_step_s == pytest.approx(0.1)  # a half-model stage took 0.05 s
     assert control_overhead_s(op_times) == pytest.approx(0.003)
+
+
+def test_layer_build_of_a_python_model_is_measured_per_layer() -> None:
+    # the profiler times any layered model's layers (here the testbed's emulated-device
+    # model: 8 layers, a small first and last one), as it times the built-in GPT's
+    from pathlib import Path
+
+    from chameleon_ft.runtime.profiler import measure_model_layer_build
+    from chameleon_ft.spec.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[2] / "examples" / "testbed8.toml")
+    build = measure_model_layer_build(config, repeats=3)
+    assert len(build["times_s"]) == 8 and all(t > 0 for t in build["times_s"])
+    assert build["layer_build_s"] >= 0 and build["layer_build_gb_per_s"] > 0

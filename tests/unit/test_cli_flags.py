@@ -17,7 +17,7 @@ FLAGS = {
     "train": {"--config", "--dtype", "--fault", "--host", "--job-name", "--json",
               "--log-every", "--out",
               "--policy", "--port", "--rejoin", "--remote-workers", "--resume", "--steps",
-              "--token", "--workers"},
+              "--token", "--trace", "--workers"},
     "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
                "--job", "--num-workers", "--token"},
 }

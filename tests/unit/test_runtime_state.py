@@ -256,3 +256,38 @@ def test_a_replacement_under_a_placed_id_holds_nothing() -> None:
     s = st.recovered(s, st.Recovery("dynamic", _plan((0, 3)), migration=_migration(2, 3)))
     s = st.committed(s, s.next_step)
     assert s.holding == {0, 2, 3} and st.decision_inputs(s)[1] == frozenset()
+
+
+def test_software_restart_reloads_the_checkpoint_on_the_running_plan() -> None:
+    s = _training(7)
+    s, _ = st.checkpoint_complete(s, 4, s.gen)
+    s = st.rejoin_ready(s, [4])
+    new = st.software_restart(s)
+    assert new.gen == s.gen + 1 and new.plan == PLAN and new.next_step == 4
+    assert new.load == st.Load("restore", 4) and new.from_checkpoint
+    assert new.epoch == new.gen and new.alive == s.alive and new.idle == {4}
+    # without a checkpoint after step 0 it goes back to the initial parameters
+    fresh = st.software_restart(_training(3))
+    assert fresh.next_step == 0 and fresh.load == st.INIT
+
+
+def test_software_restart_during_a_recovery_uses_the_plan_it_moves_to() -> None:
+    # reroute-then-dynamic in its first phase: the restart trains the interim plan from the
+    # checkpoint and drops the switch (its migration starts from state rolled back)
+    s, _ = st.workers_died(_training(), [3])
+    interim = _plan((0, 2))
+    s = st.recovered(s, st.Recovery("reroute-then-dynamic", _without(PLAN, 3),
+                                    migration=_migration(2, 1), interim=interim,
+                                    switch_after=3))
+    new = st.software_restart(s)
+    assert new.plan == interim and new.pending is None and new.migration is None
+    assert new.next_step == 0 and new.idle == {1}
+
+
+def test_software_restart_refused_when_not_training_or_a_member_is_dead() -> None:
+    s = _training()
+    with pytest.raises(ValueError, match="draining"):
+        st.software_restart(st.draining(s, "SIGTERM"))
+    dead, _ = st.workers_died(s, [3])
+    with pytest.raises(ValueError, match="not alive"):
+        st.software_restart(dead)

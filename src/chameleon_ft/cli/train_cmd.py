@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="relaunch dead local workers (repair), admit remote "
                              "replacements, and let the policy fold them back in "
                              "([train] rejoin)")
+    parser.add_argument("--trace", metavar="FILE.csv",
+                        help="replay a failure trace (the simulator's CSV: time_s,event,target) "
+                             "in wall-clock seconds from the first step: worker-fail, "
+                             "node-fail and group-fail kill workers, software restarts the "
+                             "running plan from the checkpoint, repair relaunches the nodes' "
+                             "dead workers, end stops training; the report gains "
+                             "throughput_samples_s")
     parser.add_argument("--token", metavar="TOKEN",
                         help="job token remote workers must know (default: "
                              f"${auth.TOKEN_ENV}; generated and printed when workers may "
@@ -100,6 +107,11 @@ def _summary(report: dict[str, Any]) -> list[str]:
                      + (f", {e['lost_steps']} steps redone" if e["lost_steps"] else ""))
     for r in report.get("rejoins", []):
         lines.append(f"repaired worker(s) {r['workers']} at step {r['step']}: {r['strategy']}")
+    if "trace" in report:
+        t = report["trace"]
+        lines.append(f"trace replayed: {t['committed_steps']} steps committed in "
+                     f"{t['measured_s']:.1f} s, {report['throughput_samples_s']:.2f} samples/s"
+                     + ("" if t["end_reached"] else " (steps ran out before the end row)"))
     lines.append(f"final parameters sha256 {report['param_hash']}")
     return lines
 
@@ -127,13 +139,20 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=out, flush=True)
 
+    trace = None
+    if args.trace is not None:
+        from chameleon_ft.runtime.trace import TraceDriver, load_trace
+
+        trace = TraceDriver(load_trace(args.trace, num_nodes=config.cluster.num_nodes,
+                                       workers_per_node=config.workers_per_node),
+                            config.workers_per_node, path=args.trace)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
 
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
                         num_local_workers=local, host=args.host, port=args.port, log=log,
                         token=token, job_name=args.job_name, resume=args.resume,
-                        log_every=args.log_every)
+                        log_every=args.log_every, trace=trace)
     try:
         report = coord.run()
     except WorkerFailure as exc:

@@ -60,6 +60,7 @@ from chameleon_ft.runtime.models import (
 )
 from chameleon_ft.runtime.packing import PackError, unpack
 from chameleon_ft.runtime.resources import check_memory
+from chameleon_ft.runtime.trace import TraceDriver
 from chameleon_ft.runtime.worker import JobInfo
 from chameleon_ft.runtime.workload import Workload, seal_workload
 from chameleon_ft.spec.config import Config
@@ -289,7 +290,7 @@ class Coordinator:
                  resume: bool = False, check_resources: bool = True,
                  hooks: Hooks | None = None, model: Any = None, data: Any = None,
                  optimizer: Any = None, lr_schedule: Any = None,
-                 log_every: int | None = None) -> None:
+                 log_every: int | None = None, trace: TraceDriver | None = None) -> None:
         """Prepare a job (nothing starts until :meth:`run`).
 
         Args:
@@ -318,11 +319,13 @@ class Coordinator:
             lr_schedule: ``step -> learning rate`` (default: ``[optimizer]``'s schedule).
             log_every: a step line every this many steps (default: about 25 per run);
                 failures, decisions and recoveries are always logged.
+            trace: a failure trace to replay in wall-clock time (``runtime/trace.py``).
 
         Raises:
             ValueError: for faults naming missing workers, layouts that do not fit, a
                 token on a non-loopback address that is too short, a resume without a
-                checkpoint, or workers that would not fit the host's memory.
+                checkpoint, workers that would not fit the host's memory, or a trace
+                the run cannot replay.
         """
         self.config = config
         self.workload = Workload(config, model, data, optimizer, lr_schedule)
@@ -390,6 +393,12 @@ class Coordinator:
         self.resumed_from: Manifest | None = None
         if resume:
             self._prepare_resume()
+        self.trace = trace
+        if trace is not None:
+            trace.check_job(num_nodes=config.cluster.num_nodes,
+                            workers_per_node=config.workers_per_node,
+                            num_workers=self.num_workers, num_local=self.num_local,
+                            resume=resume)
         self.hang_s = self.train.hang_s
         self._check_collective_timeout()
         if check_resources:
@@ -433,6 +442,10 @@ class Coordinator:
         self.drain_started = 0.0
         self.drain_done = False
         self.final_holders: dict[int, list[int]] = {}
+        self.killed_at: dict[int, float] = {}
+        """Run clock when :meth:`kill_workers` signalled a worker (its fault time)."""
+        self.trace_ended = False
+        self.ready_s: float | None = None
 
     # ------------------------------------------------------------------ set-up checks
     def _prepare_resume(self) -> None:
@@ -825,6 +838,7 @@ class Coordinator:
                 doc = json.loads(self.store.get(key))
                 times.append(self.now() - (time.time() - float(doc["time"])))
                 self.fault_times_used.add(index)
+        times += [self.killed_at.pop(w) for w in failed if w in self.killed_at]
         return min(times) if times else None
 
     def fault_report(self) -> list[dict[str, Any]]:
@@ -839,6 +853,103 @@ class Coordinator:
                             "fired_pid": fired["pid"]} if fired else {})})
         return out
 
+    # ------------------------------------------------------------------ trace replay
+    def kill_workers(self, workers: Sequence[int]) -> list[int]:
+        """SIGKILL the local processes of ``workers`` now (a replayed hardware failure).
+
+        The loop notices the exits as it notices any death; the kill time becomes the
+        failure's fault time.
+
+        Returns:
+            The workers signalled (those with a running local process).
+        """
+        killed = []
+        for w in workers:
+            p = self.procs.get(w)
+            proc = None if p is None else p.process
+            if proc is None or proc.pid is None or proc.exitcode is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            self.killed_at.setdefault(w, self.now())
+            killed.append(w)
+        # a node's workers die together: wait (briefly) for every signalled process to
+        # exit, so that the loop sees them in one pass and recovers once, not once per
+        # worker with a plan that names the next one to go
+        deadline = time.monotonic() + 1.0
+        for w in killed:
+            self.procs[w].process.join(max(0.0, deadline - time.monotonic()))
+        if killed:
+            self.log(f"trace: killed worker(s) {killed}")
+        return killed
+
+    def relaunch_workers(self, workers: Sequence[int]) -> list[int]:
+        """Relaunch those of ``workers`` that are dead now (a replayed repair).
+
+        A replacement comes up idle; the policy decides whether to fold it back in. A
+        worker whose exit the loop has not processed yet is left for a later call.
+
+        Returns:
+            The workers relaunched.
+        """
+        dead = []
+        for w in workers:
+            p = self.procs.get(w)
+            if w >= self.num_local or w in self.state.alive or p is None or \
+                    p.process is None or p.process.exitcode is None:
+                continue
+            dead.append(w)
+        if dead:
+            self._launch(dead, replacement=True)
+            self.log(f"trace: relaunched worker(s) {dead} (repair); idle until a plan uses "
+                     "them")
+        return dead
+
+    def software_fault(self) -> bool:
+        """A job-level software fault: abort the step in flight, every worker of the running
+        plan reloads the last checkpoint (``state.software_restart``).
+
+        Returns:
+            Whether it happened (not while a death is still to be recovered from, nor once
+            training stops).
+        """
+        s = self.state
+        try:
+            new = st.software_restart(s)
+        except ValueError as exc:
+            self.log(f"trace: software fault not applied: {exc}")
+            return False
+        self.store.set(proto.verdict_key(s.gen, s.next_step), proto.ABORT)
+        self.store.set(proto.abort_key(s.gen), "1")
+        now = self.now()
+        event = Event(workers=[], cause="software fault (every worker reloads the "
+                      "checkpoint)", gen=s.gen, step=s.next_step, fault_at_s=now,
+                      detected_at_s=now, detected_after_s=0.0, strategy="restart",
+                      reason="a job-level software fault: the running plan restarts from "
+                             f"the checkpoint after {new.next_step} steps",
+                      lost_steps=s.next_step - new.next_step)
+        for step in range(new.next_step, s.next_step):
+            self.steps.pop(step, None)
+        self.events.append(event)
+        self.log(f"FAILURE at step {s.next_step}: software fault; restarting the plan from "
+                 f"the checkpoint after {new.next_step} steps")
+        self.hooks.on_failure(self, event)
+        self.state = new
+        self._after_new_gen()
+        return True
+
+    def stop_at_boundary(self, reason: str) -> None:
+        """Stop training at the next step boundary (a replayed trace's end): the step in
+        flight commits, or is aborted after the drain deadline, then the state is
+        checkpointed and the workers stop, as in a drain, but not reported as an
+        interruption."""
+        if self.state.phase is not st.Phase.TRAINING:
+            return
+        self.log(f"{reason}: stopping at the next step boundary")
+        self.state = st.draining(self.state, reason)
+        self.drain_started = time.monotonic()
+        self.trace_ended = True
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         """Follow generations until every step committed, a drain ended, or failure."""
@@ -849,6 +960,8 @@ class Coordinator:
                 return
             now = time.monotonic()
             self._admit_joins()
+            if self.trace is not None:
+                self.trace.poll(self)
             dead: dict[int, str] = {}
             # 1. process exits: the fastest, surest signal for workers launched here
             for w in sorted(self.state.alive):
@@ -1302,6 +1415,8 @@ class Coordinator:
                 self.log(f"worker {w} (repaired) is up; idle until a plan uses it")
         if not self.train.rejoin or self.state.phase is not st.Phase.TRAINING:
             return
+        if self.trace is not None:
+            return  # a replayed trace brings workers back with its repair rows
         if any(e.resumed_at_s is None and not e.idle for e in self.events):
             return  # relaunch only once training runs again
         for w in range(self.num_local):
@@ -1421,7 +1536,7 @@ class Coordinator:
     # ------------------------------------------------------------------ the end
     def _finish(self) -> dict[str, Any]:
         s = self.state
-        interrupted = s.phase is st.Phase.DRAINING
+        interrupted = s.phase is st.Phase.DRAINING and not self.trace_ended
         self.state = st.finished(s)
         self._publish_stop()
         for event in self.events:  # an event whose recovery never committed a step
@@ -1473,6 +1588,9 @@ class Coordinator:
             "interrupted": None if not interrupted else self.state.reason,
             "checkpoints": self.ckpt.steps(),
         }
+        if self.trace is not None:
+            report.update(self.trace.report([r.committed_at_s for r in steps],
+                                            self.config.job.global_batch))
         self.params = params
         _write_atomic_text(self.out_dir / "report.json", json.dumps(report, indent=2))
         # per-op compute times (calibration input for the profiler), kept apart: large

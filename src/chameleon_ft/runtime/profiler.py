@@ -1,10 +1,13 @@
-"""Measure the tiny GPT on this machine and write the JSON profile the estimator reads.
+"""Measure a job's model on this machine and write the JSON profile the estimator reads.
 
 Per layer: forward seconds, input-gradient and weight-gradient seconds (the backward
 split by timing an input-only backward), parameter and AdamW-state bytes, the bytes of the
 tensors autograd keeps for the backward (counted with saved-tensor hooks), and the bytes
 of the output sent to the next stage. Plus the optimizer step, gloo point-to-point latency
-and bandwidth between two processes, and the control round trip of a step commit.
+and bandwidth between two processes, and the control round trip of a step commit. A model
+other than the built-in GPT (``[model] source = "python"`` or ``"hf"``) takes its layers'
+bytes and time ratios from the job's ``[profile]``; its times come from the failure-free
+run (``--from-run``).
 
 Plus the runtime's own transition terms: how long a gloo group of ``k`` workers takes to
 form and exchange a first message between every pair (``comm_init_s + comm_per_rank_s *
@@ -346,6 +349,63 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
               "group_times_s": groups["times_s"], "layer_build_times_s": build["times_s"]})
 
 
+def measure_model_layer_build(config: Any, repeats: int = 10) -> dict[str, Any]:
+    """:func:`measure_layer_build` for any layered model (the job's ``[model]``): each
+    layer built in the run's dtype with its optimizer, as a worker does for a layer it
+    receives.
+
+    Returns:
+        As :func:`measure_layer_build`.
+    """
+    from chameleon_ft.runtime.optim import LayerTrainState
+    from chameleon_ft.runtime.workload import Workload
+
+    torch.set_num_threads(1)
+    work = Workload(config)
+    model, factory = work.model(), work.optimizer()
+    dtype = torch_dtype(config.train.dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    xs, ys = [], []
+    for i in range(model.num_layers):
+        numel = sum(p.numel() for p in model.build_layer(i).parameters())
+        xs.append(float(4 * numel * elem))  # parameters, gradients, two moments
+        ys.append(_median_s(lambda i=i: LayerTrainState.create(
+            model.build_layer(i).to(dtype), factory), repeats))
+    fixed_s, s_per_byte = _fit_line(xs, ys)
+    rate = 1e-9 / s_per_byte if s_per_byte > 0 else 1e3
+    return {"layer_build_s": max(0.0, fixed_s), "layer_build_gb_per_s": rate,
+            "times_s": [round(y, 6) for y in ys]}
+
+
+def declared_profile(config: Any) -> Profile:
+    """The job's own ``[profile]`` (bytes and time ratios of a model that is not the built-in
+    GPT) with this host's gloo point-to-point, store round-trip, group formation and layer
+    re-instantiation times measured.
+
+    Args:
+        config: a job whose ``[profile]`` is ``uniform`` or ``file``.
+    """
+    from chameleon_ft.profile import build_profile
+
+    base = build_profile(config)
+    p2p = measure_p2p()
+    groups = measure_groups()
+    build = measure_model_layer_build(config)
+    meta = dict(base.meta)
+    meta.update({"dtype": config.train.dtype, "cpu_count": os.cpu_count(),
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "p2p_latency_s": p2p["latency_s"],
+                 "p2p_bandwidth_bytes_s": p2p["bandwidth_bytes_s"],
+                 "p2p_times_s": p2p["times_s"], "store_round_trip_s": measure_control(),
+                 "recovery": {"comm_init_s": groups["comm_init_s"],
+                              "comm_per_rank_s": groups["comm_per_rank_s"],
+                              "layer_build_s": build["layer_build_s"],
+                              "layer_build_gb_per_s": build["layer_build_gb_per_s"]},
+                 "group_times_s": groups["times_s"], "layer_build_times_s": build["times_s"],
+                 "layers_from": "the job's [profile]"})
+    return replace(base, meta=meta, source="measured")
+
+
 def control_overhead_s(op_times: list[dict[str, Any]], *, skip_steps: int = 3) -> float:
     """Median per-step commit latency of a run: for each step, the shortest wait from
     "reduced" to the verdict over its workers (the last worker to reduce waits only for the
@@ -427,7 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     if args.dtype:
         config = replace(config, train=replace(config.train, dtype=args.dtype))
-    profile = profile_job(config, repeats=args.repeats, concurrency=1)
+    if config.model_source.source == "gpt":
+        profile = profile_job(config, repeats=args.repeats, concurrency=1)
+    else:
+        # no built-in shape to time layer by layer: the job's [profile] gives the bytes and
+        # the time ratios, the failure-free run below measures the times
+        profile = declared_profile(config)
     if args.from_run:
         from chameleon_ft.runtime.coordinator import Coordinator
 

@@ -281,6 +281,25 @@ def escalated(state: RunState, plan: ExecutionPlan, restored_step: int) -> RunSt
     return replace(new, retries=state.retries + 1)
 
 
+def software_restart(state: RunState) -> RunState:
+    """A job-level software fault (a bug, a communication library's watchdog): no hardware
+    is lost, every worker of the running plan reloads the last checkpoint and training
+    goes on from it on the same plan (what the simulator models, ``sim.engine``).
+
+    The running plan is the current generation's: a recovery in progress restarts on the
+    plan it was moving to (loading the checkpoint replaces its migration), and a pending
+    switch is dropped, as a restart drops it.
+
+    Raises:
+        ValueError: when training is not running, or the running plan names a worker that
+            is not alive (that death is a failure to recover from first).
+    """
+    if state.phase is not Phase.TRAINING:
+        raise ValueError(f"no software restart while {state.phase.value}")
+    return recovered(state, Recovery("restart", state.plan,
+                                     restored_step=state.latest_checkpoint()))
+
+
 def committed(state: RunState, step: int) -> RunState:
     """Every worker of the generation reduced ``step`` and the verdict was written.
 
