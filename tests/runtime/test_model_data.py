@@ -7,9 +7,7 @@ import torch
 
 from chameleon_ft.runtime.data import ByteCorpus, corpus_digest
 from chameleon_ft.runtime.model import (
-    AdamW,
     GPTShape,
-    LayerState,
     StageModel,
     build_layer,
     loss_sum,
@@ -55,35 +53,6 @@ def test_samples_depend_only_on_step_and_global_index() -> None:
     assert not torch.equal(x1, corpus.microbatch(5, 3, 2)[0])
     assert x1.dtype == torch.int64 and int(x1.max()) < 256
     assert len(corpus_digest()) == 16
-
-
-def test_flat_state_round_trip() -> None:
-    state = LayerState(build_layer(SHAPE, 1, seed=0, dtype=torch.float64))
-    for m in state.exp_avg:
-        m.normal_()
-    flat = state.flat()
-    assert flat.numel() == state.numel()
-    other = LayerState(build_layer(SHAPE, 1, seed=9, dtype=torch.float64))
-    other.load_flat(flat)
-    assert torch.equal(other.flat(), flat)
-
-
-def test_adamw_matches_torch() -> None:
-    ours = build_layer(SHAPE, 1, seed=0, dtype=torch.float64)
-    ref = build_layer(SHAPE, 1, seed=0, dtype=torch.float64)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1)
-    state = LayerState(ours)
-    adamw = AdamW(lr=1e-2, weight_decay=0.1)
-    x = torch.randn(2, SHAPE.seq_len, SHAPE.hidden_size, dtype=torch.float64)
-    for step in range(1, 4):
-        for module in (ours, ref):
-            module.zero_grad()
-            module(x).square().sum().backward()
-        adamw.apply(state, step)
-        opt.step()
-    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(a, b, atol=1e-12)
 
 
 def test_fault_parsing_and_checks() -> None:

@@ -9,7 +9,6 @@ import torch
 
 from chameleon_ft.plan import initial_plan
 from chameleon_ft.profile import build_profile
-from chameleon_ft.runtime.model import GPTShape, LayerState, build_layer
 from chameleon_ft.runtime.packing import PackError, pack, unpack
 from chameleon_ft.runtime.resources import check_memory, layer_parameters, worker_bytes
 from chameleon_ft.spec import load_config
@@ -35,20 +34,6 @@ def test_optimizer_state_round_trips_through_packing() -> None:
         assert fresh.state_dict()["param_groups"][0]["lr"] == 0.01
         for k, v in back["module"].items():
             assert torch.equal(v, model.state_dict()[k])
-
-
-def test_layer_state_tree_round_trip() -> None:
-    shape = GPTShape(num_blocks=1, hidden_size=8, num_heads=2, vocab_size=16, seq_len=4,
-                     ffn_size=16)
-    a = LayerState(build_layer(shape, 1, seed=1, dtype=torch.float64))
-    for m in a.exp_avg:
-        m.fill_(0.5)
-    b = LayerState(build_layer(shape, 1, seed=2, dtype=torch.float64))
-    b.load_tree(unpack(pack(a.state_tree())))
-    assert torch.equal(a.flat(), b.flat())
-    with pytest.raises(ValueError, match=r"shape|structure"):
-        LayerState(build_layer(shape, 0, seed=1, dtype=torch.float64)).load_tree(
-            unpack(pack(a.state_tree())))
 
 
 @pytest.mark.parametrize("data", [b"", b"CHL1", b"XXXX" + bytes(20),

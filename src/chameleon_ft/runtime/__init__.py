@@ -1,4 +1,4 @@
-"""The real runtime: data x pipeline parallel training of a tiny GPT on worker processes
+"""The real runtime: data x pipeline parallel training of a layered model on worker processes
 over ``torch.distributed`` that survives killed, hung or failing workers in place.
 
 - ``models``: the layered-model protocol and its adapters (the built-in GPT, Hugging Face
@@ -6,7 +6,7 @@ over ``torch.distributed`` that survives killed, hung or failing workers in plac
 - ``datasets``: data sources by global sample position (bytes, token files, factories);
 - ``optim``: any torch.optim optimizer per layer, its state as bytes, schedules;
 - ``reference``: the plain single-process trainer the runtime's results are checked against;
-- ``model``: the GPT cut into the planner's layers, AdamW with per-layer state;
+- ``model``: the built-in GPT cut into the planner's layers;
 - ``data``: the deterministic byte-level corpus (the standard library's sources);
 - ``worker``: a training process following the coordinator's generations;
 - ``coordinator``: the store owner: liveness, step commits, recovery via the policy;

@@ -1,19 +1,18 @@
-"""A nanoGPT-shaped GPT cut into the planner's layers, and AdamW with per-layer state.
+"""A nanoGPT-shaped GPT cut into the planner's layers.
 
 Layer 0 is the embedding (tokens + positions), layers 1..N the transformer blocks, layer
 N+1 the final norm and the head. A worker builds only the layers of its stage inside a
 :class:`StageModel`; parameter names are ``layers.{i}.<name>`` whatever the plan, and every
 layer is initialised from its own seeded generator, so any plan starts from the same
 parameters and two runs compare name by name.
-
-The optimizer keeps its state per layer (:class:`LayerState`) so that a layer's parameters
-and AdamW moments move together when the plan changes (migration, checkpoints).
+Each layer's optimizer state lives beside it (``runtime.optim.LayerTrainState``), so that a
+layer's parameters and moments move together when the plan changes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +21,8 @@ from torch import nn
 from chameleon_ft.runtime.models.base import StageModel
 from chameleon_ft.spec.model import ModelSpec
 
-__all__ = ["AdamW", "GPTShape", "LayerState", "StageModel", "build_layer", "layer_param_names",
-           "loss_sum", "torch_dtype"]
+__all__ = ["GPTShape", "StageModel", "build_layer", "layer_param_names", "loss_sum",
+           "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -139,101 +138,6 @@ def build_layer(shape: GPTShape, index: int, *, seed: int, dtype: torch.dtype) -
 def layer_param_names(shape: GPTShape, index: int) -> list[str]:
     """Parameter names of layer ``index`` (without the ``layers.{i}.`` prefix), in order."""
     return [n for n, _ in build_layer(shape, index, seed=0, dtype=torch.float32).named_parameters()]
-
-
-# To be removed once the worker uses chameleon_ft.runtime.optim.LayerTrainState (any
-# torch.optim optimizer, state as its own state_dict) instead of LayerState and AdamW.
-@dataclass
-class LayerState:
-    """One layer's module and its AdamW moments, one (m, v) pair per parameter."""
-
-    module: nn.Module
-    exp_avg: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sq: list[torch.Tensor] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.exp_avg:
-            self.exp_avg = [torch.zeros_like(p) for p in self.module.parameters()]
-            self.exp_avg_sq = [torch.zeros_like(p) for p in self.module.parameters()]
-
-    def numel(self) -> int:
-        """Elements of the flattened state: parameters, then m, then v."""
-        return 3 * sum(p.numel() for p in self.module.parameters())
-
-    def flat(self) -> torch.Tensor:
-        """Parameters, first moments and second moments flattened into one 1-D tensor."""
-        params = [p.detach().reshape(-1) for p in self.module.parameters()]
-        return torch.cat(params + [m.reshape(-1) for m in self.exp_avg]
-                         + [v.reshape(-1) for v in self.exp_avg_sq])
-
-    def state_tree(self) -> dict[str, list[torch.Tensor]]:
-        """Parameters and moments as a tree of tensors (what migration and checkpoints pack)."""
-        return {"params": [p.detach() for p in self.module.parameters()],
-                "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq)}
-
-    def load_tree(self, tree: dict[str, list[torch.Tensor]]) -> None:
-        """Inverse of :meth:`state_tree` (values copied into this layer's tensors).
-
-        Raises:
-            ValueError: when the tree does not match the layer's shapes.
-        """
-        try:
-            pairs = [*zip(self.module.parameters(), tree["params"], strict=True),
-                     *zip(self.exp_avg, tree["exp_avg"], strict=True),
-                     *zip(self.exp_avg_sq, tree["exp_avg_sq"], strict=True)]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError("layer state of the wrong structure") from None
-        with torch.no_grad():
-            for target, value in pairs:
-                if tuple(target.shape) != tuple(value.shape):
-                    raise ValueError(f"layer state of shape {tuple(value.shape)} for a tensor "
-                                     f"of shape {tuple(target.shape)}")
-                target.copy_(value)
-
-    def load_flat(self, flat: torch.Tensor) -> None:
-        """Inverse of :meth:`flat`."""
-        targets = [p.data for p in self.module.parameters()] + self.exp_avg + self.exp_avg_sq
-        offset = 0
-        with torch.no_grad():
-            for t in targets:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
-        assert offset == flat.numel(), "flattened state of the wrong size"
-
-
-# To be removed with LayerState (see above): torch.optim.AdamW replaces it.
-@dataclass(frozen=True)
-class AdamW:
-    """Decoupled-weight-decay Adam (Loshchilov and Hutter), written out so its state is
-    explicit per layer and the update is the same on every worker."""
-
-    lr: float
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-
-    @torch.no_grad()
-    def apply(self, state: LayerState, step_number: int) -> None:
-        """Update one layer with its accumulated gradients.
-
-        Args:
-            state: the layer and its moments; parameters without a gradient are skipped.
-            step_number: 1-based count of updates including this one (bias correction).
-        """
-        b1, b2 = self.betas
-        bias1 = 1 - b1 ** step_number
-        bias2_sqrt = math.sqrt(1 - b2 ** step_number)
-        for p, m, v in zip(state.module.parameters(), state.exp_avg, state.exp_avg_sq,
-                           strict=True):
-            if p.grad is None:
-                continue
-            g = p.grad
-            p.mul_(1 - self.lr * self.weight_decay)
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-self.lr / bias1)
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor, num_tokens_global: int) -> torch.Tensor:

@@ -43,14 +43,24 @@ import torch.distributed as dist
 
 from chameleon_ft.profile import LayerCost, Profile
 from chameleon_ft.runtime.data import ByteCorpus
-from chameleon_ft.runtime.model import (
-    AdamW,
-    GPTShape,
-    LayerState,
-    build_layer,
-    loss_sum,
-    torch_dtype,
-)
+from chameleon_ft.runtime.model import GPTShape, build_layer, loss_sum, torch_dtype
+from chameleon_ft.runtime.optim import LayerTrainState
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    """The optimizer the profile prices: AdamW, two moments per parameter."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _built_state(shape: GPTShape, index: int, dtype: torch.dtype) -> LayerTrainState:
+    """A layer as a worker re-instantiates it: module, initial values and optimizer, with
+    the optimizer's moments allocated (torch.optim creates them at the first step)."""
+    state = LayerTrainState.create(build_layer(shape, index, seed=0, dtype=dtype), _adamw)
+    for group in state.optimizer.param_groups:
+        for p in group["params"]:
+            state.optimizer.state[p] = {"exp_avg": torch.zeros_like(p),
+                                        "exp_avg_sq": torch.zeros_like(p)}
+    return state
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
@@ -79,7 +89,7 @@ def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
     states = []
     for i in range(shape.num_layers):
         layer = build_layer(shape, i, seed=0, dtype=dtype)
-        states.append(LayerState(layer))
+        states.append(LayerTrainState.create(layer, _adamw))
         is_first, is_last = i == 0, i == shape.num_layers - 1
         x_in = tokens if is_first else hidden.clone().requires_grad_(True)
 
@@ -122,14 +132,13 @@ def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
             "activation_bytes": float(sum(saved)),
             "output_bytes": 0.0 if is_last else float(y.numel() * y.element_size()),
         })
-    adamw = AdamW(lr=1e-3)
     for state in states:
         for p in state.module.parameters():
             p.grad = torch.ones_like(p)
 
     def step() -> None:
         for state in states:
-            adamw.apply(state, 1)
+            state.step(0)
 
     return {"layers": out, "optimizer_step_s": _median_s(step, max(3, repeats // 4))}
 
@@ -260,8 +269,7 @@ def measure_layer_build(shape: GPTShape, dtype_name: str, repeats: int = 10) -> 
     for i in range(shape.num_layers):
         numel = sum(p.numel() for p in build_layer(shape, i, seed=0, dtype=dtype).parameters())
         xs.append(float(4 * numel * elem))  # parameters, gradients, two moments
-        ys.append(_median_s(lambda i=i: LayerState(build_layer(shape, i, seed=0, dtype=dtype)),
-                            repeats))
+        ys.append(_median_s(lambda i=i: _built_state(shape, i, dtype), repeats))
     fixed_s, s_per_byte = _fit_line(xs, ys)
     rate = 1e-9 / s_per_byte if s_per_byte > 0 else 1e3  # GB/s; flat: effectively free
     return {"layer_build_s": fixed_s, "layer_build_gb_per_s": rate,
