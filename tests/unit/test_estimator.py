@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import math
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from plan_shapes import even_pipelines
 
 from chameleon_ft.perf import Topology, build_schedule, estimate
 from chameleon_ft.perf.closed_form import stage_memory, step_1f1b, step_rerouted
@@ -162,21 +162,14 @@ def test_symmetric_and_brute_force_agree(lengths: list[int], m: int, data: st.Da
     profile = uniform_profile(num_layers, fwd_s=1.0, bwd_input_s=0.7, bwd_weight_s=0.5,
                               param_bytes=1e3, optimizer_bytes=2e3, activation_bytes=10,
                               output_bytes=1e2, optimizer_step_s=0.3)
-    pipelines, worker = [], 0
-    for length in lengths:
-        bounds = [round(i * num_layers / length) for i in range(length + 1)]
-        stages = []
-        for lo, hi in itertools.pairwise(bounds):
-            stages.append(Stage(worker, lo, hi))
-            worker += 1
-        pipelines.append(Pipeline(tuple(stages), m))
-    plan = ExecutionPlan(num_layers=num_layers, pipelines=tuple(pipelines))
+    pipelines = even_pipelines(num_layers, lengths, m)
+    plan = ExecutionPlan(num_layers=num_layers, pipelines=pipelines)
     plan.validate()
     if data.draw(st.booleans()):
         failed = data.draw(st.sampled_from(list(plan.workers)))
         with contextlib.suppress(ValueError):
             plan = reroute_plan(plan, [failed])
-    topo = topology(worker, ideal=ideal, per_node=3)
+    topo = topology(sum(lengths), ideal=ideal, per_node=3)
     fast = estimate(plan, profile, topo)
     slow = estimate(plan, profile, topo, brute_force=True)
     assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)

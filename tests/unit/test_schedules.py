@@ -12,6 +12,7 @@ import json
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from plan_shapes import even_pipelines
 
 from chameleon_ft.perf import Topology, build_schedule, estimate
 from chameleon_ft.perf.closed_form import (
@@ -22,7 +23,7 @@ from chameleon_ft.perf.closed_form import (
 )
 from chameleon_ft.perf.estimator import Estimator
 from chameleon_ft.perf.schedule import OpKind, stage_order, stream_order
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import (
     Profile,
@@ -255,22 +256,16 @@ def test_symmetric_and_brute_force_agree_for_every_schedule(
                            output_bytes=1e2, optimizer_step_s=0.3)
     profile = fold_profile(base, v)
     num_layers = profile.num_layers
-    pipelines, worker = [], 0
-    for length in lengths:
-        bounds = [round(i * num_layers / length) for i in range(length + 1)]
-        stages = []
-        for lo, hi in itertools.pairwise(bounds):
-            stages.append(Stage(worker, lo, hi))
-            worker += 1
-        pipelines.append(Pipeline(tuple(stages), m))
-    plan = ExecutionPlan(num_layers=num_layers, pipelines=tuple(pipelines), schedule=schedule,
+    pipelines = even_pipelines(num_layers, lengths, m)
+    plan = ExecutionPlan(num_layers=num_layers, pipelines=pipelines, schedule=schedule,
                          defer_weight_grad=defer)
     plan.validate()
     if data.draw(st.booleans()):
         with contextlib.suppress(ValueError):  # some stage lost every replica
             plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
                                                          min_size=1, max_size=2)))
-    topology = free_links(worker) if ideal else real_links(worker)
+    workers = sum(lengths)
+    topology = free_links(workers) if ideal else real_links(workers)
     fast = Estimator(profile, topology).estimate(plan)
     slow = Estimator(profile, topology).estimate(plan, brute_force=True)
     assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)

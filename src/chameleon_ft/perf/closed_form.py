@@ -27,6 +27,14 @@ def _non_negative(name: str, value: float) -> None:
         raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
 
 
+def _check(counts: dict[str, int], times: dict[str, float]) -> None:
+    """Every count a positive integer, every time a finite non-negative number."""
+    for name, count in counts.items():
+        _positive_int(name, count)
+    for name, value in times.items():
+        _non_negative(name, value)
+
+
 def step_1f1b(num_stages: int, num_microbatches: int, fwd_s: float, bwd_s: float) -> float:
     """Failure-free 1F1B step time, paper Eq. 9: ``(S + m - 1) (t_f + t_b)``.
 
@@ -42,10 +50,8 @@ def step_1f1b(num_stages: int, num_microbatches: int, fwd_s: float, bwd_s: float
     Raises:
         ValueError: for non-positive counts or negative times.
     """
-    _positive_int("num_stages", num_stages)
-    _positive_int("num_microbatches", num_microbatches)
-    _non_negative("fwd_s", fwd_s)
-    _non_negative("bwd_s", bwd_s)
+    _check({"num_stages": num_stages, "num_microbatches": num_microbatches},
+           {"fwd_s": fwd_s, "bwd_s": bwd_s})
     return (num_stages + num_microbatches - 1) * (fwd_s + bwd_s)
 
 
@@ -70,11 +76,8 @@ def step_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int
     Raises:
         ValueError: for non-positive counts or negative times.
     """
-    _positive_int("num_stages", num_stages)
-    _positive_int("num_microbatches", num_microbatches)
-    _positive_int("virtual_stages", virtual_stages)
-    _non_negative("fwd_s", fwd_s)
-    _non_negative("bwd_s", bwd_s)
+    _check({"num_stages": num_stages, "num_microbatches": num_microbatches,
+            "virtual_stages": virtual_stages}, {"fwd_s": fwd_s, "bwd_s": bwd_s})
     return (num_microbatches + (num_stages - 1) / virtual_stages) * (fwd_s + bwd_s)
 
 
@@ -99,11 +102,8 @@ def step_zero_bubble(num_stages: int, num_microbatches: int, fwd_s: float,
     Raises:
         ValueError: for non-positive counts or negative times.
     """
-    _positive_int("num_stages", num_stages)
-    _positive_int("num_microbatches", num_microbatches)
-    for name, value in (("fwd_s", fwd_s), ("bwd_input_s", bwd_input_s),
-                        ("bwd_weight_s", bwd_weight_s)):
-        _non_negative(name, value)
+    _check({"num_stages": num_stages, "num_microbatches": num_microbatches},
+           {"fwd_s": fwd_s, "bwd_input_s": bwd_input_s, "bwd_weight_s": bwd_weight_s})
     return (num_microbatches * (fwd_s + bwd_input_s + bwd_weight_s)
             + (num_stages - 1) * (fwd_s + bwd_input_s - bwd_weight_s))
 
@@ -160,11 +160,8 @@ def step_rerouted(num_stages: int, num_microbatches: int, num_pipelines: int,
     Raises:
         ValueError: for malformed arguments.
     """
-    _positive_int("num_stages", num_stages)
-    _positive_int("num_microbatches", num_microbatches)
-    _positive_int("num_pipelines", num_pipelines)
-    _non_negative("fwd_s", fwd_s)
-    _non_negative("bwd_s", bwd_s)
+    _check({"num_stages": num_stages, "num_microbatches": num_microbatches,
+            "num_pipelines": num_pipelines}, {"fwd_s": fwd_s, "bwd_s": bwd_s})
     if len(failed_per_stage) != num_stages:
         raise ValueError(f"failed_per_stage: needs one count per stage ({num_stages}), got "
                          f"{len(failed_per_stage)}")
