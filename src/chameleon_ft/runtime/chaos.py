@@ -14,7 +14,7 @@ settled (its recovery committed a step and every fault it armed has fired):
   generation that moves state);
 - ``repaired``: a fault on a worker that was relaunched and folded back in.
 
-The oracle (docs/design.md section 5): the run's final parameters equal a failure-free
+The oracle (docs/design.md section 4): the run's final parameters equal a failure-free
 run's, every step committed exactly once, no process outlives the run, every injected
 fault fired.
 """

@@ -1,6 +1,6 @@
 """A training worker: runs its stage of the plan, generation after generation.
 
-The worker loop (docs/design.md section 5):
+The worker loop (docs/design.md section 4):
 
 1. read the directive of generation ``g`` (plan, schedule, migration, what to load, the
    generation's collective deadline, the incarnation of every member);
