@@ -14,7 +14,7 @@ from plan_shapes import even_pipelines
 from chameleon_ft.perf import Topology, build_schedule, estimate
 from chameleon_ft.perf.closed_form import stage_memory, step_1f1b, step_rerouted
 from chameleon_ft.perf.schedule import OpKind, stream_order
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.spec import ClusterSpec, DeviceSpec
@@ -259,3 +259,23 @@ def test_commit_barrier_and_control_time_precede_the_optimizer() -> None:
     # every stage waits for the last one to finish, then the commit, then its optimizer
     assert est.step_s == pytest.approx(step_1f1b(2, 4, 2.0, 2.0) + 0.25 + 1.0)
     assert est.breakdown.control_s == 0.25 and est.breakdown.optimizer_s == 1.0
+
+
+def test_two_dead_stages_are_rerouted_into_disjoint_peer_pipelines() -> None:
+    # 6 pipelines of 2 stages (worker 2q + s runs stage s of pipeline q), 2 micro-batches
+    # each; stage 0 of pipeline 0 and stage 1 of pipeline 1 die.
+    profile = uniform_profile(4, fwd_s=1.0, bwd_input_s=1.0, bwd_weight_s=1.0,
+                              param_bytes=0.0, optimizer_bytes=0.0, activation_bytes=0.0,
+                              output_bytes=0.0, optimizer_step_s=0.0)
+    plan = ExecutionPlan(num_layers=4, pipelines=even_pipelines(4, [2] * 6, 2))
+    spread = reroute_plan(plan, [0, 3])
+    peers = [{w // 2 for w, _ in r.shares} for r in spread.reroutes]
+    assert peers[0].isdisjoint(peers[1])
+    assert not (peers[0] | peers[1]) & {0, 1}  # nor into the pipelines that lost a stage
+    # The same two reroutes stacked into the same two peer pipelines (each running two
+    # extra micro-batches at two stages) are not faster.
+    stacked = dataclasses.replace(spread, reroutes=(
+        Reroute(0, 0, ((4, 1), (6, 1))), Reroute(1, 1, ((5, 1), (7, 1)))))
+    stacked.validate()
+    topo = topology(12, per_node=2)
+    assert estimate(spread, profile, topo).step_s <= estimate(stacked, profile, topo).step_s

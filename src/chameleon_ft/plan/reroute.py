@@ -33,7 +33,13 @@ def reroute_plan(
     the least work so far (its own pipeline's micro-batches plus what it already took), so
     a peer shared by two dead stages is not overloaded. With ``headroom`` (free bytes per
     worker), peers without free memory are skipped and the rest take micro-batches in
-    proportion to their free bytes.
+    proportion to their free bytes. Among equally good peers, the one whose pipeline has
+    taken the fewest foreign micro-batches at any stage (and has no dead stage of its
+    own) comes first: each extra
+    micro-batch delays every later stage of the pipeline that runs it, so two dead stages
+    rerouted into the same peer pipelines would slow those twice, where disjoint peer
+    pipelines are each slowed once (and the estimator prices the two as separate, smaller
+    components).
 
     Raises:
         ValueError: when a dead stage has no live replica in another pipeline (rerouting is
@@ -43,13 +49,20 @@ def reroute_plan(
     dead_list = dead_stages(plan, dead_set)
     skip = set(dead_list)
     load: dict[int, float] = {}
+    pipeline_of: dict[int, int] = {}
     peers_of_range: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for p, s, st in plan.iter_stages():
         if (p, s) in skip:
             continue
         load[st.worker] = float(plan.pipelines[p].num_microbatches)
+        pipeline_of[st.worker] = p
         peers_of_range[(st.first_layer, st.end_layer)].append((p, st.worker))
     extra: dict[int, int] = defaultdict(int)
+    # Foreign micro-batches per pipeline; a pipeline with a dead stage of its own already
+    # waits on peers, so it counts as having taken all of its micro-batches.
+    taken: dict[int, int] = defaultdict(int)
+    for p, _ in dead_list:
+        taken[p] = plan.pipelines[p].num_microbatches
     reroutes = []
     for p, s in dead_list:
         st = plan.pipelines[p].stages[s]
@@ -63,10 +76,11 @@ def reroute_plan(
                 + (" with free memory" if headroom is not None else ""))
         shares: dict[int, int] = defaultdict(int)
 
-        def key(w: int) -> float:
-            if headroom is None:
-                return load[w]
-            return (extra[w] + 1) / headroom[w]
+        def key(w: int) -> tuple[float, int]:
+            # A dead stage's peers sit in distinct pipelines, so taking a micro-batch
+            # changes only the taker's own key: the heap never holds a stale entry.
+            first = load[w] if headroom is None else (extra[w] + 1) / headroom[w]
+            return first, taken[pipeline_of[w]]
 
         heap = [(key(w), w) for w in peers]
         heapq.heapify(heap)
@@ -75,6 +89,7 @@ def reroute_plan(
             shares[w] += 1
             extra[w] += 1
             load[w] += 1.0
+            taken[pipeline_of[w]] += 1
             heapq.heappush(heap, (key(w), w))
         reroutes.append(Reroute(p, s, tuple(sorted(shares.items()))))
     new = dataclasses.replace(plan, reroutes=tuple(reroutes))
