@@ -256,6 +256,19 @@ def _ranked_partitions(templates: Templates, num_alive: int, lengths: tuple[int,
     return list(pool), count
 
 
+def _allocated(templates: Templates, lengths: tuple[int, ...],
+               num_microbatches: int) -> tuple[float, list[int]]:
+    """:func:`allocate` over pipelines of ``lengths``, remembered per templates: the split
+    depends on nothing else, and the same partitions come back at every failure that
+    leaves the same number of survivors."""
+    key = ("allocate", lengths, num_microbatches)
+    found = templates.memo.get(key)
+    if found is None:
+        step_s, counts = allocate(list(lengths), num_microbatches, templates.length_step_s)
+        found = templates.memo[key] = (step_s, tuple(counts))
+    return found[0], list(found[1])
+
+
 def max_length(state: RecoveryState) -> int:
     """The longest pipeline the searches consider over ``state.alive`` (module docstring)."""
     spec = state.config.recovery
@@ -298,8 +311,7 @@ def search(state: RecoveryState) -> SearchResult | None:
         shortlisted = [p for p in shortlisted if 0 < len(p) <= num_microbatches]
     exact: list[tuple[float, int, int, int, tuple[int, ...], list[int]]] = []
     for lengths_of_plan in shortlisted:
-        step_s, counts = allocate(list(lengths_of_plan), num_microbatches,
-                                  templates.length_step_s)
+        step_s, counts = _allocated(templates, lengths_of_plan, num_microbatches)
         if counts:
             # Ties (common: micro-batches are whole) go to the partition that rebuilds the
             # fewest pipelines (least migration), then fewer distinct lengths (fewer

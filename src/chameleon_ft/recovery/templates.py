@@ -167,7 +167,7 @@ class Templates:
         self.num_estimates = 0
         self.memo: dict[tuple[Any, ...], Any] = {}
         """Search results that depend only on these templates and the key (the dynamic
-        search's ranked partitions of a survivor count)."""
+        search's ranked partitions of a survivor count, and its micro-batch splits)."""
         """How many one-pipeline estimates were run (for benchmarks)."""
 
     @property
