@@ -272,6 +272,25 @@ def test_symmetric_and_brute_force_agree_for_every_schedule(
     assert fast.peak_memory_bytes == pytest.approx(slow.peak_memory_bytes, rel=1e-12)
 
 
+def test_peers_that_defer_weight_gradients_can_beat_their_failure_free_makespan() -> None:
+    # Stages 0 and 1 of pipeline 1 rerouted into pipelines 2 and 3, which split their
+    # backwards: their input gradients go upstream sooner than fused, so the component
+    # ends before pipelines 2 and 3 alone would. The estimator must not take their
+    # failure-free makespan as a bound (it did: 4 s slower than the exact simulation).
+    base = uniform_profile(12, fwd_s=1.0, bwd_input_s=0.7, bwd_weight_s=0.5, param_bytes=1e3,
+                           optimizer_bytes=2e3, activation_bytes=10, output_bytes=1e2,
+                           optimizer_step_s=0.3)
+    profile = fold_profile(base, 2)
+    plan = ExecutionPlan(num_layers=profile.num_layers,
+                         pipelines=even_pipelines(profile.num_layers, [2, 3, 3, 3], 4),
+                         schedule="interleaved", defer_weight_grad=True)
+    plan = reroute_plan(plan, [2, 3])
+    topology = real_links(11)
+    fast = Estimator(profile, topology).estimate(plan)
+    slow = Estimator(profile, topology).estimate(plan, brute_force=True)
+    assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)
+
+
 def test_runtime_schedules_keep_the_runtime_format() -> None:
     """1f1b and gpipe: F and fused B only, chunk 0, as the runtime executes them."""
     profile = uniform_profile(6, fwd_s=1.0, bwd_input_s=1.0, bwd_weight_s=0.5)

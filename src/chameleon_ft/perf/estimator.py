@@ -31,7 +31,14 @@ from typing import Any
 
 from chameleon_ft.perf.coloring import rounds
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.perf.schedule import Bucket, Op, Timeline, best_timeline
+from chameleon_ft.perf.schedule import (
+    Bucket,
+    Op,
+    Timeline,
+    best_timeline,
+    component_order,
+    splits_backward,
+)
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile, chunk_sums
 
@@ -294,23 +301,14 @@ class Estimator:
         if brute_force or with_ops:
             return best_timeline(plan, self.profile, self.topology, group, speeds, costs)
         members = set(group)
-        local: dict[int, int] = {}  # pipeline -> position in the shape
-        where = plan.stage_of_worker
-        for r in sorted((r for r in plan.reroutes if r.pipeline in members),
-                        key=lambda r: (r.pipeline, r.stage)):
-            local.setdefault(r.pipeline, len(local))
-            for w, _ in r.shares:
-                local.setdefault(where[w][0], len(local))
-        for p in group:
-            local.setdefault(p, len(local))
-        order = sorted(local, key=local.__getitem__)
-        # Priority rules break exact ties by pipeline index: the shape keeps their order,
-        # so a shared simulation is exactly the one this component would get.
-        ranks = tuple(sorted(range(len(order)), key=order.__getitem__))
+        # The simulation builds and ranks the pipelines in this order, never by index, so
+        # a shared simulation is exactly the one this component would get.
+        order = component_order(plan, group)
+        local = {p: i for i, p in enumerate(order)}
         worker_ids: dict[int, int] = {}
         node_ids: dict[int, int] = {}
         node_of = self.topology.node_of
-        shape: list[Any] = [plan.schedule, plan.defer_weight_grad, ranks]
+        shape: list[Any] = [plan.schedule, plan.defer_weight_grad]
         for p in order:
             pipe = plan.pipelines[p]
             names = []
@@ -327,11 +325,16 @@ class Estimator:
         key = tuple(shape)
         cached = self._components.get(key)
         if cached is None:
-            # The intact pipelines of the component keep every operation, link and stream
-            # order they had alone, so none can finish before its failure-free makespan.
-            rerouted = {r.pipeline for r in plan.reroutes}
-            bound = max((self._canonical_pipeline(plan, p, speeds, False).makespan_s
-                         for p in group if p not in rerouted), default=0.0)
+            # With fused backwards the intact pipelines of the component keep every
+            # operation, link and stream order they had alone, so none can finish before
+            # its failure-free makespan. A peer that splits its backward (deferred weight
+            # gradients) sends input gradients upstream sooner than its fused self and can
+            # finish earlier: then there is no such bound.
+            bound = 0.0
+            if not splits_backward(plan):
+                rerouted = {r.pipeline for r in plan.reroutes}
+                bound = max((self._canonical_pipeline(plan, p, speeds, False).makespan_s
+                             for p in group if p not in rerouted), default=0.0)
             timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs,
                                      with_ops=False, lower_bound_s=bound)
             cached = _relabel(timeline, worker_ids, keep_ops=False)

@@ -42,7 +42,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -260,9 +260,10 @@ def stream_order(num_stages: int, stage: int, num_microbatches: int,
                  stage_order(num_stages, stage, num_microbatches, schedule))
 
 
-# A rule maps (ready time, kind, micro-batch, pipeline, stage, rerouted, chunk) to a key;
-# the smallest key runs first. Every rule puts W last: a weight gradient runs only when no
-# forward or input gradient is ready (deferred into the worker's idle time).
+# A rule maps (ready time, kind, micro-batch, pipeline's rank in component_order, stage,
+# rerouted, chunk) to a key; the smallest key runs first. Every rule puts W last: a weight
+# gradient runs only when no forward or input gradient is ready (deferred into the
+# worker's idle time).
 def _rerouted_first(ready_s: float, kind: int, microbatch: int, pipeline: int, stage: int,
                     rerouted: bool, chunk: int) -> tuple[float, ...]:
     # The dead pipeline waits on its peers while a peer's own pipeline can absorb a delay
@@ -372,6 +373,9 @@ class _Graph:
     streams: list[list[int]]
     stream_of_worker: dict[int, list[int]]
     pending: list[int]
+    pipeline_rank: dict[int, int]
+    """Each pipeline's position in :func:`component_order`: what the priority rules break
+    ties by, so that a simulation depends on the component's shape, not on its indices."""
 
     def op(self, op_id: int) -> Op:
         """The op ``op_id`` as a value."""
@@ -436,6 +440,28 @@ def _stream_layout(num_stages: int, stage: int, num_microbatches: int, schedule:
     return tuple(kinds), tuple(chunks), tuple(mbs), tuple(fpos), tuple(bpos), tuple(wpos)
 
 
+def component_order(plan: ExecutionPlan, pipelines: Iterable[int]) -> list[int]:
+    """``pipelines`` in the order a simulation builds and ranks them: each rerouted one (by
+    pipeline, then stage) followed by its peers' pipelines in the order of its shares,
+    then the rest as given. Every index-dependent choice of the simulation (op ids, the
+    priority rules' last tie-break, the order of simultaneous events) follows this order,
+    so the same damage elsewhere in the cluster simulates identically.
+    """
+    given = list(pipelines)
+    members = set(given)
+    where = plan.stage_of_worker
+    local: dict[int, int] = {}
+    for r in sorted((r for r in plan.reroutes if r.pipeline in members),
+                    key=lambda r: (r.pipeline, r.stage)):
+        local.setdefault(r.pipeline, len(local))
+        for w, _ in r.shares:
+            if where[w][0] in members:
+                local.setdefault(where[w][0], len(local))
+    for p in given:
+        local.setdefault(p, len(local))
+    return sorted(local, key=local.__getitem__)
+
+
 def build_graph(
     plan: ExecutionPlan,
     profile: Profile,
@@ -450,7 +476,8 @@ def build_graph(
     ``costs`` gives each (pipeline, stage)'s per-chunk costs (:func:`chunk_sums`);
     ``variant`` picks the order variant of :func:`schedule_variants`.
     """
-    chosen = list(range(plan.num_pipelines)) if pipelines is None else list(pipelines)
+    chosen = component_order(
+        plan, range(plan.num_pipelines) if pipelines is None else pipelines)
     costs = costs if costs is not None else _stage_costs(plan, profile)
     speed = speeds or {}
     rerouted = plan.reroute_map
@@ -600,7 +627,7 @@ def build_graph(
                         link(fids[x], first_f[y], out_bytes, first_b[y], bids[x])
 
     return _Graph(op_meta, op_worker, op_dur, op_act, op_foreign, succs, streams,
-                  stream_of_worker, pending)
+                  stream_of_worker, pending, {p: i for i, p in enumerate(chosen)})
 
 
 def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
@@ -613,6 +640,7 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
     op_act, op_foreign, succs = graph.op_act, graph.op_foreign, graph.succs
     streams = graph.streams
     workers, op_wi, wi_streams, stream_id, next_in_stream = graph.layout
+    rank = graph.pipeline_rank
     num_ops, num_workers = len(op_meta), len(workers)
     pending = list(graph.pending)
     ready = [0.0] * num_ops
@@ -723,7 +751,7 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
                     wait = r
                 continue
             kind, p, s, j, chunk = op_meta[op_id]
-            key = priority(r, kind, j, p, s, op_foreign[op_id], chunk)
+            key = priority(r, kind, j, rank[p], s, op_foreign[op_id], chunk)
             if best_key is None or key < best_key:
                 best, best_key = op_id, key
         if best < 0:
@@ -853,8 +881,8 @@ def best_timeline(
 
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
     ``lower_bound_s`` is a makespan no timeline can beat (the estimator passes the slowest
-    failure-free makespan of the component's intact pipelines: their operations, links and
-    stream orders are all still there): once a timeline reaches it the others are skipped,
+    failure-free makespan of the component's intact pipelines when no worker splits its
+    backward: their operations, links and stream orders are all still there): once a timeline reaches it the others are skipped,
     which changes nothing (the first of equal timelines is kept).
 
     Only workers that run several streams (rerouted peers) depend on the rule, so plans
