@@ -180,7 +180,7 @@ def test_topology_of_the_grid_is_one_worker_per_node() -> None:
 
 def test_fragile_plans_are_priced_by_the_restart_they_risk() -> None:
     from chameleon_ft.plan import ExecutionPlan
-    from chameleon_ft.policy.planner import fatal_nodes
+    from chameleon_ft.recovery.restorer import fatal_nodes
     from chameleon_ft.spec import ClusterSpec
 
     # nodes of 4 workers; stage-major: node 0 holds every replica of stage 0 (layers 0-3)

@@ -39,7 +39,7 @@ from chameleon_ft.policy.symmetry import (
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
-from chameleon_ft.recovery.restorer import copy_in
+from chameleon_ft.recovery.restorer import copy_in, fatal_nodes
 from chameleon_ft.recovery.templates import Templates
 from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
 from chameleon_ft.recovery.types import (
@@ -742,36 +742,6 @@ def _with_term(candidate: Candidate, name: str, value: float) -> Candidate:
     terms = dict(candidate.terms)
     terms[name] = value
     return replace(candidate, terms=terms, transition_s=sum(terms.values()))
-
-
-def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
-    """Nodes whose loss leaves some layer of ``plan`` without a live replica (the single
-    node holding every replica of a layer)."""
-    # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
-    # ranges, so this stays cheap on thousands of workers and on freshly renamed plans).
-    node_of = topology.node_of
-    dead = plan.reroute_map
-    by_range: dict[tuple[int, int], int] = {}
-    for p, pipe in enumerate(plan.pipelines):
-        for s, st in enumerate(pipe.stages):
-            if dead and (p, s) in dead:
-                continue
-            key = (st.first_layer, st.end_layer)
-            seen = by_range.get(key)
-            if seen is None:
-                by_range[key] = node_of(st.worker)
-            elif seen >= 0 and seen != node_of(st.worker):
-                by_range[key] = -1
-    if all(node < 0 for node in by_range.values()):
-        return frozenset()  # every range spans two nodes: nothing can be fatal
-    out = set()
-    for layer in range(plan.num_layers):
-        nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
-        if len(nodes) == 1:
-            (node,) = nodes
-            if node >= 0:
-                out.add(node)
-    return frozenset(out)
 
 
 def _detail(found: _Found, detail: bool, hide_search: bool

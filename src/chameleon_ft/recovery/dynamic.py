@@ -41,7 +41,12 @@ from dataclasses import dataclass, replace
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.recovery.restorer import assign_workers, schedule_migration
+from chameleon_ft.recovery.restorer import (
+    assign_workers,
+    fatal_nodes,
+    pack_stage_major,
+    schedule_migration,
+)
 from chameleon_ft.recovery.templates import Layout, Templates, allocate
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
@@ -353,14 +358,26 @@ def search(state: RecoveryState) -> SearchResult | None:
                 if est.memory_fits:
                     unmatched.append((_rounded(est.step_s), shape, lengths_of_plan))
                 continue
-            new_plan, moved = assign_workers(shape, held, layer_bytes)
-            new_plan.validate()
-            est = state.estimate(new_plan)
-            if not est.memory_fits:
-                continue
-            key = (_rounded(est.step_s), moved)
-            if best is None or key < (_rounded(best[0]), best[1]):
-                best = (est.step_s, moved, new_plan, est, lengths_of_plan)
+            placements = [assign_workers(shape, held, layer_bytes)]
+            if len({tuple((st.first_layer, st.end_layer) for st in pipe.stages)
+                    for pipe in shape.pipelines}) == 1:
+                # The fewest bytes moved can scatter a stage's replicas over nodes; the
+                # stage-major packing keeps each stage's all-reduce on as few nodes as it
+                # can, at the price of a larger migration: both are priced, the packing
+                # only when it leaves no more nodes whose loss would be fatal (a node
+                # holding every replica of a stage can only be followed by a restart).
+                packed = pack_stage_major(shape, held, layer_bytes)
+                if (len(fatal_nodes(packed[0], topology))
+                        <= len(fatal_nodes(placements[0][0], topology))):
+                    placements.append(packed)
+            for new_plan, moved in placements:
+                new_plan.validate()
+                est = state.estimate(new_plan)
+                if not est.memory_fits:
+                    continue
+                key = (_rounded(est.step_s), moved)
+                if best is None or key < (_rounded(best[0]), best[1]):
+                    best = (est.step_s, moved, new_plan, est, lengths_of_plan)
     if unmatched:
         fastest = min(step for step, _, _ in unmatched)
         for step, shape, lengths_of_plan in unmatched:

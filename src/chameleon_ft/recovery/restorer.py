@@ -145,6 +145,70 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
     return plan, matching.moved_bytes
 
 
+def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
+    """Nodes whose loss leaves some layer of ``plan`` without a live replica (the single
+    node holding every replica of a layer)."""
+    # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
+    # ranges, so this stays cheap on thousands of workers and on freshly renamed plans).
+    node_of = topology.node_of
+    dead = plan.reroute_map
+    by_range: dict[tuple[int, int], int] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        for s, st in enumerate(pipe.stages):
+            if dead and (p, s) in dead:
+                continue
+            key = (st.first_layer, st.end_layer)
+            seen = by_range.get(key)
+            if seen is None:
+                by_range[key] = node_of(st.worker)
+            elif seen >= 0 and seen != node_of(st.worker):
+                by_range[key] = -1
+    if all(node < 0 for node in by_range.values()):
+        return frozenset()  # every range spans two nodes: nothing can be fatal
+    out = set()
+    for layer in range(plan.num_layers):
+        nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
+        if len(nodes) == 1:
+            (node,) = nodes
+            if node >= 0:
+                out.add(node)
+    return frozenset(out)
+
+
+def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
+                     layer_bytes: Sequence[float]) -> tuple[ExecutionPlan, float]:
+    """Put real workers into a plan whose pipelines all share one layout the way a
+    stage-major job is laid out: the live workers in id order, stage ``s`` of pipeline
+    ``p`` on the ``s * dp + p``-th, so the replicas of a stage sit side by side (on as few
+    nodes as possible) and its gradient all-reduce crosses as few nodes as it can. The
+    alternative to :func:`assign_workers`' fewest bytes moved when a re-plan keeps running
+    for long: a placement whose every all-reduce crosses nodes stays slower at every step.
+
+    Args:
+        skeleton: the new plan's shape; its worker ids are ignored. Every pipeline has the
+            same stage bounds; no reroutes.
+        held: every live worker (idle ones too) and the layers it holds now.
+        layer_bytes: bytes per layer that move when a layer migrates.
+
+    Returns:
+        The plan and the bytes that must move.
+    """
+    workers = sorted(held)
+    dp = skeleton.num_pipelines
+    pipelines = []
+    moved = 0.0
+    for p, pipe in enumerate(skeleton.pipelines):
+        stages = []
+        for s, st in enumerate(pipe.stages):
+            w = workers[s * dp + p]
+            moved += _missing_bytes(held[w], st.layers, layer_bytes)
+            stages.append(Stage(w, st.first_layer, st.end_layer))
+        pipelines.append(Pipeline(tuple(stages), pipe.num_microbatches))
+    plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
+                         micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
+    return plan, moved
+
+
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                        profile: Profile, topology: Topology, *,
                        max_parts: int = 4, first_source: bool = False,
