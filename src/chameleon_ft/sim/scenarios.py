@@ -158,7 +158,7 @@ node_failure_share = 1.0        # preemptions take whole nodes
 
 [simulation]
 days = 2.0
-seeds = 5
+seeds = 20                      # policies differ by ~2% seed to seed: 5 cannot resolve 0.5%
 seed = 0
 
 [failures]
