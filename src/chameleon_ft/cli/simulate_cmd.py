@@ -26,7 +26,7 @@ from chameleon_ft.sim.runner import default_jobs, run_scenario
 from chameleon_ft.sim.scenarios import PRESETS, Scenario, preset_scenario, scenario_from_config
 from chameleon_ft.sim.traces import trace_from_csv, trace_to_csv
 from chameleon_ft.spec.config import load_config
-from chameleon_ft.spec.scenario import RepairKind
+from chameleon_ft.spec.scenario import POLICY_NAMES, RepairKind
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--job", metavar="JOB.toml",
                         help="any job file of `chameleon estimate`; failures from the flags below")
     parser.add_argument("--policies", metavar="A,B,...",
-                        help="policies to compare (default: all): chameleon, reroute, dynamic, "
-                             "restart, shrink, bamboo, oracle")
+                        help="policies to compare (default: all): " + ", ".join(POLICY_NAMES))
     parser.add_argument("--seeds", type=int, metavar="N", help="independent traces (mean, spread)")
     parser.add_argument("--seed", type=int, metavar="S", help="first seed")
     parser.add_argument("--out", metavar="DIR", help="write report.json, report.md and PNG plots")
