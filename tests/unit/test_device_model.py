@@ -35,7 +35,7 @@ from chameleon_ft.profile import (
 )
 from chameleon_ft.profile.analytic import activation_bytes_per_token
 from chameleon_ft.recovery import templates as templates_module
-from chameleon_ft.recovery.templates import Templates, allocate, order_fits
+from chameleon_ft.recovery.templates import Templates, allocate, order_fits, proportional_start
 from chameleon_ft.spec import ClusterSpec, DeviceSpec, ModelSpec, device_preset, model_preset
 from chameleon_ft.spec.config import config_from_mapping, load_config
 
@@ -301,23 +301,7 @@ def _allocate_one_at_a_time(layouts: Sequence[K], total: int,
     k = len(layouts)
     if k == 0 or total < k:
         return math.inf, []
-    kinds = list(dict.fromkeys(layouts))
-    count_of = {kind: layouts.count(kind) for kind in kinds}
-    rate = {}
-    for kind in kinds:
-        base = max(1, total // k)
-        marginal = step_s(kind, base + 1) - step_s(kind, base)
-        rate[kind] = 1.0 / marginal if marginal > 0 and math.isfinite(marginal) else 0.0
-    total_rate = sum(rate[kind] * count_of[kind] for kind in kinds)
-    counts: dict[tuple[K, int], int] = {}
-    assigned = 0
-    for kind in kinds:
-        share = (total * rate[kind] / total_rate) if total_rate > 0 else 1.0
-        m = max(1, math.floor(share))
-        while m > 1 and not math.isfinite(step_s(kind, m)):  # the same start: what fits
-            m -= 1
-        counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
-        assigned += m * count_of[kind]
+    kinds, counts, assigned = proportional_start(layouts, total, step_s)  # the same start
 
     def move(kind: K, src: int, dst: int) -> None:
         counts[(kind, src)] -= 1

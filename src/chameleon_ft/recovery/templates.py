@@ -316,6 +316,47 @@ class Templates:
                 if math.isfinite(self.length_step_s(length, 1))]
 
 
+def proportional_start(layouts: Sequence[K], num_microbatches: int,
+                       cost: Callable[[K, int], float]
+                       ) -> tuple[list[K], dict[tuple[K, int], int], int]:
+    """Where :func:`allocate` starts: each pipeline's share of ``num_microbatches`` in
+    proportion to its speed (its marginal seconds per micro-batch near an even split),
+    rounded down and lowered to what fits memory (the step functions are non-decreasing).
+
+    Identical layouts are grouped: their pipelines are interchangeable, so only the counts
+    of pipelines at each micro-batch count matter.
+
+    Args:
+        layouts: the kind of each pipeline (at least one).
+        num_microbatches: micro-batches per step over all pipelines.
+        cost: one pipeline's step time for ``(kind, m)``.
+
+    Returns:
+        The kinds in order of first appearance, ``counts[(kind, m)]`` (pipelines of that
+        kind running ``m`` micro-batches) and the micro-batches assigned (the total may
+        be over or under ``num_microbatches``).
+    """
+    k = len(layouts)
+    kinds = list(dict.fromkeys(layouts))
+    count_of = {kind: 0 for kind in kinds}
+    for layout in layouts:
+        count_of[layout] += 1
+    rate = {}
+    for kind in kinds:
+        base = max(1, num_microbatches // k)
+        marginal = cost(kind, base + 1) - cost(kind, base)
+        rate[kind] = 1.0 / marginal if marginal > 0 and math.isfinite(marginal) else 0.0
+    total_rate = sum(rate[kind] * count_of[kind] for kind in kinds)
+    counts: dict[tuple[K, int], int] = {}
+    assigned = 0
+    for kind in kinds:
+        share = (num_microbatches * rate[kind] / total_rate) if total_rate > 0 else 1.0
+        m = _fitting(kind, max(1, math.floor(share)), cost)
+        counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
+        assigned += m * count_of[kind]
+    return kinds, counts, assigned
+
+
 def allocate(layouts: Sequence[K], num_microbatches: int,
              step_s: Callable[[K, int], float]) -> tuple[float, list[int]]:
     """Split ``num_microbatches`` over pipelines minimising the slowest one's step time.
@@ -350,26 +391,7 @@ def allocate(layouts: Sequence[K], num_microbatches: int,
             value = memo[(kind, m)] = step_s(kind, m)
         return value
 
-    # Group identical layouts: their pipelines are interchangeable, so only the counts of
-    # pipelines at each micro-batch count matter.
-    kinds = list(dict.fromkeys(layouts))
-    count_of = {kind: 0 for kind in kinds}
-    for layout in layouts:
-        count_of[layout] += 1
-    rate = {}
-    for kind in kinds:
-        base = max(1, num_microbatches // k)
-        marginal = cost(kind, base + 1) - cost(kind, base)
-        rate[kind] = 1.0 / marginal if marginal > 0 and math.isfinite(marginal) else 0.0
-    total_rate = sum(rate[kind] * count_of[kind] for kind in kinds)
-    # counts[(kind, m)] = pipelines of that kind running m micro-batches
-    counts: dict[tuple[K, int], int] = {}
-    assigned = 0
-    for kind in kinds:
-        share = (num_microbatches * rate[kind] / total_rate) if total_rate > 0 else 1.0
-        m = _fitting(kind, max(1, math.floor(share)), cost)
-        counts[(kind, m)] = counts.get((kind, m), 0) + count_of[kind]
-        assigned += m * count_of[kind]
+    kinds, counts, assigned = proportional_start(layouts, num_microbatches, cost)
     # Never start above the total: take back from the largest shares first, one
     # micro-batch at a time from the first group with the most. While that group is alone
     # above every other, it keeps being chosen level after level: it goes down in one go
