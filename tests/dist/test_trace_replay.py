@@ -30,11 +30,12 @@ def test_node_failure_software_repair_and_end(tmp_path: Path, reference) -> None
     report, params, pids = run_job(tmp_path / "run", policy="dynamic", steps=100_000,
                                    coordinator={"trace": driver})
     trace = report["trace"]
-    # every row applied once, in order, within a poll or two of its time
+    # every row applied once, in order, soon after its time (a kill waits up to 1 s for
+    # the processes to exit; a loaded 2-core host adds a poll or two)
     actions = trace["actions"]
     assert [a["event"] for a in actions if a["row"]] == ["node-fail", "software", "repair",
                                                          "end"]
-    assert all(0 <= a["done_at_s"] - a["at_s"] < 0.5 for a in actions)
+    assert all(0 <= a["done_at_s"] - a["at_s"] < 1.5 for a in actions)
     assert actions[0]["workers"] == [2, 3]
     relaunched = [w for a in actions if a["kind"] == "relaunch" for w in a["workers"]]
     assert relaunched == [2, 3]
