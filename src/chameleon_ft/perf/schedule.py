@@ -882,8 +882,9 @@ def best_timeline(
     Without ``with_ops`` the timeline's per-worker op lists are left empty (timings only).
     ``lower_bound_s`` is a makespan no timeline can beat (the estimator passes the slowest
     failure-free makespan of the component's intact pipelines when no worker splits its
-    backward: their operations, links and stream orders are all still there): once a timeline reaches it the others are skipped,
-    which changes nothing (the first of equal timelines is kept).
+    backward: their operations, links and stream orders are all still there): once a
+    timeline reaches it the others are skipped, which changes nothing (the first of equal
+    timelines is kept).
 
     Only workers that run several streams (rerouted peers) depend on the rule, so plans
     without reroutes are simulated with one rule, and so are graphs above

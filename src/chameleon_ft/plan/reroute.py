@@ -35,11 +35,10 @@ def reroute_plan(
     worker), peers without free memory are skipped and the rest take micro-batches in
     proportion to their free bytes. Among equally good peers, the one whose pipeline has
     taken the fewest foreign micro-batches at any stage (and has no dead stage of its
-    own) comes first: each extra
-    micro-batch delays every later stage of the pipeline that runs it, so two dead stages
-    rerouted into the same peer pipelines would slow those twice, where disjoint peer
-    pipelines are each slowed once (and the estimator prices the two as separate, smaller
-    components).
+    own) comes first: each extra micro-batch delays every later stage of the pipeline
+    that runs it, so two dead stages rerouted into the same peer pipelines would slow
+    those twice, where disjoint peer pipelines are each slowed once (and the estimator
+    prices the two as separate, smaller components).
 
     Raises:
         ValueError: when a dead stage has no live replica in another pipeline (rerouting is

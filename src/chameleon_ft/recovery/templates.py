@@ -9,9 +9,10 @@ from the estimator on a one-pipeline plan and is memoised, so a search asks the 
 about each ``(layout, m)`` once per job.
 
 Small jobs are searched exactly: with at most ``EXHAUSTIVE_MAX_LAYERS`` layers and
-``EXHAUSTIVE_MAX_MICROBATCHES`` micro-batches per step, every layer split is tried and each ``(length, m)`` uses the fastest one (with few
-micro-batches the balanced split is not always best: the fill and drain and the per-stage
-optimizer step weigh more than the slowest stage). Larger models use the template alone.
+``EXHAUSTIVE_MAX_MICROBATCHES`` micro-batches per step, every layer split is tried and
+each ``(length, m)`` uses the fastest one (with few micro-batches the balanced split is
+not always best: the fill and drain and the per-stage optimizer step weigh more than the
+slowest stage). Larger models use the template alone.
 
 :func:`allocate` splits the global batch's micro-batches over pipelines to minimise the
 slowest pipeline, exactly, for any step-time functions that do not decrease with ``m``.
