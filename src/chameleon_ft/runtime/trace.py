@@ -77,22 +77,13 @@ def actions_of(trace: Trace, workers_per_node: int) -> tuple[Action, ...]:
         One action per trace event, then the end.
     """
 
-    def node_workers(nodes: Iterable[int]) -> tuple[int, ...]:
-        return tuple(w for n in nodes
-                     for w in range(n * workers_per_node, (n + 1) * workers_per_node))
-
     kinds = {EventKind.WORKER_FAIL: ActionKind.KILL, EventKind.NODE_FAIL: ActionKind.KILL,
              EventKind.GROUP_FAIL: ActionKind.KILL, EventKind.REPAIR: ActionKind.RELAUNCH,
              EventKind.SOFTWARE: ActionKind.SOFTWARE}
     out: list[Action] = []
     for row, event in enumerate(trace.events, start=1):
-        if event.kind == EventKind.WORKER_FAIL:
-            workers = tuple(event.target)
-        elif event.kind == EventKind.SOFTWARE:
-            workers = ()
-        else:
-            workers = node_workers(event.target)
-        out.append(Action(at_s=event.time_s, kind=kinds[event.kind], workers=workers,
+        out.append(Action(at_s=event.time_s, kind=kinds[event.kind],
+                          workers=event.workers(workers_per_node),
                           row=row, event=event.kind.value))
     out.append(Action(at_s=trace.duration_s, kind=ActionKind.END, row=len(trace.events) + 1,
                       event=EventKind.END.value))

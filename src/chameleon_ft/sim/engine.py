@@ -224,12 +224,7 @@ class _Run:
 
     # ------------------------------------------------------------------ events
     def on_failure(self, event: TraceEvent, next_event_s: float) -> None:
-        if event.kind == EventKind.WORKER_FAIL:
-            hit = set(event.target)
-        else:
-            per = self.workers_per_node
-            hit = {w for n in event.target for w in range(n * per, (n + 1) * per)}
-        hit &= self.alive
+        hit = set(event.workers(self.workers_per_node)) & self.alive
         self.alive -= hit
         self.deferred_returned -= hit
         base_plan = self.committed.plan
@@ -281,8 +276,7 @@ class _Run:
             self.pending_failed = failed
 
     def on_repair(self, event: TraceEvent, next_event_s: float) -> None:
-        per = self.workers_per_node
-        returned = {w for n in event.target for w in range(n * per, (n + 1) * per)} - self.alive
+        returned = set(event.workers(self.workers_per_node)) - self.alive
         self.alive |= returned
         if self.pending is not None:
             self.deferred_returned |= returned

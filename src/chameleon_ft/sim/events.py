@@ -43,6 +43,15 @@ class TraceEvent:
     target: tuple[int, ...] = ()
     """Worker id (``worker-fail``) or node ids (``node-fail``, ``group-fail``, ``repair``)."""
 
+    def workers(self, workers_per_node: int) -> tuple[int, ...]:
+        """The workers the event names: a ``worker-fail``'s worker, every worker of the
+        other events' nodes (node ``n`` holds workers ``n * W .. (n + 1) * W - 1``), none
+        for ``software``."""
+        if self.kind == EventKind.WORKER_FAIL:
+            return self.target
+        return tuple(w for n in self.target
+                     for w in range(n * workers_per_node, (n + 1) * workers_per_node))
+
 
 @dataclass(frozen=True, slots=True)
 class Trace:

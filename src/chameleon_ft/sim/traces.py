@@ -130,9 +130,8 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
         if len(group) == 1:
             kind = EventKind.NODE_FAIL
         events.append(TraceEvent(now, kind, group))
-        for n in group:
-            down.add(n)
-            dead_workers -= set(range(n * workers_per_node, (n + 1) * workers_per_node))
+        down.update(group)
+        dead_workers -= set(events[-1].workers(workers_per_node))
         # One repair time for the whole group: the switch or cable is fixed once. A node
         # already waiting for a repair (after a worker failure) keeps its earlier repair.
         fresh = tuple(n for n in group if not _has_repair(repairs, n))
