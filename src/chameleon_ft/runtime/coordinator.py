@@ -919,8 +919,7 @@ class Coordinator:
         except ValueError as exc:
             self.log(f"trace: software fault not applied: {exc}")
             return False
-        self.store.set(proto.verdict_key(s.gen, s.next_step), proto.ABORT)
-        self.store.set(proto.abort_key(s.gen), "1")
+        self._abort_generation()
         now = self.now()
         event = Event(workers=[], cause="software fault (every worker reloads the "
                       "checkpoint)", gen=s.gen, step=s.next_step, fault_at_s=now,
@@ -1187,8 +1186,7 @@ class Coordinator:
             event.reason = "only idle workers died; training went on"
             self.log(f"idle worker(s) {sorted(failed)} died ({event.cause}); training goes on")
             return
-        self.store.set(proto.verdict_key(s.gen, s.next_step), proto.ABORT)
-        self.store.set(proto.abort_key(s.gen), "1")
+        self._abort_generation()
         detect_txt = "" if event.detected_after_s is None else \
             f" {event.detected_after_s:.3f} s after the fault"
         self.log(f"FAILURE at step {s.next_step}: {event.cause}; detected{detect_txt}")
@@ -1288,6 +1286,13 @@ class Coordinator:
                                switch_after=after)
         return st.Recovery(strategy, plan, migration=decision.migration)
 
+    def _abort_generation(self) -> None:
+        """Abort the step in flight (its verdict) and the running generation (its abort key,
+        which releases workers blocked in its collectives at once)."""
+        s = self.state
+        self.store.set(proto.verdict_key(s.gen, s.next_step), proto.ABORT)
+        self.store.set(proto.abort_key(s.gen), "1")
+
     def _after_new_gen(self) -> None:
         """Drop checkpoint assemblies of abandoned timelines, then publish."""
         with self.lock:
@@ -1323,8 +1328,7 @@ class Coordinator:
             return
         s = self.state
         gen = s.gen
-        self.store.set(proto.verdict_key(gen, s.next_step), proto.ABORT)
-        self.store.set(proto.abort_key(gen), "1")
+        self._abort_generation()
         action = st.retry_action(s, self.train.max_retries)
         summary = "; ".join(dict.fromkeys(self.messages))[:300]
         if action is st.RetryAction.RETRY:
