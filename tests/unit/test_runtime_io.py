@@ -4,6 +4,7 @@ handshake. Real files and loopback sockets, no worker processes."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -192,6 +193,31 @@ def test_blob_concurrent_requests(server: BlobServer) -> None:
     for t in threads:
         t.join(10)
     assert sorted(r[0] for r in results) == list(range(8))
+
+
+def test_blob_connections_wait_in_the_listen_queue_while_the_server_is_busy(
+        server: BlobServer) -> None:
+    # After a restart every worker asks for its layers at once while the coordinator's
+    # interpreter is busy; a connection that finds the listen queue full has its SYN
+    # dropped and retries after TCP's 1 s initial timeout (a whole step lost per restart).
+    server.server.shutdown()  # nobody accepts: connections can only wait in the queue
+    socks = []
+    try:
+        for _ in range(64):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", server.port))
+            socks.append(sock)
+        deadline = time.monotonic() + 0.5
+        pending = list(socks)
+        while pending and time.monotonic() < deadline:
+            _, writable, _ = select.select([], pending, [], 0.05)
+            pending = [s for s in pending if s not in writable]
+        assert not pending, f"{len(pending)} of 64 connections not queued"
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for s in socks)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 # ---------------------------------------------------------------- joins

@@ -34,6 +34,8 @@ from typing import Any
 MAGIC = b"CHB1"
 MAX_HEADER_BYTES = 1 << 16
 CHUNK = 1 << 20
+LISTEN_QUEUE = 1024
+"""Connections waiting to be accepted (the kernel caps it at ``net.core.somaxconn``)."""
 
 Handler = Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]]
 """``(request header, payload) -> (response header, payload)``; raise ``BlobError`` to
@@ -137,6 +139,10 @@ class BlobServer:
         class _Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+            # every worker asks at once after a restart, while the coordinator's interpreter
+            # may be busy: a full listen queue drops a connection's SYN and TCP retries it
+            # only after 1 s (socketserver's default queue holds 5)
+            request_queue_size = LISTEN_QUEUE
 
         self.server = _Server((host, port), _Request)
         self.port = int(self.server.server_address[1])
