@@ -416,6 +416,8 @@ class Coordinator:
         self.op_times: list[dict[str, Any]] = []
         """Per committed step and worker: compute seconds of each op (for calibration)."""
         self.steps: dict[int, StepRecord] = {}
+        self.commits: list[StepRecord] = []
+        """Every commit in order, redone steps too (``steps`` keeps the last of each)."""
         self.checkpoint_times: dict[int, float] = {}
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
@@ -1089,8 +1091,10 @@ class Coordinator:
             self.ready_s if self.ready_s is not None else self.gen_started_s)
         loss = self._collect_loss(gen, step)
         self._collect_timings(gen, step)
-        self.steps[step] = StepRecord(step, loss, committed - start, gen, committed,
-                                      len(s.plan.workers))
+        record = StepRecord(step, loss, committed - start, gen, committed,
+                            len(s.plan.workers))
+        self.steps[step] = record
+        self.commits.append(record)
         self.state = st.committed(s, step)
         info = self.gen_info.get(gen, {"first_step": step})
         info["last_step"] = step
@@ -1648,20 +1652,7 @@ class Coordinator:
                          "final parameters")
 
     def _finish_transitions(self) -> None:
-        """Transition = fault to first commit after recovery, minus the new plan's step."""
-        records = sorted(self.steps.values(), key=lambda r: r.committed_at_s)
-        for event in self.events:
-            if event.idle:
-                continue
-            later = [r for r in records if r.committed_at_s > event.detected_at_s]
-            if not later:
-                continue
-            first = later[0]
-            same_gen = [r.step_s for r in later[1:] if r.gen == first.gen]
-            own_s = statistics.median(same_gen) if same_gen else first.step_s
-            event.resumed_at_s = first.committed_at_s
-            start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
-            event.transition_s = first.committed_at_s - start - own_s
+        measure_transitions(self.events, self.commits)
 
     def _write_metrics(self, steps: list[StepRecord]) -> None:
         """``metrics.jsonl``: one line per committed step (appended across resumes)."""
@@ -1675,6 +1666,26 @@ class Coordinator:
         keep = [ln for ln in old.splitlines()
                 if ln and json.loads(ln)["step"] < self.start_step]
         _write_atomic_text(path, "".join(f"{ln}\n" for ln in keep + lines))
+
+
+def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:
+    """Set each event's transition: fault to first commit after it, minus the new plan's step.
+
+    ``commits`` is every commit in time order, steps that a later restart redid included:
+    the first commit after an event ends its recovery even if a restart threw it away.
+    """
+    for event in events:
+        if event.idle:
+            continue
+        later = [r for r in commits if r.committed_at_s > event.detected_at_s]
+        if not later:
+            continue
+        first = later[0]
+        same_gen = [r.step_s for r in later[1:] if r.gen == first.gen]
+        own_s = statistics.median(same_gen) if same_gen else first.step_s
+        event.resumed_at_s = first.committed_at_s
+        start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
+        event.transition_s = first.committed_at_s - start - own_s
 
 
 def _write_atomic_text(path: Path, text: str) -> None:
