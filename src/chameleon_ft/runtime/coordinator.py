@@ -82,6 +82,10 @@ RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
 """Policies the runtime executes (``recycle`` needs split backwards, a simulator baseline)."""
 COLLECTIVE_FACTOR = 10.0
 """Derived collective deadline: this many times the plan's estimated step + migration."""
+GLOO_SETUP_DEADLINES = 5
+"""Gloo's group set-up lasts at most this many collective deadlines: it fails within one
+when a peer is dead or never came (torch 2.13), and retries its connections for five when
+a peer stopped mid-handshake."""
 
 
 class DecisionLike(Protocol):
@@ -759,7 +763,9 @@ class Coordinator:
                    for m in sorted({tuple(b[0]) for rnd in sync_rounds for b in rnd
                                     if len(b[0]) > 1})]
         self.gen_info[s.gen] = {"groups": groups, "first_step": s.next_step,
-                                "last_step": s.next_step - 1, "world": world}
+                                "last_step": s.next_step - 1, "world": world,
+                                "published_s": self.now(),
+                                "collective_s": directive["collective_timeout_s"]}
         decide = self._decide_fn()
         precompute = getattr(decide, "precompute", None)
         if precompute is not None:
@@ -771,6 +777,9 @@ class Coordinator:
         self.error_wait_since: float | None = None
         self.suspects: dict[int, float] = {}
         self.unexplained_since: float | None = None
+        self.setup_waits_logged: set[int] = set()
+        self.unexplained_recheck = 0.0
+        """While members are waited for (``_on_unexplained``), look again at this time."""
         self.messages: list[str] = []
         self.store.set(proto.directive_key(s.gen), proto.dumps(directive))
         self.store.set(proto.CURRENT_GEN_KEY, str(s.gen))
@@ -982,8 +991,8 @@ class Coordinator:
                 continue
             self._watch_replacements()
             if (self.unexplained_since is not None
-                    and now - self.unexplained_since > self.hang_s + 4 * self.train.heartbeat_s):
-                self._on_unexplained()
+                    and now - self.unexplained_since > self.hang_s + 4 * self.train.heartbeat_s
+                    and now >= self.unexplained_recheck and self._on_unexplained()):
                 continue
             if self.stop_signal is not None and self.state.phase is st.Phase.TRAINING:
                 name = signal.Signals(self.stop_signal).name
@@ -1317,19 +1326,46 @@ class Coordinator:
         return [w for rank, w in enumerate(world)
                 if not self._store_has(f"gen{self.state.gen}/world//0/{rank}")]
 
-    def _on_unexplained(self) -> None:
+    def _setup_gen(self, w: int) -> int | None:
+        """The generation whose groups worker ``w`` last began to build (None: none yet)."""
+        key = proto.setup_key(w, self.procs[w].incarnation)
+        try:
+            return int(self.store.get(key)) if self._store_has(key) else None
+        except (RuntimeError, ValueError):
+            return None
+
+    def _on_unexplained(self) -> bool:
         """Errors that no death explains: redo the generation, boundedly.
 
         A member that never joined the generation's groups while the others gave up on it
-        is alive (its heartbeat beats) but stuck, typically inside the group set-up of an
-        older generation with a peer that stopped mid-handshake (gloo then waits five
-        times its deadline): it is declared failed, which is what it is for this run.
+        is alive (its heartbeat beats) but inside the group set-up of an older generation,
+        which gloo cannot interrupt: while that set-up may still end by its own deadline,
+        the member is waited for (it then joins the generation that replaces this one);
+        past it, the member is stuck for good (a peer stopped mid-handshake keeps gloo
+        retrying) and is declared failed, which is what it is for this run.
+
+        Returns:
+            False when it only waits for such members (nothing was done).
         """
         absent = self._absent()
         if absent and len(absent) < len(self.state.world):
+            waiting = members_in_older_setup(
+                {w: self._setup_gen(w) for w in absent}, self.state.gen,
+                {g: (i["published_s"], i["collective_s"]) for g, i in self.gen_info.items()},
+                self.now(), slack_s=self.hang_s)
+            if waiting:
+                new = sorted(set(waiting) - self.setup_waits_logged)
+                if new:
+                    self.setup_waits_logged.update(new)
+                    self.log(f"generation {self.state.gen}: worker(s) {new} still inside an "
+                             "older generation's group set-up (gloo's set-up cannot be "
+                             "interrupted); waiting for it to end, at most "
+                             f"{max(waiting[w] for w in new) - self.now():.1f} s more")
+                self.unexplained_recheck = time.monotonic() + self.train.heartbeat_s
+                return False
             self._on_deaths({w: f"did not join generation {self.state.gen}'s groups within "
                                 "the deadline" for w in absent})
-            return
+            return True
         s = self.state
         gen = s.gen
         self._abort_generation()
@@ -1352,6 +1388,7 @@ class Coordinator:
             self._fail(f"errors persist after {self.train.max_retries} retries and a restart: "
                        f"{summary}")
         self._after_new_gen()
+        return True
 
     def _decision(self) -> tuple[DecisionLike, float]:
         """Ask the policy, starting from the placement the workers' state really has.
@@ -1666,6 +1703,35 @@ class Coordinator:
         keep = [ln for ln in old.splitlines()
                 if ln and json.loads(ln)["step"] < self.start_step]
         _write_atomic_text(path, "".join(f"{ln}\n" for ln in keep + lines))
+
+
+def members_in_older_setup(setup_gens: dict[int, int | None], gen: int,
+                           generations: dict[int, tuple[float, float]], now: float, *,
+                           slack_s: float) -> dict[int, float]:
+    """Absent members that may still be inside an older generation's group set-up.
+
+    Args:
+        setup_gens: each absent member's last generation whose groups it began to build
+            (None: it never began any).
+        gen: the current generation.
+        generations: ``(published at, collective deadline)`` of the generations known.
+        now: the current time (the clock of ``published at``).
+        slack_s: added to the longest set-up (the member must still read the next
+            directive and reach that generation's rendezvous).
+
+    Returns:
+        Member -> the time until which it is waited for; members not in the result are
+        stuck for good (or in this generation's own set-up) and may be declared failed.
+    """
+    waiting = {}
+    for w, g in setup_gens.items():
+        if g is None or g >= gen or g not in generations:
+            continue
+        published, deadline = generations[g]
+        until = published + GLOO_SETUP_DEADLINES * deadline + slack_s
+        if now < until:
+            waiting[w] = until
+    return waiting
 
 
 def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:

@@ -112,6 +112,13 @@ def heartbeat_key(worker: int, incarnation: str) -> str:
     return f"hb/{worker}/{incarnation}"
 
 
+def setup_key(worker: int, incarnation: str) -> str:
+    """The generation whose groups the process ``incarnation`` of ``worker`` last began to
+    build (gloo's group set-up cannot be interrupted: a process can stay inside a superseded
+    generation's set-up until that generation's deadline)."""
+    return f"setup/{worker}/{incarnation}"
+
+
 def worker_info_key(worker: int, incarnation: str) -> str:
     """JSON: host, pid and address of a registered process."""
     return f"worker/{worker}/{incarnation}"

@@ -532,6 +532,7 @@ class Worker:
             self.gen_changed.notify_all()
         try:
             _debug(f"w{self.id} gen {gen}: building groups")
+            self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
             world_group = self._build_groups(gen, generation, world, d["rounds"],
                                              float(d["collective_timeout_s"]))
             _debug(f"w{self.id} gen {gen}: groups built")
