@@ -20,8 +20,8 @@ worker's memory holding at most 3 of the 8 layers. One run of the benchmark:
    average around each run;
 5. prints, per trace and policy, the median measured ``throughput_samples_s``, the run-to-run
    spread, the prediction and its error, and checks that Chameleon is at least each fixed
-   policy within the measured noise (the median spread) and that every prediction is within
-   15%. A second prediction moves every repair later by the time the runs measured between
+   policy within the measured noise (the larger of the two cells' spreads, at least the
+   median spread over all cells) and that every prediction is within 15%. A second prediction moves every repair later by the time the runs measured between
    a relaunch and the relaunched worker being up, plus one step (a plan changes at a step
    boundary): what the runtime's repairs really take, and the simulator's do not.
 
@@ -330,9 +330,11 @@ def summarize(runs: list[dict[str, Any]], predictions: dict[str, dict[str, float
                 within.append({"trace": trace, "policy": policy,
                                "ok": abs(cell["error"]) <= TOLERANCE, "error": cell["error"]})
             if policy != "chameleon" and ours is not None:
+                # two medians differ by luck up to what either cell's own runs spread
+                pair = max(noise, ours["spread"], cell["spread"])
                 gap = (ours["median"] - cell["median"]) / cell["median"]
-                ahead.append({"trace": trace, "policy": policy, "gap": gap,
-                              "ok": gap >= -noise})
+                ahead.append({"trace": trace, "policy": policy, "gap": gap, "noise": pair,
+                              "ok": gap >= -pair})
     return {"cells": cells, "noise_median_spread": noise,
             "noise_max_spread": max(spreads, default=0.0),
             "chameleon_ahead": ahead, "prediction_within": within,
@@ -464,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     for check in summary["chameleon_ahead"]:
         if not check["ok"]:
             print(f"chameleon behind {check['policy']} on {check['trace']}: "
-                  f"{check['gap']:+.1%} (noise {summary['noise_median_spread']:.1%})")
+                  f"{check['gap']:+.1%} (noise {check['noise']:.1%})")
     for check in summary["prediction_within"]:
         if not check["ok"]:
             print(f"prediction off on {check['trace']}/{check['policy']}: {check['error']:+.1%}")
