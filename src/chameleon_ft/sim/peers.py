@@ -34,8 +34,8 @@ OOBLECK_SCHEDULE = Schedule.ONE_F_ONE_B.value
 
 def oobleck_planner(planner: Planner) -> Planner:
     """The job as Oobleck runs it: ``planner`` itself on 1F1B, else a planner of the same
-    job, cluster and profile on 1F1B (an interleaved job's templates exist only for the
-    lengths its chunks divide, which Oobleck, having no interleaving, never needs)."""
+    job and cluster on 1F1B over the model's unfolded layers (an interleaved job plans
+    with folded columns of chunks, which Oobleck, having no interleaving, never uses)."""
     job = planner.config.job
     if job.schedule == OOBLECK_SCHEDULE:
         return planner
