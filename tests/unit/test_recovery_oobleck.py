@@ -20,7 +20,7 @@ from chameleon_ft.recovery.oobleck import (
 )
 from chameleon_ft.sim.engine import simulate
 from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
-from chameleon_ft.sim.peers import OobleckPolicy
+from chameleon_ft.sim.peers import OobleckPolicy, oobleck_planner
 from chameleon_ft.spec.config import config_from_mapping, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,3 +168,30 @@ def test_the_simulated_oobleck_keeps_returned_workers_idle_until_the_next_failur
     # job's length (7 workers busy: the 1-stage template holds the model here)
     assert seen == [("simple", 6), ("keep", 0), ("simple", 7)]
     assert dict(result.decisions)["keep"] == 1
+
+
+def test_an_interleaved_job_runs_under_oobleck_as_the_same_job_on_1f1b() -> None:
+    # Oobleck has no interleaving: its pipelines run 1F1B over the model's own layers, with
+    # a template for every length (the interleaved job plans 4 columns of 2 chunks)
+    config = config_from_mapping({
+        "cluster": {"num_nodes": 4, "devices_per_node": 2},
+        "job": {"pp": 4, "dp": 2, "global_batch": 16, "schedule": "interleaved",
+                "virtual_stages": 2},
+        "profile": {"kind": "uniform", "num_layers": 8, "fwd_s": 0.01, "bwd_input_s": 0.01,
+                    "bwd_weight_s": 0.01, "param_bytes": 1e8, "optimizer_bytes": 6e8,
+                    "activation_bytes": 1e7, "output_bytes": 1e6},
+        "recovery": {"checkpoint_interval_s": 600.0}})
+    planner = Planner(config)
+    assert planner.profile.num_layers == 4
+    own = oobleck_planner(planner)
+    assert own.config.job.schedule == "1f1b" and own.profile.num_layers == 8
+    assert [layer.fwd_s for layer in own.profile.layers] == [0.01] * 8
+    assert all(own.templates.layout(n) is not None for n in range(1, 9))
+    # interleaving hides part of the bubble: the same job is slower on 1F1B
+    assert own.failure_free.step_s > planner.failure_free.step_s
+    policy = OobleckPolicy(planner, config.recovery, fault_threshold=1)
+    start = policy.start()
+    assert start.plan is not None and start.plan.schedule == "1f1b"
+    assert start.plan.num_layers == 8 and start.step_s > planner.failure_free.step_s
+    # a 1F1B planner is its own Oobleck planner
+    assert oobleck_planner(own) is own

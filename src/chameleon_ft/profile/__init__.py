@@ -9,6 +9,7 @@ from chameleon_ft.profile.profile import (
     chunk_sums,
     fold_profile,
     stage_sums,
+    unfold_profile,
     uniform_profile,
 )
 from chameleon_ft.spec.config import Config
@@ -71,5 +72,14 @@ def _model_profile(config: Config) -> Profile:
                             fused_attention=source.fused_attention)
 
 
-__all__ = ["LayerCost", "Profile", "analytic_profile", "build_profile", "chunk_sums",
-           "fold_profile", "stage_sums", "uniform_profile"]
+__all__ = [
+    "LayerCost",
+    "Profile",
+    "analytic_profile",
+    "build_profile",
+    "chunk_sums",
+    "fold_profile",
+    "stage_sums",
+    "unfold_profile",
+    "uniform_profile",
+]

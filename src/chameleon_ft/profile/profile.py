@@ -325,6 +325,20 @@ def fold_profile(profile: Profile, virtual_stages: int, *, attach_ends: bool = F
                          "attach_ends": attach_ends and n >= 4})
 
 
+def unfold_profile(profile: Profile) -> Profile:
+    """The model's layers of a folded profile, in model order (its rounds one after the
+    other): the same model planned without interleaving. A plain profile is returned as is.
+
+    With ``attach_ends`` folding, the embedding and the head stay joined to their
+    neighbouring blocks, as they ran.
+    """
+    if not profile.rounds:
+        return profile
+    meta = {k: v for k, v in profile.meta.items() if k not in ("virtual_stages", "attach_ends")}
+    return replace(profile, layers=tuple(layer for r in profile.rounds for layer in r),
+                   rounds=(), meta=meta)
+
+
 def _sum_costs(chosen: Sequence[LayerCost], name: str) -> LayerCost:
     sharded = any(c.grad_bytes is not None for c in chosen)
     return LayerCost(

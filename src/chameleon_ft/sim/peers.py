@@ -4,7 +4,9 @@
   consecutive workers, its templates, its re-instantiation rules (simple, borrow, merge),
   at least ``f + 1`` pipelines, a stop-the-world reconfiguration at every failure,
   returned workers waiting for the next reconfiguration; a checkpoint restart (on
-  consecutive workers) when its rules cannot recover.
+  consecutive workers) when its rules cannot recover. Oobleck's pipelines run 1F1B, so a
+  job on another schedule (interleaved, zero-bubble) runs under Oobleck as the same job
+  on 1F1B, with a template for every pipeline length.
 - ``recycle`` is the planner's ``recycle`` strategy as a fixed policy
   (``recovery/reroute.py``): ReCycle's rerouting with its decoupled backward and its
   re-join.
@@ -18,12 +20,29 @@ from __future__ import annotations
 from dataclasses import replace
 
 from chameleon_ft.policy import Planner
+from chameleon_ft.profile import unfold_profile
 from chameleon_ft.recovery.oobleck import OobleckSpec, instantiate, oobleck_spec, reconfigure
 from chameleon_ft.sim.policies import KEEP, Choice, EventContext, PlannerPolicy, terms_choice
+from chameleon_ft.spec.job import Schedule
 from chameleon_ft.spec.recovery import RecoverySpec
 
 OOBLECK_FAULT_THRESHOLD = 3
 """Oobleck's default ``f`` (``JobArguments.fault_threshold`` in its code)."""
+OOBLECK_SCHEDULE = Schedule.ONE_F_ONE_B.value
+"""Oobleck's pipelines run a DeepSpeed-derived 1F1B schedule (``OobleckPipelineSchedule``)."""
+
+
+def oobleck_planner(planner: Planner) -> Planner:
+    """The job as Oobleck runs it: ``planner`` itself on 1F1B, else a planner of the same
+    job and cluster on 1F1B over the model's unfolded layers (an interleaved job plans
+    with folded columns of chunks, which Oobleck, having no interleaving, never uses)."""
+    job = planner.config.job
+    if job.schedule == OOBLECK_SCHEDULE:
+        return planner
+    config = replace(planner.config,
+                     job=replace(job, schedule=OOBLECK_SCHEDULE, virtual_stages=1))
+    return Planner(config, profile=unfold_profile(planner.profile),
+                   cache_size=planner.cache_size)
 
 
 class OobleckPolicy:
@@ -35,7 +54,8 @@ class OobleckPolicy:
         """Model Oobleck on the planner's job.
 
         Args:
-            planner: the job's planner (templates, estimates, the restart fallback).
+            planner: the job's planner (templates, estimates, the restart fallback; on
+                another schedule than 1F1B, see :func:`oobleck_planner`).
             recovery: the job's recovery settings.
             fault_threshold: ``f``; lowered to the job's pipelines minus one when the job
                 starts with fewer than ``f + 1`` pipelines (Oobleck would not plan fewer).
@@ -45,6 +65,7 @@ class OobleckPolicy:
             ValueError: when no pipeline of the job fits memory.
         """
         self.name = name
+        planner = oobleck_planner(planner)
         self._planner = planner
         self._restart = PlannerPolicy("restart", planner, recovery)
         initial = planner.initial_plan
