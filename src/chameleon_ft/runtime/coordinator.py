@@ -82,10 +82,14 @@ RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
 """Policies the runtime executes (``recycle`` needs split backwards, a simulator baseline)."""
 COLLECTIVE_FACTOR = 10.0
 """Derived collective deadline: this many times the plan's estimated step + migration."""
-GLOO_SETUP_DEADLINES = 5
-"""Gloo's group set-up lasts at most this many collective deadlines: it fails within one
-when a peer is dead or never came (torch 2.13), and retries its connections for five when
-a peer stopped mid-handshake."""
+SETUP_WAIT_DEADLINES = 2
+"""A member inside a superseded generation's group set-up is waited for this many of that
+generation's collective deadlines. Gloo's set-up (torch 2.13) fails within one deadline
+when a peer never came; when a peer died or stopped mid-handshake it can retry its
+connections for five, and a member stuck that long is declared failed rather than
+stalling the run: the wait covers the first case (and generations with a longer deadline
+than the newest), and costs at most one deadline more in the others. Members stuck with a
+peer that went silent are not waited for at all."""
 
 
 class DecisionLike(Protocol):
@@ -1184,6 +1188,13 @@ class Coordinator:
     def _on_deaths(self, dead: dict[int, str]) -> None:
         s = self.state
         failed = frozenset(dead) & s.alive
+        for w in failed:
+            if not dead[w].startswith(("exit", "error")):
+                # silent (stopped, cut off) or stuck, not gone: its peers' group set-up
+                # may retry for five deadlines; nobody waits for them (_on_unexplained)
+                for info in self.gen_info.values():
+                    if w in info["world"]:
+                        info["silent_member"] = True
         detected = self.now()
         new, broken = st.workers_died(s, failed)
         self._fence(failed)
@@ -1339,10 +1350,11 @@ class Coordinator:
 
         A member that never joined the generation's groups while the others gave up on it
         is alive (its heartbeat beats) but inside the group set-up of an older generation,
-        which gloo cannot interrupt: while that set-up may still end by its own deadline,
-        the member is waited for (it then joins the generation that replaces this one);
-        past it, the member is stuck for good (a peer stopped mid-handshake keeps gloo
-        retrying) and is declared failed, which is what it is for this run.
+        which gloo cannot interrupt. When that generation lost members only to process
+        exits, its set-up ends within a deadline: the member is waited for (it then joins
+        the generation that replaces this one). Past that, or when a member of that
+        generation went silent (gloo then retries for five deadlines), the member is stuck
+        for this run and is declared failed.
 
         Returns:
             False when it only waits for such members (nothing was done).
@@ -1351,7 +1363,8 @@ class Coordinator:
         if absent and len(absent) < len(self.state.world):
             waiting = members_in_older_setup(
                 {w: self._setup_gen(w) for w in absent}, self.state.gen,
-                {g: (i["published_s"], i["collective_s"]) for g, i in self.gen_info.items()},
+                {g: (i["published_s"], i["collective_s"]) for g, i in self.gen_info.items()
+                 if not i.get("silent_member")},
                 self.now(), slack_s=self.hang_s)
             if waiting:
                 new = sorted(set(waiting) - self.setup_waits_logged)
@@ -1708,13 +1721,14 @@ class Coordinator:
 def members_in_older_setup(setup_gens: dict[int, int | None], gen: int,
                            generations: dict[int, tuple[float, float]], now: float, *,
                            slack_s: float) -> dict[int, float]:
-    """Absent members that may still be inside an older generation's group set-up.
+    """Absent members that may still come out of an older generation's group set-up.
 
     Args:
         setup_gens: each absent member's last generation whose groups it began to build
             (None: it never began any).
         gen: the current generation.
-        generations: ``(published at, collective deadline)`` of the generations known.
+        generations: ``(published at, collective deadline)`` of the generations whose
+            set-up ends within its deadlines (those that lost no member to silence).
         now: the current time (the clock of ``published at``).
         slack_s: added to the longest set-up (the member must still read the next
             directive and reach that generation's rendezvous).
@@ -1728,7 +1742,7 @@ def members_in_older_setup(setup_gens: dict[int, int | None], gen: int,
         if g is None or g >= gen or g not in generations:
             continue
         published, deadline = generations[g]
-        until = published + GLOO_SETUP_DEADLINES * deadline + slack_s
+        until = published + SETUP_WAIT_DEADLINES * deadline + slack_s
         if now < until:
             waiting[w] = until
     return waiting
