@@ -23,6 +23,7 @@ twice; a failure during a recovery is simply a failure in the next generation.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -1754,15 +1755,21 @@ def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:
     ``commits`` is every commit in time order, steps that a later restart redid included:
     the first commit after an event ends its recovery even if a restart threw it away.
     """
+    times = [r.committed_at_s for r in commits]
     for event in events:
         if event.idle:
             continue
-        later = [r for r in commits if r.committed_at_s > event.detected_at_s]
-        if not later:
+        i = bisect.bisect_right(times, event.detected_at_s)
+        if i == len(commits):
             continue
-        first = later[0]
-        same_gen = [r.step_s for r in later[1:] if r.gen == first.gen]
-        own_s = statistics.median(same_gen) if same_gen else first.step_s
+        first = commits[i]
+        # generations follow one another in time: the first's later commits are the run
+        # that follows it
+        end = i + 1
+        while end < len(commits) and commits[end].gen == first.gen:
+            end += 1
+        same_gen = commits[i + 1:end]
+        own_s = statistics.median(r.step_s for r in same_gen) if same_gen else first.step_s
         event.resumed_at_s = first.committed_at_s
         start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
         event.transition_s = first.committed_at_s - start - own_s
