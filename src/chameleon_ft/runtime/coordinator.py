@@ -769,13 +769,12 @@ class Coordinator:
                                     if len(b[0]) > 1})]
         self.gen_info[s.gen] = {"groups": groups, "first_step": s.next_step,
                                 "last_step": s.next_step - 1, "world": world,
-                                "published_s": self.now(),
                                 "collective_s": directive["collective_timeout_s"]}
         decide = self._decide_fn()
         precompute = getattr(decide, "precompute", None)
         if precompute is not None:
             precompute(s.plan)
-        self.gen_started_s = self.now()
+        self.gen_started_s = self.gen_info[s.gen]["published_s"] = self.now()
         self.ready_s: float | None = None
         self.last_commit_s: float | None = None
         self.errors_seen = 0
