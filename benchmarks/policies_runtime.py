@@ -21,8 +21,9 @@ worker's memory holding at most 3 of the 8 layers. One run of the benchmark:
 5. prints, per trace and policy, the median measured ``throughput_samples_s``, the run-to-run
    spread, the prediction and its error, and checks that Chameleon is at least each fixed
    policy within the measured noise (the larger of the two cells' spreads, at least the
-   median spread over all cells) and that every prediction is within 15%. A second prediction moves every repair later by the time the runs measured between
-   a relaunch and the relaunched worker being up, plus one step (a plan changes at a step
+   median spread over all cells) and that every prediction is within 15%. A second
+   prediction moves every repair later by the time the runs measured between a relaunch
+   and the relaunched worker being up, plus one step (a plan changes at a step
    boundary): what the runtime's repairs really take, and the simulator's do not.
 
 The traces are ``benchmarks/traces/testbed8-*.csv``, drawn once by ``--make-traces`` (the
