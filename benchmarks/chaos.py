@@ -72,7 +72,7 @@ def _toml(doc: dict[str, Any]) -> str:
 
 
 def run_reference(doc: dict[str, Any], out: Path) -> dict[str, Any]:
-    from chameleon_ft.runtime.coordinator import Coordinator
+    from chameleon_ft.runtime.coordinator.shell import Coordinator
     from chameleon_ft.spec.config import config_from_mapping
 
     coord = Coordinator(config_from_mapping(doc), out_dir=out)
@@ -89,7 +89,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
               reference: dict[str, Any], policy: str,
               log_file: Path | None = None) -> dict[str, Any]:
     from chameleon_ft.runtime.chaos import ChaosHooks, check_run
-    from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
+    from chameleon_ft.runtime.coordinator.shell import Coordinator, WorkerFailure
     from chameleon_ft.spec.config import config_from_mapping
 
     steps = doc["train"]["steps"]

@@ -11,7 +11,7 @@ initial values) on ``dp x pp`` worker processes over gloo:
 - ``pp = 1``: ``DistributedDataParallel`` over the whole model, gradient accumulation over
   the pipeline's micro-batches (``no_sync`` but for the last), then AdamW.
 
-Our side is ``chameleon_ft.runtime.coordinator.Coordinator(config).run()``; its report has
+Our side is ``chameleon_ft.runtime.coordinator.shell.Coordinator(config).run()``; its report has
 every committed step's ``step_s``. Each run is a fresh process; the two sides alternate
 ``--repeats`` times (the machine's load drifts), and each side reports the median of all
 its timed steps (after warm-up); the ratio is ours / PyTorch's. Every wait is bounded:
@@ -68,11 +68,11 @@ def _torch_worker(rank: int, world: int, port: int, config_path: str, pp: int, d
     try:
         import torch
         import torch.distributed as dist
+        from chameleon_ft.runtime.workload.precision import torch_dtype
         from torch import nn
 
-        from chameleon_ft.runtime.datasets import load_data
-        from chameleon_ft.runtime.model import torch_dtype
-        from chameleon_ft.runtime.models import load_model, to_run
+        from chameleon_ft.runtime.workload.data import load_data
+        from chameleon_ft.runtime.workload.models import load_model, to_run
 
         torch.set_num_threads(1)
         config = _config(config_path, pp=pp, dp=dp)
@@ -209,7 +209,7 @@ def measure_torch(config_path: str, *, pp: int, dp: int, steps: int,
 
 def measure_ours(config_path: str, *, pp: int, dp: int, steps: int) -> list[float]:
     """Per-step seconds of our runtime (``step_s`` of every committed step)."""
-    from chameleon_ft.runtime.coordinator import Coordinator
+    from chameleon_ft.runtime.coordinator.shell import Coordinator
 
     config = _config(config_path, pp=pp, dp=dp, steps=steps)
     with tempfile.TemporaryDirectory() as out:

@@ -86,8 +86,8 @@ def load_average() -> float:
 def make_traces(count: int = 3, duration_s: float = 150.0) -> list[Path]:
     """Draw the committed traces: the first seeds whose trace never has fewer than half the
     workers alive and holds a software fault and a repair (written to ``traces/``)."""
-    from chameleon_ft.sim.events import EventKind
-    from chameleon_ft.sim.traces import generate_trace, trace_to_csv
+    from chameleon_ft.failures import EventKind, trace_to_csv
+    from chameleon_ft.sim.traces import generate_trace
     from chameleon_ft.spec.scenario import FailureSpec
 
     failures = FailureSpec(node_mtbf_hours=80 / 3600, repair="fixed", repair_hours=30 / 3600,
@@ -260,8 +260,7 @@ def replay(config: Path, trace: Path, policy: str, out: Path,
 def delayed_repairs(trace_path: Path, delay_s: float, out: Path) -> Path:
     """The trace with every repair ``delay_s`` later (never past the next failure of one of
     the repaired nodes' workers, nor the end); returns the new file."""
-    from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
-    from chameleon_ft.sim.traces import trace_from_csv, trace_to_csv
+    from chameleon_ft.failures import EventKind, Trace, TraceEvent, trace_from_csv, trace_to_csv
 
     trace = trace_from_csv(trace_path.read_text(), num_nodes=4, workers_per_node=2)
 

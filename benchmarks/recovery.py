@@ -53,7 +53,7 @@ def run_one(strategy: str, steps: int, fault_step: int, out: Path) -> dict[str, 
     """One training run with one kill; returns the measured and estimated numbers."""
     from chameleon_ft.perf import Topology, estimate
     from chameleon_ft.plan import ExecutionPlan
-    from chameleon_ft.runtime.coordinator import Coordinator
+    from chameleon_ft.runtime.coordinator.shell import Coordinator
     from chameleon_ft.spec import load_config
     from chameleon_ft.spec.train import parse_fault
 

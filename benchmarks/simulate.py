@@ -15,8 +15,8 @@ import resource
 import sys
 import time
 
+from chameleon_ft.failures import Trace
 from chameleon_ft.sim import policies as sim_policies
-from chameleon_ft.sim.events import Trace
 from chameleon_ft.sim.report import ProgressBar, policy_summary
 from chameleon_ft.sim.runner import default_jobs, run_scenario
 from chameleon_ft.sim.scenarios import preset_scenario

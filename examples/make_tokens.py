@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chameleon_ft.runtime.data import corpus_bytes
+from chameleon_ft.runtime.workload.corpus import corpus_bytes
 
 VOCAB_SIZE = 512
 

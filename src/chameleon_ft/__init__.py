@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def train(*args: object, **kwargs: object) -> dict[str, object]:
     """Train on worker processes and survive their failures: see
-    :func:`chameleon_ft.runtime.api.train` (imported here only when called: torch)."""
-    from chameleon_ft.runtime.api import train as run
+    :func:`chameleon_ft.runtime.workload.api.train` (imported here only when called: torch)."""
+    from chameleon_ft.runtime.workload.api import train as run
 
     return run(*args, **kwargs)  # type: ignore[arg-type]

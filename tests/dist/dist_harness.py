@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from chameleon_ft.runtime.chaos import alive
-from chameleon_ft.runtime.coordinator import Coordinator
+from chameleon_ft.runtime.coordinator.shell import Coordinator
 from chameleon_ft.spec.config import config_from_mapping
 from chameleon_ft.spec.train import parse_fault
 

@@ -13,7 +13,7 @@ import torch
 from byo_models import TinyMLP, TinyRegression
 
 import chameleon_ft
-from chameleon_ft.runtime.reference import train_reference
+from chameleon_ft.runtime.workload.reference import train_reference
 from chameleon_ft.spec.config import config_from_mapping
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -70,7 +70,7 @@ def test_hf_llama_tokens_adamw_survive_a_kill(tmp_path: Path,
     reference = train_reference(config)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf",
                                                     torch_dtype=torch.float64)
-    from chameleon_ft.runtime.models import load_model
+    from chameleon_ft.runtime.workload.models import load_model
 
     model = load_model(config)
     hf = exported.state_dict()
@@ -82,7 +82,7 @@ def test_hf_llama_tokens_adamw_survive_a_kill(tmp_path: Path,
 
 
 def _split(name: str) -> tuple[int, str]:
-    from chameleon_ft.runtime.models import split_param_name
+    from chameleon_ft.runtime.workload.models import split_param_name
 
     return split_param_name(name)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from chameleon_ft.runtime.chaos import ChaosHooks, check_run
-from chameleon_ft.runtime.coordinator import Coordinator
+from chameleon_ft.runtime.coordinator.shell import Coordinator
 from chameleon_ft.spec.config import config_from_mapping
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dist_harness import alive, max_abs_diff, run_job
 
 from chameleon_ft.runtime import protocol as proto
-from chameleon_ft.runtime.coordinator import Coordinator, Hooks, PlannerDecide, WorkerFailure
+from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks, PlannerDecide, WorkerFailure
 from chameleon_ft.spec.train import Fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -213,7 +213,7 @@ class KeepIdle(PlannerDecide):
         return super().__call__(plan, failed, alive, now_s, since)
 
     def rejoin(self, plan: Any, returned: Any, alive: Any, now_s: float) -> Any:
-        from chameleon_ft.runtime.coordinator import ManualDecision
+        from chameleon_ft.runtime.coordinator.shell import ManualDecision
 
         return ManualDecision("keep", plan, reason="kept idle by the test")
 

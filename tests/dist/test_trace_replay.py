@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from dist_harness import TINY, alive, max_abs_diff, run_job
 
-from chameleon_ft.runtime.trace import TraceDriver, load_trace
+from chameleon_ft.runtime.replay import TraceDriver, load_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_helpers import LAYOUT, cmd, env
 
-from chameleon_ft.runtime.reference import train_reference
+from chameleon_ft.runtime.workload.reference import train_reference
 from chameleon_ft.spec import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

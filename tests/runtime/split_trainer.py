@@ -15,9 +15,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from chameleon_ft.runtime.datasets import DataSource
-from chameleon_ft.runtime.models import LayeredModel, param_name, targets_per_sample, to_run
-from chameleon_ft.runtime.optim import LayerTrainState, OptimizerFactory
+from chameleon_ft.runtime.workload.data import DataSource
+from chameleon_ft.runtime.workload.models import (
+    LayeredModel,
+    param_name,
+    targets_per_sample,
+    to_run,
+)
+from chameleon_ft.runtime.workload.optim import LayerTrainState, OptimizerFactory
 
 
 def train_split(model: LayeredModel, data: DataSource, optimizer: OptimizerFactory, *,

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from chameleon_ft.runtime import state as st
-from chameleon_ft.runtime.blobs import BlobError
-from chameleon_ft.runtime.coordinator import COLLECTIVE_FLOOR_S, Coordinator
+from chameleon_ft.runtime.control import state as st
+from chameleon_ft.runtime.coordinator.shell import COLLECTIVE_FLOOR_S, Coordinator
+from chameleon_ft.runtime.storage.blobs import BlobError
 from chameleon_ft.spec.config import config_from_mapping
 
 DOC: dict[str, Any] = {

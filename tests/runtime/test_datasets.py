@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleon_ft.runtime.data import ByteCorpus
-from chameleon_ft.runtime.datasets import (
+from chameleon_ft.runtime.workload.corpus import ByteCorpus
+from chameleon_ft.runtime.workload.data import (
     ByteData,
     TokenData,
     data_digest,

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chameleon_ft.runtime.datasets import load_data
-from chameleon_ft.runtime.models import load_model
-from chameleon_ft.runtime.optim import optimizer_from_config, schedule_from_config
-from chameleon_ft.runtime.reference import train_reference
+from chameleon_ft.runtime.workload.data import load_data
+from chameleon_ft.runtime.workload.models import load_model
+from chameleon_ft.runtime.workload.optim import optimizer_from_config, schedule_from_config
+from chameleon_ft.runtime.workload.reference import train_reference
 from chameleon_ft.spec import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

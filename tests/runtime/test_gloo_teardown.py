@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chameleon_ft.runtime.worker import break_connections, make_group
+from chameleon_ft.runtime.worker.main import break_connections, make_group
 
 TIMEOUT_S = 5.0
 

@@ -11,13 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from chameleon_ft.profile.analytic import analytic_profile
-from chameleon_ft.runtime.models import (
+from chameleon_ft.runtime.workload.models import (
     build_stage,
     initial_params,
     load_model,
     split_param_name,
 )
-from chameleon_ft.runtime.models.hf_llama import HFLlama, llama_config, save_random_llama
+from chameleon_ft.runtime.workload.models.hf_llama import HFLlama, llama_config, save_random_llama
 from chameleon_ft.spec import config_from_mapping, device_preset
 from chameleon_ft.spec.model import ModelSpec
 

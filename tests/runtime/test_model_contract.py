@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chameleon_ft.runtime.models import (
+from chameleon_ft.runtime.workload.models import (
     LayeredModel,
     build_stage,
     check_model,
@@ -43,7 +43,7 @@ def _hf_random() -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
 
 
 def _hf_dir(tmp: Path) -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
-    from chameleon_ft.runtime.models.hf_llama import save_random_llama
+    from chameleon_ft.runtime.workload.models.hf_llama import save_random_llama
     from chameleon_ft.spec.model import ModelSpec
 
     save_random_llama(ModelSpec(mlp="swiglu", **LLAMA), tmp / "llama", seed=5,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chameleon_ft.runtime.data import ByteCorpus, corpus_digest
-from chameleon_ft.runtime.model import (
+from chameleon_ft.runtime.workload.corpus import ByteCorpus, corpus_digest
+from chameleon_ft.runtime.workload.models.gpt_layers import (
     GPTShape,
     StageModel,
     build_layer,

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from chameleon_ft.runtime.model import GPTShape
-from chameleon_ft.runtime.models.gpt import GPTModel
-from chameleon_ft.runtime.optim import (
+from chameleon_ft.runtime.workload.models.gpt import GPTModel
+from chameleon_ft.runtime.workload.models.gpt_layers import GPTShape
+from chameleon_ft.runtime.workload.optim import (
     LayerTrainState,
     LRSchedule,
     TorchOptimizer,

@@ -9,8 +9,8 @@ import torch
 
 from chameleon_ft.plan import initial_plan
 from chameleon_ft.profile import build_profile
-from chameleon_ft.runtime.packing import PackError, pack, unpack
-from chameleon_ft.runtime.resources import check_memory, layer_parameters, worker_bytes
+from chameleon_ft.runtime.coordinator.resources import check_memory, layer_parameters, worker_bytes
+from chameleon_ft.runtime.storage.packing import PackError, pack, unpack
 from chameleon_ft.spec import load_config
 from chameleon_ft.spec.config import config_from_mapping
 

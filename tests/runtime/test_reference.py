@@ -12,11 +12,11 @@ import pytest
 import torch
 from split_trainer import train_split
 
-from chameleon_ft.runtime.datasets import load_data
-from chameleon_ft.runtime.models import initial_params, load_model
-from chameleon_ft.runtime.models.hf_llama import save_random_llama
-from chameleon_ft.runtime.optim import optimizer_from_config, schedule_from_config
-from chameleon_ft.runtime.reference import train_reference
+from chameleon_ft.runtime.workload.data import load_data
+from chameleon_ft.runtime.workload.models import initial_params, load_model
+from chameleon_ft.runtime.workload.models.hf_llama import save_random_llama
+from chameleon_ft.runtime.workload.optim import optimizer_from_config, schedule_from_config
+from chameleon_ft.runtime.workload.reference import train_reference
 from chameleon_ft.spec import config_from_mapping
 from chameleon_ft.spec.model import ModelSpec
 

@@ -10,18 +10,23 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "chameleon_ft"
-PURE = ("spec", "profile", "plan", "perf", "recovery", "policy", "sim")
+PURE = ("spec", "profile", "plan", "perf", "recovery", "policy", "sim", "failures")
 
 
-def _imports(path: Path) -> set[str]:
+def _modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, by its full dotted name."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(alias.name.split(".")[0] for alias in node.names)
+            out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module.split(".")[0])
+            out.add(node.module)
     return out
+
+
+def _imports(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in _modules(path)}
 
 
 @pytest.mark.parametrize("package", PURE)
@@ -55,3 +60,12 @@ def test_importing_the_core_and_the_cli_loads_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_runtime_imports_nothing_from_the_simulator() -> None:
+    """The trace format lives below both (``chameleon_ft.failures``); the runtime never
+    reaches into the simulator."""
+    for path in sorted((PACKAGE / "runtime").rglob("*.py")):
+        sim = {m for m in _modules(path) if m == "chameleon_ft.sim"
+               or m.startswith("chameleon_ft.sim.")}
+        assert not sim, f"{path.relative_to(PACKAGE)} imports {sorted(sim)}"

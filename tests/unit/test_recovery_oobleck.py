@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chameleon_ft.failures import EventKind, Trace, TraceEvent
 from chameleon_ft.policy import Planner
 from chameleon_ft.recovery.oobleck import (
     BORROW,
@@ -19,7 +20,6 @@ from chameleon_ft.recovery.oobleck import (
     reinstantiate,
 )
 from chameleon_ft.sim.engine import simulate
-from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
 from chameleon_ft.sim.peers import OobleckPolicy, oobleck_planner
 from chameleon_ft.spec.config import config_from_mapping, load_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from chameleon_ft.runtime.coordinator import (
+from chameleon_ft.runtime.coordinator.shell import (
     SETUP_WAIT_DEADLINES,
     Event,
     StepRecord,

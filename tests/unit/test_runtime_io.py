@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from chameleon_ft.runtime import auth
-from chameleon_ft.runtime.blobs import BlobClient, BlobError, BlobServer, send_message
-from chameleon_ft.runtime.checkpoint import CheckpointError, CheckpointStore, Manifest
+from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError, BlobServer, send_message
+from chameleon_ft.runtime.storage.checkpoint import CheckpointError, CheckpointStore, Manifest
 
 # ---------------------------------------------------------------- checkpoints
 

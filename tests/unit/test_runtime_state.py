@@ -12,7 +12,7 @@ import pytest
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
-from chameleon_ft.runtime import state as st
+from chameleon_ft.runtime.control import state as st
 
 # 2 pipelines x 2 stages over 4 layers; stage-major: stage s of pipeline p on s * 2 + p
 PLAN = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)

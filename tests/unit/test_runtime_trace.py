@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from chameleon_ft.runtime.trace import ActionKind, TraceDriver, actions_of, load_trace
-from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
-from chameleon_ft.sim.traces import generate_trace, trace_to_csv
+from chameleon_ft.failures import EventKind, Trace, TraceEvent, trace_to_csv
+from chameleon_ft.runtime.replay import ActionKind, TraceDriver, actions_of, load_trace
+from chameleon_ft.sim.traces import generate_trace
 from chameleon_ft.spec.scenario import FailureSpec
 
 NODES, PER_NODE = 4, 2
@@ -87,7 +87,7 @@ class FakeRun:
 
 
 def _trace(text: str = CSV) -> Trace:
-    from chameleon_ft.sim.traces import trace_from_csv
+    from chameleon_ft.failures import trace_from_csv
 
     return trace_from_csv(text, num_nodes=NODES, workers_per_node=PER_NODE)
 

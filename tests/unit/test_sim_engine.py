@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from chameleon_ft.failures import EventKind, Trace, TraceEvent
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.sim.engine import simulate
-from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
 from chameleon_ft.sim.policies import KEEP, Choice, EventContext
 from chameleon_ft.spec.recovery import RecoverySpec
 

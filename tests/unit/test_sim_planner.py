@@ -6,14 +6,13 @@ import math
 
 import pytest
 
+from chameleon_ft.failures import EventKind, Trace, TraceEvent, trace_from_csv, trace_to_csv
 from chameleon_ft.policy import Planner
 from chameleon_ft.recovery.oobleck import instantiate
 from chameleon_ft.sim.engine import simulate
-from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
 from chameleon_ft.sim.report import report_json
 from chameleon_ft.sim.runner import make_policy, run_scenario
 from chameleon_ft.sim.scenarios import scenario_from_config
-from chameleon_ft.sim.traces import trace_from_csv, trace_to_csv
 from chameleon_ft.spec import config_from_mapping
 from chameleon_ft.spec.scenario import POLICY_NAMES
 

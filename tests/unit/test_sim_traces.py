@@ -7,8 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
-from chameleon_ft.sim.traces import generate_trace, trace_from_csv, trace_to_csv, validate_trace
+from chameleon_ft.failures import (
+    EventKind,
+    Trace,
+    TraceEvent,
+    trace_from_csv,
+    trace_to_csv,
+    validate_trace,
+)
+from chameleon_ft.sim.traces import generate_trace
 from chameleon_ft.spec.scenario import FailureSpec, scenario_specs
 
 NODES, PER_NODE = 16, 8

@@ -19,12 +19,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from chameleon_ft.sim.events import Trace
+from chameleon_ft.failures import Trace, trace_from_csv, trace_to_csv
 from chameleon_ft.sim.policies import policy_names
 from chameleon_ft.sim.report import ProgressBar, render, report_json, report_markdown, write_files
 from chameleon_ft.sim.runner import default_jobs, run_scenario
 from chameleon_ft.sim.scenarios import PRESETS, Scenario, preset_scenario, scenario_from_config
-from chameleon_ft.sim.traces import trace_from_csv, trace_to_csv
 from chameleon_ft.spec.config import load_config
 from chameleon_ft.spec.scenario import POLICY_NAMES, RepairKind
 

@@ -141,13 +141,13 @@ def run(args: argparse.Namespace) -> int:
 
     trace = None
     if args.trace is not None:
-        from chameleon_ft.runtime.trace import TraceDriver, load_trace
+        from chameleon_ft.runtime.replay import TraceDriver, load_trace
 
         trace = TraceDriver(load_trace(args.trace, num_nodes=config.cluster.num_nodes,
                                        workers_per_node=config.workers_per_node),
                             config.workers_per_node, path=args.trace)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from chameleon_ft.runtime.coordinator import Coordinator, WorkerFailure
+    from chameleon_ft.runtime.coordinator.shell import Coordinator, WorkerFailure
 
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
                         num_local_workers=local, host=args.host, port=args.port, log=log,

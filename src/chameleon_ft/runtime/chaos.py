@@ -1,6 +1,6 @@
 """Chaos runs: many random faults in one training run, checked against a failure-free run.
 
-A :class:`ChaosHooks` watches a :class:`~chameleon_ft.runtime.coordinator.Coordinator`
+A :class:`ChaosHooks` watches a :class:`~chameleon_ft.runtime.coordinator.shell.Coordinator`
 and, from a seeded generator, injects one *episode* at a time once the previous one has
 settled (its recovery committed a step and every fault it armed has fired):
 
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chameleon_ft.runtime.coordinator import Coordinator, Event, Hooks
+from chameleon_ft.runtime.coordinator.shell import Coordinator, Event, Hooks
 from chameleon_ft.spec.train import Fault
 
 KINDS = ("kill", "hang", "error", "glitch")

@@ -42,9 +42,14 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.profile import LayerCost, Profile
-from chameleon_ft.runtime.data import ByteCorpus
-from chameleon_ft.runtime.model import GPTShape, build_layer, loss_sum, torch_dtype
-from chameleon_ft.runtime.optim import LayerTrainState
+from chameleon_ft.runtime.workload.corpus import ByteCorpus
+from chameleon_ft.runtime.workload.models.gpt_layers import (
+    GPTShape,
+    build_layer,
+    loss_sum,
+)
+from chameleon_ft.runtime.workload.optim import LayerTrainState
+from chameleon_ft.runtime.workload.precision import torch_dtype
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -187,7 +192,7 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _group_worker(rank: int, size: int, port: int, repeats: int, queue: Any) -> None:
-    from chameleon_ft.runtime.worker import make_group
+    from chameleon_ft.runtime.worker.main import make_group
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -226,7 +231,7 @@ def measure_groups(sizes: tuple[int, ...] = (2, 3, 4), repeats: int = 10) -> dic
         time of each size (a round lasts until its slowest member is done), and the raw
         ``times_s`` per size.
     """
-    from chameleon_ft.runtime.coordinator import forkserver_context
+    from chameleon_ft.runtime.coordinator.shell import forkserver_context
 
     ctx = forkserver_context()
     medians, formed = {}, {}
@@ -284,7 +289,7 @@ def measure_p2p(sizes: tuple[int, ...] = (4, 1 << 17, 1 << 21, 1 << 24),
         ``latency_s`` and ``bandwidth_bytes_s`` of a least-squares line through the median
         one-way time of each message size, and the raw ``times_s`` per size.
     """
-    from chameleon_ft.runtime.coordinator import forkserver_context
+    from chameleon_ft.runtime.coordinator.shell import forkserver_context
 
     ctx = forkserver_context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -321,7 +326,7 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
         repeats: timed repetitions per measurement.
         concurrency: processes measuring at once (default: the job's workers).
     """
-    from chameleon_ft.runtime.coordinator import forkserver_context
+    from chameleon_ft.runtime.coordinator.shell import forkserver_context
 
     shape = GPTShape.from_spec(config.model)
     dtype = config.train.dtype
@@ -365,8 +370,8 @@ def measure_model_layer_build(config: Any, repeats: int = 10) -> dict[str, Any]:
     Returns:
         As :func:`measure_layer_build`.
     """
-    from chameleon_ft.runtime.optim import LayerTrainState
-    from chameleon_ft.runtime.workload import Workload
+    from chameleon_ft.runtime.workload.bundle import Workload
+    from chameleon_ft.runtime.workload.optim import LayerTrainState
 
     torch.set_num_threads(1)
     work = Workload(config)
@@ -502,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         # the time ratios, the failure-free run below measures the times
         profile = declared_profile(config)
     if args.from_run:
-        from chameleon_ft.runtime.coordinator import Coordinator
+        from chameleon_ft.runtime.coordinator.shell import Coordinator
 
         run_config = replace(config, train=replace(config.train, steps=args.from_run,
                                                    checkpoint_every=0, faults=()))

@@ -24,7 +24,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chameleon_ft.sim.events import Commit, EventKind, Switch, Trace, TraceEvent
+from chameleon_ft.failures import EventKind, Trace, TraceEvent
+from chameleon_ft.sim.events import Commit, Switch
 from chameleon_ft.sim.policies import DOWN, Choice, EventContext, SimPolicy, software_restart
 from chameleon_ft.spec.recovery import RecoverySpec
 

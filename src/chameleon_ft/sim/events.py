@@ -1,76 +1,12 @@
-"""The simulator's events: small frozen values, all in this one module.
+"""The simulator engine's own events: small frozen values, all in this one module.
 
-A trace is a time-ordered tuple of :class:`TraceEvent`. Targets are integers whose meaning
-depends on the kind: a worker id for ``worker-fail``, node ids for ``node-fail``,
-``group-fail`` and ``repair``, nothing for ``software`` and ``end``.
+The failure trace it replays (:class:`~chameleon_ft.failures.Trace`) is defined below both
+the simulator and the runtime, in :mod:`chameleon_ft.failures`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
-
-
-class EventKind(StrEnum):
-    """What happens at an instant of a trace."""
-
-    WORKER_FAIL = "worker-fail"
-    """One worker (tensor-parallel group) dies, e.g. a GPU or its HBM; its node stays up."""
-    NODE_FAIL = "node-fail"
-    """One host dies with every worker on it."""
-    GROUP_FAIL = "group-fail"
-    """Several hosts behind one switch or cable die at once."""
-    SOFTWARE = "software"
-    """A job-level fault (software bug, NCCL watchdog): every process restarts, no hardware lost."""
-    REPAIR = "repair"
-    """Failed hosts come back (a replaced node, or a node whose dead worker was fixed)."""
-    END = "end"
-    """The end of the trace: the simulated duration."""
-
-
-FAILURE_KINDS = frozenset({EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL})
-"""Kinds that take hardware away."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceEvent:
-    """One row of a failure trace."""
-
-    time_s: float
-    """Seconds since the start of training."""
-    kind: EventKind
-    target: tuple[int, ...] = ()
-    """Worker id (``worker-fail``) or node ids (``node-fail``, ``group-fail``, ``repair``)."""
-
-    def workers(self, workers_per_node: int) -> tuple[int, ...]:
-        """The workers the event names: a ``worker-fail``'s worker, every worker of the
-        other events' nodes (node ``n`` holds workers ``n * W .. (n + 1) * W - 1``), none
-        for ``software``."""
-        if self.kind == EventKind.WORKER_FAIL:
-            return self.target
-        return tuple(w for n in self.target
-                     for w in range(n * workers_per_node, (n + 1) * workers_per_node))
-
-
-@dataclass(frozen=True, slots=True)
-class Trace:
-    """A whole failure trace: its events in time order, ending at ``duration_s``."""
-
-    events: tuple[TraceEvent, ...]
-    """Failures, software faults and repairs, in non-decreasing time order (no ``end``)."""
-    duration_s: float
-    """Simulated time; every event happens strictly before it."""
-
-    @property
-    def num_failures(self) -> int:
-        """Hardware failures plus software faults."""
-        return sum(1 for e in self.events if e.kind != EventKind.REPAIR)
-
-    def count(self, kinds: Iterable[EventKind]) -> int:
-        """Events of the given kinds."""
-        wanted = set(kinds)
-        return sum(1 for e in self.events if e.kind in wanted)
 
 
 @dataclass(frozen=True, slots=True)

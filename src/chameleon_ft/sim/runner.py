@@ -17,12 +17,12 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
+from chameleon_ft.failures import Trace
 from chameleon_ft.perf import Topology, estimate
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.sim.engine import RunResult, simulate
-from chameleon_ft.sim.events import Trace
 from chameleon_ft.sim.peers import OOBLECK_FAULT_THRESHOLD, OobleckPolicy
 from chameleon_ft.sim.policies import BambooPolicy, PlannerPolicy, SimPolicy
 from chameleon_ft.sim.scenarios import Scenario

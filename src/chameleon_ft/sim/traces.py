@@ -1,4 +1,4 @@
-"""Failure traces: generated from failure rates, validated, and read from / written to CSV.
+"""Failure traces generated from failure rates.
 
 A generated trace is a superposition over the live nodes: while ``n`` nodes are up the next
 interruption comes after an exponential (or Weibull, same mean) time of mean
@@ -6,30 +6,18 @@ interruption comes after an exponential (or Weibull, same mean) time of mean
 alive, and each failed node gets a repair time. Everything is drawn from one
 ``numpy.random.Generator`` seeded by the caller, so a seed fixes the trace.
 
-CSV form, one event per row, times in seconds written with ``repr`` so a round trip is
-exact::
-
-    time_s,event,target
-    5021.3,worker-fail,17
-    9000.0,group-fail,4 5 6 7
-    12000.5,software,
-    23421.3,repair,2
-    604800.0,end,
+The trace format itself (events, CSV, validation) is :mod:`chameleon_ft.failures`.
 """
 
 from __future__ import annotations
 
-import csv
 import heapq
-import io
 import math
 
 import numpy as np
 
-from chameleon_ft.sim.events import EventKind, Trace, TraceEvent
+from chameleon_ft.failures import EventKind, Trace, TraceEvent, validate_trace
 from chameleon_ft.spec.scenario import FailureSpec, Interarrival, RepairKind
-
-CSV_HEADER = ("time_s", "event", "target")
 
 
 def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: int,
@@ -155,144 +143,3 @@ def _repair_s(failures: FailureSpec, rng: np.random.Generator) -> float | None:
     if failures.repair == RepairKind.EXPONENTIAL:
         return float(rng.exponential(failures.repair_hours * 3600.0))
     return float(rng.uniform(failures.repair_min_hours, failures.repair_max_hours)) * 3600.0
-
-
-def validate_trace(trace: Trace, *, num_nodes: int, workers_per_node: int) -> None:
-    """Check that a trace fits the cluster and is consistent in time.
-
-    Args:
-        trace: the trace.
-        num_nodes: nodes of the cluster.
-        workers_per_node: workers per node.
-
-    Raises:
-        ValueError: naming the row (1-based, after the header) that is wrong: a node or
-            worker outside the cluster, a time out of order or past the end, a failure of
-            hardware that is already dead, a repair of a node that is not broken.
-    """
-    num_workers = num_nodes * workers_per_node
-    dead_workers: set[int] = set()
-    previous = 0.0
-    for row, event in enumerate(trace.events, start=1):
-        where = f"trace row {row} ({event.kind.value} at {event.time_s} s)"
-        if not math.isfinite(event.time_s) or event.time_s < 0:
-            raise ValueError(f"{where}: time must be a finite number >= 0")
-        if event.time_s < previous:
-            raise ValueError(f"{where}: out of time order, the previous event is at {previous} s")
-        if event.time_s >= trace.duration_s:
-            raise ValueError(f"{where}: at or after the end of the trace ({trace.duration_s} s)")
-        previous = event.time_s
-        if event.kind == EventKind.SOFTWARE:
-            if event.target:
-                raise ValueError(f"{where}: a software fault names no target")
-            continue
-        if event.kind == EventKind.END:
-            raise ValueError(f"{where}: 'end' must be the last row")
-        if not event.target:
-            raise ValueError(f"{where}: needs a target")
-        if event.kind == EventKind.WORKER_FAIL:
-            if len(event.target) != 1:
-                raise ValueError(f"{where}: names exactly one worker")
-            worker = event.target[0]
-            if not 0 <= worker < num_workers:
-                raise ValueError(f"{where}: worker {worker} is outside the cluster "
-                                 f"(workers 0..{num_workers - 1})")
-            if worker in dead_workers:
-                raise ValueError(f"{where}: worker {worker} is already dead")
-            dead_workers.add(worker)
-            continue
-        if event.kind == EventKind.NODE_FAIL and len(event.target) != 1:
-            raise ValueError(f"{where}: names exactly one node; use group-fail for several")
-        if len(set(event.target)) != len(event.target):
-            raise ValueError(f"{where}: names a node twice")
-        for node in event.target:
-            if not 0 <= node < num_nodes:
-                raise ValueError(f"{where}: node {node} is outside the cluster "
-                                 f"(nodes 0..{num_nodes - 1})")
-            workers = set(range(node * workers_per_node, (node + 1) * workers_per_node))
-            if event.kind == EventKind.REPAIR:
-                if not workers & dead_workers:
-                    raise ValueError(f"{where}: node {node} is not broken")
-                dead_workers -= workers
-            else:
-                if workers <= dead_workers:
-                    raise ValueError(f"{where}: node {node} is already dead")
-                dead_workers |= workers
-
-
-def trace_to_csv(trace: Trace) -> str:
-    """The CSV text of a trace (with the header and a final ``end`` row)."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(CSV_HEADER)
-    for event in trace.events:
-        writer.writerow((repr(float(event.time_s)), event.kind.value,
-                         " ".join(str(t) for t in event.target)))
-    writer.writerow((repr(float(trace.duration_s)), EventKind.END.value, ""))
-    return out.getvalue()
-
-
-def trace_from_csv(text: str, *, num_nodes: int, workers_per_node: int,
-                   duration_s: float | None = None) -> Trace:
-    """Parse and validate a CSV trace.
-
-    Args:
-        text: the CSV text (header ``time_s,event,target``).
-        num_nodes: nodes of the cluster it must fit.
-        workers_per_node: workers per node.
-        duration_s: the end of the trace when it has no ``end`` row.
-
-    Returns:
-        The trace.
-
-    Raises:
-        ValueError: naming the row for a bad header, time, kind or target, or any error of
-            :func:`validate_trace`.
-    """
-    reader = csv.reader(io.StringIO(text))
-    header = next(reader, None)
-    if header is None or tuple(h.strip() for h in header) != CSV_HEADER:
-        raise ValueError(f"trace: the first line must be the header {','.join(CSV_HEADER)}, "
-                         f"got {','.join(header or [])!r}")
-    kinds = {k.value: k for k in EventKind}
-    events: list[TraceEvent] = []
-    end_s: float | None = None
-    for row, fields in enumerate(reader, start=1):
-        if not fields or all(not f.strip() for f in fields):
-            continue
-        if end_s is not None:
-            raise ValueError(f"trace row {row}: rows after 'end'")
-        if len(fields) not in (2, 3):
-            raise ValueError(f"trace row {row}: expected 3 columns time_s,event,target, got "
-                             f"{len(fields)}")
-        time_text, kind_text = fields[0].strip(), fields[1].strip()
-        target_text = fields[2].strip() if len(fields) == 3 else ""
-        try:
-            time_s = float(time_text)
-        except ValueError:
-            raise ValueError(f"trace row {row}: time_s {time_text!r} is not a number") from None
-        if kind_text not in kinds:
-            raise ValueError(f"trace row {row}: unknown event {kind_text!r}; choose one of "
-                             f"{', '.join(kinds)}")
-        kind = kinds[kind_text]
-        try:
-            target = tuple(int(t) for t in target_text.split())
-        except ValueError:
-            raise ValueError(f"trace row {row}: target {target_text!r} must be integers "
-                             "separated by spaces") from None
-        if kind == EventKind.END:
-            if target:
-                raise ValueError(f"trace row {row}: 'end' names no target")
-            end_s = time_s
-            continue
-        events.append(TraceEvent(time_s, kind, target))
-    if end_s is None:
-        if duration_s is None:
-            raise ValueError("trace: no 'end' row gives the trace's duration; add one, e.g. "
-                             "'604800,end,'")
-        end_s = duration_s
-    if not math.isfinite(end_s) or end_s <= 0:
-        raise ValueError(f"trace: the end time must be a positive number, got {end_s}")
-    trace = Trace(events=tuple(events), duration_s=end_s)
-    validate_trace(trace, num_nodes=num_nodes, workers_per_node=workers_per_node)
-    return trace

@@ -5,7 +5,7 @@ The table's own keys are ``name``, ``schedule``, ``warmup_steps``, ``decay_steps
 ``min_lr``; every other key is a keyword argument of the optimizer class (``lr``, ``betas``,
 ``eps``, ``weight_decay``, ``momentum``...). This module stays pure: whether the class and
 its arguments exist is checked by the runtime against the class's signature
-(``chameleon_ft.runtime.optim``), still before any worker starts.
+(``chameleon_ft.runtime.workload.optim``), still before any worker starts.
 
 ``[train] lr`` and ``[train] weight_decay`` are shorthands: they apply when ``[optimizer]``
 does not set the same key; setting both to different values is an error.

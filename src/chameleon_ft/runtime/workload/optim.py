@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chameleon_ft.runtime.packing import PackError, pack, unpack
+from chameleon_ft.runtime.storage.packing import PackError, pack, unpack
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.optimizer import ScheduleKind
 

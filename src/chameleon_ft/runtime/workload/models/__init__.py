@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from chameleon_ft.runtime.models.base import (
+from chameleon_ft.runtime.workload.models.base import (
     LayeredModel,
     StageModel,
     build_stage,
@@ -53,13 +53,13 @@ def load_model(config: Config) -> LayeredModel:
     """
     source = config.model_source.source
     if source == ModelSourceKind.HF:
-        from chameleon_ft.runtime.models.hf_llama import HFLlama
+        from chameleon_ft.runtime.workload.models.hf_llama import HFLlama
 
         return HFLlama.from_config(config)
     if source == ModelSourceKind.PYTHON:
-        from chameleon_ft.runtime.models.factory import load_factory_model
+        from chameleon_ft.runtime.workload.models.factory import load_factory_model
 
         return load_factory_model(config)
-    from chameleon_ft.runtime.models.gpt import GPTModel
+    from chameleon_ft.runtime.workload.models.gpt import GPTModel
 
     return GPTModel.from_config(config)

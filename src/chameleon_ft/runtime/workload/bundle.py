@@ -19,9 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chameleon_ft.runtime.datasets import DataSource, check_data, data_digest, load_data
-from chameleon_ft.runtime.models import LayeredModel, check_model, load_model
-from chameleon_ft.runtime.optim import OptimizerFactory, optimizer_from_config, schedule_from_config
+from chameleon_ft.runtime.workload.data import DataSource, check_data, data_digest, load_data
+from chameleon_ft.runtime.workload.models import LayeredModel, check_model, load_model
+from chameleon_ft.runtime.workload.optim import (
+    OptimizerFactory,
+    optimizer_from_config,
+    schedule_from_config,
+)
 from chameleon_ft.spec.config import Config
 
 

@@ -45,11 +45,11 @@ import torch.distributed as dist
 
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
-from chameleon_ft.runtime.blobs import BlobClient, BlobError
-from chameleon_ft.runtime.model import torch_dtype
-from chameleon_ft.runtime.models import StageModel, to_run
-from chameleon_ft.runtime.optim import LayerTrainState
-from chameleon_ft.runtime.workload import Workload, open_workload
+from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
+from chameleon_ft.runtime.workload.bundle import Workload, open_workload
+from chameleon_ft.runtime.workload.models import StageModel, to_run
+from chameleon_ft.runtime.workload.optim import LayerTrainState
+from chameleon_ft.runtime.workload.precision import torch_dtype
 
 _BREAK_TAG = 2_000_000_000
 """Tag of the throw-away receive that closes a pair (never sent by anyone)."""

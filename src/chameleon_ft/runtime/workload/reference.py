@@ -20,10 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chameleon_ft.runtime.datasets import DataSource, load_data
-from chameleon_ft.runtime.model import torch_dtype
-from chameleon_ft.runtime.models import LayeredModel, load_model, param_name, to_run
-from chameleon_ft.runtime.optim import OptimizerFactory, optimizer_from_config, schedule_from_config
+from chameleon_ft.runtime.workload.data import DataSource, load_data
+from chameleon_ft.runtime.workload.models import LayeredModel, load_model, param_name, to_run
+from chameleon_ft.runtime.workload.optim import (
+    OptimizerFactory,
+    optimizer_from_config,
+    schedule_from_config,
+)
+from chameleon_ft.runtime.workload.precision import torch_dtype
 from chameleon_ft.spec.config import Config
 
 
@@ -49,14 +53,14 @@ class _WholeModel:
 
 def _is_hf(model: LayeredModel) -> bool:
     # An HFLlama exists only once its module (and transformers) is imported.
-    module = sys.modules.get("chameleon_ft.runtime.models.hf_llama")
+    module = sys.modules.get("chameleon_ft.runtime.workload.models.hf_llama")
     return module is not None and isinstance(model, module.HFLlama)
 
 
 def _hf_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
     from transformers import LlamaForCausalLM
 
-    from chameleon_ft.runtime.models.hf_llama import ATTENTION, HFLlama
+    from chameleon_ft.runtime.workload.models.hf_llama import ATTENTION, HFLlama
 
     assert isinstance(model, HFLlama)
     to_runtime = {}

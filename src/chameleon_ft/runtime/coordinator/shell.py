@@ -1,7 +1,7 @@
 """The coordinator: owns the store, admits workers, watches them, commits steps, recovers.
 
 It runs in the ``chameleon train`` process. The run's state is one value
-(:class:`~chameleon_ft.runtime.state.RunState`) that each event replaces through a pure
+(:class:`~chameleon_ft.runtime.control.state.RunState`) that each event replaces through a pure
 transition; this module does the I/O around it. One loop polls, every couple of
 milliseconds:
 
@@ -49,21 +49,26 @@ from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
-from chameleon_ft.runtime import state as st
-from chameleon_ft.runtime.blobs import BlobError, BlobServer
-from chameleon_ft.runtime.checkpoint import Assembly, CheckpointError, CheckpointStore, Manifest
-from chameleon_ft.runtime.model import torch_dtype
-from chameleon_ft.runtime.models import (
+from chameleon_ft.runtime.control import state as st
+from chameleon_ft.runtime.coordinator.resources import check_memory
+from chameleon_ft.runtime.replay import TraceDriver
+from chameleon_ft.runtime.storage.blobs import BlobError, BlobServer
+from chameleon_ft.runtime.storage.checkpoint import (
+    Assembly,
+    CheckpointError,
+    CheckpointStore,
+    Manifest,
+)
+from chameleon_ft.runtime.storage.packing import PackError, unpack
+from chameleon_ft.runtime.worker.main import JobInfo
+from chameleon_ft.runtime.workload.bundle import Workload, seal_workload
+from chameleon_ft.runtime.workload.models import (
     export_model,
     param_name,
     probe_outputs,
     targets_per_sample,
 )
-from chameleon_ft.runtime.packing import PackError, unpack
-from chameleon_ft.runtime.resources import check_memory
-from chameleon_ft.runtime.trace import TraceDriver
-from chameleon_ft.runtime.worker import JobInfo
-from chameleon_ft.runtime.workload import Workload, seal_workload
+from chameleon_ft.runtime.workload.precision import torch_dtype
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.job import RUNTIME_SCHEDULES
 from chameleon_ft.spec.recovery import POLICY_NAMES
@@ -240,7 +245,7 @@ def forkserver_context() -> Any:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = multiprocessing.get_context("forkserver")
     # Workers fork from a server that already imported torch: ~0.3 s per worker, not 5-10 s.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker.main"])
     return ctx
 
 
@@ -328,7 +333,7 @@ class Coordinator:
             lr_schedule: ``step -> learning rate`` (default: ``[optimizer]``'s schedule).
             log_every: a step line every this many steps (default: about 25 per run);
                 failures, decisions and recoveries are always logged.
-            trace: a failure trace to replay in wall-clock time (``runtime/trace.py``).
+            trace: a failure trace to replay in wall-clock time (``runtime/replay.py``).
 
         Raises:
             ValueError: for faults naming missing workers, layouts that do not fit, a
@@ -618,7 +623,7 @@ class Coordinator:
             signal.signal(sig, handler)
 
     def _launch(self, ids: Sequence[int], *, replacement: bool = False) -> None:
-        from chameleon_ft.runtime.worker import worker_main
+        from chameleon_ft.runtime.worker.main import worker_main
 
         ctx = forkserver_context()
         address = auth.advertise_address(self.host, self.port)
@@ -1655,7 +1660,7 @@ class Coordinator:
         _write_atomic_text(self.out_dir / "op_times.json", json.dumps(self.op_times))
         self._write_metrics(steps)
         try:
-            from chameleon_ft.runtime.plots import write_report_png
+            from chameleon_ft.runtime.report.plots import write_report_png
 
             write_report_png(report, self.out_dir / "report.png")
         except Exception as exc:  # a plot must never lose a finished run
@@ -1775,7 +1780,7 @@ def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:
 
 
 def _write_atomic_text(path: Path, text: str) -> None:
-    from chameleon_ft.runtime.checkpoint import write_atomic
+    from chameleon_ft.runtime.storage.checkpoint import write_atomic
 
     write_atomic(path, text.encode())
 
@@ -1789,7 +1794,7 @@ def _save_atomic(params: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _write_atomic_text_bytes(path: Path, data: bytes) -> None:
-    from chameleon_ft.runtime.checkpoint import write_atomic
+    from chameleon_ft.runtime.storage.checkpoint import write_atomic
 
     write_atomic(path, data)
 

@@ -1,7 +1,7 @@
 """The built-in tiny GPT (``[model] source = "gpt"``, the default) as a layered model.
 
 Layer 0 is the embedding (tokens + positions), layers 1..N the transformer blocks, the last
-the final norm and the head (``chameleon_ft.runtime.model``). Every layer draws its initial
+the final norm and the head (``chameleon_ft.runtime.workload.models.gpt_layers``). Every layer draws its initial
 values from its own generator seeded by ``(seed, index)`` in float64, the same values the
 runtime has always used: casting them to float32 gives exactly the float32 parameters.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from chameleon_ft.runtime.model import GPTShape
-from chameleon_ft.runtime.model import build_layer as build_gpt_layer
-from chameleon_ft.runtime.models.base import token_cross_entropy_sum
+from chameleon_ft.runtime.workload.models.base import token_cross_entropy_sum
+from chameleon_ft.runtime.workload.models.gpt_layers import GPTShape
+from chameleon_ft.runtime.workload.models.gpt_layers import build_layer as build_gpt_layer
 from chameleon_ft.spec.config import Config
 
 

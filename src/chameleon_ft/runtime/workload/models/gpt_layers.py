@@ -18,11 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chameleon_ft.runtime.models.base import StageModel
+from chameleon_ft.runtime.workload.models.base import StageModel
 from chameleon_ft.spec.model import ModelSpec
 
-__all__ = ["GPTShape", "StageModel", "build_layer", "layer_param_names", "loss_sum",
-           "torch_dtype"]
+__all__ = ["GPTShape", "StageModel", "build_layer", "layer_param_names", "loss_sum"]
 
 
 @dataclass(frozen=True)
@@ -152,8 +151,3 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, num_tokens_global: int
     v = logits.shape[-1]
     return F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1),
                            reduction="sum") / num_tokens_global
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``float32`` / ``float64`` -> the torch dtype."""
-    return {"float32": torch.float32, "float64": torch.float64}[name]

@@ -9,7 +9,7 @@ coordinator's before training.
 Kinds (``[data] kind``):
 
 - ``bytes`` (:class:`ByteData`): the Python standard library's sources as byte tokens
-  (``chameleon_ft.runtime.data.ByteCorpus``), the default;
+  (``chameleon_ft.runtime.workload.corpus.ByteCorpus``), the default;
 - ``tokens`` (:class:`TokenData`): a flat binary file of token ids read through
   ``numpy.memmap``; the sample at ``g`` is the window starting at
   ``s = (g * seq_len) mod (n - seq_len)``; with ``shuffle`` the windows of each pass over
@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from chameleon_ft.runtime.data import ByteCorpus, corpus_digest
+from chameleon_ft.runtime.workload.corpus import ByteCorpus, corpus_digest
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.data import DataKind
 
@@ -254,7 +254,7 @@ def load_data(config: Config, *, vocab_size: int | None = None) -> DataSource:
         vocab_size = config.model.vocab_size
     seq_len = config.seq_len
     if spec.kind == DataKind.PYTHON:
-        from chameleon_ft.runtime.models.factory import call_factory
+        from chameleon_ft.runtime.workload.models.factory import call_factory
 
         return check_data(call_factory(spec.factory, "data.factory", config), "data.factory")
     if seq_len < 1:

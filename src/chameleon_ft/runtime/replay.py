@@ -10,7 +10,7 @@ loop; each row that is due becomes one action on the run:
   death and the policy recovers;
 - ``software``: a job-level fault, modelled as the simulator models it: no hardware is
   lost, every worker of the running plan reloads the last checkpoint
-  (:func:`chameleon_ft.runtime.state.software_restart`);
+  (:func:`chameleon_ft.runtime.control.state.software_restart`);
 - ``repair``: the named nodes' dead workers are relaunched; they come up idle and the
   policy decides whether to fold them back in (the trace's repairs replace the automatic
   relaunch of ``[train] rejoin``);
@@ -32,9 +32,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from chameleon_ft.runtime.state import RunState
-from chameleon_ft.sim.events import EventKind, Trace
-from chameleon_ft.sim.traces import trace_from_csv, validate_trace
+from chameleon_ft.failures import EventKind, Trace, trace_from_csv, validate_trace
+from chameleon_ft.runtime.control.state import RunState
 
 
 class ActionKind(StrEnum):

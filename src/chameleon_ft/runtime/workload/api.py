@@ -41,7 +41,7 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
         rejoin: overrides ``[train] rejoin``.
         log: receives each progress line (None: silent).
         coordinator: further keyword arguments of
-            :class:`~chameleon_ft.runtime.coordinator.Coordinator`.
+            :class:`~chameleon_ft.runtime.coordinator.shell.Coordinator`.
 
     Returns:
         The report (what ``chameleon train --json`` prints).
@@ -50,7 +50,7 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
         ValueError: for bad input (one line naming the field).
         WorkerFailure: when training cannot go on.
     """
-    from chameleon_ft.runtime.coordinator import Coordinator
+    from chameleon_ft.runtime.coordinator.shell import Coordinator
     from chameleon_ft.spec import load_config
 
     if not isinstance(config, Config):

@@ -36,7 +36,7 @@ except ImportError as _exc:  # pragma: no cover - the hf extra is part of `make 
     raise ImportError('model.source: "hf" needs Hugging Face transformers and safetensors; '
                       "install the extra: pip install 'chameleon-ft[hf]'") from _exc
 
-from chameleon_ft.runtime.models.base import (
+from chameleon_ft.runtime.workload.models.base import (
     initial_params,
     split_param_name,
     token_cross_entropy_sum,

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from chameleon_ft.runtime.models.base import LayeredModel, check_model
+from chameleon_ft.runtime.workload.models.base import LayeredModel, check_model
 from chameleon_ft.spec.config import Config
 
 
