@@ -4,6 +4,7 @@ parameters equal a failure-free run's (float64, < 1e-9) and no worker is left be
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -17,7 +18,8 @@ import torch.distributed as dist
 from dist_harness import alive, max_abs_diff, run_job
 
 from chameleon_ft.runtime import protocol as proto
-from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks, PlannerDecide, WorkerFailure
+from chameleon_ft.runtime.coordinator.policy import PlannerDecide
+from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks, WorkerFailure
 from chameleon_ft.spec.train import Fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -72,12 +74,19 @@ def test_errors_that_persist_escalate_to_restart_then_stop(tmp_path: Path) -> No
                                    kind="glitch", phase="forward"))
 
     lines: list[str] = []
+    holder: list[Coordinator] = []
     with pytest.raises(WorkerFailure, match="errors persist after 1 retries and a restart"):
         run_job(tmp_path, coordinator={"hooks": GlitchEveryGeneration()}, max_retries=1,
                 faults=("rank=1,step=2,kind=glitch,phase=forward",),
-                on_log=lambda _c, m: lines.append(m))
+                on_log=lambda c, m: (lines.append(m), holder.append(c)))
     assert any("retry 1 of 1" in m for m in lines)
     assert any("restarting from the checkpoint" in m for m in lines)
+    # the workers were told to stop and left by themselves (status 0), and the report
+    # says why training stopped
+    procs = [holder[0].procs[w].process for w in range(4)]
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "errors persist" in report["failed"] and report["param_hash"] is None
 
 
 def test_restart_between_the_two_phases_drops_the_switch(tmp_path: Path,
@@ -213,7 +222,7 @@ class KeepIdle(PlannerDecide):
         return super().__call__(plan, failed, alive, now_s, since)
 
     def rejoin(self, plan: Any, returned: Any, alive: Any, now_s: float) -> Any:
-        from chameleon_ft.runtime.coordinator.shell import ManualDecision
+        from chameleon_ft.runtime.control.decider import ManualDecision
 
         return ManualDecision("keep", plan, reason="kept idle by the test")
 

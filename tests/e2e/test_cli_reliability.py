@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -103,6 +104,31 @@ class Run:
 def _pids(run: Run) -> list[int]:
     match = run.until(r"launched workers 0-\d+ \(pids ([\d ]+)\)")
     return [int(p) for p in match.group(1).split()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_frozen_coordinator_is_left_within_the_hang_deadline(job: Path,
+                                                               tmp_path: Path) -> None:
+    # A coordinator stopped rather than dead (a debugger, a host stuck in swap) keeps its
+    # socket open, and a store request to it blocks with no deadline: the workers' watchdog
+    # must still see the silence and leave within the hang deadline.
+    run = Run("--config", str(job), "--out", str(tmp_path / "run"))
+    pids: list[int] = []
+    try:
+        pids = _pids(run)
+        run.until(r"step +(1[0-9]|[2-9]\d)\b")
+        os.kill(run.proc.pid, signal.SIGSTOP)
+        gone_after = _wait_gone(pids, HANG_S + 1)
+        assert gone_after <= HANG_S + 1.0, f"workers outlived a frozen coordinator by " \
+                                           f"{gone_after:.2f} s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(run.proc.pid, signal.SIGKILL)
+        run.kill()
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.coordinator.shell import COLLECTIVE_FLOOR_S, Coordinator
+from chameleon_ft.runtime.coordinator.bulk import BulkState
+from chameleon_ft.runtime.coordinator.setup import COLLECTIVE_FLOOR_S
+from chameleon_ft.runtime.coordinator.shell import Coordinator
 from chameleon_ft.runtime.storage.blobs import BlobError
 from chameleon_ft.spec.config import config_from_mapping
 
@@ -31,21 +32,21 @@ def _coord(tmp_path: Path, log: list[str] | None = None, **train: Any) -> Coordi
 
 
 def test_collective_deadline_is_derived_from_the_plan(tmp_path: Path) -> None:
-    coord = _coord(tmp_path)
-    est = coord._estimate_s(coord.plan0)
-    assert coord.collective_timeout_s(coord.plan0, None) == max(COLLECTIVE_FLOOR_S, 10 * est)
+    job = _coord(tmp_path).job
+    est = job.estimate_s(job.plan0)
+    assert job.collective_deadline(job.plan0, None) == (max(COLLECTIVE_FLOOR_S, 10 * est), None)
 
 
 def test_a_set_deadline_is_a_floor_that_slow_plans_raise(tmp_path: Path) -> None:
-    log: list[str] = []
-    coord = _coord(tmp_path, log, collective_timeout_s=5.0)
-    assert coord.collective_timeout_s(coord.plan0, None) == 5.0
+    job = _coord(tmp_path, collective_timeout_s=5.0).job
+    assert job.collective_deadline(job.plan0, None) == (5.0, None)
 
     class SlowMigration:
         time_s = 2.0
 
-    assert coord.collective_timeout_s(coord.plan0, SlowMigration()) > 20.0
-    assert any("collective timeout raised" in line for line in log)
+    deadline, note = job.collective_deadline(job.plan0, SlowMigration())
+    assert deadline > 20.0
+    assert note is not None and "collective timeout raised" in note
 
 
 def test_a_deadline_shorter_than_a_healthy_step_is_refused(tmp_path: Path) -> None:
@@ -71,19 +72,33 @@ def test_a_short_token_is_refused(tmp_path: Path) -> None:
 
 
 def test_bulk_requests_are_checked(tmp_path: Path) -> None:
-    coord = _coord(tmp_path)
+    job = _coord(tmp_path).job
+    bulk = BulkState("127.0.0.1", job.secret, job.ckpt, job.num_layers, timeout_s=5.0)
+    try:
+        _check_bulk(bulk)
+    finally:
+        bulk.close()
+
+
+def _check_bulk(bulk: BulkState) -> None:
     for bad in ({}, {"op": "put", "kind": "checkpoint", "layer": "x"},
                 {"op": "put", "kind": "checkpoint", "layer": 99},
                 {"op": "get", "kind": "nothing", "layer": 0},
                 {"op": "get", "kind": "restore", "layer": 0, "step": 5}):
         with pytest.raises(BlobError):
-            coord._on_blob(bad, b"")
+            bulk.on_blob(bad, b"")
     # an upload of a generation before the last restart is refused
-    coord.state = st.RunState(**{**vars(coord.state), "epoch": 3})
+    bulk.drop_before(3)
     with pytest.raises(BlobError, match="before the last restart"):
-        coord._on_blob({"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 1},
-                       b"x")
-    coord._on_blob({"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 3}, b"x")
-    assert (2, 3) in coord.assemblies
+        bulk.on_blob({"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 1}, b"x")
+    bulk.on_blob({"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 3}, b"x")
+    assert (2, 3) in bulk.assemblies
     with pytest.raises(BlobError, match="another generation"):
-        coord._on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7}, b"x")
+        bulk.on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7}, b"x")
+    # a final upload whose state is older than the run's end would mix two steps
+    bulk.expect_finals(gen=7, step=12)
+    with pytest.raises(BlobError, match="holds step 11, the run ends at 12"):
+        bulk.on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7, "held_step": 11},
+                     b"x")
+    bulk.on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7, "held_step": 12}, b"y")
+    assert bulk.finals == {0: b"y"}

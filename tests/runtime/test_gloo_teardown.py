@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chameleon_ft.runtime.worker.main import break_connections, make_group
+from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.groups import break_connections, make_group
 
 TIMEOUT_S = 5.0
 
@@ -70,3 +71,21 @@ def test_breaking_a_generation_releases_blocked_peers_at_once() -> None:
     for w in works:
         w.wait()
     assert all(torch.equal(t, torch.full((3,), 3.0)) for t in out)
+
+
+@pytest.mark.timeout(30)
+def test_retiring_knows_the_keys_gloos_rendezvous_writes() -> None:
+    """Retiring a generation deletes gloo's rendezvous keys by name: a torch whose layout
+    differs must fail here, not leak keys in every generation of every run."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    control = proto.ControlStore(store)
+    prefix = proto.world_prefix(7)
+    before = store.num_keys()
+    control.publish(7, {"action": "train"}, [(prefix, 3)])
+    _groups(store, prefix, 3)
+    keys = proto.rendezvous_keys([(prefix, 3)])
+    assert keys and store.check(keys)
+    control.retire(7, 0, -1, [0, 1, 2])
+    assert not any(store.check([k]) for k in keys)
+    # what stays is the abort key of generation 6 and the current generation's number
+    assert store.num_keys() - before == 2

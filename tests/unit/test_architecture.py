@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,50 @@ def test_the_runtime_imports_nothing_from_the_simulator() -> None:
         sim = {m for m in _modules(path) if m == "chameleon_ft.sim"
                or m.startswith("chameleon_ft.sim.")}
         assert not sim, f"{path.relative_to(PACKAGE)} imports {sorted(sim)}"
+
+
+def _drawn_transitions() -> set[tuple[str, str, str]]:
+    """The arrows of the run's state diagram in docs/design.md section 4.1."""
+    text = (PACKAGE.parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text[text.index("### 4.1"):text.index("### 4.2")]
+    block = section[section.index("```mermaid"):]
+    block = block[:block.index("```", 3)]
+    arrows = set()
+    for line in block.splitlines():
+        match = re.fullmatch(r"\s*(\w+) --> (\w+) : ([\w-]+)\s*", line)
+        if match:
+            arrows.add((match.group(1), match.group(3), match.group(2)))
+    return arrows
+
+
+def test_the_design_draws_exactly_the_control_planes_transitions() -> None:
+    from chameleon_ft.runtime.control.machine import TRANSITIONS
+
+    declared = {(a.value, label, b.value) for a, label, b in TRANSITIONS}
+    drawn = _drawn_transitions()
+    assert drawn, "no state diagram in docs/design.md section 4.1"
+    assert drawn - declared == set(), f"drawn but not in the code: {sorted(drawn - declared)}"
+    assert declared - drawn == set(), f"in the code but not drawn: {sorted(declared - drawn)}"
+
+
+def test_the_runtime_is_parts_of_readable_size() -> None:
+    """No file under runtime/ over 600 lines and no function over 60."""
+    for path in sorted((PACKAGE / "runtime").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(PACKAGE)
+        assert len(text.splitlines()) <= 600, f"{rel}: {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                assert length <= 60, f"{rel}:{node.name} is {length} lines"
+
+
+def test_the_control_plane_is_pure() -> None:
+    """control/ never imports torch, a store, a clock or the coordinator."""
+    forbidden = ("torch", "time", "socket", "threading", "multiprocessing")
+    for path in sorted((PACKAGE / "runtime" / "control").rglob("*.py")):
+        mods = _modules(path)
+        bad = {mod for mod in mods if mod.split(".")[0] in forbidden
+               or mod.startswith(("chameleon_ft.runtime.coordinator",
+                                  "chameleon_ft.runtime.worker"))}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"

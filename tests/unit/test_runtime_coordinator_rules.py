@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from chameleon_ft.runtime.coordinator.shell import (
-    SETUP_WAIT_DEADLINES,
-    Event,
-    StepRecord,
-    measure_transitions,
-    members_in_older_setup,
-)
+from chameleon_ft.runtime.control.detector import SETUP_WAIT_DEADLINES, members_in_older_setup
+from chameleon_ft.runtime.report.records import Event, StepRecord, measure_transitions
 
 
 def event(at: float) -> Event:

@@ -25,7 +25,7 @@ from chameleon_ft.runtime import auth
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from chameleon_ft.runtime.worker.main import JobInfo
+    from chameleon_ft.runtime.protocol import JobInfo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from chameleon_ft.runtime import protocol as proto
-    from chameleon_ft.runtime.coordinator.shell import forkserver_context
-    from chameleon_ft.runtime.worker.main import JobInfo, worker_main
+    from chameleon_ft.runtime.coordinator.launcher import forkserver_context
+    from chameleon_ft.runtime.protocol import JobInfo
+    from chameleon_ft.runtime.worker.main import worker_main
 
     try:
         store = dist.TCPStore(host, port, is_master=False,

@@ -77,6 +77,52 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _measure_layer(layer: torch.nn.Module, i: int, num_layers: int, tokens: torch.Tensor,
+                   targets: torch.Tensor, hidden: torch.Tensor, elem: int,
+                   repeats: int) -> dict[str, Any]:
+    """One layer's forward, backward and input-gradient times, its bytes."""
+    is_first, is_last = i == 0, i == num_layers - 1
+    x_in = tokens if is_first else hidden.clone().requires_grad_(True)
+
+    def forward() -> torch.Tensor:
+        y = layer(x_in)
+        return loss_sum(y, targets, targets.numel()) if is_last else y
+
+    def fused() -> None:
+        y = forward()
+        y.backward(None if is_last else torch.ones_like(y))
+
+    def input_only() -> None:
+        y = forward()
+        torch.autograd.grad(y, [x_in], None if is_last else torch.ones_like(y))
+
+    for _ in range(3):  # warm the per-shape kernels
+        fused()
+    # Interleave the three timings so that they see the same contention from the other
+    # processes measuring at the same time.
+    samples: list[tuple[float, float, float]] = []
+    for _ in range(repeats):
+        samples.append((_median_s(forward, 1), _median_s(fused, 1),
+                        0.0 if is_first else _median_s(input_only, 1)))
+    fwd_s = statistics.median(f for f, _, _ in samples)
+    bwd_s = max(0.0, statistics.median(b for _, b, _ in samples) - fwd_s)
+    bwd_input_s = 0.0 if is_first else min(
+        bwd_s, max(0.0, statistics.median(i for _, _, i in samples) - fwd_s))
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, acc=saved: acc.append(t.numel() * t.element_size()) or t,
+            lambda t: t):
+        y = forward()
+    param_bytes = sum(p.numel() for p in layer.parameters()) * elem
+    return {
+        "name": "embedding" if is_first else "head" if is_last else f"block{i}",
+        "fwd_s": fwd_s, "bwd_input_s": bwd_input_s, "bwd_weight_s": bwd_s - bwd_input_s,
+        "param_bytes": float(param_bytes), "optimizer_bytes": float(2 * param_bytes),
+        "activation_bytes": float(sum(saved)),
+        "output_bytes": 0.0 if is_last else float(y.numel() * y.element_size()),
+    }
+
+
 def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
                    repeats: int = 20) -> dict[str, Any]:
     """Time every layer of ``shape`` at ``micro_batch`` samples (one process, one thread).
@@ -95,48 +141,8 @@ def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
     for i in range(shape.num_layers):
         layer = build_layer(shape, i, seed=0, dtype=dtype)
         states.append(LayerTrainState.create(layer, _adamw))
-        is_first, is_last = i == 0, i == shape.num_layers - 1
-        x_in = tokens if is_first else hidden.clone().requires_grad_(True)
-
-        def forward(layer: torch.nn.Module = layer, x_in: torch.Tensor = x_in,
-                    is_last: bool = is_last) -> torch.Tensor:
-            y = layer(x_in)
-            return loss_sum(y, targets, targets.numel()) if is_last else y
-
-        def fused(forward: Callable[[], torch.Tensor] = forward, is_last: bool = is_last) -> None:
-            y = forward()
-            y.backward(None if is_last else torch.ones_like(y))
-
-        def input_only(forward: Callable[[], torch.Tensor] = forward, x_in: torch.Tensor = x_in,
-                       is_last: bool = is_last) -> None:
-            y = forward()
-            torch.autograd.grad(y, [x_in], None if is_last else torch.ones_like(y))
-
-        for _ in range(3):  # warm the per-shape kernels
-            fused()
-        # Interleave the three timings so that they see the same contention from the other
-        # processes measuring at the same time.
-        samples: list[tuple[float, float, float]] = []
-        for _ in range(repeats):
-            samples.append((_median_s(forward, 1), _median_s(fused, 1),
-                            0.0 if is_first else _median_s(input_only, 1)))
-        fwd_s = statistics.median(f for f, _, _ in samples)
-        bwd_s = max(0.0, statistics.median(b for _, b, _ in samples) - fwd_s)
-        bwd_input_s = 0.0 if is_first else min(
-            bwd_s, max(0.0, statistics.median(i for _, _, i in samples) - fwd_s))
-        saved: list[int] = []
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t, acc=saved: acc.append(t.numel() * t.element_size()) or t,
-                lambda t: t):
-            y = forward()
-        param_bytes = sum(p.numel() for p in layer.parameters()) * elem
-        out.append({
-            "name": "embedding" if is_first else "head" if is_last else f"block{i}",
-            "fwd_s": fwd_s, "bwd_input_s": bwd_input_s, "bwd_weight_s": bwd_s - bwd_input_s,
-            "param_bytes": float(param_bytes), "optimizer_bytes": float(2 * param_bytes),
-            "activation_bytes": float(sum(saved)),
-            "output_bytes": 0.0 if is_last else float(y.numel() * y.element_size()),
-        })
+        out.append(_measure_layer(layer, i, shape.num_layers, tokens, targets, hidden, elem,
+                                  repeats))
     for state in states:
         for p in state.module.parameters():
             p.grad = torch.ones_like(p)
@@ -192,7 +198,7 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _group_worker(rank: int, size: int, port: int, repeats: int, queue: Any) -> None:
-    from chameleon_ft.runtime.worker.main import make_group
+    from chameleon_ft.runtime.worker.groups import make_group
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -231,7 +237,7 @@ def measure_groups(sizes: tuple[int, ...] = (2, 3, 4), repeats: int = 10) -> dic
         time of each size (a round lasts until its slowest member is done), and the raw
         ``times_s`` per size.
     """
-    from chameleon_ft.runtime.coordinator.shell import forkserver_context
+    from chameleon_ft.runtime.coordinator.launcher import forkserver_context
 
     ctx = forkserver_context()
     medians, formed = {}, {}
@@ -289,7 +295,7 @@ def measure_p2p(sizes: tuple[int, ...] = (4, 1 << 17, 1 << 21, 1 << 24),
         ``latency_s`` and ``bandwidth_bytes_s`` of a least-squares line through the median
         one-way time of each message size, and the raw ``times_s`` per size.
     """
-    from chameleon_ft.runtime.coordinator.shell import forkserver_context
+    from chameleon_ft.runtime.coordinator.launcher import forkserver_context
 
     ctx = forkserver_context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -326,7 +332,7 @@ def profile_job(config: Any, *, repeats: int = 20, concurrency: int | None = Non
         repeats: timed repetitions per measurement.
         concurrency: processes measuring at once (default: the job's workers).
     """
-    from chameleon_ft.runtime.coordinator.shell import forkserver_context
+    from chameleon_ft.runtime.coordinator.launcher import forkserver_context
 
     shape = GPTShape.from_spec(config.model)
     dtype = config.train.dtype

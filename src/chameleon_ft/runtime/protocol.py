@@ -102,8 +102,23 @@ def error_key(gen: int, index: int) -> str:
     return f"gen{gen}/error/{index}"
 
 
-def rendezvous_keys(gen: int, groups: list[tuple[str, int]]) -> list[str]:
-    """The keys gloo's rendezvous writes for the groups ``(prefix, size)`` of ``gen``."""
+def world_prefix(gen: int) -> str:
+    """The store prefix of generation ``gen``'s world group."""
+    return f"gen{gen}/world/"
+
+
+def bucket_prefix(gen: int, members: tuple[int, ...] | list[int]) -> str:
+    """The store prefix of generation ``gen``'s all-reduce group over ``members``."""
+    return f"gen{gen}/bucket/{'_'.join(map(str, members))}/"
+
+
+def rendezvous_keys(groups: list[tuple[str, int]]) -> list[str]:
+    """The keys gloo's rendezvous writes under each group's ``(prefix, size)``.
+
+    Gloo's own layout (torch 2.13): one key per rank under the prefix. Only retiring a
+    generation uses it, to delete those keys; ``tests/runtime/test_gloo_teardown.py``
+    pins it, so a torch whose layout differs fails a test instead of leaking keys.
+    """
     return [f"{prefix}/0/{rank}" for prefix, size in groups for rank in range(size)]
 
 
@@ -137,6 +152,60 @@ def fault_claim_key(index: int) -> str:
 def fault_fired_key(index: int) -> str:
     """JSON: when, where and by whom fault ``index`` fired (written just before it does)."""
     return f"faults/fired/{index}"
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the coordinator tells every worker about the job (the ``job`` store key).
+
+    Public: it holds nothing secret (the token never travels).
+    """
+
+    job_name: str
+    job_id: str
+    """Random per run: join proofs are bound to it."""
+    nonce: str
+    """The coordinator's join nonce."""
+    num_workers: int
+    num_layers: int
+    dtype: str
+    micro_batch: int
+    global_batch: int
+    heartbeat_s: float
+    hang_timeout_s: float
+    backend: str
+    data_digest: str
+    """The data source's digest (a worker on another host checks it has the same data)."""
+    checkpoint_every: int
+    control_timeout_s: float
+    """Deadline of connecting and of one bulk transfer."""
+    blob_port: int
+    """The coordinator's bulk-state server (same host as the store)."""
+    boundaries: list[list[Any]]
+    """``[shape, dtype]`` of every layer's output for one micro-batch (a stage receives
+    its first layer's input, the previous layer's output, into a buffer of that shape)."""
+    targets_per_sample: int
+    """Target elements of one sample: the loss is summed, then divided by this times the
+    global batch."""
+    workload: str
+    """The model, data and optimizer to train (``runtime.workload``), sealed with the
+    job's secret: a worker without the token cannot open it, and a forged one is refused."""
+
+    def to_json(self) -> str:
+        """Serialise."""
+        return json.dumps(dict(vars(self)))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobInfo:
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            ValueError: for text that is not a job description of this version.
+        """
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise ValueError("the store does not hold a chameleon job of this version") from None
 
 
 @dataclass(frozen=True)
@@ -174,3 +243,187 @@ class ErrorReport:
 def dumps(doc: dict[str, Any]) -> str:
     """Compact JSON."""
     return json.dumps(doc, separators=(",", ":"))
+
+
+MISSING = "missing"
+"""An error slot reserved but not written (yet)."""
+MALFORMED = "malformed"
+"""An error slot whose content is not a report."""
+
+
+class ControlStore:
+    """The coordinator's side of the store: every key it reads, writes or deletes.
+
+    ``store`` is a ``torch.distributed.TCPStore`` (duck-typed: this module imports no
+    torch). No read here blocks: a key is checked before it is read, so the coordinator's
+    loop never waits on a worker.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._groups: dict[int, list[tuple[str, int]]] = {}
+        """Per published generation: its process groups ``(prefix, size)``."""
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+        return bool(self.store.check([key]))
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except Exception:  # a key already gone, or the store closing
+                continue
+
+    def set_job(self, info: JobInfo) -> None:
+        """Publish what every worker needs to know of the job."""
+        self.store.set(JOB_KEY, info.to_json())
+
+    # ------------------------------------------------------------------ faults
+    def publish_faults(self, faults: list[list[Any]]) -> None:
+        """The injected faults ``[rank, step, kind, phase]`` (workers re-read on change)."""
+        self.store.set(FAULTS_KEY, json.dumps(faults))
+        self.store.add(FAULTS_VERSION_KEY, 1)
+
+    def claim_fault(self, index: int) -> bool:
+        """Claim fault ``index`` so that it never fires (False: it fired already)."""
+        return int(self.store.add(fault_claim_key(index), 1)) == 1
+
+    def fired(self, index: int) -> dict[str, Any] | None:
+        """When, where and by whom fault ``index`` fired, or None."""
+        key = fault_fired_key(index)
+        if not self.has(key):
+            return None
+        doc: dict[str, Any] = json.loads(self.store.get(key))
+        return doc
+
+    # ------------------------------------------------------------------ generations
+    def publish(self, gen: int, directive: dict[str, Any],
+                groups: list[tuple[str, int]]) -> None:
+        """End generation ``gen - 1`` (its abort key) and publish ``gen``'s directive."""
+        if gen > 0:
+            self.store.set(abort_key(gen - 1), "1")
+        self._groups[gen] = groups
+        self.store.set(directive_key(gen), dumps(directive))
+        self.store.set(CURRENT_GEN_KEY, str(gen))
+
+    def abort(self, gen: int, step: int) -> None:
+        """Abort ``step`` and generation ``gen`` (workers in its collectives are released)."""
+        self.store.set(verdict_key(gen, step), ABORT)
+        self.store.set(abort_key(gen), "1")
+
+    def commit(self, gen: int, step: int, *, end: bool) -> None:
+        """``step`` commits (``end``: and the generation ends at this boundary)."""
+        self.store.set(verdict_key(gen, step), COMMIT_END if end else COMMIT)
+
+    def forget_step(self, gen: int, step: int) -> None:
+        """Delete a committed step's counter and verdict (every worker read them)."""
+        self._delete([verdict_key(gen, step), reduced_key(gen, step)])
+
+    def ready(self, gen: int) -> int:
+        """Members of ``gen`` that built their groups and loaded their state."""
+        return int(self.store.add(ready_key(gen), 0))
+
+    def reduced(self, gen: int, step: int) -> int:
+        """Workers of ``gen`` that reduced ``step``."""
+        return int(self.store.add(reduced_key(gen, step), 0))
+
+    def error_slots(self, gen: int, first: int) -> tuple[ErrorReport | str, ...]:
+        """``gen``'s error slots from ``first`` to the reserved count, as found."""
+        slots = int(self.store.add(error_slot_key(gen), 0))
+        out: list[ErrorReport | str] = []
+        for index in range(first, slots):
+            key = error_key(gen, index)
+            if not self.has(key):
+                out.append(MISSING)
+                continue
+            try:
+                out.append(ErrorReport.from_json(self.store.get(key)))
+            except ValueError:
+                out.append(MALFORMED)
+        return tuple(out)
+
+    def beats(self, incarnations: dict[int, str]) -> dict[int, tuple[str, int]]:
+        """Each process's heartbeat counter: worker -> (incarnation, count)."""
+        return {w: (inc, int(self.store.add(heartbeat_key(w, inc), 0)))
+                for w, inc in incarnations.items()}
+
+    def forget_heartbeat(self, worker: int, incarnation: str) -> None:
+        """A fenced process's heartbeat is no longer watched."""
+        self._delete([heartbeat_key(worker, incarnation)])
+
+    def registered(self, worker: int, incarnation: str) -> bool:
+        """Whether the process ``incarnation`` of ``worker`` announced itself."""
+        return self.has(worker_info_key(worker, incarnation))
+
+    def absent(self, gen: int, incarnations: dict[int, str]) -> dict[int, int | None]:
+        """Members of ``gen`` that never began to build its groups, each with the
+        generation whose groups it began last (None: none)."""
+        setup = {w: self.setup_gen(w, inc) for w, inc in incarnations.items()}
+        return {w: g for w, g in setup.items() if g is None or g < gen}
+
+    def setup_gen(self, worker: int, incarnation: str) -> int | None:
+        """The generation whose groups the process last began to build (None: none)."""
+        key = setup_key(worker, incarnation)
+        try:
+            return int(self.store.get(key)) if self.has(key) else None
+        except (RuntimeError, ValueError):
+            return None
+
+    def start_from(self, worker: int, incarnation: str, gen: int) -> None:
+        """A repaired worker follows generations from ``gen`` on."""
+        self.store.set(start_gen_key(worker, incarnation), str(gen))
+
+    def take_losses(self, gen: int, step: int, workers: list[int]) -> list[tuple[int, float]]:
+        """The losses the workers reported for ``step``: ``(global micro-batch, loss)``."""
+        pieces: list[tuple[int, float]] = []
+        for w in workers:
+            key = loss_key(gen, step, w)
+            if self.has(key):
+                pieces.extend((int(mb), float(v)) for mb, v in json.loads(self.store.get(key)))
+                self._delete([key])
+        return pieces
+
+    def take_timings(self, gen: int, step: int, workers: list[int]) -> list[dict[str, Any]]:
+        """The per-op compute times the workers reported for ``step``."""
+        out = []
+        for w in workers:
+            key = timing_key(gen, step, w)
+            if self.has(key):
+                out.append({"step": step, "gen": gen, "worker": w,
+                            **json.loads(self.store.get(key))})
+                self._delete([key])
+        return out
+
+    def retire(self, gen: int, first_step: int, last_step: int, world: list[int]) -> None:
+        """Delete every key of a generation whose members all moved on."""
+        keys = [directive_key(gen), abort_key(gen), ready_key(gen), error_slot_key(gen)]
+        try:
+            slots = int(self.store.add(error_slot_key(gen), 0))
+        except Exception:
+            slots = 0
+        keys += [error_key(gen, i) for i in range(slots)]
+        # the committed steps and the one in flight when the generation ended
+        for step in range(first_step, last_step + 2):
+            keys += [reduced_key(gen, step), verdict_key(gen, step)]
+            keys += [k for w in world for k in (loss_key(gen, step, w), timing_key(gen, step, w))]
+        keys += rendezvous_keys(self._groups.pop(gen, []))
+        self._delete(keys)
+
+    # ------------------------------------------------------------------ joins
+    def join_slots(self) -> int:
+        """Join request slots reserved so far."""
+        return int(self.store.add(JOIN_SLOTS_KEY, 0))
+
+    def take_join_request(self, index: int) -> str | bytes | None:
+        """The ``index``-th join request, removed (None: not written yet)."""
+        key = join_request_key(index)
+        if not self.has(key):
+            return None
+        raw: bytes = self.store.get(key)
+        self._delete([key])
+        return raw
+
+    def reply(self, wnonce: str, text: str) -> None:
+        """Answer the join request of ``wnonce``."""
+        self.store.set(join_reply_key(wnonce), text)

@@ -101,6 +101,33 @@ def _fmt(num_bytes: float) -> str:
         f"{num_bytes / 2**20:.0f} MiB"
 
 
+def _backend(config: Config) -> str:
+    backend = config.train.backend
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def _check_gpus(local: list[float], gpu_bytes: list[int] | None,
+                dtype: str) -> None:  # pragma: no cover - needs GPUs
+    if gpu_bytes is None:
+        import torch
+
+        gpu_bytes = [torch.cuda.get_device_properties(d).total_memory
+                     for d in range(torch.cuda.device_count())]
+    per_gpu: dict[int, float] = {}
+    for w, n in enumerate(local):
+        per_gpu[w % len(gpu_bytes)] = per_gpu.get(w % len(gpu_bytes), 0.0) + n
+    for d, n in per_gpu.items():
+        if n > gpu_bytes[d]:
+            raise ValueError(f"memory: the workers on GPU {d} need {_fmt(n)} ({dtype} "
+                             f"parameters, gradients, optimizer state, activations), the "
+                             f"device has {_fmt(gpu_bytes[d])}; use more GPUs, a longer "
+                             "pipeline (job.pp) or a smaller model")
+
+
 def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_local: int, *,
                  backend: str | None = None, available: int | None = None,
                  gpu_bytes: list[int] | None = None,
@@ -126,12 +153,7 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         return notes
     need = worker_bytes(config, plan, profile, layer_parameters(config, profile, build_layer))
     local = [need.get(w, float(PROCESS_BYTES)) for w in range(num_local)]
-    if backend is None:
-        backend = config.train.backend
-        if backend == "auto":
-            import torch
-
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or _backend(config)
     device = config.cluster.device
     device_name = device.name if device is not None else "custom"
     mismatch = ""
@@ -143,20 +165,7 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
                      "not for this machine")
     dtype = config.train.dtype
     if backend == "nccl":  # pragma: no cover - needs GPUs
-        if gpu_bytes is None:
-            import torch
-
-            gpu_bytes = [torch.cuda.get_device_properties(d).total_memory
-                         for d in range(torch.cuda.device_count())]
-        per_gpu: dict[int, float] = {}
-        for w, n in enumerate(local):
-            per_gpu[w % len(gpu_bytes)] = per_gpu.get(w % len(gpu_bytes), 0.0) + n
-        for d, n in per_gpu.items():
-            if n > gpu_bytes[d]:
-                raise ValueError(f"memory: the workers on GPU {d} need {_fmt(n)} ({dtype} "
-                                 f"parameters, gradients, optimizer state, activations), the "
-                                 f"device has {_fmt(gpu_bytes[d])}; use more GPUs, a longer "
-                                 "pipeline (job.pp) or a smaller model")
+        _check_gpus(local, gpu_bytes, dtype)
         return notes
     have = available_bytes() if available is None else available
     total = sum(local)

@@ -1,0 +1,141 @@
+"""The control value: everything the coordinator decides from, in one frozen value.
+
+:class:`Control` holds the run's
+state (:class:`~chameleon_ft.runtime.control.state.RunState`), the members (processes
+holding worker ids), what failure detection remembers, the generations not yet retired and
+a few flags (a drain asked, a re-join question asked, a decision awaited).
+:mod:`~chameleon_ft.runtime.control.machine` moves it; the run's :class:`Mode` is derived
+from it, never stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.runtime.control import decider, detector
+from chameleon_ft.runtime.control import members as mb
+from chameleon_ft.runtime.control import state as st
+
+
+class Mode(StrEnum):
+    """Where the run is, derived from the control value (:func:`mode`)."""
+
+    JOINING = "joining"
+    """Workers are launched or admitted; nothing is published yet."""
+    TRAINING = "training"
+    """A generation runs steps."""
+    DECIDING = "deciding"
+    """A failure broke the generation; the policy is asked."""
+    RECOVERING = "recovering"
+    """A generation after a failure runs, and has not committed a step yet."""
+    RELAUNCHING = "relaunching"
+    """Every worker failed: they are relaunched, the checkpoint is reloaded when all are up."""
+    DRAINING = "draining"
+    """A stop was asked: the step in flight commits or is aborted, then the run ends."""
+    FINISHED = "finished"
+    """The run ended; the workers upload the final state and leave."""
+    FAILED = "failed"
+    """Training cannot go on; the workers were told to stop."""
+
+
+@dataclass(frozen=True)
+class Params:
+    """What the step needs to know of the job (fixed for the run)."""
+
+    steps: int
+    num_workers: int
+    num_local: int
+    num_layers: int
+    hang_s: float
+    heartbeat_s: float
+    max_retries: int
+    rejoin: bool
+    join_timeout_s: float
+    initial_plan: ExecutionPlan
+    replay: bool = False
+    """A failure trace drives repairs (the automatic relaunch is off)."""
+    drain_grace_s: float = 2.0
+    """How long a drain waits for the step in flight before aborting it."""
+    join_hint: str = ""
+    """Appended to the join-deadline error (how to start the missing workers)."""
+    deadline_of: Callable[[ExecutionPlan, Any], tuple[float, str | None]] = \
+        lambda _plan, _migration: (3.0, None)
+    """A generation's collective deadline, and a log line when it was raised."""
+
+
+@dataclass(frozen=True)
+class GenInfo:
+    """A generation not yet retired."""
+
+    published_s: float
+    collective_s: float
+    world: tuple[int, ...]
+    first_step: int
+    last_step: int
+    silent: bool = False
+    """A member went silent (not an exit or an error): its peers' set-up may retry for
+    five deadlines, so nobody stuck in it is waited for."""
+
+
+@dataclass(frozen=True)
+class Control:
+    """Everything the coordinator decides from. Replaced as a whole by each step."""
+
+    run: st.RunState
+    members: mb.Members
+    watch: detector.Watch
+    beats: Mapping[tuple[int, str], detector.Beat] = field(default_factory=dict)
+    gens: Mapping[int, GenInfo] = field(default_factory=dict)
+    joining_until_s: float | None = None
+    """Set while the first workers join: the join deadline."""
+    relaunching_until_s: float | None = None
+    """Set while every worker is being relaunched: their deadline."""
+    ready_s: float | None = None
+    """When the running generation's members were all ready."""
+    last_commit_s: float | None = None
+    """When the running generation last committed."""
+    recovering: bool = False
+    """A failure's recovery has not committed a step yet (no repairs meanwhile)."""
+    ask: decider.Ask | None = None
+    """The policy is being asked this (between :class:`~messages.Decide` and its answer)."""
+    rejoin_asked: tuple[ExecutionPlan, frozenset[int]] | None = None
+    """The last re-join question (the same question gets the same answer)."""
+    drain_since_s: float | None = None
+    trace_ended: bool = False
+    checkpoint_times: Mapping[int, float] = field(default_factory=dict)
+
+
+def initial(run: st.RunState, *, now_s: float, params: Params) -> Control:
+    """The control value of a run whose workers are about to be launched."""
+    return Control(run=run, members=mb.empty(), watch=detector.Watch(gen=run.gen),
+                   joining_until_s=now_s + params.join_timeout_s,
+                   checkpoint_times={run.latest_checkpoint(): now_s})
+
+
+def mode(c: Control) -> Mode:
+    """The mode of a control value."""
+    if c.run.phase is st.Phase.FAILED:
+        return Mode.FAILED
+    if c.run.phase is st.Phase.FINISHED:
+        return Mode.FINISHED
+    if c.joining_until_s is not None:
+        return Mode.JOINING
+    if c.relaunching_until_s is not None:
+        return Mode.RELAUNCHING
+    if c.ask is not None:
+        return Mode.DECIDING
+    if c.run.phase is st.Phase.DRAINING:
+        return Mode.DRAINING
+    return Mode.RECOVERING if c.recovering else Mode.TRAINING
+
+
+def final_holders(run: st.RunState, num_layers: int) -> dict[int, tuple[int, ...]]:
+    """Per layer, the workers whose state is at the run's committed step: the holders of
+    the placement the state has that still hold it (a worker dropped by a plan keeps the
+    state of the placement it left, which is older once a later plan committed)."""
+    return {i: tuple(dict.fromkeys(w for w in run.state_plan.holders(i) if w in run.holding))
+            for i in range(num_layers)}

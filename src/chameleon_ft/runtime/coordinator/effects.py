@@ -1,0 +1,288 @@
+"""What the coordinator does for each effect of the control plane, and the I/O around the
+run's start (announcing the job) and joins.
+
+Each ``_do_*`` function performs one kind of :mod:`~chameleon_ft.runtime.control.messages`
+effect; none decides anything: where an effect needs an answer (a launch's incarnations,
+the policy's decision, which members are absent), the answer goes back into the control
+plane as an observation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from chameleon_ft.runtime import auth
+from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.control import messages as m
+from chameleon_ft.runtime.coordinator.admission import JoinDesk
+from chameleon_ft.runtime.report.records import Event, StepRecord
+from chameleon_ft.runtime.workload.bundle import Workload, seal_workload
+from chameleon_ft.runtime.workload.models import probe_outputs, targets_per_sample
+from chameleon_ft.runtime.workload.precision import torch_dtype
+
+if TYPE_CHECKING:
+    from chameleon_ft.runtime.coordinator.shell import Coordinator
+
+CHECKPOINT_LOG_S = 10.0
+"""At most one "checkpoint written" line per this many seconds."""
+
+
+# ---------------------------------------------------------------------- the start
+def job_info(coord: Coordinator) -> proto.JobInfo:
+    """What every worker needs to know of the job (published in the store)."""
+    job, train = coord.job, coord.train
+    x, y = job.data.microbatch(0, 0, coord.config.job.micro_batch)
+    boundaries = [[list(shape), str(out_dtype).removeprefix("torch.")]
+                  for shape, out_dtype in probe_outputs(job.model, x, torch_dtype(train.dtype))]
+    return proto.JobInfo(
+        job_name=job.job_name, job_id=job.job_id, nonce=job.nonce,
+        num_workers=job.num_workers, num_layers=job.num_layers, dtype=train.dtype,
+        micro_batch=coord.config.job.micro_batch, global_batch=coord.config.job.global_batch,
+        heartbeat_s=train.heartbeat_s, hang_timeout_s=job.hang_s, backend=train.backend,
+        data_digest=Workload.data_digest(job.data), checkpoint_every=train.checkpoint_every,
+        control_timeout_s=max(train.join_timeout_s, 10 * job.hang_s),
+        blob_port=coord.bulk.port, boundaries=boundaries,
+        targets_per_sample=targets_per_sample(y),
+        workload=seal_workload(job.workload, job.secret))
+
+
+def announce(coord: Coordinator) -> None:
+    """Publish the job and its faults; say where it listens."""
+    job = coord.job
+    coord.cs.set_job(job_info(coord))
+    coord.book.publish(coord.cs)
+    coord.desk = JoinDesk(coord.cs, token=job.token, job_name=job.job_name, job_id=job.job_id,
+                          nonce=job.nonce, hang_s=job.hang_s)
+    coord.log(f"coordinator listening on {coord.host}:{coord.port}; job {job.job_name!r}, "
+              f"{job.num_local} local workers, {job.num_workers - job.num_local} to join")
+    for note in job.notes:
+        coord.log(note)
+    if job.announce_token:
+        coord.log(f"job token: {job.token}  (give it to remote workers: --token or "
+                  f"{auth.TOKEN_ENV})")
+    if job.resumed_from is not None:
+        coord.log(f"resuming from {job.resumed_from.folder} ({job.resumed_from.step} steps)")
+
+
+def admit_joins(coord: Coordinator, now_s: float) -> None:
+    """Answer join requests from other hosts (any time during the run)."""
+    for item in coord.desk.requests(now_s):
+        if item.request is None:
+            coord.report.refused.append({"reason": "malformed join request", "at_s": now_s})
+            coord.log("refused a join request: malformed")
+            continue
+        coord._request = item.request
+        try:
+            coord.feed(m.JoinAsked(now_s, item.refusal))
+        finally:
+            coord._request = None
+
+
+def newly_registered(coord: Coordinator) -> tuple[int, ...]:
+    """Members that announced themselves since the last look."""
+    return tuple(w for w, x in sorted(coord.ctl.members.by_worker.items())
+                 if not x.registered and not x.gone
+                 and coord.cs.registered(w, x.incarnation))
+
+
+# ---------------------------------------------------------------------- effects
+def _do_publish(coord: Coordinator, e: m.Publish) -> None:
+    from chameleon_ft.perf import Topology, build_schedule
+
+    s = coord.state
+    info = coord.ctl.gens[e.gen]
+    sched = build_schedule(s.plan, coord.job.profile, Topology.from_config(coord.config))
+    ops = {str(w): [[str(op.kind), op.pipeline, op.stage, op.microbatch] for op in seq]
+           for w, seq in sched.ops.items()}
+    rounds = [[[list(b.workers), list(b.layers)] for b in rnd] for rnd in sched.sync_rounds]
+    migration = None
+    if s.migration is not None and s.migration.transfers:
+        migration = {"transfers": [[t.layer, t.src, t.dst, t.part, t.num_parts]
+                                   for t in s.migration.transfers],
+                     "rounds": [list(r) for r in s.migration.rounds]}
+    world = sorted(s.world)
+    members = coord.ctl.members
+    directive = {
+        "action": "train", "gen": s.gen, "plan": s.plan.to_dict(), "step": s.next_step,
+        "steps": coord.train.steps, "world": world, "ops": ops, "rounds": rounds,
+        "migration": migration,
+        "load": None if s.load is None else {"kind": s.load.kind, "step": s.load.step},
+        "incarnations": {str(w): members.incarnation(w) for w in sorted(s.alive)},
+        "collective_timeout_s": info.collective_s}
+    coord.hooks.before_publish(coord, directive)
+    groups = [(proto.world_prefix(s.gen), len(world))]
+    groups += [(proto.bucket_prefix(s.gen, b), len(b))
+               for b in sorted({tuple(b[0]) for rnd in rounds for b in rnd if len(b[0]) > 1})]
+    coord.cs.publish(s.gen, directive, groups)
+    precompute = getattr(coord.decide_fn(), "precompute", None)
+    if precompute is not None:
+        precompute(s.plan)
+
+
+def _do_commit(coord: Coordinator, e: m.Commit) -> None:
+    coord.cs.commit(e.gen, e.step, end=e.end)
+    now = coord.now()
+    workers = list(e.workers)
+    loss = math.fsum(v for _, v in sorted(coord.cs.take_losses(e.gen, e.step, workers)))
+    timings = coord.cs.take_timings(e.gen, e.step, workers)
+    if e.forget_previous:
+        coord.cs.forget_step(e.gen, e.step - 1)
+    coord.report.committed(StepRecord(e.step, loss, now - e.start_s, e.gen, now,
+                                      len(workers)), timings)
+    coord.hooks.on_commit(coord, e.step)
+
+
+def _do_fence(coord: Coordinator, e: m.Fence) -> None:
+    coord.launcher.kill(e.workers)
+    for w in e.workers:
+        p = coord.launcher.procs.get(w)
+        if p is not None:
+            coord.cs.forget_heartbeat(w, p.incarnation)
+
+
+def _do_launch(coord: Coordinator, e: m.Launch) -> None:
+    incarnations = coord.launcher.launch(e.workers, replacement=e.replacement)
+    coord.feed(m.Launched(coord.now(), incarnations, local=True, replacement=e.replacement))
+
+
+def _do_reply(coord: Coordinator, e: m.Reply) -> None:
+    request = coord._request
+    assert request is not None, "a reply without a request in hand"
+    if e.worker is None:
+        coord.desk.reply(request, auth.JoinReply(ok=False, reason=e.reason))
+        coord.report.refused.append({"host": request.host, "reason": e.reason,
+                                     "at_s": coord.now()})
+        coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
+        return
+    incarnation = coord.launcher.admitted(e.worker)
+    coord.desk.reply(request, auth.JoinReply(ok=True, worker=e.worker, incarnation=incarnation,
+                                             replacement=e.replacement))
+    coord.feed(m.Launched(coord.now(), {e.worker: incarnation}, local=False,
+                          replacement=e.replacement))
+    coord.log(f"admitted worker {e.worker} from {request.host} ({request.address})"
+              + (" as a replacement" if e.replacement else ""))
+
+
+def _do_failure(coord: Coordinator, e: m.Failure) -> None:
+    fault_at = coord.book.fault_time(coord.cs, e.workers, e.detected_s) if e.workers \
+        else e.detected_s
+    event = Event(workers=list(e.workers), cause=e.cause, gen=e.gen, step=e.step,
+                  fault_at_s=fault_at, detected_at_s=e.detected_s,
+                  detected_after_s=None if fault_at is None else e.detected_s - fault_at,
+                  strategy=e.strategy, reason=e.reason, lost_steps=e.lost_steps, idle=e.idle)
+    coord.report.events.append(event)
+    if e.idle:
+        return
+    if e.workers:
+        detected = "" if event.detected_after_s is None else \
+            f" {event.detected_after_s:.3f} s after the fault"
+        coord.log(f"FAILURE at step {e.step}: {e.cause}; detected{detected}")
+    coord.hooks.on_failure(coord, event)
+
+
+def _do_resolved(coord: Coordinator, e: m.Resolved) -> None:
+    event = coord.report.events[-1]
+    event.strategy, event.reason = e.strategy, e.reason
+    event.decision, event.decide_s = dict(e.decision), e.decide_s
+    event.lost_steps = e.lost_steps
+    if e.plan is None:
+        return
+    coord.log(f"decision: {e.strategy} ({e.reason})")
+    for c in e.candidates:
+        if isinstance(c, dict):
+            step, tr = c.get("step_s"), c.get("transition_s")
+            ok = "" if c.get("feasible", True) else " (infeasible)"
+            coord.log(f"  candidate {c.get('strategy')}: step "
+                      f"{step if step is None else round(step, 4)} s, transition "
+                      f"{tr if tr is None else round(tr, 3)} s{ok}")
+    for line in e.plan.describe().splitlines():
+        coord.log(f"  {line}")
+
+
+def _do_decide(coord: Coordinator, e: m.Decide) -> None:
+    ask = e.ask
+    t = time.monotonic()
+    decision = coord.decide_fn()(ask.base, ask.failed, ask.usable, coord.now(),
+                                 e.since_checkpoint_s)
+    coord.feed(m.Decision(coord.now(), decision, time.monotonic() - t))
+
+
+def _do_decide_rejoin(coord: Coordinator, e: m.DecideRejoin) -> None:
+    rejoin = getattr(coord.decide_fn(), "rejoin", None)
+    if rejoin is None:
+        return
+    try:
+        decision = rejoin(e.plan, e.idle, coord.state.alive, coord.now())
+    except ValueError as exc:
+        coord.feed(m.RejoinDecision(coord.now(), None, str(exc)))
+        return
+    coord.feed(m.RejoinDecision(coord.now(), decision))
+
+
+def _do_probe(coord: Coordinator, e: m.ProbeAbsent) -> None:
+    info = coord.ctl.gens.get(e.gen)
+    world = list(info.world) if info is not None else sorted(coord.state.world)
+    members = coord.ctl.members
+    absent = coord.cs.absent(e.gen, {w: members.incarnation(w) for w in world
+                                     if w in members.by_worker})
+    coord.feed(m.Absent(coord.now(), e.gen, absent))
+
+
+def _do_save(coord: Coordinator, e: m.SaveCheckpoint) -> None:
+    meta = {"config": coord.job.digest, "job": coord.job.job_name,
+            "dtype": coord.train.dtype, "num_layers": coord.job.num_layers}
+    manifest = coord.bulk.save(e.step, e.gen, accepted=e.accepted,
+                               plan=coord.state.state_plan.to_dict(), meta=meta)
+    if manifest is not None and coord.now() - coord.checkpoint_logged_s >= CHECKPOINT_LOG_S:
+        coord.checkpoint_logged_s = coord.now()
+        coord.log(f"checkpoint after {e.step} steps written to {manifest.folder}")
+
+
+def _do_retire(coord: Coordinator, e: m.Retire) -> None:
+    for gen, first, last, world in e.gens:
+        coord.cs.retire(gen, first, last, list(world))
+
+
+def _do_rejoined(coord: Coordinator, e: m.Rejoined) -> None:
+    coord.report.rejoins.append({"workers": list(e.workers), "step": e.step,
+                                 "strategy": e.strategy, "reason": e.reason})
+
+
+def _do_stop(coord: Coordinator, e: m.Stop) -> None:
+    coord.stopped = e
+    if not e.failed:
+        coord.bulk.expect_finals(e.gen, e.step)
+    coord.cs.publish(e.gen, {"action": "stop", "gen": e.gen, "step": e.step,
+                             "final": {str(i): list(ws) for i, ws in e.final.items()},
+                             "reason": e.reason}, [])
+
+
+_PERFORM: dict[type, Callable[[Any, Any], None]] = {
+    m.Log: lambda coord, e: coord.log(e.text),
+    m.Publish: _do_publish,
+    m.Abort: lambda coord, e: coord.cs.abort(e.gen, e.step),
+    m.Commit: _do_commit,
+    m.Fence: _do_fence,
+    m.Launch: _do_launch,
+    m.Reply: _do_reply,
+    m.StartFrom: lambda coord, e: coord.cs.start_from(
+        e.worker, coord.ctl.members.incarnation(e.worker), e.gen),
+    m.Failure: _do_failure,
+    m.Resolved: _do_resolved,
+    m.Decide: _do_decide,
+    m.DecideRejoin: _do_decide_rejoin,
+    m.ProbeAbsent: _do_probe,
+    m.SaveCheckpoint: _do_save,
+    m.DropTimelines: lambda coord, e: coord.bulk.drop_before(e.epoch),
+    m.Retire: _do_retire,
+    m.Rejoined: _do_rejoined,
+    m.Stop: _do_stop,
+}
+
+
+def perform(coord: Coordinator, effect: m.Effect) -> None:
+    """Do what one effect says."""
+    _PERFORM[type(effect)](coord, effect)

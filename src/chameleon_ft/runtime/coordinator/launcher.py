@@ -1,0 +1,131 @@
+"""Worker processes launched here: starting, killing, watching their exits, reaping.
+
+This is a handle on processes, not a decision maker: which workers to launch, relaunch or
+fence is decided by the control plane (``runtime.control``); the limits on repairs live
+there too (``control.members``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chameleon_ft.runtime import auth
+
+POLL_S = 0.002
+"""Coordinator poll interval: bounds the commit latency it adds to every step."""
+REAP_S = 5.0
+"""How long the end of a run waits for its processes before killing them."""
+
+
+def forkserver_context() -> Any:
+    """A forkserver context whose server preloads torch and the worker module."""
+    # Waits in slices make c10d log a warning per timed-out slice; keep errors only.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    ctx = multiprocessing.get_context("forkserver")
+    # Workers fork from a server that already imported torch: ~0.3 s per worker, not 5-10 s.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker.main"])
+    return ctx
+
+
+@dataclass
+class Proc:
+    """The process currently holding a worker id (``process`` None: a remote worker)."""
+
+    worker: int
+    incarnation: str
+    process: Any = None
+
+
+class Launcher:
+    """Starts local worker processes and keeps a handle on every one of them."""
+
+    def __init__(self, host: str, port: int, secret: bytes) -> None:
+        self.host, self.port, self.secret = host, port, secret
+        self.procs: dict[int, Proc] = {}
+        """The current process of each worker id (local or remote)."""
+        self.all_procs: list[Any] = []
+        """Every local process launched, replaced ones included (all reaped at the end)."""
+
+    def launch(self, ids: Iterable[int], *, replacement: bool) -> dict[int, str]:
+        """Start a process for each worker id; returns their incarnations."""
+        from chameleon_ft.runtime.worker.main import worker_main
+
+        ctx = forkserver_context()
+        address = auth.advertise_address(self.host, self.port)
+        out = {}
+        for w in ids:
+            incarnation = auth.new_nonce()
+            proc = ctx.Process(target=worker_main,
+                               args=(w, self.host, self.port, address, incarnation,
+                                     self.secret, replacement),
+                               daemon=False, name=f"chameleon-worker-{w}")
+            proc.start()
+            self.procs[w] = Proc(w, incarnation, proc)
+            self.all_procs.append(proc)
+            out[w] = incarnation
+        return out
+
+    def admitted(self, worker: int) -> str:
+        """A remote process takes ``worker``: its incarnation."""
+        incarnation = auth.new_nonce()
+        self.procs[worker] = Proc(worker, incarnation)
+        return incarnation
+
+    def pids(self, ids: Iterable[int]) -> list[int]:
+        """The pids of local workers."""
+        return [p.process.pid for w in ids if (p := self.procs.get(w)) is not None
+                and p.process is not None]
+
+    def exits(self) -> dict[int, int]:
+        """Current local processes that exited, with their status."""
+        return {w: p.process.exitcode for w, p in self.procs.items()
+                if p.process is not None and p.process.exitcode is not None}
+
+    def kill(self, workers: Iterable[int]) -> list[int]:
+        """SIGKILL the running local processes of ``workers``; returns those signalled."""
+        killed = []
+        for w in workers:
+            p = self.procs.get(w)
+            proc = None if p is None else p.process
+            if proc is None or proc.pid is None or proc.exitcode is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            killed.append(w)
+        return killed
+
+    def join(self, workers: Sequence[int], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` in all) for these workers' local processes to exit."""
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            p = self.procs.get(w)
+            if p is not None and p.process is not None:
+                p.process.join(max(0.0, deadline - time.monotonic()))
+
+    def wait(self, workers: Iterable[int], timeout_s: float = POLL_S) -> None:
+        """Sleep until one of these workers' local processes exits, or ``timeout_s``."""
+        sentinels = [p.process.sentinel for w in workers
+                     if (p := self.procs.get(w)) is not None and p.process is not None]
+        if sentinels:
+            multiprocessing.connection.wait(sentinels, timeout=timeout_s)
+        else:
+            time.sleep(timeout_s)
+
+    def reap(self, timeout_s: float = REAP_S) -> None:
+        """Leave no process behind: wait briefly, then SIGKILL by pid and join."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.all_procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.all_procs:
+            if proc.exitcode is None and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5.0)

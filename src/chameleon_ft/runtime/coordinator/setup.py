@@ -1,0 +1,258 @@
+"""A job prepared for the coordinator: everything checked and built before any process
+starts (bad input fails here, in one line naming the field)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from chameleon_ft.plan import ExecutionPlan, initial_plan
+from chameleon_ft.profile import Profile, build_profile
+from chameleon_ft.runtime import auth
+from chameleon_ft.runtime.coordinator.resources import check_memory
+from chameleon_ft.runtime.replay import TraceDriver
+from chameleon_ft.runtime.storage.checkpoint import CheckpointStore, Manifest
+from chameleon_ft.runtime.workload.bundle import Workload
+from chameleon_ft.spec.config import Config
+from chameleon_ft.spec.job import RUNTIME_SCHEDULES
+from chameleon_ft.spec.recovery import POLICY_NAMES
+from chameleon_ft.spec.train import Fault, check_faults
+
+RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
+                    "reroute-then-dynamic")
+"""Policies the runtime executes (``recycle`` needs split backwards, a simulator baseline)."""
+COLLECTIVE_FLOOR_S = 3.0
+"""Smallest collective deadline derived from a plan (gloo's first transfers on a loaded
+machine take hundreds of milliseconds)."""
+COLLECTIVE_FACTOR = 10.0
+"""Derived collective deadline: this many times the plan's estimated step + migration."""
+
+
+def default_run_dir(base: Path | None = None) -> Path:
+    """``runs/train-YYYYmmdd-HHMMSS`` under ``base`` (default: the working directory)."""
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    root = (base or Path.cwd()) / "runs"
+    path = root / f"train-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"train-{stamp}-{n}"
+    return path
+
+
+def config_digest(config: Config, workload: Workload | None = None) -> str:
+    """What must not change between a run and its ``--resume``: the model, the data, the
+    optimizer and the numerics (the API's objects by their type and ``repr``)."""
+    model = config.model
+    objects = [] if workload is None else [
+        None if o is None else f"{type(o).__module__}.{type(o).__qualname__}"
+        for o in (workload.model_obj, workload.data_obj, workload.optimizer_obj,
+                  workload.lr_schedule_obj)]
+    doc = {"model": None if model is None else vars(model),
+           "source": vars(config.model_source), "data": vars(config.data),
+           "optimizer": repr(config.optimizer), "dtype": config.train.dtype,
+           "seed": config.train.seed, "global_batch": config.job.global_batch,
+           "micro_batch": config.job.micro_batch, "lr": config.train.lr,
+           "weight_decay": config.train.weight_decay, "objects": objects}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Job:
+    """What the coordinator runs: the checked config and everything built from it."""
+
+    config: Config
+    workload: Workload
+    model: Any
+    data: Any
+    profile: Profile
+    plan0: ExecutionPlan
+    policy: str
+    faults: list[Fault]
+    num_local: int
+    host: str
+    port: int
+    token: str
+    token_generated: bool
+    announce_token: bool
+    secret: bytes
+    job_name: str
+    job_id: str
+    nonce: str
+    out_dir: Path
+    out_dir_given: bool
+    ckpt: CheckpointStore
+    digest: str
+    trace: TraceDriver | None
+    log_every: int | None
+    start_step: int = 0
+    resumed_from: Manifest | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers of the layout."""
+        return self.config.num_workers
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the model."""
+        return int(self.model.num_layers)
+
+    @property
+    def hang_s(self) -> float:
+        """The hang deadline."""
+        return self.config.train.hang_s
+
+    def estimate_s(self, plan: ExecutionPlan) -> float:
+        """The plan's estimated step."""
+        from chameleon_ft.perf import Topology, estimate
+
+        return float(estimate(plan, self.profile, Topology.from_config(self.config)).step_s)
+
+    def collective_deadline(self, plan: ExecutionPlan, migration: Any) -> tuple[float, str | None]:
+        """A generation's collective deadline: at least ``COLLECTIVE_FACTOR`` times its
+        estimated step plus migration, and at least the configured value; with the log line
+        saying so when the plan raised a configured value."""
+        est = self.estimate_s(plan) + (float(migration.time_s) if migration is not None
+                                       and hasattr(migration, "time_s") else 0.0)
+        derived = max(COLLECTIVE_FLOOR_S, COLLECTIVE_FACTOR * est)
+        floor = self.config.train.collective_floor_s
+        if floor <= 0:
+            return derived, None
+        if derived > floor:
+            return derived, (f"collective timeout raised from {floor:g} s to {derived:.3g} s "
+                             f"for a plan estimated at {est:.3g} s per step (with migration)")
+        return floor, None
+
+
+def _checked_config(config: Config, num_local: int | None, policy: str | None,
+                    custom_decide: bool) -> tuple[Config, int, str, list[str]]:
+    if config.job.tp != 1:
+        raise ValueError(f"job.tp: the runtime runs one process per worker without tensor "
+                         f"parallelism; set tp = 1 (got {config.job.tp})")
+    local = config.num_workers if num_local is None else num_local
+    if not 0 <= local <= config.num_workers:
+        raise ValueError(f"workers: {local} local workers for a layout of {config.num_workers}")
+    name = policy or config.policy.name
+    if not custom_decide and name not in RUNTIME_POLICIES:
+        what = "a simulator baseline" if name in POLICY_NAMES else "an unknown policy"
+        raise ValueError(f"--policy: {name!r} is {what}; the runtime runs "
+                         f"{', '.join(RUNTIME_POLICIES)}")
+    if config.job.schedule not in RUNTIME_SCHEDULES:
+        raise ValueError(f"job.schedule: the runtime executes "
+                         f"{', '.join(sorted(RUNTIME_SCHEDULES))}; {config.job.schedule!r} "
+                         "is priced by the estimator and the simulator only")
+    notes = []
+    if config.recovery.decoupled_backward:
+        # ReCycle's split backward is priced by the simulator; the runtime's planner must
+        # not choose plans it cannot execute
+        config = replace(config, recovery=replace(config.recovery, decoupled_backward=False))
+        notes.append("note: recovery.decoupled_backward is a simulator setting; the runtime "
+                     "runs fused backward passes and plans for them")
+    return config, local, name, notes
+
+
+def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bool = False,
+            policy: str | None = None, faults: Sequence[Fault] = (),
+            out_dir: str | Path | None = None, num_local_workers: int | None = None,
+            host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+            job_name: str | None = None, resume: bool = False, check_resources: bool = True,
+            model: Any = None, data: Any = None, optimizer: Any = None,
+            lr_schedule: Any = None, log_every: int | None = None,
+            trace: TraceDriver | None = None,
+            log: Callable[[str], None] = lambda _line: None) -> Job:
+    """Check a job and build what it needs (see :class:`~.shell.Coordinator` for the
+    arguments).
+
+    Raises:
+        ValueError: for faults naming missing workers, layouts that do not fit, a token
+            that is too short, a resume without a checkpoint, workers that would not fit
+            the host's memory, or a trace the run cannot replay.
+    """
+    workload = Workload(config, model, data, optimizer, lr_schedule)
+    built_model = workload.model()
+    built_data = workload.data(built_model)
+    workload.optimizer()  # a bad optimizer is refused before anything starts
+    workload.lr_schedule()
+    config, num_local, policy_name, notes = _checked_config(config, num_local_workers,
+                                                            policy, custom_decide)
+    prof = profile if profile is not None else build_profile(config)
+    check_faults(tuple(faults), config.num_workers, config.train.steps)
+    plan0 = initial_plan(config, prof)
+    if prof.num_layers != built_model.num_layers:
+        raise ValueError(f"profile: {prof.num_layers} layers, the model has "
+                         f"{built_model.num_layers}; make them agree ([profile] or the model)")
+    if log_every is not None and log_every < 1:
+        raise ValueError(f"--log-every: must be >= 1, got {log_every}")
+    remote_possible = num_local < config.num_workers or not auth.is_loopback(host)
+    secret_token = _token(token)
+    run_dir = Path(out_dir) if out_dir is not None else default_run_dir()
+    job = Job(config=config, workload=workload, model=built_model, data=built_data,
+              profile=prof, plan0=plan0, policy=policy_name, faults=list(faults),
+              num_local=num_local, host=host, port=port, token=secret_token,
+              token_generated=token is None,
+              announce_token=remote_possible and token is None,
+              secret=auth.secret_of(secret_token),
+              job_name=job_name or (config.model.name if config.model is not None
+                                    else "") or "chameleon",
+              job_id=auth.new_nonce(), nonce=auth.new_nonce(), out_dir=run_dir,
+              out_dir_given=out_dir is not None,
+              ckpt=CheckpointStore(run_dir, config.train.keep_checkpoints),
+              digest=config_digest(config, workload), trace=trace, log_every=log_every,
+              notes=notes)
+    if resume:
+        _prepare_resume(job)
+    if trace is not None:
+        trace.check_job(num_nodes=config.cluster.num_nodes,
+                        workers_per_node=config.workers_per_node,
+                        num_workers=config.num_workers, num_local=num_local, resume=resume)
+    _check_collective_timeout(job)
+    if check_resources:
+        for line in check_memory(config, plan0, prof, num_local,
+                                 build_layer=built_model.build_layer):
+            log(line)
+    return job
+
+
+def _token(token: str | None) -> str:
+    out = token or auth.new_token()
+    if len(out) < auth.MIN_TOKEN_CHARS:
+        raise ValueError(f"--token: at least {auth.MIN_TOKEN_CHARS} characters")
+    return out
+
+
+def _prepare_resume(job: Job) -> None:
+    manifest = job.ckpt.latest()
+    if manifest is None:
+        raise ValueError(f"--resume: no complete checkpoint in {job.out_dir}/checkpoints; "
+                         "run without --resume to start from step 0")
+    if manifest.meta.get("config") != job.digest:
+        raise ValueError(f"--resume: the checkpoint in {manifest.folder} was written by a "
+                         "job with another model or numerics (model, dtype, seed, batch, "
+                         "optimizer); use the config it was trained with")
+    if manifest.num_layers != job.num_layers:
+        raise ValueError(f"--resume: the checkpoint has {manifest.num_layers} layers, the "
+                         f"model {job.num_layers}")
+    if manifest.step >= job.config.train.steps:
+        raise ValueError(f"--resume: the checkpoint already holds {manifest.step} steps; "
+                         f"ask for more with --steps (now {job.config.train.steps})")
+    job.start_step = manifest.step
+    job.resumed_from = manifest
+
+
+def _check_collective_timeout(job: Job) -> None:
+    floor = job.config.train.collective_floor_s
+    if floor <= 0:
+        return
+    step_s = job.estimate_s(job.plan0)
+    if floor < 2 * step_s:
+        raise ValueError(f"train.collective_timeout_s: {floor:g} s is less than twice the "
+                         f"plan's estimated step ({step_s:.3g} s): healthy workers would "
+                         "time out waiting for each other; raise it or leave it at 0 "
+                         "(derived from the plan)")

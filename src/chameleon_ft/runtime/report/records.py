@@ -1,0 +1,79 @@
+"""What a run records as it goes: committed steps and failures, and the measured
+transition of each recovery (pure Python)."""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    """One committed step."""
+
+    step: int
+    loss: float
+    step_s: float
+    gen: int
+    committed_at_s: float
+    num_workers: int
+
+
+@dataclass
+class Event:
+    """One failure and the recovery from it."""
+
+    workers: list[int]
+    cause: str
+    """``exit``, ``heartbeat``, ``error`` or ``reported`` (named by peers)."""
+    gen: int
+    """The generation that failed."""
+    step: int
+    """The step that was in flight (discarded and redone)."""
+    fault_at_s: float | None
+    detected_at_s: float
+    detected_after_s: float | None
+    strategy: str = ""
+    reason: str = ""
+    decision: dict[str, Any] = field(default_factory=dict)
+    decide_s: float = 0.0
+    resumed_at_s: float | None = None
+    """When the first step after the recovery committed."""
+    transition_s: float | None = None
+    """Kill to first committed step after recovery, minus the new plan's step time."""
+    lost_steps: int = 0
+    """Committed steps thrown away by a checkpoint restart."""
+    idle: bool = False
+    """Only idle workers died: nothing was aborted or recovered."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return dict(vars(self))
+
+
+def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:
+    """Set each event's transition: fault to first commit after it, minus the new plan's step.
+
+    ``commits`` is every commit in time order, steps that a later restart redid included:
+    the first commit after an event ends its recovery even if a restart threw it away.
+    """
+    times = [r.committed_at_s for r in commits]
+    for event in events:
+        if event.idle:
+            continue
+        i = bisect.bisect_right(times, event.detected_at_s)
+        if i == len(commits):
+            continue
+        first = commits[i]
+        # generations follow one another in time: the first's later commits are the run
+        # that follows it
+        end = i + 1
+        while end < len(commits) and commits[end].gen == first.gen:
+            end += 1
+        same_gen = commits[i + 1:end]
+        own_s = statistics.median(r.step_s for r in same_gen) if same_gen else first.step_s
+        event.resumed_at_s = first.committed_at_s
+        start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
+        event.transition_s = first.committed_at_s - start - own_s

@@ -1,0 +1,120 @@
+"""The run's report as it grows: committed steps, failures, re-joins, refused joins, and
+the files a user reads (``metrics.jsonl`` and ``op_times.jsonl`` appended as steps commit,
+so a run that dies keeps them; ``report.json`` and ``report.png`` at the end).
+
+Nothing here steers the run: the control plane decides from its own state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from chameleon_ft.runtime.report.records import Event, StepRecord, measure_transitions
+from chameleon_ft.runtime.storage.checkpoint import write_atomic
+
+Log = Callable[[str], None]
+
+
+class RunReport:
+    """Records of one run, and their files under the run directory."""
+
+    def __init__(self, out_dir: Path, *, steps: int, start_step: int, tokens_per_step: int,
+                 log: Log, log_every: int | None, resumed: bool) -> None:
+        self.out_dir = out_dir
+        self.total_steps = steps
+        self.start_step = start_step
+        self.tokens_per_step = tokens_per_step
+        self.log = log
+        self.every = log_every or (max(1, steps // 25) if steps > 50 else 1)
+        self.resumed = resumed
+        self.events: list[Event] = []
+        self.steps: dict[int, StepRecord] = {}
+        """The last commit of each step (a restart's redone steps replace the first)."""
+        self.commits: list[StepRecord] = []
+        """Every commit in order, redone steps too."""
+        self.rejoins: list[dict[str, Any]] = []
+        self.refused: list[dict[str, Any]] = []
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.op_times_path = out_dir / "op_times.jsonl"
+
+    def open(self) -> None:
+        """Start the streamed files: a resumed run keeps the metrics of its earlier steps."""
+        write_atomic(self.metrics_path, self._earlier_metrics().encode())
+        write_atomic(self.op_times_path, b"")
+
+    def _earlier_metrics(self) -> str:
+        """The metrics lines of the steps before a resumed run's first."""
+        if not self.resumed or not self.metrics_path.exists():
+            return ""
+        lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
+        return "".join(f"{ln}\n" for ln in lines
+                       if json.loads(ln).get("step", -1) < self.start_step)
+
+    @property
+    def recovering(self) -> bool:
+        """A failure's recovery has not committed a step yet."""
+        return bool(self.events) and self.events[-1].resumed_at_s is None and \
+            not self.events[-1].idle
+
+    def committed(self, record: StepRecord, timings: list[dict[str, Any]]) -> None:
+        """A step committed: record it, append its metrics and timings, log it."""
+        recovering = self.recovering
+        self.steps[record.step] = record
+        self.commits.append(record)
+        with self.metrics_path.open("a") as f:
+            f.write(self._metrics_line(record) + "\n")
+        if timings:
+            with self.op_times_path.open("a") as f:
+                f.writelines(json.dumps(t) + "\n" for t in timings)
+        if record.step % self.every == 0 or record.step == self.total_steps - 1 or \
+                record.step == self.start_step or recovering:
+            self.log(f"step {record.step:4d}  loss {record.loss:.4f}  step "
+                     f"{record.step_s:.3f} s  gen {record.gen}")
+        for event in self.events:
+            if event.resumed_at_s is None and not event.idle:
+                event.resumed_at_s = record.committed_at_s
+                origin = event.fault_at_s if event.fault_at_s is not None \
+                    else event.detected_at_s
+                self.log(f"recovered: first step after the failure committed "
+                         f"{record.committed_at_s - origin:.3f} s after it ({event.strategy})")
+
+    def _metrics_line(self, r: StepRecord) -> str:
+        tokens_per_s = self.tokens_per_step / r.step_s if r.step_s > 0 else None
+        return json.dumps({"step": r.step, "loss": r.loss, "step_s": r.step_s,
+                           "tokens_per_s": tokens_per_s, "gen": r.gen,
+                           "plan_workers": r.num_workers})
+
+    def rewind(self, to_step: int) -> None:
+        """A restart threw the steps from ``to_step`` on away: they will be redone."""
+        for step in [s for s in self.steps if s >= to_step]:
+            del self.steps[step]
+
+    def op_times(self) -> list[dict[str, Any]]:
+        """Every committed step's per-op compute times, read back from the file."""
+        if not self.op_times_path.exists():
+            return []
+        return [json.loads(ln) for ln in self.op_times_path.read_text().splitlines()
+                if ln.strip()]
+
+    def ordered_steps(self) -> list[StepRecord]:
+        """The committed steps in order."""
+        return [self.steps[k] for k in sorted(self.steps)]
+
+    def write(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Measure the transitions, then write ``report.json``, the compacted metrics
+        (one line per step, a redone step's last commit) and ``report.png``."""
+        measure_transitions(self.events, self.commits)
+        report["events"] = [e.to_dict() for e in self.events]
+        write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
+        lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())
+        write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())
+        try:
+            from chameleon_ft.runtime.report.plots import write_report_png
+
+            write_report_png(report, self.out_dir / "report.png")
+        except Exception as exc:  # a plot must never lose a finished run
+            self.log(f"report.png not written: {exc}")
+        return report

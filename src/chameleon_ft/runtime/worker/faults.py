@@ -1,0 +1,71 @@
+"""Injected faults, on the worker's side: armed through the store, fired once.
+
+A fault ``(rank, step, kind, phase)`` fires the first time the process holding the rank
+reaches the phase at a step at or after ``step``; a store counter decides who fires it, so
+a fault on a rank that was repaired fires in the replacement (docs/design.md 4.3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.comm import CommError
+
+
+class InjectedError(RuntimeError):
+    """The ``error`` kind of injected fault."""
+
+
+class Faults:
+    """The armed faults of one rank."""
+
+    def __init__(self, store: Any, worker: int, incarnation: str) -> None:
+        self.store, self.worker, self.incarnation = store, worker, incarnation
+        self.armed: list[tuple[int, int, str, str]] = []
+        """``(index, step, kind, phase)``."""
+        self.version = -1
+
+    def refresh(self) -> None:
+        """Re-read the fault list if it changed."""
+        version = self.store.add(proto.FAULTS_VERSION_KEY, 0)
+        if version == self.version:
+            return
+        self.version = version
+        faults = json.loads(self.store.get(proto.FAULTS_KEY)) \
+            if self.store.check([proto.FAULTS_KEY]) else []
+        self.armed = [(index, int(step), str(kind), str(phase))
+                      for index, (rank, step, kind, phase) in enumerate(faults)
+                      if rank == self.worker]
+
+    def maybe_fire(self, step: int, phase: str, gen: int) -> None:
+        """Fire the faults due at this phase of this step (kill, hang, glitch, error).
+
+        Raises:
+            CommError: for a glitch (a transient communication failure).
+            InjectedError: for an error (the worker exits).
+        """
+        for fault in list(self.armed):
+            index, fstep, kind, fphase = fault
+            if fphase != phase or step < fstep:
+                continue
+            self.armed.remove(fault)
+            if self.store.add(proto.fault_claim_key(index), 1) != 1:
+                continue  # another process of this rank fired it already
+            self.store.set(proto.fault_fired_key(index), json.dumps(
+                {"time": time.time(), "step": step, "gen": gen, "worker": self.worker,
+                 "incarnation": self.incarnation, "pid": os.getpid()}))
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "glitch":
+                raise CommError(f"worker {self.worker}: injected glitch at step {step} "
+                                f"({phase})", None)
+            else:
+                raise InjectedError(f"injected error on worker {self.worker} at step {step} "
+                                    f"({phase})")

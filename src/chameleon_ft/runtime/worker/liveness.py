@@ -1,0 +1,142 @@
+"""A worker's threads beside training: its heartbeat, the watchdog of its coordinator,
+and the watcher that tears a generation down the moment the coordinator aborts it.
+
+No worker outlives its coordinator: one that died leaves nothing listening on its port
+(a connection is refused: exit at once); one that is stopped (SIGSTOP, a debugger, a host
+stuck in swap) or cut off stops answering, and a store request to it may then block for
+ever (``TCPStore.add`` has no deadline). So the watchdog is its own thread that never
+touches the store: it reads the time of the last beat the coordinator took and exits the
+process once that is older than the hang deadline, whatever the other threads are blocked
+in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.groups import Generation
+
+EXIT_OK, EXIT_ERROR, EXIT_COORDINATOR_GONE, EXIT_FENCED = 0, 1, 3, 4
+WAIT_SLICE_S = 0.5
+"""Granularity of the worker's waits on the coordinator: each slice it checks that the
+coordinator still answers and that its generation is still current."""
+
+
+def exit_now(code: int, message: str) -> None:
+    """Leave at once (no destructors: abandoned groups could block), saying why."""
+    with contextlib.suppress(Exception):
+        os.write(2, f"{message}\n".encode())
+    os._exit(code)
+
+
+def refused(host: str, port: int) -> bool:
+    """Whether nothing listens on ``host:port`` any more (a definite answer, unlike a
+    timeout)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store connection of the helper threads: connecting may take long on a loaded host
+    (it is no sign of a dead coordinator), each request then ``timeout_s``."""
+    store = dist.TCPStore(host, port, is_master=False,
+                          timeout=timedelta(seconds=max(timeout_s, 10.0)))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+class Liveness:
+    """The heartbeat, the watchdog and the abort watcher of one worker process.
+
+    Args:
+        worker: the worker id.
+        incarnation: this process's incarnation.
+        host: the coordinator's host.
+        port: the store port.
+        heartbeat_s: the beat interval.
+        hang_s: the hang deadline (also how long the coordinator may stay silent).
+        current: returns the generation this worker takes part in now, if any.
+        changed: notified whenever ``current`` changes.
+    """
+
+    def __init__(self, worker: int, incarnation: str, host: str, port: int, *,
+                 heartbeat_s: float, hang_s: float,
+                 current: Callable[[], Generation | None],
+                 changed: threading.Condition) -> None:
+        self.worker, self.incarnation = worker, incarnation
+        self.host, self.port = host, port
+        self.heartbeat_s, self.hang_s = heartbeat_s, hang_s
+        self.current, self.changed = current, changed
+        self.last_ok = time.monotonic()
+        self.gone = (f"chameleon worker {worker}: the coordinator at {host}:{port} stopped "
+                     "answering; exiting")
+
+    def start(self) -> None:
+        """Start the three threads (daemons: they die with the process)."""
+        for target, name in ((self._beat, "heartbeat"), (self._watchdog, "watchdog"),
+                             (self._watch_aborts, "abort-watcher")):
+            threading.Thread(target=target, daemon=True, name=name).start()
+
+    def _beat(self) -> None:
+        """Beat every interval; a refused connection means the coordinator is gone. A slow
+        answer under load is not a death: a beat may time out, only the watchdog decides."""
+        try:
+            store = client(self.host, self.port, max(self.hang_s / 2, 0.2))
+        except Exception:
+            exit_now(EXIT_COORDINATOR_GONE, self.gone)
+        key = proto.heartbeat_key(self.worker, self.incarnation)
+        while True:
+            try:
+                store.add(key, 1)  # the answer is not used: a late one read later is harmless
+                self.last_ok = time.monotonic()
+            except Exception:
+                if refused(self.host, self.port):
+                    exit_now(EXIT_COORDINATOR_GONE, self.gone)
+            time.sleep(self.heartbeat_s)
+
+    def _watchdog(self) -> None:
+        """Exit once the coordinator took no beat for the hang deadline (it died, is
+        stopped or cut off; a worker that was itself stopped and continued finds out at
+        its next look)."""
+        while True:
+            time.sleep(min(self.heartbeat_s, self.hang_s / 4))
+            if time.monotonic() - self.last_ok > self.hang_s:
+                exit_now(EXIT_COORDINATOR_GONE, self.gone)
+
+    def _watch_aborts(self) -> None:
+        """Break a generation's connections as soon as the coordinator aborts it.
+
+        Waits on the abort key of the current generation in short slices and re-reads
+        which generation is current after each, so it follows the worker from generation
+        to generation whatever way the previous one ended.
+        """
+        store = client(self.host, self.port, max(self.hang_s / 2, 0.2))
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: (g := self.current()) is not None
+                                      and not g.broken, timeout=WAIT_SLICE_S)
+                gen = self.current()
+            if gen is None or gen.broken:
+                continue
+            try:
+                store.wait([proto.abort_key(gen.gen)], timedelta(seconds=WAIT_SLICE_S))
+            except dist.DistStoreError:
+                continue  # not aborted yet (or the store is slow): look again
+            except Exception:
+                time.sleep(WAIT_SLICE_S)  # the watchdog decides whether the coordinator died
+                continue
+            gen.break_all()
