@@ -189,15 +189,19 @@ def _model_table(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec | No
         spec = _model(data)
     except ValueError as exc:
         raise prefixed("model", exc) from None
-    if not (explicit or path or factory) and spec.mlp == "swiglu" and not spec.tied_embeddings:
+    if not (explicit or path or factory) and spec.mlp == "swiglu":
         # without a source, a SwiGLU architecture (the Llama presets) trains as Llama
         source = ModelSourceKind.HF.value
     if source == ModelSourceKind.HF:
-        if spec.mlp != "swiglu":
-            fail("model.mlp", f'source = "hf" builds Llama (swiglu) blocks, got {spec.mlp!r}')
-        if spec.tied_embeddings:
-            fail("model.tied_embeddings", 'source = "hf" keeps the embedding and the head '
-                 "apart; tied embeddings are not supported")
+        # without a directory, the architecture keys build a Llama with random weights
+        for key, llama in (("mlp", "swiglu"), ("qk_norm", False), ("block_norms", 2)):
+            if getattr(spec, key) != llama:
+                fail(f"model.{key}", f'source = "hf" without model.path builds Llama blocks '
+                     f"({key} = {llama!r}), got {getattr(spec, key)!r}; give model.path "
+                     "for other families")
+        if spec.attention_bias == "qkv":
+            fail("model.attention_bias", 'source = "hf" without model.path builds Llama '
+                 'blocks (attention_bias "none" or "all"); give model.path for Qwen2')
     return spec, _source(source=source, path=path, factory=factory)
 
 
@@ -239,6 +243,11 @@ class _ModelOverrides:
     seq_len: int | None = None
     mlp: str | None = None
     tied_embeddings: bool | None = None
+    head_dim: int | None = None
+    attention_bias: str | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool | None = None
+    block_norms: int | None = None
 
 
 def _cluster(data: Mapping[str, Any]) -> ClusterSpec:
