@@ -117,12 +117,13 @@ def test_each_family_gives_its_own_shape(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("changes", "needle"), [
     ({"model_type": "gpt2"}, "'gpt2' model; supported model_type values: gemma, gemma2, "
-                             "llama, mistral, qwen2, qwen3"),
+                             "llama, mistral, phi3, qwen2, qwen3"),
     ({"model_type": None}, "None model; supported"),
     ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"head_dim": 0}, "head_dim must be a positive integer"),
     ({"num_attention_heads": 3}, "not divisible by num_attention_heads 3"),
     ({"vocab_size": "many"}, "vocab_size"),
+    ({"attention_dropout": 0.1}, "attention_dropout = 0.1: dropout is not supported"),
 ])
 def test_unsupported_hf_directories_name_model_path(tmp_path: Path, changes: dict[str, Any],
                                                     needle: str) -> None:
@@ -185,3 +186,43 @@ def test_optimizer_table_keeps_its_arguments() -> None:
     betas = config_from_mapping(_doc({"preset": "llama2-7b"},
                                      optimizer={"betas": [0.9, 0.95]}))
     assert betas.optimizer.args["betas"] == (0.9, 0.95)
+
+
+def test_clip_grad_norm_is_the_optimizers_own_key() -> None:
+    config = config_from_mapping(_doc({"preset": "llama2-7b"},
+                                      optimizer={"clip_grad_norm": 1, "lr": 0.1}))
+    assert config.optimizer.clip_grad_norm == 1.0
+    assert dict(config.optimizer.args) == {"lr": 0.1}  # not an argument of the class
+    assert config_from_mapping(_doc({"preset": "llama2-7b"})).optimizer.clip_grad_norm == 0.0
+    for bad, needle in ((-1.0, "must be >= 0"), ("1", "must be a float"),
+                        (float("inf"), "must be finite")):
+        with pytest.raises(ValueError, match=rf"^optimizer\.clip_grad_norm: {needle}"):
+            config_from_mapping(_doc({"preset": "llama2-7b"},
+                                     optimizer={"clip_grad_norm": bad}))
+
+
+def test_activation_checkpointing_and_recompute_are_one_switch() -> None:
+    def load(**tables: Any) -> Any:
+        return config_from_mapping(_doc({"preset": "llama2-7b"}, **tables))
+
+    default = load()
+    assert (default.train.activation_checkpointing, default.profile.recompute) == (
+        "none", "selective")
+    for value in ("none", "full"):  # [train] decides the planner's pricing
+        config = load(train={"activation_checkpointing": value})
+        assert config.profile.recompute == value
+    for recompute, runtime in (("full", "full"), ("selective", "none"), ("none", "none")):
+        config = load(profile={"recompute": recompute})  # and the other way round
+        assert config.train.activation_checkpointing == runtime
+    both = load(train={"activation_checkpointing": "full"}, profile={"recompute": "full"})
+    assert both.profile.recompute == "full"
+    profile = analytic_profile(both.model, device_preset("cpu"), recompute="full")
+    assert profile.layers[1].activation_bytes < analytic_profile(
+        both.model, device_preset("cpu"), recompute="none").layers[1].activation_bytes
+    for train, recompute in (("full", "selective"), ("none", "full")):
+        with pytest.raises(ValueError, match=r"^train\.activation_checkpointing: .*conflicts "
+                                             r"with profile\.recompute .*one switch"):
+            load(train={"activation_checkpointing": train}, profile={"recompute": recompute})
+    with pytest.raises(ValueError, match=r"^train\.activation_checkpointing: unknown value "
+                                         r"'selective'; choose one of full, none"):
+        load(train={"activation_checkpointing": "selective"})

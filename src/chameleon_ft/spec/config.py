@@ -40,9 +40,9 @@ from chameleon_ft.spec.model_source import (
     read_hf_config,
 )
 from chameleon_ft.spec.optimizer import OptimizerSpec, optimizer_from_mapping
-from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource
+from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource, Recompute
 from chameleon_ft.spec.recovery import PolicySpec, RecoverySpec
-from chameleon_ft.spec.train import TrainSpec
+from chameleon_ft.spec.train import ActivationCheckpointing, TrainSpec
 
 EXTRA_SECTIONS = ("simulation", "failures", "published")
 """Tables that belong to other commands (the simulator; the published-runs benchmark);
@@ -318,6 +318,8 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
     optimizer = optimizer_from_mapping(data.get("optimizer", {}),
                                        train_table if isinstance(train_table, Mapping) else {})
     extra = {k: data[k] for k in EXTRA_SECTIONS if k in data}
+    train = _section(TrainSpec, train_table, "train")
+    profile, train = _one_recompute_switch(profile, train, data.get("profile", {}), train_table)
     try:
         return Config(
             model=model,
@@ -326,7 +328,7 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
             profile=profile,
             recovery=_section(RecoverySpec, data.get("recovery", {}), "recovery"),
             policy=_section(PolicySpec, data.get("policy", {}), "policy"),
-            train=_section(TrainSpec, train_table, "train"),
+            train=train,
             model_source=model_source,
             data=_section(DataSpec, data.get("data", {}), "data"),
             optimizer=optimizer,
@@ -335,6 +337,34 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
         )
     except TypeError as exc:  # pragma: no cover - guarded by from_mapping
         raise ValueError(str(exc)) from None
+
+
+def _one_recompute_switch(profile: ProfileSource, train: TrainSpec, profile_table: Any,
+                          train_table: Any) -> tuple[ProfileSource, TrainSpec]:
+    """``[train] activation_checkpointing`` and ``[profile] recompute`` are one switch: the
+    one written decides the other (``full`` with ``full``, ``none`` with ``none``); both
+    written must agree on ``full``; neither: the runtime keeps every activation and the
+    planner prices its default (``selective``).
+
+    Raises:
+        ValueError: naming ``train.activation_checkpointing`` when the two disagree.
+    """
+    key = "activation_checkpointing"
+    wrote_train = isinstance(train_table, Mapping) and key in train_table
+    wrote_profile = isinstance(profile_table, Mapping) and "recompute" in profile_table
+    full = ActivationCheckpointing.FULL.value
+    if wrote_train and wrote_profile:
+        if (train.activation_checkpointing == full) != (profile.recompute == Recompute.FULL):
+            fail(f"train.{key}", f"{train.activation_checkpointing!r} conflicts with "
+                 f"profile.recompute {profile.recompute!r}; they are one switch: set one "
+                 "and the other follows")
+        return profile, train
+    if wrote_train:
+        return replace(profile, recompute=train.activation_checkpointing), train
+    if wrote_profile:
+        value = full if profile.recompute == Recompute.FULL else ActivationCheckpointing.NONE
+        return profile, replace(train, activation_checkpointing=str(value))
+    return profile, train
 
 
 def load_config(path: str | Path) -> Config:

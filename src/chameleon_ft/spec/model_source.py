@@ -2,7 +2,8 @@
 
 Three sources: ``gpt`` (the built-in tiny GPT; the default for GELU architectures), ``hf``
 (the default for SwiGLU architectures such as the Llama presets: a decoder-only causal LM
-of a supported family (:data:`HF_FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2)
+of a supported family (:data:`HF_FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma,
+Gemma 2)
 through Hugging Face ``transformers``: a local ``save_pretrained`` directory, or a Llama
 with random weights from the architecture keys) and ``python`` (``factory =
 "package.module:function"`` returning a layered model). This module stays pure: it reads a Hugging Face directory's
@@ -131,6 +132,8 @@ HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     HFFamily(model_type="qwen2", label="Qwen2", examples="Qwen2, Qwen2.5", qkv_bias=True,
              reads_attention_bias=False),
     HFFamily(model_type="qwen3", label="Qwen3", examples="Qwen3 (dense)", qk_norm=True),
+    HFFamily(model_type="phi3", label="Phi-3", examples="Phi-3 mini/medium, Phi-4 mini",
+             reads_attention_bias=False),
     HFFamily(model_type="gemma", label="Gemma", examples="Gemma 2B, 7B", norm_offset=True,
              default_activation="gelu_pytorch_tanh", tied_by_default=True),
     HFFamily(model_type="gemma2", label="Gemma 2", examples="Gemma 2 2B, 9B, 27B",
@@ -201,6 +204,12 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         fail("model.path", f"{str(config_file)!r} does not hold a JSON object")
     family = hf_family(data, repr(str(path)))
     _mlp_kind(family, data, repr(str(path)))
+    for key, value in sorted(data.items()):
+        if (("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float))
+                and value > 0):
+            fail("model.path", f"{str(config_file)!r}: {key} = {value}: dropout is not "
+                 "supported (a step redone after a failure must compute the same); set it "
+                 "to 0")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                 "intermediate_size", "vocab_size"):
         value = data.get(key)
