@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from chameleon_ft.runtime.workload.models.hf_llama import save_random_llama
+from chameleon_ft.runtime.workload.models.hf import save_random_llama
 from chameleon_ft.spec.model import ModelSpec
 
 TINY_LLAMA = ModelSpec(name="llama-tiny", num_blocks=4, hidden_size=64, num_heads=4,
