@@ -55,7 +55,7 @@ def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
 
 def test_the_example_without_its_guard_stops_in_one_line(tmp_path: Path) -> None:
     example = readme_example()
-    head, guard_line, body = example.partition(GUARD)
+    head, _, body = example.partition(GUARD)
     unguarded = head + textwrap.dedent(body.split("\n", 1)[1])  # the guarded block, dedented
     assert GUARD not in unguarded and "\nreport = chameleon_ft.train(" in unguarded
     proc = _run(_workspace(tmp_path, unguarded))
