@@ -28,8 +28,8 @@ examples: examples/data/tokens.bin examples/data/llama-tiny/config.json \
 examples/data/tokens.bin: $(STAMP) examples/make_tokens.py
 	$(BIN)/python examples/make_tokens.py --out $@
 
-examples/data/llama-tiny/config.json: $(STAMP) examples/make_llama.py
-	$(BIN)/python examples/make_llama.py --out examples/data/llama-tiny
+examples/data/llama-tiny/config.json: $(STAMP) examples/make_model.py
+	$(BIN)/python examples/make_model.py --family llama --out examples/data/llama-tiny
 
 examples/data/tokenizer/tokenizer.json: $(STAMP) examples/make_tokenizer.py
 	$(BIN)/python examples/make_tokenizer.py --out examples/data/tokenizer \
@@ -39,8 +39,8 @@ examples/data/qwen-tokens.bin: examples/data/tokenizer/tokenizer.json
 	$(BIN)/chameleon prepare-data --tokenizer examples/data/tokenizer \
 		--input examples/data/corpus.jsonl --out $@
 
-examples/data/qwen-tiny/config.json: $(STAMP) examples/make_qwen.py
-	$(BIN)/python examples/make_qwen.py --out examples/data/qwen-tiny
+examples/data/qwen-tiny/config.json: $(STAMP) examples/make_model.py
+	$(BIN)/python examples/make_model.py --family qwen2 --out examples/data/qwen-tiny
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

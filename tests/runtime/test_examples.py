@@ -38,7 +38,7 @@ def test_qwen_example_builds_prepares_and_trains(tmp_path: Path,
 
     sys.path.insert(0, str(EXAMPLES))
     try:
-        import make_qwen
+        import make_model
         import make_tokenizer
     finally:
         sys.path.remove(str(EXAMPLES))
@@ -48,7 +48,7 @@ def test_qwen_example_builds_prepares_and_trains(tmp_path: Path,
                                      str(data / "corpus.jsonl"), "--max-bytes", "120000"])
     assert main(["prepare-data", "--tokenizer", str(tokenizer), "--input",
                  str(data / "corpus.jsonl"), "--out", str(data / "qwen-tokens.bin")]) == 0
-    make_qwen.main(["--out", str(data / "qwen-tiny")])
+    make_model.main(["--family", "qwen2", "--out", str(data / "qwen-tiny")])
     capsys.readouterr()
     config = load_config(tmp_path / "qwen_tiny_cpu.toml")
     assert config.model is not None and config.model.attention_bias == "qkv"
@@ -58,7 +58,7 @@ def test_qwen_example_builds_prepares_and_trains(tmp_path: Path,
     assert losses[0] == pytest.approx(np.log(512), abs=0.1)
     assert losses[-1] < losses[0]
     assert load_config(tmp_path / "qwen_tiny_cpu.toml").data.dtype == "uint16"
-    tied = make_qwen.main(["--out", str(data / "qwen-tied"), "--tied"])
+    tied = make_model.main(["--family", "qwen2", "--out", str(data / "qwen-tied"), "--tied"])
     assert load_model(replace(config, model_source=replace(
         config.model_source, path=str(tied)))).tied_parameters()  # type: ignore[attr-defined]
 
