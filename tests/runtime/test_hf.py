@@ -17,9 +17,11 @@ from chameleon_ft.profile.analytic import analytic_profile
 from chameleon_ft.runtime.workload.models import (
     build_stage,
     check_tied_parameters,
+    drop_tied_copies,
     initial_params,
     load_model,
     split_param_name,
+    with_tied_copies,
 )
 from chameleon_ft.runtime.workload.models.hf import HFCausalLM, llama_config
 from chameleon_ft.spec import config_from_mapping, device_preset
@@ -78,6 +80,11 @@ def test_family_contract(family: str, family_dirs: dict[str, Path], tmp_path: Pa
         index, inner = split_param_name(name)
         assert torch.equal(tensor, hf_state[model.hf_name(index, inner)]), name
     check_tied_parameters(model)
+    dropped = drop_tied_copies(model, initial)  # what params.pt holds
+    assert len(initial) - len(dropped) == len(model.tied_parameters()) == int(model.tied)
+    again = with_tied_copies(model, dropped)
+    assert again.keys() == initial.keys()
+    assert all(torch.equal(again[k], initial[k]) for k in initial)
     # export: reloads as the same class with equal weights, one tensor for a tied pair
     trained = {k: v + 0.25 * (i + 1) for i, (k, v) in enumerate(initial.items())}
     for copy_name, original in {f"layers.{j}.{b}": f"layers.{i}.{a}"

@@ -142,3 +142,34 @@ def test_tied_pairs_are_built_equal(adapter: tuple[LayeredModel, torch.Tensor, t
     for (i, a), (j, b) in tied_parameters(model):
         assert i != j and b in dict(model.build_layer(j).named_parameters())
         assert a in dict(model.build_layer(i).named_parameters())
+
+
+class _Declares:
+    """A model whose only point is its tied_parameters() declaration."""
+
+    num_layers = 3
+
+    def __init__(self, pairs: object) -> None:
+        self.pairs = pairs
+
+    def build_layer(self, index: int) -> torch.nn.Module:
+        with torch.random.fork_rng():
+            torch.manual_seed(index)
+            return torch.nn.Linear(4, 4, bias=index == 1)
+
+    def tied_parameters(self) -> object:
+        return self.pairs
+
+
+@pytest.mark.parametrize(("pairs", "needle"), [
+    ([(0, "weight")], r"gave \(0, 'weight'\); expected \(\(layer, name\), \(layer, name\)\)"),
+    ([((0, "weight"), (3, "weight"))], r"names \(3, 'weight'\); expected a layer in 0\.\.2"),
+    ([((0, "weight"), (2, "weight")), ((1, "weight"), (2, "weight"))],
+     r"ties layers\.2\.weight twice"),
+    ([((0, "weight"), (2, "bias"))], r"tied parameter layers\.2\.bias does not exist"),
+    ([((0, "weight"), (2, "weight"))], r"are not built equal"),  # seeds 0 and 2 differ
+])
+def test_bad_tied_declarations_are_one_line(pairs: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=rf"^model: .*{needle}") as info:
+        check_tied_parameters(_Declares(pairs))
+    assert "\n" not in str(info.value)

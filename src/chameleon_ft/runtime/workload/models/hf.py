@@ -69,7 +69,7 @@ from chameleon_ft.runtime.workload.models.base import (
 )
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.model import ModelSpec
-from chameleon_ft.spec.model_source import HF_FAMILIES, HFFamily, hf_family, read_hf_config
+from chameleon_ft.spec.model_source import HFFamily, hf_family, read_hf_config
 
 _COPIED_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 """Tokenizer and generation files copied from the source directory into an export."""
@@ -521,7 +521,3 @@ def save_random_llama(spec: ModelSpec, out_dir: Path, *, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> Path:
     """:func:`save_random_hf` of a Llama of ``spec``'s shape."""
     return save_random_hf(llama_config(spec), out_dir, seed=seed, dtype=dtype)
-
-
-SUPPORTED = tuple(sorted(HF_FAMILIES))
-"""The ``model_type`` values this adapter builds."""
