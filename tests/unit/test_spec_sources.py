@@ -80,6 +80,12 @@ def _spec_of(tmp_path: Path, **changes: Any) -> Any:
     return config.model
 
 
+def test_dropout_flags_and_zero_rates_are_accepted(tmp_path: Path) -> None:
+    spec = _spec_of(tmp_path, model_type="phi3", resid_pdrop=0.0, embd_pdrop=0,
+                    attention_dropout=0.0, use_dropout=True)
+    assert spec.num_blocks == 4
+
+
 def test_each_family_gives_its_own_shape(tmp_path: Path) -> None:
     h, f, v = 64, 128, 512
     cases: list[tuple[dict[str, Any], dict[str, Any], int]] = [

@@ -205,8 +205,8 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     family = hf_family(data, repr(str(path)))
     _mlp_kind(family, data, repr(str(path)))
     for key, value in sorted(data.items()):
-        if (("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float))
-                and value > 0):
+        if (("dropout" in key or key.endswith("pdrop")) and not isinstance(value, bool)
+                and isinstance(value, (int, float)) and value > 0):
             fail("model.path", f"{str(config_file)!r}: {key} = {value}: dropout is not "
                  "supported (a step redone after a failure must compute the same); set it "
                  "to 0")
