@@ -20,15 +20,27 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/chameleon train --config examples/tiny_cpu.toml \
 		--fault rank=3,step=120,kind=kill,phase=backward --out runs/demo
 
-# The Llama example's model directory and token file (examples/llama_tiny_cpu.toml),
-# built locally: no download.
-examples: examples/data/tokens.bin examples/data/llama-tiny/config.json
+# The examples' models, tokenizer and token files (examples/llama_tiny_cpu.toml,
+# examples/qwen_tiny_cpu.toml), built locally: no download.
+examples: examples/data/tokens.bin examples/data/llama-tiny/config.json \
+	examples/data/qwen-tokens.bin examples/data/qwen-tiny/config.json
 
 examples/data/tokens.bin: $(STAMP) examples/make_tokens.py
 	$(BIN)/python examples/make_tokens.py --out $@
 
-examples/data/llama-tiny/config.json: $(STAMP) examples/make_llama.py
-	$(BIN)/python examples/make_llama.py --out examples/data/llama-tiny
+examples/data/llama-tiny/config.json: $(STAMP) examples/make_model.py
+	$(BIN)/python examples/make_model.py --family llama --out examples/data/llama-tiny
+
+examples/data/tokenizer/tokenizer.json: $(STAMP) examples/make_tokenizer.py
+	$(BIN)/python examples/make_tokenizer.py --out examples/data/tokenizer \
+		--corpus examples/data/corpus.jsonl
+
+examples/data/qwen-tokens.bin: examples/data/tokenizer/tokenizer.json
+	$(BIN)/chameleon prepare-data --tokenizer examples/data/tokenizer \
+		--input examples/data/corpus.jsonl --out $@
+
+examples/data/qwen-tiny/config.json: $(STAMP) examples/make_model.py
+	$(BIN)/python examples/make_model.py --family qwen2 --out examples/data/qwen-tiny
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

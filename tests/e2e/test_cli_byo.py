@@ -127,3 +127,27 @@ def test_unknown_optimizer(tmp_path: Path, llama: Path) -> None:
 def test_unknown_optimizer_argument(tmp_path: Path, llama: Path) -> None:
     _one_line_error(_job(tmp_path, llama, optimizer="SGD",
                          optimizer_args="lr = 0.1\nmomentm = 0.9"), "optimizer.momentm")
+
+
+@pytest.mark.timeout(180)
+def test_prepare_data_through_the_cli(tmp_path: Path) -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import make_tokenizer
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    tokenizer = make_tokenizer.main(["--out", str(tmp_path / "tok"), "--corpus",
+                                     str(tmp_path / "corpus.jsonl"), "--max-bytes", "40000"])
+    (tmp_path / "notes.txt").write_text("A text file is one document.\n", encoding="utf-8")
+    out = tmp_path / "tokens.bin"
+    proc = subprocess.run(cmd("prepare-data", "--tokenizer", str(tokenizer), "--input",
+                              str(tmp_path / "corpus.jsonl"), str(tmp_path / "notes.txt"),
+                              "--out", str(out)),
+                          capture_output=True, text=True, timeout=150, env=env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    documents = len((tmp_path / "corpus.jsonl").read_text().splitlines()) + 1
+    assert proc.stdout.startswith(f"prepare-data: {documents} documents, ")
+    assert proc.stderr == ""  # no progress bar off a terminal
+    ids = np.fromfile(out, dtype="uint16")
+    assert (ids == 0).sum() == documents  # one end-of-sequence id per document
+    assert ids[-1] == 0 and ids.max() < 512

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,38 @@ def example_scripts() -> object:
         yield make_tokens, make_llama
     finally:
         sys.path.remove(str(EXAMPLES))
+
+
+def test_qwen_example_builds_prepares_and_trains(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """make examples' steps for examples/qwen_tiny_cpu.toml, in a temporary folder."""
+    from chameleon_ft.cli import main
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import make_model
+        import make_tokenizer
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    shutil.copy(EXAMPLES / "qwen_tiny_cpu.toml", tmp_path)
+    data = tmp_path / "data"
+    tokenizer = make_tokenizer.main(["--out", str(data / "tokenizer"), "--corpus",
+                                     str(data / "corpus.jsonl"), "--max-bytes", "120000"])
+    assert main(["prepare-data", "--tokenizer", str(tokenizer), "--input",
+                 str(data / "corpus.jsonl"), "--out", str(data / "qwen-tokens.bin")]) == 0
+    make_model.main(["--family", "qwen2", "--out", str(data / "qwen-tiny")])
+    capsys.readouterr()
+    config = load_config(tmp_path / "qwen_tiny_cpu.toml")
+    assert config.model is not None and config.model.attention_bias == "qkv"
+    model = load_model(config)
+    assert model.num_layers == 6 and model.describe().startswith("Qwen2 from ")  # type: ignore[attr-defined]
+    losses = train_reference(config, steps=8).losses
+    assert losses[0] == pytest.approx(np.log(512), abs=0.1)
+    assert losses[-1] < losses[0]
+    assert load_config(tmp_path / "qwen_tiny_cpu.toml").data.dtype == "uint16"
+    tied = make_model.main(["--family", "qwen2", "--out", str(data / "qwen-tied"), "--tied"])
+    assert load_model(replace(config, model_source=replace(
+        config.model_source, path=str(tied)))).tied_parameters()  # type: ignore[attr-defined]
 
 
 def test_llama_example_builds_and_trains(tmp_path: Path, example_scripts: object) -> None:

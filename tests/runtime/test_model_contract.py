@@ -1,6 +1,7 @@
-"""One contract over every model adapter (gpt, hf random, hf from a directory, a python
-factory): names independent of the split, split forward == whole forward, deterministic
-build, loss summed over the micro-batch."""
+"""One contract over every model adapter (gpt, hf random, hf from a directory of every
+supported family, a python factory): names independent of the split, split forward ==
+whole forward, deterministic build, loss summed over the micro-batch, tied pairs built
+equal."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from chameleon_ft.runtime.workload.models import (
     LayeredModel,
     build_stage,
     check_model,
+    check_tied_parameters,
     load_model,
     probe_outputs,
+    tied_parameters,
     to_run,
 )
 from chameleon_ft.spec import config_from_mapping
+from chameleon_ft.spec.model_source import HF_FAMILIES
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLUSTER = {"num_nodes": 1, "devices_per_node": 2, "device": "cpu"}
@@ -42,16 +46,18 @@ def _hf_random() -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
     return load_model(config), x, torch.roll(x, -1, 1)
 
 
-def _hf_dir(tmp: Path) -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
-    from chameleon_ft.runtime.workload.models.hf_llama import save_random_llama
-    from chameleon_ft.spec.model import ModelSpec
+def _hf_dir(family: str) -> Callable[[Path], tuple[LayeredModel, torch.Tensor, torch.Tensor]]:
+    def make(tmp: Path) -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
+        from hf_families import SEQ_LEN, VOCAB, save_family
 
-    save_random_llama(ModelSpec(mlp="swiglu", **LLAMA), tmp / "llama", seed=5,
-                      dtype=torch.float64)
-    config = config_from_mapping({"model": {"source": "hf", "path": "llama", "seq_len": 12},
-                                  "cluster": CLUSTER, "job": JOB}, base_dir=str(tmp))
-    x = torch.randint(0, 97, (4, 12), generator=torch.Generator().manual_seed(3))
-    return load_model(config), x, torch.roll(x, -1, 1)
+        save_family(family, tmp / family, seed=5)
+        config = config_from_mapping({"model": {"source": "hf", "path": family,
+                                                "seq_len": SEQ_LEN},
+                                      "cluster": CLUSTER, "job": JOB}, base_dir=str(tmp))
+        x = torch.randint(0, VOCAB, (4, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+        return load_model(config), x, torch.roll(x, -1, 1)
+
+    return make
 
 
 def _python() -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
@@ -67,7 +73,7 @@ def _python() -> tuple[LayeredModel, torch.Tensor, torch.Tensor]:
 ADAPTERS: dict[str, Callable[[Path], tuple[LayeredModel, torch.Tensor, torch.Tensor]]] = {
     "gpt": lambda _tmp: _gpt(),
     "hf-random": lambda _tmp: _hf_random(),
-    "hf-dir": _hf_dir,
+    **{f"hf-{family}": _hf_dir(family) for family in HF_FAMILIES},
     "python": lambda _tmp: _python(),
 }
 
@@ -128,3 +134,42 @@ def test_loss_is_a_sum_over_the_micro_batch(adapter: tuple[LayeredModel, torch.T
     assert total.dim() == 0
     assert float(total) == pytest.approx(float(halves), rel=1e-12)
     assert float(model.loss(out[:1], y[:1])) < float(total)
+
+
+def test_tied_pairs_are_built_equal(adapter: tuple[LayeredModel, torch.Tensor, torch.Tensor]) -> None:
+    model, _, _ = adapter
+    check_tied_parameters(model)  # raises for a pair that is not built equal
+    for (i, a), (j, b) in tied_parameters(model):
+        assert i != j and b in dict(model.build_layer(j).named_parameters())
+        assert a in dict(model.build_layer(i).named_parameters())
+
+
+class _Declares:
+    """A model whose only point is its tied_parameters() declaration."""
+
+    num_layers = 3
+
+    def __init__(self, pairs: object) -> None:
+        self.pairs = pairs
+
+    def build_layer(self, index: int) -> torch.nn.Module:
+        with torch.random.fork_rng():
+            torch.manual_seed(index)
+            return torch.nn.Linear(4, 4, bias=index == 1)
+
+    def tied_parameters(self) -> object:
+        return self.pairs
+
+
+@pytest.mark.parametrize(("pairs", "needle"), [
+    ([(0, "weight")], r"gave \(0, 'weight'\); expected \(\(layer, name\), \(layer, name\)\)"),
+    ([((0, "weight"), (3, "weight"))], r"names \(3, 'weight'\); expected a layer in 0\.\.2"),
+    ([((0, "weight"), (2, "weight")), ((1, "weight"), (2, "weight"))],
+     r"ties layers\.2\.weight twice"),
+    ([((0, "weight"), (2, "bias"))], r"tied parameter layers\.2\.bias does not exist"),
+    ([((0, "weight"), (2, "weight"))], r"are not built equal"),  # seeds 0 and 2 differ
+])
+def test_bad_tied_declarations_are_one_line(pairs: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=rf"^model: .*{needle}") as info:
+        check_tied_parameters(_Declares(pairs))
+    assert "\n" not in str(info.value)

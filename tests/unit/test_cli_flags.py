@@ -20,6 +20,7 @@ FLAGS = {
               "--token", "--trace", "--workers"},
     "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
                "--job", "--num-workers", "--token"},
+    "prepare-data": {"--input", "--out", "--tokenizer"},
 }
 
 
@@ -34,7 +35,8 @@ def test_commands_and_flags_are_pinned() -> None:
 
 def test_required_flags() -> None:
     parser = build_parser()
-    for argv in (["estimate"], ["plan", "--config", "x.toml"], ["train"]):
+    for argv in (["estimate"], ["plan", "--config", "x.toml"], ["train"],
+                 ["prepare-data", "--tokenizer", "t", "--out", "o.bin"]):
         try:
             parser.parse_args(argv)
         except SystemExit as exc:

@@ -1,8 +1,9 @@
 """The ``chameleon`` command.
 
-Each sub-command lives in its own module of this package with two functions,
-``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
-command runs, so ``chameleon estimate`` never pays for importing torch.
+Each sub-command lives in its own module of this package (``prepare-data`` in
+``prepare_data_cmd``) with two functions, ``add_arguments(parser)`` and ``run(args) ->
+int``; modules are imported only when their command runs, so ``chameleon estimate`` never
+pays for importing torch.
 
 Bad input raises ``ValueError`` anywhere below; it is printed as one line on stderr and the
 command exits with status 2. No traceback reaches the user.
@@ -14,6 +15,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 COMMANDS: dict[str, str] = {
     "estimate": "Estimate step time, throughput and memory of a job, failure-free or rerouted.",
@@ -21,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "Replay failure traces against every policy side by side.",
     "train": "Train a GPT on worker processes and survive killed or hung workers.",
     "worker": "Join a running `chameleon train` from another host.",
+    "prepare-data": "Tokenize local text or JSONL files into a token file for training.",
 }
 
 EXIT_USAGE = 2
@@ -37,10 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, help_text in COMMANDS.items():
-        module = importlib.import_module(f"chameleon_ft.cli.{name}_cmd")
+        module = _command_module(name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
     return parser
+
+
+def _command_module(name: str) -> Any:
+    """The module of sub-command ``name``."""
+    return importlib.import_module(f"chameleon_ft.cli.{name.replace('-', '_')}_cmd")
 
 
 def _version() -> str:
@@ -57,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Import only the command that runs.
         parser = _Parser(prog="chameleon")
         sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-        module = importlib.import_module(f"chameleon_ft.cli.{command}_cmd")
+        module = _command_module(command)
         p = sub.add_parser(command, help=COMMANDS[command], description=COMMANDS[command])
         module.add_arguments(p)
     else:

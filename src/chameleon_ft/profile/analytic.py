@@ -50,18 +50,27 @@ def activation_bytes_per_token(model: ModelSpec) -> float:
     fused attention kernel that keeps no score matrix and sequence parallelism (divide by
     ``t``).
 
-    Norm inputs (2 x 2h), the QKV input (2h), Q (2h), K and V (4h kv/a), the attention
-    output (2h), the MLP input (2h) and the MLP's activations: GELU's input and output
-    (4f), or SwiGLU's gate, up and their product (6f; the SiLU is recomputed by the fused
-    kernel). GELU models add two dropout masks (2h). For GPT-3 shapes this is Korthikanti
+    Norm inputs (2 x 2h), the QKV input (2h), Q (2ad: 2h unless ``head_dim`` differs),
+    K and V (4 kv d), the attention output (2ad), the MLP input (2h) and the MLP's
+    activations: GELU's input and output (4f), or a gated MLP's gate, up and their product
+    (6f; the activation is recomputed by the fused kernel). GELU models add two dropout masks (2h). For GPT-3 shapes this is Korthikanti
     et al.'s ``34 s b h / t`` (their Eq. 6).
     """
     h, f = model.hidden_size, model.ffn
-    kv_ratio = model.kv_heads / model.num_heads
-    attention = 4 * h + 2 * h + 2 * h + 4 * h * kv_ratio + 2 * h
-    if model.mlp == "swiglu":
+    q, kv = _attention_widths(model)
+    attention = 4 * h + 2 * h + 2 * q + 4 * kv + 2 * q
+    if model.gated:
         return attention + 2 * h + 6 * f
     return attention + 2 * h + 4 * f + 2 * h
+
+
+def _attention_widths(model: ModelSpec) -> tuple[float, float]:
+    """Widths of the queries (and the attention output) and of the keys (and the values):
+    ``a d`` and ``kv d``; ``h`` and ``h kv / a`` when ``head_dim`` is ``h / a``."""
+    if model.head_dim:
+        return float(model.num_heads * model.head_dim), float(model.kv_heads * model.head_dim)
+    h = model.hidden_size
+    return float(h), h * (model.kv_heads / model.num_heads)
 
 
 def analytic_profile(
@@ -104,9 +113,9 @@ def analytic_profile(
         raise ValueError(f"optimizer_shards: must be >= 1, got {optimizer_shards}")
     b, s, h, a = micro_batch, model.seq_len, model.hidden_size, model.num_heads
     v, f, t = model.vocab_size, model.ffn, tp
-    kv_ratio = model.kv_heads / a
+    q_width, kv_width = _attention_widths(model)
     tokens = b * s
-    gated = model.mlp == "swiglu"
+    gated = model.gated
     mlp_in = (2 if gated else 1) * f  # gate and up projections for SwiGLU
 
     tp_comm_s = 0.0
@@ -116,16 +125,16 @@ def analytic_profile(
         tp_comm_s = 2 * _ring_allreduce_s(BF16_BYTES * tokens * h, t, latency_s, bw)
 
     # ---- one block: its products (forward; input gradient and weight gradient cost the same)
-    qkv_out = h * (1 + 2 * kv_ratio)
+    qkv_out = q_width + 2 * kv_width
     products = (
         _gemm(device, tokens, h, qkv_out / t)
-        + _gemm(device, tokens, h / t, h)
+        + _gemm(device, tokens, q_width / t, h)
         + _gemm(device, tokens, h, mlp_in / t)
         + _gemm(device, tokens, f / t, h)
     )
     # The attention core: Q K^T and P V over the heads of this device.
-    attention_flops = 4 * b * s * s * h / t
-    qkvo_bytes = BF16_BYTES * tokens * (2 * h + 2 * h * kv_ratio) / t
+    attention_flops = 4 * b * s * s * q_width / t
+    qkvo_bytes = BF16_BYTES * tokens * (2 * q_width + 2 * kv_width) / t
     scores = b * s * s * a / t  # score-matrix elements on this device
     if fused_attention:
         # The causal half only; the backward recomputes the scores.
@@ -187,7 +196,7 @@ def analytic_profile(
     lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
     layers = [layer("embedding", lookup_s, 0.0, lookup_s, v * h,
                     BF16_BYTES * tokens * h / t, boundary_bytes)]
-    block_params = (2 + 2 * kv_ratio) * h * h + (mlp_in + f) * h + 2 * h  # + two norms
+    block_params = model.block_params()
     for i in range(model.num_blocks):
         layers.append(layer(f"block{i}", block_fwd_s, block_bwd_input_s, block_bwd_weight_s,
                             block_params, activation, boundary_bytes, comm_s=tp_comm_s))

@@ -40,9 +40,9 @@ from chameleon_ft.spec.model_source import (
     read_hf_config,
 )
 from chameleon_ft.spec.optimizer import OptimizerSpec, optimizer_from_mapping
-from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource
+from chameleon_ft.spec.profile_source import ProfileKind, ProfileSource, Recompute
 from chameleon_ft.spec.recovery import PolicySpec, RecoverySpec
-from chameleon_ft.spec.train import TrainSpec
+from chameleon_ft.spec.train import ActivationCheckpointing, TrainSpec
 
 EXTRA_SECTIONS = ("simulation", "failures", "published")
 """Tables that belong to other commands (the simulator; the published-runs benchmark);
@@ -189,15 +189,19 @@ def _model_table(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec | No
         spec = _model(data)
     except ValueError as exc:
         raise prefixed("model", exc) from None
-    if not (explicit or path or factory) and spec.mlp == "swiglu" and not spec.tied_embeddings:
+    if not (explicit or path or factory) and spec.mlp == "swiglu":
         # without a source, a SwiGLU architecture (the Llama presets) trains as Llama
         source = ModelSourceKind.HF.value
     if source == ModelSourceKind.HF:
-        if spec.mlp != "swiglu":
-            fail("model.mlp", f'source = "hf" builds Llama (swiglu) blocks, got {spec.mlp!r}')
-        if spec.tied_embeddings:
-            fail("model.tied_embeddings", 'source = "hf" keeps the embedding and the head '
-                 "apart; tied embeddings are not supported")
+        # without a directory, the architecture keys build a Llama with random weights
+        for key, llama in (("mlp", "swiglu"), ("qk_norm", False), ("block_norms", 2)):
+            if getattr(spec, key) != llama:
+                fail(f"model.{key}", f'source = "hf" without model.path builds Llama blocks '
+                     f"({key} = {llama!r}), got {getattr(spec, key)!r}; give model.path "
+                     "for other families")
+        if spec.attention_bias == "qkv":
+            fail("model.attention_bias", 'source = "hf" without model.path builds Llama '
+                 'blocks (attention_bias "none" or "all"); give model.path for Qwen2')
     return spec, _source(source=source, path=path, factory=factory)
 
 
@@ -239,6 +243,11 @@ class _ModelOverrides:
     seq_len: int | None = None
     mlp: str | None = None
     tied_embeddings: bool | None = None
+    head_dim: int | None = None
+    attention_bias: str | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool | None = None
+    block_norms: int | None = None
 
 
 def _cluster(data: Mapping[str, Any]) -> ClusterSpec:
@@ -309,6 +318,8 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
     optimizer = optimizer_from_mapping(data.get("optimizer", {}),
                                        train_table if isinstance(train_table, Mapping) else {})
     extra = {k: data[k] for k in EXTRA_SECTIONS if k in data}
+    train = _section(TrainSpec, train_table, "train")
+    profile, train = _one_recompute_switch(profile, train, data.get("profile", {}), train_table)
     try:
         return Config(
             model=model,
@@ -317,7 +328,7 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
             profile=profile,
             recovery=_section(RecoverySpec, data.get("recovery", {}), "recovery"),
             policy=_section(PolicySpec, data.get("policy", {}), "policy"),
-            train=_section(TrainSpec, train_table, "train"),
+            train=train,
             model_source=model_source,
             data=_section(DataSpec, data.get("data", {}), "data"),
             optimizer=optimizer,
@@ -326,6 +337,34 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: str = ".") -> Config:
         )
     except TypeError as exc:  # pragma: no cover - guarded by from_mapping
         raise ValueError(str(exc)) from None
+
+
+def _one_recompute_switch(profile: ProfileSource, train: TrainSpec, profile_table: Any,
+                          train_table: Any) -> tuple[ProfileSource, TrainSpec]:
+    """``[train] activation_checkpointing`` and ``[profile] recompute`` are one switch: the
+    one written decides the other (``full`` with ``full``, ``none`` with ``none``); both
+    written must agree on ``full``; neither: the runtime keeps every activation and the
+    planner prices its default (``selective``).
+
+    Raises:
+        ValueError: naming ``train.activation_checkpointing`` when the two disagree.
+    """
+    key = "activation_checkpointing"
+    wrote_train = isinstance(train_table, Mapping) and key in train_table
+    wrote_profile = isinstance(profile_table, Mapping) and "recompute" in profile_table
+    full = ActivationCheckpointing.FULL.value
+    if wrote_train and wrote_profile:
+        if (train.activation_checkpointing == full) != (profile.recompute == Recompute.FULL):
+            fail(f"train.{key}", f"{train.activation_checkpointing!r} conflicts with "
+                 f"profile.recompute {profile.recompute!r}; they are one switch: set one "
+                 "and the other follows")
+        return profile, train
+    if wrote_train:
+        return replace(profile, recompute=train.activation_checkpointing), train
+    if wrote_profile:
+        value = full if profile.recompute == Recompute.FULL else ActivationCheckpointing.NONE
+        return profile, replace(train, activation_checkpointing=str(value))
+    return profile, train
 
 
 def load_config(path: str | Path) -> Config:

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from chameleon_ft.spec._fields import check_choice, check_int, fail
 
+MLP_KINDS = ("gelu", "swiglu", "geglu")
+"""``[model] mlp``: a plain GELU MLP, or a gated one with SiLU (SwiGLU) or GELU (GeGLU)."""
+ATTENTION_BIASES = ("none", "qkv", "all")
+"""``[model] attention_bias``."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
@@ -32,18 +37,38 @@ class ModelSpec:
     seq_len: int
     """Tokens per sample (sequence length s)."""
     mlp: str = "gelu"
-    """``gelu`` (two matrices) or ``swiglu`` (three matrices)."""
+    """``gelu`` (two matrices), ``swiglu`` or ``geglu`` (gated: three matrices, SiLU or GELU
+    on the gate)."""
     tied_embeddings: bool = False
-    """Whether the head reuses the embedding matrix (parameters counted once)."""
+    """Whether the head reuses the embedding matrix. The model then holds it once, but the
+    last stage still keeps its own copy (Megatron-LM's embedding group; so does the
+    runtime), so the head's parameters count on the last stage either way."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means ``hidden_size / num_heads``. Some families
+    differ (Gemma 7B: 16 heads of 256 on a hidden size of 3072)."""
+    attention_bias: str = "none"
+    """Biases of the attention projections: ``none``, ``qkv`` (Qwen2) or ``all`` (q, k, v
+    and the output projection: Llama's ``attention_bias = true``)."""
+    mlp_bias: bool = False
+    """Biases on the MLP's projections (Llama's ``mlp_bias = true``)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's query and key (Qwen3): ``2 head_dim`` parameters."""
+    block_norms: int = 2
+    """Norms of ``hidden_size`` per block: 2 (before attention and MLP), 4 for Gemma 2
+    (also after each)."""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "hidden_size", "num_heads", "vocab_size", "seq_len"):
             check_int(name, getattr(self, name))
         check_int("num_kv_heads", self.num_kv_heads, minimum=0)
         check_int("ffn_size", self.ffn_size, minimum=0)
-        check_choice("mlp", self.mlp, ("gelu", "swiglu"))
-        if self.hidden_size % self.num_heads:
-            fail("hidden_size", f"{self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        check_choice("mlp", self.mlp, MLP_KINDS)
+        check_int("head_dim", self.head_dim, minimum=0)
+        check_choice("attention_bias", self.attention_bias, ATTENTION_BIASES)
+        check_int("block_norms", self.block_norms, minimum=0)
+        if not self.head_dim and self.hidden_size % self.num_heads:
+            fail("hidden_size", f"{self.hidden_size} is not divisible by num_heads "
+                 f"{self.num_heads}; set head_dim")
         if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
             fail("num_kv_heads", f"{self.kv_heads} must divide num_heads {self.num_heads}")
 
@@ -56,6 +81,28 @@ class ModelSpec:
     def ffn(self) -> int:
         """MLP hidden size, resolving the 0 default."""
         return self.ffn_size or 4 * self.hidden_size
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head, resolving the 0 default."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (three matrices)."""
+        return self.mlp in ("swiglu", "geglu")
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block: the four attention projections (with their
+        biases), the MLP's matrices (and biases), q/k norms and the block's norms."""
+        h, f, d = self.hidden_size, self.ffn, self.head_size
+        q, kv = self.num_heads * d, self.kv_heads * d
+        attention = h * q + 2 * h * kv + q * h
+        if self.attention_bias != "none":
+            attention += q + 2 * kv + (h if self.attention_bias == "all" else 0)
+        inputs = 2 if self.gated else 1
+        mlp = (inputs + 1) * h * f + ((inputs * f + h) if self.mlp_bias else 0)
+        return attention + mlp + (2 * d if self.qk_norm else 0) + self.block_norms * h
 
     @property
     def num_layers(self) -> int:

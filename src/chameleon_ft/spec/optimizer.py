@@ -1,8 +1,8 @@
 """The optimizer (section ``[optimizer]``): a ``torch.optim`` class, its keyword arguments
 and a learning-rate schedule. Used by the runtime only.
 
-The table's own keys are ``name``, ``schedule``, ``warmup_steps``, ``decay_steps`` and
-``min_lr``; every other key is a keyword argument of the optimizer class (``lr``, ``betas``,
+The table's own keys are ``name``, ``schedule``, ``warmup_steps``, ``decay_steps``,
+``min_lr`` and ``clip_grad_norm``; every other key is a keyword argument of the optimizer class (``lr``, ``betas``,
 ``eps``, ``weight_decay``, ``momentum``...). This module stays pure: whether the class and
 its arguments exist is checked by the runtime against the class's signature
 (``chameleon_ft.runtime.workload.optim``), still before any worker starts.
@@ -29,7 +29,7 @@ class ScheduleKind(StrEnum):
     COSINE = "cosine"
 
 
-OWN_KEYS = ("name", "schedule", "warmup_steps", "decay_steps", "min_lr")
+OWN_KEYS = ("name", "schedule", "warmup_steps", "decay_steps", "min_lr", "clip_grad_norm")
 """Keys of ``[optimizer]`` that are not arguments of the optimizer class."""
 
 
@@ -51,6 +51,12 @@ class OptimizerSpec:
     """For ``cosine``: the step at which the rate reaches ``min_lr`` (0: ``[train] steps``)."""
     min_lr: float = 0.0
     """For ``cosine``: the final learning rate."""
+    clip_grad_norm: float = 0.0
+    """Clip the gradients by their global norm before each step, as
+    ``torch.nn.utils.clip_grad_norm_`` over the whole model does: the norm of every
+    parameter's gradient (each parameter once: one replica, a tied pair once, frozen
+    parameters none), and when it exceeds this value every gradient is scaled by
+    ``clip_grad_norm / (norm + 1e-6)``. 0 (default): no clipping."""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -59,6 +65,7 @@ class OptimizerSpec:
         check_int("warmup_steps", self.warmup_steps, minimum=0)
         check_int("decay_steps", self.decay_steps, minimum=0)
         check_positive("min_lr", self.min_lr, allow_zero=True)
+        check_positive("clip_grad_norm", self.clip_grad_norm, allow_zero=True)
         for key, value in self.args.items():
             if key in ("params", "self"):
                 fail(key, "is set by the runtime (one layer's parameters), not the config")
@@ -103,7 +110,7 @@ def optimizer_from_mapping(data: Mapping[str, Any],
         else:
             args[key] = tuple(value) if isinstance(value, list) else value
     for key, kind in (("name", str), ("schedule", str), ("warmup_steps", int),
-                      ("decay_steps", int), ("min_lr", float)):
+                      ("decay_steps", int), ("min_lr", float), ("clip_grad_norm", float)):
         value = own.get(key)
         if value is None:
             continue

@@ -34,7 +34,8 @@ class ProfileSource:
     """JSON profile to read, for ``kind = "file"`` (relative to the config file)."""
     recompute: str = Recompute.SELECTIVE.value
     """For ``analytic``: activation recomputation, ``none``, ``selective`` (the attention
-    core) or ``full`` (the whole block)."""
+    core) or ``full`` (the whole block). One switch with ``[train]
+    activation_checkpointing``, which the runtime executes: set either, the other follows."""
     fused_attention: bool = True
     """For ``analytic``: attention by a fused kernel (FlashAttention) that skips the causal
     half and never writes the score matrix; ``false`` prices the score matrix's memory

@@ -12,6 +12,15 @@ from enum import StrEnum
 from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
 
 
+class ActivationCheckpointing(StrEnum):
+    """What a worker keeps of a layer's forward for its backward."""
+
+    NONE = "none"
+    """Every activation the backward needs."""
+    FULL = "full"
+    """Only each layer's input; the backward runs the layer's forward again."""
+
+
 class FaultKind(StrEnum):
     """How an injected fault takes a worker out."""
 
@@ -176,10 +185,19 @@ class TrainSpec:
     it back in (the plan changes at a step boundary, state migrates to it)."""
     faults: tuple[str, ...] = ()
     """Injected faults, each ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``."""
+    activation_checkpointing: str = ActivationCheckpointing.NONE.value
+    """``none``, or ``full``: each layer keeps only its input and recomputes its forward in
+    its backward (the same parameters, less activation memory). One switch with
+    ``[profile] recompute``: set either and the other follows (``full`` with ``full``;
+    ``none`` with ``none``, or with ``selective``, which the runtime does not do and only
+    the planner prices); setting both so that one is ``full`` and the other not is an
+    error."""
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps)
         check_choice("dtype", self.dtype, ("float32", "float64"))
+        check_choice("activation_checkpointing", self.activation_checkpointing,
+                     [a.value for a in ActivationCheckpointing])
         check_int("seed", self.seed, minimum=0)
         check_positive("lr", self.lr)
         check_positive("weight_decay", self.weight_decay, allow_zero=True)

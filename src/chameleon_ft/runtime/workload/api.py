@@ -3,13 +3,84 @@
 
 from __future__ import annotations
 
+import ast
+import multiprocessing.process
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault, parse_fault
+
+GUARD = 'if __name__ == "__main__":'
+EXIT_USAGE = 2
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """Whether a top-level statement is ``if __name__ == "__main__":`` (or a test that
+    compares ``__name__`` with ``"__main__"``)."""
+    if not isinstance(node, ast.If):
+        return False
+    for part in ast.walk(node.test):
+        if isinstance(part, ast.Compare):
+            names = [part.left, *part.comparators]
+            if (any(isinstance(n, ast.Name) and n.id == "__name__" for n in names)
+                    and any(isinstance(n, ast.Constant) and n.value == "__main__"
+                            for n in names)):
+                return True
+    return False
+
+
+def _unguarded_call(frame: FrameType | None) -> tuple[str, int] | None:
+    """Where the main module's top-level code leads to this call outside the guard:
+    ``(file, line)``, or ``None`` when the call is guarded or cannot be told (no main
+    file, a source that does not parse, a call from outside the main module's code)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or not path:
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            return None if _is_main_guard(node) else (str(path), line)
+    return None
+
+
+def check_main_guard(frame: FrameType | None) -> None:
+    """Stop at once, in one line, when training would start again in every worker.
+
+    Workers start from a server that imports the main module (multiprocessing's
+    forkserver, as ``spawn`` does), so a script that calls :func:`train` at its top level
+    without the guard runs it again in each of them. Two checks: in the script's own
+    process, the call is found in the main module's source outside ``if __name__ ==
+    "__main__":``; in a worker, the call happens while multiprocessing is still
+    importing the main module (its ``_inheriting`` flag, what its own
+    ``_check_not_importing_main`` reads).
+
+    Raises:
+        SystemExit: with status 2, after printing the one line on stderr.
+    """
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        where = "while a worker process imports the main module"
+    else:
+        found = _unguarded_call(frame)
+        if found is None:
+            return
+        where = (f"at the top level of {found[0]} (line {found[1]}); every worker process "
+                 "imports the main module and would call it again")
+    print(f"chameleon_ft.train: called {where}: put the call under `{GUARD}`",
+          file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE)
 
 
 def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
@@ -21,7 +92,9 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
     """Train on worker processes of this host and survive their failures in place.
 
     Call it under ``if __name__ == "__main__":``: the workers are started from a server
-    process that imports the main module.
+    process that imports the main module. Called at a script's top level without that
+    guard (or while a worker imports the main module), it stops at once with one line
+    saying so, before any worker starts (:func:`check_main_guard`).
 
     Args:
         config: a job file or a loaded :class:`~chameleon_ft.spec.config.Config` (cluster,
@@ -49,7 +122,9 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
     Raises:
         ValueError: for bad input (one line naming the field).
         WorkerFailure: when training cannot go on.
+        SystemExit: status 2, for a call outside the ``__main__`` guard.
     """
+    check_main_guard(sys._getframe(1))
     from chameleon_ft.runtime.coordinator.shell import Coordinator
     from chameleon_ft.spec import load_config
 

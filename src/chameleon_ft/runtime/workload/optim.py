@@ -12,6 +12,13 @@ from the same factory, and loads the bytes into both.
 An optional learning-rate schedule ``lr_at(step) -> float`` sets every parameter group's
 ``lr`` before each step; ``[optimizer] schedule`` builds one (:class:`LRSchedule`), the
 Python API takes any callable.
+
+Clipping by global norm (``[optimizer] clip_grad_norm``) is torch's own arithmetic spread
+over the layers: each holder sums :func:`grad_norm_squared` over the parameters it counts
+(every parameter once: one replica per layer, a tied pair once, frozen parameters not at
+all), the sums are added up, and every gradient is multiplied by
+:func:`clip_coefficient` of the square root. A frozen parameter (``requires_grad =
+False``) never moves: :meth:`LayerTrainState.step` drops any gradient it was given.
 """
 
 from __future__ import annotations
@@ -166,6 +173,27 @@ def schedule_from_config(config: Config, base_lr: float | None = None) -> LRSche
                       decay_steps=decay, min_lr=spec.min_lr)
 
 
+CLIP_EPS = 1e-6
+"""What ``torch.nn.utils.clip_grad_norm_`` adds to the norm before dividing by it."""
+
+
+def grad_norm_squared(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """Sum over ``params`` with a gradient of the square of each gradient's 2-norm, in
+    float64: a holder's share of the global norm's square (torch computes the global
+    norm as the norm of the per-tensor norms)."""
+    norms = [torch.linalg.vector_norm(p.grad).to(torch.float64)
+             for p in params if p.grad is not None]
+    return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
+
+
+def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch.Tensor:
+    """The factor every gradient is multiplied by when clipping to ``max_norm``:
+    ``min(1, max_norm / (total_norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
+    computes it (which multiplies by it even when it is 1)."""
+    norm = torch.as_tensor(total_norm, dtype=torch.float64)
+    return torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
 class LayerTrainState:
     """One layer's module and its optimizer: what moves when the layer moves."""
 
@@ -193,7 +221,11 @@ class LayerTrainState:
     def step(self, step_index: int) -> None:
         """Apply the accumulated gradients: set the rate of 0-based step ``step_index``
         from the schedule, then ``optimizer.step()``. Parameters without a gradient are
-        left alone (torch.optim skips them)."""
+        left alone (torch.optim skips them); a frozen parameter's gradient (a zero one
+        filled in for an all-reduce) is dropped first, so weight decay never moves it."""
+        for param in self.module.parameters():
+            if not param.requires_grad:
+                param.grad = None
         if self.lr_schedule is not None:
             lr = float(self.lr_schedule(step_index))
             for group in self.optimizer.param_groups:

@@ -1,13 +1,18 @@
 """The plain single-process trainer: the oracle for the runtime's results.
 
 It trains the job's model on the same samples with the ordinary whole model in one
-process: for ``[model] source = "hf"`` a ``transformers.LlamaForCausalLM`` loaded from the
-same directory (or holding the same random initial weights), for any other source the
+process: for ``[model] source = "hf"`` the family's ``AutoModelForCausalLM`` loaded from
+the same directory (or holding the same random initial weights), for any other source the
 layers in one ``nn.Sequential``; one optimizer from the same factory over all parameters
 (``torch.optim.AdamW`` by default); the loss of a step is the mean over the whole global
-batch (token cross-entropy for the GPT and Llama). It returns the final parameters by the
-runtime's names (``layers.{i}.<name>``), so they compare name by name with a run under
-any plan, failures and recoveries included.
+batch (token cross-entropy for the GPT and Hugging Face models). As in transformers, a
+tied pair is one parameter (the Sequential shares the original with the layer that holds
+the copy), so it gets the sum of both uses' gradients and counts once in the gradient
+norm; ``[optimizer] clip_grad_norm`` clips with ``torch.nn.utils.clip_grad_norm_`` over
+the whole model before each step; parameters built with ``requires_grad = False`` never
+get a gradient and never move. It returns the final parameters by the runtime's names
+(``layers.{i}.<name>``, tied copies left out), so they compare name by name with a run
+under any plan, failures and recoveries included.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from chameleon_ft.runtime.workload.data import DataSource, load_data
-from chameleon_ft.runtime.workload.models import LayeredModel, load_model, param_name, to_run
+from chameleon_ft.runtime.workload.models import (
+    LayeredModel,
+    load_model,
+    param_name,
+    split_param_name,
+    tied_copies,
+    tied_parameters,
+    to_run,
+)
 from chameleon_ft.runtime.workload.optim import (
     OptimizerFactory,
     optimizer_from_config,
@@ -36,13 +49,16 @@ class ReferenceRun:
     """What the reference trainer returns."""
 
     params: dict[str, torch.Tensor]
-    """Final parameters by runtime name, detached, on CPU."""
+    """Final parameters by runtime name (a tied pair under its original's name), detached,
+    on CPU."""
     losses: list[float] = field(default_factory=list)
     """Mean loss of every step (before its update)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Global gradient norm of every step, before clipping."""
 
 
 class _WholeModel:
-    """The whole model as one module, with the maps between its names and the runtime's."""
+    """The whole model as one module, with the map from its names to the runtime's."""
 
     def __init__(self, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
                  to_runtime: dict[str, str]) -> None:
@@ -52,32 +68,37 @@ class _WholeModel:
 
 
 def _is_hf(model: LayeredModel) -> bool:
-    # An HFLlama exists only once its module (and transformers) is imported.
-    module = sys.modules.get("chameleon_ft.runtime.workload.models.hf_llama")
-    return module is not None and isinstance(model, module.HFLlama)
+    # An HFCausalLM exists only once its module (and transformers) is imported.
+    module = sys.modules.get("chameleon_ft.runtime.workload.models.hf")
+    return module is not None and isinstance(model, module.HFCausalLM)
+
+
+def _layer_params(model: LayeredModel) -> dict[tuple[int, str], nn.Parameter]:
+    """Every parameter of every layer as built (values and ``requires_grad``)."""
+    return {(i, name): p for i in range(model.num_layers)
+            for name, p in model.build_layer(i).named_parameters()}
 
 
 def _hf_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from chameleon_ft.runtime.workload.models.hf_llama import ATTENTION, HFLlama
+    from chameleon_ft.runtime.workload.models.hf import HFCausalLM
 
-    assert isinstance(model, HFLlama)
-    to_runtime = {}
-    for i in range(model.num_layers):
-        for name, _ in model.build_layer(i).named_parameters():
-            to_runtime[model.hf_name(i, name)] = param_name(i, name)
+    assert isinstance(model, HFCausalLM)
+    layers = _layer_params(model)
+    to_runtime = {model.hf_name(i, name): param_name(i, name) for i, name in layers}
     if model.path is not None:
-        whole = LlamaForCausalLM.from_pretrained(str(model.path), local_files_only=True,
-                                                 attn_implementation=ATTENTION, dtype=dtype)
+        whole = AutoModelForCausalLM.from_pretrained(
+            str(model.path), local_files_only=True, attn_implementation=model.attention,
+            dtype=dtype)
     else:
-        whole = LlamaForCausalLM(model.config).to(dtype)
-        initial = {}
-        for i in range(model.num_layers):
-            for name, p in model.build_layer(i).named_parameters():
-                initial[model.hf_name(i, name)] = p.detach().to(dtype)
-        whole.load_state_dict(initial, strict=True)
+        whole = AutoModelForCausalLM.from_config(model.config, dtype=dtype,
+                                                 attn_implementation=model.attention)
+        whole.load_state_dict({model.hf_name(i, name): p.detach().to(dtype)
+                               for (i, name), p in layers.items()}, strict=True)
     whole.config.use_cache = False
+    for name, p in whole.named_parameters():  # frozen where the layer is frozen
+        p.requires_grad_(layers[split_param_name(to_runtime[name])].requires_grad)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = whole(input_ids=x, use_cache=False).logits
@@ -88,23 +109,30 @@ def _hf_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
 
 def _sequential_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
     whole = nn.Sequential(*[model.build_layer(i) for i in range(model.num_layers)]).to(dtype)
+    for (i, a), (j, b) in tied_parameters(model):  # one parameter, as transformers ties
+        owner, _, leaf = f"{j}.{b}".rpartition(".")
+        setattr(whole.get_submodule(owner), leaf, whole.get_parameter(f"{i}.{a}"))
+    copies = tied_copies(model)
     to_runtime = {}
     for full, _ in whole.named_parameters():
         index, _, name = full.partition(".")
-        to_runtime[full] = param_name(int(index), name)
+        runtime = param_name(int(index), name)
+        to_runtime[full] = copies.get(runtime, runtime)
     return _WholeModel(whole, whole, to_runtime)
 
 
 def train_reference(config: Config, *, model: LayeredModel | None = None,
                     data: DataSource | None = None, optimizer: OptimizerFactory | None = None,
                     lr_schedule: Callable[[int], float] | None = None,
-                    steps: int | None = None, dtype: torch.dtype | None = None) -> ReferenceRun:
+                    steps: int | None = None, dtype: torch.dtype | None = None,
+                    clip_grad_norm: float | None = None) -> ReferenceRun:
     """Train ``config`` in this process with the whole model.
 
     Args:
         config: the job; ``[train] steps``, ``dtype`` and ``[job] global_batch`` apply.
         model: the layered model (default: ``load_model(config)``); a Hugging Face model is
-            trained as ``LlamaForCausalLM``, any other as its layers in sequence.
+            trained as its family's ``AutoModelForCausalLM``, any other as its layers in
+            sequence.
         data: the data source (default: ``load_data(config)``).
         optimizer: the optimizer factory, called ONCE over all parameters (default:
             ``[optimizer]``).
@@ -112,9 +140,11 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
             none when ``optimizer`` is given).
         steps: steps to train (default ``[train] steps``).
         dtype: parameter dtype (default ``[train] dtype``).
+        clip_grad_norm: clip by global norm (default ``[optimizer] clip_grad_norm``; 0:
+            never).
 
     Returns:
-        The final parameters by runtime name and every step's mean loss.
+        The final parameters by runtime name, every step's mean loss and gradient norm.
     """
     model = load_model(config) if model is None else model
     data = load_data(config) if data is None else data
@@ -124,10 +154,12 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
             lr_schedule = schedule_from_config(config)
     dtype = torch_dtype(config.train.dtype) if dtype is None else dtype
     steps = config.train.steps if steps is None else steps
+    clip = config.optimizer.clip_grad_norm if clip_grad_norm is None else clip_grad_norm
     is_hf = _is_hf(model)
     whole = _hf_whole(model, dtype) if is_hf else _sequential_whole(model, dtype)
-    opt = optimizer(whole.module.parameters())
-    losses = []
+    params = list(whole.module.parameters())  # a tied pair once
+    opt = optimizer(params)
+    run = ReferenceRun(params={})
     batch = config.job.global_batch
     for step in range(steps):
         x, y = data.microbatch(step, 0, batch)
@@ -139,11 +171,16 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
             loss = model.loss(out, y) / y.numel()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if lr_schedule is not None:
             for group in opt.param_groups:
                 group["lr"] = float(lr_schedule(step))
         opt.step()
-        losses.append(float(loss.detach()))
-    params = {whole.to_runtime[name]: p.detach().cpu().clone()
-              for name, p in whole.module.named_parameters()}
-    return ReferenceRun(params=params, losses=losses)
+        run.losses.append(float(loss.detach()))
+        run.grad_norms.append(float(norm))
+    run.params = {whole.to_runtime[name]: p.detach().cpu().clone()
+                  for name, p in whole.module.named_parameters()}
+    return run

@@ -11,6 +11,14 @@ under different plans compare name by name.
 ``loss(output, targets)`` is SUMMED over the micro-batch's target elements; the runtime
 divides by the number of target elements in the whole step, so that the sum over
 micro-batches in any grouping is the step's mean.
+
+Optional: ``tied_parameters() -> [((layer, name), (layer, name)), ...]`` declares
+parameters that are one tensor in the model but live in two layers (a head tied to the
+embedding): each holder keeps a copy, built equal; the runtime sums the two copies'
+gradients every step (after the data-parallel reduction), so every optimizer moves both
+copies alike and they never differ. The first of a pair is the original: ``params.pt``,
+the reference trainer and exports name it alone (:func:`drop_tied_copies`). A parameter
+built with ``requires_grad = False`` is frozen: it never gets a gradient and never moves.
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ class LayeredModel(Protocol):
         ...
 
 
+TiedPair = tuple[tuple[int, str], tuple[int, str]]
+"""``((layer, name), (layer, name))``: the original and its copy."""
+
+
 def token_cross_entropy_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The default loss: token cross-entropy summed over every target token.
 
@@ -73,6 +85,82 @@ def split_param_name(full: str) -> tuple[int, str]:
     if head != "layers" or not index.isdigit() or not rest:
         raise ValueError(f"params: {full!r} is not a runtime parameter name layers.I.NAME")
     return int(index), rest[0]
+
+
+def tied_parameters(model: Any) -> list[TiedPair]:
+    """The model's tied pairs (``[]`` when it declares none), checked for form.
+
+    Raises:
+        ValueError: naming ``model`` for a declaration that is not a list of
+            ``((layer, name), (layer, name))`` with layers in range, or a parameter tied
+            twice.
+    """
+    fn = getattr(model, "tied_parameters", None)
+    if fn is None:
+        return []
+    pairs = list(fn())
+    seen: set[tuple[int, str]] = set()
+    out: list[TiedPair] = []
+    for pair in pairs:
+        try:
+            (i, a), (j, b) = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"model: tied_parameters() gave {pair!r}; expected "
+                             "((layer, name), (layer, name))") from None
+        for layer, name in ((i, a), (j, b)):
+            if (isinstance(layer, bool) or not isinstance(layer, int)
+                    or not 0 <= layer < model.num_layers or not isinstance(name, str)):
+                raise ValueError(f"model: tied_parameters() names ({layer!r}, {name!r}); "
+                                 f"expected a layer in 0..{model.num_layers - 1} and a "
+                                 "parameter name")
+            if (layer, name) in seen:
+                raise ValueError(f"model: tied_parameters() ties layers.{layer}.{name} twice")
+            seen.add((layer, name))
+        out.append(((i, a), (j, b)))
+    return out
+
+
+def tied_copies(model: Any) -> dict[str, str]:
+    """Runtime name of each tied copy -> the runtime name of its original."""
+    return {param_name(j, b): param_name(i, a) for (i, a), (j, b) in tied_parameters(model)}
+
+
+def drop_tied_copies(model: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` without the tied copies: one tensor per model parameter, as
+    ``params.pt``, the reference trainer and the exports name them."""
+    copies = tied_copies(model)
+    return {k: v for k, v in params.items() if k not in copies}
+
+
+def with_tied_copies(model: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` with every tied copy filled in from its original: the parameters of
+    every layer, for loading ``params.pt`` back into the layers."""
+    out = dict(params)
+    for copy_name, original in tied_copies(model).items():
+        if original in out:
+            out.setdefault(copy_name, out[original])
+    return out
+
+
+def check_tied_parameters(model: Any) -> None:
+    """Build the layers of every tied pair and check that both names exist with the same
+    shape, dtype, ``requires_grad`` and initial values.
+
+    Raises:
+        ValueError: naming ``model`` for a pair that does not hold.
+    """
+    for (i, a), (j, b) in tied_parameters(model):
+        params = {i: dict(model.build_layer(i).named_parameters())}
+        params.setdefault(j, dict(model.build_layer(j).named_parameters()))
+        if a not in params[i] or b not in params[j]:
+            missing = param_name(i, a) if a not in params[i] else param_name(j, b)
+            raise ValueError(f"model: tied parameter {missing} does not exist")
+        x, y = params[i][a], params[j][b]
+        if (x.shape != y.shape or x.dtype != y.dtype or x.requires_grad != y.requires_grad
+                or not torch.equal(x, y)):
+            raise ValueError(f"model: tied parameters {param_name(i, a)} and "
+                             f"{param_name(j, b)} are not built equal (shape, dtype, "
+                             "requires_grad, values)")
 
 
 class StageModel(nn.Module):
