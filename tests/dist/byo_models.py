@@ -3,6 +3,9 @@ pickle to the worker processes."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -38,3 +41,26 @@ class TinyRegression:
         x = np.stack([np.random.default_rng(g0 + i).normal(size=6) for i in range(size)])
         y = np.stack([np.sin(x[:, :3].sum(axis=1)), np.cos(x[:, 3:].sum(axis=1))], axis=1)
         return torch.tensor(x), torch.tensor(y)
+
+
+class SlowData:
+    """Deterministic byte samples (each a function of its global position only), each
+    micro-batch from step ``from_step`` on slowed down (a step that outlasts the hang
+    deadline and the old drain grace). Small to pickle: it holds no corpus."""
+
+    def __init__(self, seq_len: int, delay_s: float, from_step: int,
+                 global_batch: int) -> None:
+        self.seq_len, self.delay_s, self.from_step = seq_len, delay_s, from_step
+        self.global_batch = global_batch
+
+    def microbatch(self, step: int, first_sample: int, size: int) -> Any:
+        if step >= self.from_step:
+            time.sleep(self.delay_s)
+        start = step * self.global_batch + first_sample
+        g = torch.arange(start, start + size).unsqueeze(1)  # (size, 1)
+        t = torch.arange(self.seq_len + 1).unsqueeze(0)  # (1, T + 1)
+        tokens = (g * 31 + t * 7) % 256  # (size, T + 1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def digest(self) -> str:
+        return f"slow:{self.seq_len}:{self.delay_s}:{self.from_step}:{self.global_batch}"

@@ -123,8 +123,12 @@ class _Fakes:
         self.gen, self.step = gen, step
 
     # bulk state
-    def done(self) -> list[tuple[int, int]]:
-        return [(self.step, self.gen)]
+    def poll(self, store: Any, now_s: float,
+             gone: Any = None) -> tuple[list[tuple[int, int]], list[Any]]:
+        return [(self.step, self.gen)], []
+
+    def gone(self, worker: int) -> bool:
+        return False
 
     # processes
     def exits(self) -> dict[int, int]:
@@ -181,6 +185,6 @@ def test_one_poll_sees_checkpoints_before_deaths_and_votes_before_time(tmp_path:
     seen: list[str] = []
     coord.feed = lambda obs: seen.append(type(obs).__name__)  # type: ignore[method-assign]
     coord.poll(0.0)
-    assert seen.index("CheckpointDone") < seen.index("Exits")
+    assert seen.index("CheckpointWritten") < seen.index("Exits")
     assert seen.index("Reduced") < seen.index("Tick")
     assert seen[-1] == "Tick"

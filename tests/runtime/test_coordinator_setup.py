@@ -84,21 +84,73 @@ def _check_bulk(bulk: BulkState) -> None:
     for bad in ({}, {"op": "put", "kind": "checkpoint", "layer": "x"},
                 {"op": "put", "kind": "checkpoint", "layer": 99},
                 {"op": "get", "kind": "nothing", "layer": 0},
-                {"op": "get", "kind": "restore", "layer": 0, "step": 5}):
-        with pytest.raises(BlobError):
-            bulk.on_blob(bad, b"")
+                {"op": "get", "kind": "restore", "layer": 0, "step": 5},
+                {"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 3}):
+            with pytest.raises(BlobError):
+                bulk.on_blob(bad, b"")
     # an upload of a generation before the last restart is refused
     bulk.drop_before(3)
     with pytest.raises(BlobError, match="before the last restart"):
         bulk.on_blob({"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 1}, b"x")
+    bulk.expect(2, 3, deadline_s=100.0)
     bulk.on_blob({"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 3}, b"x")
-    assert (2, 3) in bulk.assemblies
-    with pytest.raises(BlobError, match="another generation"):
-        bulk.on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7}, b"x")
-    # a final upload whose state is older than the run's end would mix two steps
-    bulk.expect_finals(gen=7, step=12)
-    with pytest.raises(BlobError, match="holds step 11, the run ends at 12"):
-        bulk.on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7, "held_step": 11},
-                     b"x")
-    bulk.on_blob({"op": "put", "kind": "final", "layer": 0, "gen": 7, "held_step": 12}, b"y")
-    assert bulk.finals == {0: b"y"}
+    assert set(bulk.assemblies[(2, 3)].layers) == {0}
+
+
+class _Reports:
+    """What the workers reported through the store, for one checkpoint."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, dict[str, Any]] = {}
+        self.failure: str | None = None
+        self.forgotten = 0
+
+    def checkpoint_failure(self, gen: int, step: int) -> str | None:
+        return self.failure
+
+    def checkpoint_progress(self, gen: int, step: int) -> int:
+        return len(self.files)
+
+    def checkpoint_files(self, gen: int, step: int, num_layers: int) -> dict[int, Any]:
+        return dict(self.files)
+
+    def forget_checkpoint(self, gen: int, step: int, num_layers: int) -> None:
+        self.forgotten += 1
+
+
+def test_checkpoints_complete_from_reports_fail_on_refusal_or_deadline(tmp_path: Path) -> None:
+    from chameleon_ft.runtime.storage.checkpoint import write_layer
+
+    job = _coord(tmp_path).job
+    bulk = BulkState("127.0.0.1", job.secret, job.ckpt, job.num_layers, timeout_s=5.0)
+    try:
+        reports = _Reports()
+        bulk.expect(4, 1, deadline_s=10.0)
+        folder = bulk.get(4, 1).folder  # type: ignore[union-attr]
+        for layer in range(job.num_layers - 1):
+            f = write_layer(folder, f"layer{layer}.bin", lambda w: w(b"state"))
+            reports.files[layer] = {"file": f.name, "size": f.size, "sha256": f.sha256}
+        assert bulk.poll(reports, now_s=1.0) == ([], [])  # type: ignore[arg-type]
+        last = job.num_layers - 1
+        f = write_layer(folder, f"layer{last}.bin", lambda w: w(b"state"))
+        reports.files[last] = {"file": f.name, "size": f.size, "sha256": f.sha256}
+        assert bulk.poll(reports, now_s=2.0) == ([(4, 1)], [])  # type: ignore[arg-type]
+        saved = bulk.save(4, 1, accepted=True, plan={}, meta={}, store=reports)  # type: ignore[arg-type]
+        assert saved is not None and job.ckpt.steps() == [4]
+        manifest, record = saved
+        assert manifest.read_layer(0) == b"state"
+        assert record["bytes"] == 5 * job.num_layers and record["written_after_s"] == 2.0
+        # a worker's disk refused: that checkpoint fails, nothing of it stays
+        bulk.expect(8, 1, deadline_s=10.0)
+        reports.files, reports.failure = {}, "worker 2: No space left on device"
+        assert bulk.poll(reports, now_s=3.0) == (  # type: ignore[arg-type]
+            [], [(8, 1, "worker 2: No space left on device")])
+        bulk.drop(8, 1, reports)  # type: ignore[arg-type]
+        assert not bulk.get(8, 1) and job.ckpt.steps() == [4]
+        # silence past the deadline fails it too
+        reports.failure = None
+        bulk.expect(12, 1, deadline_s=10.0)
+        ((step, gen, why),) = bulk.poll(reports, now_s=11.0)[1]  # type: ignore[arg-type]
+        assert (step, gen) == (12, 1) and "deadline" in why
+    finally:
+        bulk.close()

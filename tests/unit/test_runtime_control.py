@@ -680,3 +680,62 @@ def test_each_transition_names_modes_and_a_known_cause(edge: tuple[Mode, str, Mo
     assert before is not after
     assert cause in {"tick", "exits", "death", "registered", "reduced", "stop", "software",
                      "trace-end", "decision", "unexplained"}
+
+
+# ---------------------------------------------------------------------- state on disk
+def test_a_checkpoint_is_complete_only_once_its_manifest_is_written() -> None:
+    run = Run(replace(PARAMS, keep_checkpoints=2)).start()
+    run.commit(10)
+    (save,) = of(run.feed(m.CheckpointWritten(run.at(), 10, 0)), m.SaveCheckpoint)
+    assert save.accepted and run.c.run.checkpoints == (0,)  # not complete yet
+    run.feed(m.CheckpointDone(run.at(), 10, 0))
+    assert run.c.run.checkpoints == (0, 10)
+    for step in (20, 30):
+        run.commit(10)
+        run.feed(m.CheckpointDone(run.at(), step, 0))
+    assert run.c.run.checkpoints == (20, 30)  # the older ones are deleted: forgotten
+    # one written by an abandoned timeline (before a restart) is discarded
+    run.kill(0, 2)
+    run.answer(Chosen("restart", two_stage((1, 3))))
+    (stale,) = of(run.feed(m.CheckpointWritten(run.at(), 30, 0)), m.SaveCheckpoint)
+    assert not stale.accepted
+
+
+def test_a_disk_that_refuses_drops_that_checkpoint_and_training_goes_on() -> None:
+    """A full disk while writing a checkpoint raised out of the coordinator's loop after
+    the state had marked the checkpoint complete."""
+    run = Run().start()
+    run.commit(10)
+    run.feed(m.CheckpointDone(run.at(), 10, 0))
+    run.commit(10)
+    out = run.feed(m.CheckpointFailed(run.at(), 20, 0, "worker 3: No space left on device"))
+    (drop,) = of(out, m.DropCheckpoint)
+    assert (drop.step, drop.gen) == (20, 0) and "No space" in drop.reason
+    assert "warning: checkpoint after 20 steps dropped" in logs(out)
+    assert "holds 10 steps" in logs(out)
+    assert run.c.run.checkpoints == (0, 10) and mode(run.c) is Mode.TRAINING
+    run.kill(1, 3)  # a restart reloads the last complete one
+    run.answer(Chosen("restart", two_stage((0, 2))))
+    assert run.c.run.load == st.Load("restore", 10)
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_one_before_and_is_set_aside() -> None:
+    run = Run().start()
+    run.commit(20)
+    for step in (10, 20):
+        run.feed(m.CheckpointDone(run.at(), step, 0))
+    run.commit(3)
+    run.kill(1, 3)
+    run.answer(Chosen("restart", two_stage((0, 2))))
+    assert run.c.run.load == st.Load("restore", 20)
+    gen = run.c.run.gen
+    bad = ErrorReport(0, False, None, "checkpoints/step00000020/layer1.bin does not match "
+                      "its sha256 in the manifest", corrupt_step=20)
+    out = run.feed(m.Errors(run.at(), gen, (bad,)))
+    assert of(out, m.MarkCorrupt) == [m.MarkCorrupt(20, bad.message)]
+    assert m.Abort(gen, 20) in out and m.Publish(gen + 1) in out
+    assert "corrupt" in logs(out) and "the one after 10 steps" in logs(out)
+    assert run.c.run.load == st.Load("restore", 10) and run.c.run.next_step == 10
+    assert 20 not in run.c.run.checkpoints and not of(out, m.Failure)
+    # a report about a checkpoint the generation does not load changes nothing
+    assert run.feed(m.Errors(run.at(), gen + 1, (bad,))) == []

@@ -291,3 +291,22 @@ def test_software_restart_refused_when_not_training_or_a_member_is_dead() -> Non
     dead, _ = st.workers_died(s, [3])
     with pytest.raises(ValueError, match="not alive"):
         st.software_restart(dead)
+
+
+def test_a_replacement_under_a_rerouted_id_is_not_offered_to_the_policy() -> None:
+    """The chaos benchmark found it: worker 0 died, its stage was rerouted, a replacement
+    took id 0 and came up idle; at the next failure the policy was offered worker 0, took
+    it for the stage's own worker back, and handed it its stage with no state copied (the
+    replacement crashed: no state for its layers)."""
+    from chameleon_ft.plan.reroute import reroute_plan
+
+    s = _training()
+    s, _ = st.workers_died(s, {0})
+    rerouted = reroute_plan(PLAN, [0])
+    s = st.committed(st.recovered(s, st.Recovery("reroute", rerouted)), s.next_step)
+    s = st.rejoin_ready(s, [0])  # the replacement, idle
+    assert 0 in rerouted.dead_workers and 0 in s.stateless
+    s, broken = st.workers_died(s, {3})
+    base, failed, usable = st.decision_inputs(s)
+    assert broken and base == rerouted and failed == {3}
+    assert 0 not in usable and usable == {1, 2}

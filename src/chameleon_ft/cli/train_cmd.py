@@ -28,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
     parser.add_argument("--steps", type=int, metavar="N", help="steps to train ([train] steps)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                        help="inject a fault: rank=R,step=S,kind=kill|hang|error|glitch"
-                             "[,phase=forward|backward|optimizer|recovery|migration]; fires "
-                             "once, the first time worker R reaches the phase at a step >= S; "
-                             "repeatable")
+                        help="inject a fault: rank=R,step=S,kind=kill|hang|error|glitch|"
+                             "disk-full|disk-error|read-only[,phase=forward|backward|"
+                             "optimizer|recovery|migration|checkpoint]; fires once, the first "
+                             "time worker R reaches the phase at a step >= S (disk faults fail "
+                             "its checkpoint write); repeatable")
     parser.add_argument("--policy", metavar="NAME",
                         help="chameleon (adaptive), reroute, dynamic, restart, shrink or "
                              "reroute-then-dynamic ([policy] name)")

@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             reply = _join(store, job, token, wanted_job, address, args.connect_timeout)
             proc = ctx.Process(target=worker_main,
                                args=(reply.worker, host, port, address, reply.incarnation,
-                                     secret, reply.replacement),
+                                     secret, reply.replacement, reply.local_index),
                                name=f"chameleon-worker-{reply.worker}")
             proc.start()
             procs.append((reply.worker, proc))

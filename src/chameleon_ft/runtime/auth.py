@@ -129,6 +129,8 @@ class JoinReply:
     incarnation: str = ""
     replacement: bool = False
     """Admitted in place of a dead worker (it waits idle until a plan uses it)."""
+    local_index: int = 0
+    """The worker's index among this job's workers on its host (its GPU)."""
 
     def to_json(self) -> str:
         """Serialise."""
@@ -146,7 +148,8 @@ class JoinReply:
             return cls(ok=bool(doc["ok"]), reason=str(doc.get("reason", "")),
                        worker=int(doc.get("worker", -1)),
                        incarnation=str(doc.get("incarnation", "")),
-                       replacement=bool(doc.get("replacement", False)))
+                       replacement=bool(doc.get("replacement", False)),
+                       local_index=int(doc.get("local_index", 0)))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ValueError("malformed join reply") from None
 

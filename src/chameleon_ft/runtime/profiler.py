@@ -68,11 +68,19 @@ def _built_state(shape: GPTShape, index: int, dtype: torch.dtype) -> LayerTrainS
     return state
 
 
+def _sync() -> None:
+    """Wait for queued GPU work (a no-op on the CPU), so a timing covers what it ran."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        _sync()
         t = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -124,8 +132,9 @@ def _measure_layer(layer: torch.nn.Module, i: int, num_layers: int, tokens: torc
 
 
 def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
-                   repeats: int = 20) -> dict[str, Any]:
-    """Time every layer of ``shape`` at ``micro_batch`` samples (one process, one thread).
+                   repeats: int = 20, device: str = "cpu") -> dict[str, Any]:
+    """Time every layer of ``shape`` at ``micro_batch`` samples (one process, one thread;
+    on ``device``, ``cpu`` or ``cuda``).
 
     Returns:
         ``{"layers": [dict per layer], "optimizer_step_s": float}`` (JSON-ready).
@@ -135,11 +144,13 @@ def measure_layers(shape: GPTShape, micro_batch: int, dtype_name: str,
     elem = torch.tensor([], dtype=dtype).element_size()
     corpus = ByteCorpus(shape.seq_len)
     tokens, targets = corpus.microbatch(0, 0, micro_batch)  # (b, T) each
-    hidden = torch.randn(micro_batch, shape.seq_len, shape.hidden_size, dtype=dtype)  # (b,T,H)
+    tokens, targets = tokens.to(device), targets.to(device)
+    hidden = torch.randn(micro_batch, shape.seq_len, shape.hidden_size, dtype=dtype,
+                         device=device)  # (b, T, H)
     out: list[dict[str, Any]] = []
     states = []
     for i in range(shape.num_layers):
-        layer = build_layer(shape, i, seed=0, dtype=dtype)
+        layer = build_layer(shape, i, seed=0, dtype=dtype).to(device)
         states.append(LayerTrainState.create(layer, _adamw))
         out.append(_measure_layer(layer, i, shape.num_layers, tokens, targets, hidden, elem,
                                   repeats))
@@ -490,6 +501,26 @@ def calibrate_from_run(base: Profile, op_times: list[dict[str, Any]], *,
                    control_s=control_overhead_s(op_times, skip_steps=skip_steps))
 
 
+def storage_gb_per_s(folder: Path, size: int = 256 << 20, repeats: int = 3) -> float:
+    """Write speed of ``folder``'s disk as a checkpoint sees it: ``size`` bytes written
+    and fsynced, GB/s, median (``[train] storage_gb_per_s``)."""
+    block = os.urandom(1 << 22)
+    speeds = []
+    for r in range(repeats):
+        path = folder / f".disk-probe-{os.getpid()}-{r}"
+        start = time.perf_counter()
+        try:
+            with open(path, "wb") as f:
+                for _ in range(max(1, size // len(block))):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+            speeds.append(size / (time.perf_counter() - start) / 1e9)
+        finally:
+            path.unlink(missing_ok=True)
+    return statistics.median(speeds)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m chameleon_ft.runtime.profiler --config FILE --out PROFILE.json``."""
     from chameleon_ft.spec import load_config
@@ -532,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         "group_form_s_by_size": meta["group_times_s"],
         "layer_build_s_by_layer": meta["layer_build_times_s"],
         "recovery_keys": meta["recovery"],
+        "train_keys": {"storage_gb_per_s": round(storage_gb_per_s(
+            Path(args.out).resolve().parent), 3)},
     }, indent=2))
     return 0
 

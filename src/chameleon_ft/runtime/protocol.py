@@ -122,6 +122,33 @@ def rendezvous_keys(groups: list[tuple[str, int]]) -> list[str]:
     return [f"{prefix}/0/{rank}" for prefix, size in groups for rank in range(size)]
 
 
+def checkpoint_layer_key(gen: int, step: int, layer: int) -> str:
+    """JSON ``{"file", "size", "sha256", "worker"}``: layer ``layer`` of the checkpoint
+    after ``step`` steps was written by generation ``gen``."""
+    return f"gen{gen}/ckpt/{step}/layer/{layer}"
+
+
+def checkpoint_count_key(gen: int, step: int) -> str:
+    """Counter: layer files of that checkpoint written so far."""
+    return f"gen{gen}/ckpt/{step}/count"
+
+
+def checkpoint_failed_key(gen: int, step: int) -> str:
+    """Why a worker could not write its share of that checkpoint (the disk refused)."""
+    return f"gen{gen}/ckpt/{step}/failed"
+
+
+def final_more_key(gen: int, worker: int) -> str:
+    """JSON list: more layers ``worker`` writes for the final checkpoint (their first
+    writer is gone)."""
+    return f"gen{gen}/final/more/{worker}"
+
+
+def final_done_key(gen: int) -> str:
+    """Set when the final checkpoint is complete: the workers leave."""
+    return f"gen{gen}/final/done"
+
+
 def heartbeat_key(worker: int, incarnation: str) -> str:
     """Counter the process ``incarnation`` of ``worker`` increments every heartbeat."""
     return f"hb/{worker}/{incarnation}"
@@ -190,6 +217,15 @@ class JobInfo:
     workload: str
     """The model, data and optimizer to train (``runtime.workload``), sealed with the
     job's secret: a worker without the token cannot open it, and a forged one is refused."""
+    checkpoint_dir: str = ""
+    """The run's checkpoint folder on the coordinator's host (a worker that sees it there,
+    with this job's marker, writes and reads its layer files itself)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``: where workers compute."""
+    storage_gb_per_s: float = 0.1
+    """Checkpoint folder bandwidth: write and read deadlines are sized by it."""
+    bulk_gb_per_s: float = 0.1
+    """Bulk channel bandwidth: transfer deadlines are sized by it."""
 
     def to_json(self) -> str:
         """Serialise."""
@@ -218,11 +254,14 @@ class ErrorReport:
     peer: int | None
     """The worker on the other end of the failed operation, when known."""
     message: str
+    corrupt_step: int | None = None
+    """Set when the report is a checkpoint (after this many steps) whose file does not
+    match its manifest: the worker read it to load and refused it."""
 
     def to_json(self) -> str:
         """Serialise."""
         return json.dumps({"worker": self.worker, "fatal": self.fatal, "peer": self.peer,
-                           "message": self.message})
+                           "message": self.message, "corrupt_step": self.corrupt_step})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ErrorReport:
@@ -233,9 +272,11 @@ class ErrorReport:
         """
         try:
             d = json.loads(text)
+            corrupt = d.get("corrupt_step")
             return cls(worker=int(d["worker"]), fatal=bool(d["fatal"]),
                        peer=None if d["peer"] is None else int(d["peer"]),
-                       message=str(d["message"]))
+                       message=str(d["message"]),
+                       corrupt_step=None if corrupt is None else int(corrupt))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ValueError("malformed error report") from None
 
@@ -409,6 +450,39 @@ class ControlStore:
             keys += [k for w in world for k in (loss_key(gen, step, w), timing_key(gen, step, w))]
         keys += rendezvous_keys(self._groups.pop(gen, []))
         self._delete(keys)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_progress(self, gen: int, step: int) -> int:
+        """Layer files of the checkpoint after ``step`` steps written by ``gen``."""
+        return int(self.store.add(checkpoint_count_key(gen, step), 0))
+
+    def checkpoint_files(self, gen: int, step: int,
+                         num_layers: int) -> dict[int, dict[str, Any]]:
+        """The layer files reported so far: layer -> ``{file, size, sha256, worker}``."""
+        out = {}
+        for layer in range(num_layers):
+            key = checkpoint_layer_key(gen, step, layer)
+            if self.has(key):
+                out[layer] = json.loads(self.store.get(key))
+        return out
+
+    def checkpoint_failure(self, gen: int, step: int) -> str | None:
+        """Why a worker could not write its share, or None."""
+        key = checkpoint_failed_key(gen, step)
+        return self.store.get(key).decode() if self.has(key) else None
+
+    def forget_checkpoint(self, gen: int, step: int, num_layers: int) -> None:
+        """Delete the keys of a checkpoint that completed or was dropped."""
+        self._delete([checkpoint_count_key(gen, step), checkpoint_failed_key(gen, step),
+                      *(checkpoint_layer_key(gen, step, i) for i in range(num_layers))])
+
+    def final_more(self, gen: int, worker: int, layers: list[int]) -> None:
+        """Ask ``worker`` to write these layers of the final checkpoint too."""
+        self.store.set(final_more_key(gen, worker), json.dumps(layers))
+
+    def final_done(self, gen: int) -> None:
+        """The final checkpoint is complete: the workers leave."""
+        self.store.set(final_done_key(gen), "1")
 
     # ------------------------------------------------------------------ joins
     def join_slots(self) -> int:

@@ -1,6 +1,7 @@
 """Runtime training settings (section ``[train]``): used by ``chameleon train`` only.
 
-Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``,
+Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|error|glitch|disk-full|
+disk-error|read-only[,phase=...]``,
 parsed here (pure Python) so that the CLI, the config file and the tests share one format.
 """
 
@@ -34,6 +35,16 @@ class FaultKind(StrEnum):
     """A transient communication failure: the worker breaks its generation's connections
     and reports the error, but stays alive. Errors no death explains: the coordinator
     redoes the generation (bounded by ``max_retries``)."""
+    DISK_FULL = "disk-full"
+    """Writing the worker's share of a checkpoint fails with ``ENOSPC`` (phase
+    ``checkpoint`` only): that checkpoint is dropped, training goes on."""
+    DISK_ERROR = "disk-error"
+    """The same with ``EIO`` (a failing disk)."""
+    READ_ONLY = "read-only"
+    """The same with ``EROFS`` (the folder became read-only)."""
+
+
+DISK_FAULTS = (FaultKind.DISK_FULL.value, FaultKind.DISK_ERROR.value, FaultKind.READ_ONLY.value)
 
 
 class FaultPhase(StrEnum):
@@ -51,6 +62,10 @@ class FaultPhase(StrEnum):
     MIGRATION = "migration"
     """After the worker posted its first state transfer of a migration (as sender or
     receiver): a failure while state moves."""
+    CHECKPOINT = "checkpoint"
+    """When the worker starts writing its layers of a checkpoint after a step numbered
+    ``step`` or later (a disk fault fails that write; a kill or hang takes the worker out
+    while it writes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,18 +83,24 @@ class Fault:
     step: int
     """0-based step from which on the fault is armed."""
     kind: str = FaultKind.KILL.value
-    """``kill``, ``hang`` or ``error``."""
+    """``kill``, ``hang``, ``error``, ``glitch``, or a disk fault (``disk-full``,
+    ``disk-error``, ``read-only``)."""
     phase: str = FaultPhase.FORWARD.value
-    """``forward``, ``backward`` or ``optimizer``."""
+    """``forward``, ``backward``, ``optimizer``, ``recovery``, ``migration`` or
+    ``checkpoint``."""
 
     def __post_init__(self) -> None:
         check_int("rank", self.rank, minimum=0)
         check_int("step", self.step, minimum=0)
         check_choice("kind", self.kind, [k.value for k in FaultKind])
         check_choice("phase", self.phase, [p.value for p in FaultPhase])
-        if self.kind == FaultKind.GLITCH and self.phase == FaultPhase.OPTIMIZER:
-            fail("phase", "a glitch is a communication failure; the optimizer phase "
+        if self.kind == FaultKind.GLITCH and self.phase in (FaultPhase.OPTIMIZER,
+                                                             FaultPhase.CHECKPOINT):
+            fail("phase", f"a glitch is a communication failure; the {self.phase} phase "
                  "communicates nothing (use forward, backward, recovery or migration)")
+        if self.kind in DISK_FAULTS and self.phase != FaultPhase.CHECKPOINT:
+            fail("phase", f"a {self.kind} fault happens while writing a checkpoint; use "
+                 "phase=checkpoint")
 
     def to_text(self) -> str:
         """The ``rank=R,step=S,kind=K,phase=P`` form."""
@@ -150,7 +171,25 @@ class TrainSpec:
     """Weight decay of every parameter: a shorthand for ``[optimizer] weight_decay``, as
     ``lr``."""
     backend: str = "auto"
-    """``gloo``, ``nccl``, or ``auto`` (NCCL when every worker has a GPU, else gloo)."""
+    """How workers communicate: ``gloo`` (TCP; with CUDA compute its transfers are staged
+    through host memory, so several workers may share one GPU), ``nccl`` (one GPU per
+    worker), or ``auto`` (NCCL when the workers compute on CUDA, else gloo)."""
+    device: str = "auto"
+    """Where workers compute: ``cpu``, ``cuda`` (worker ``k`` of a host on that host's GPU
+    ``k mod GPUs``, assigned per host, never from the worker's global id), or ``auto``
+    (CUDA when this host has a GPU)."""
+    storage_gb_per_s: float = 0.1
+    """Write (and read) bandwidth of the checkpoint folder per worker, GB/s: checkpoint and
+    final-state deadlines are the hang deadline plus the bytes over this, at least 10 s.
+    Measure it with ``python -m chameleon_ft.runtime.profiler``."""
+    bulk_gb_per_s: float = 0.1
+    """Bandwidth of the bulk channel to the coordinator (workers on hosts that do not see
+    the checkpoint folder), GB/s: a transfer's deadline is sized by its bytes the same
+    way."""
+    drain_timeout_s: float = 30.0
+    """The grace a scheduler gives between SIGTERM and SIGKILL (Slurm's ``KillWait`` is
+    30 s by default): a drain lets the step in flight finish while that leaves time to
+    write the final checkpoint, else aborts it at once."""
     heartbeat_s: float = 0.1
     """Interval of worker heartbeats into the store."""
     timeout_s: float = 0.0
@@ -202,6 +241,11 @@ class TrainSpec:
         check_positive("lr", self.lr)
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.backend == "nccl" and self.device == "cpu":
+            fail("backend", "nccl needs CUDA devices; set device = \"cuda\" or use gloo")
+        for name in ("storage_gb_per_s", "bulk_gb_per_s", "drain_timeout_s"):
+            check_positive(name, getattr(self, name))
         check_positive("heartbeat_s", self.heartbeat_s)
         for name in ("timeout_s", "collective_timeout_s", "hang_timeout_s"):
             check_positive(name, getattr(self, name), allow_zero=True)

@@ -74,6 +74,8 @@ class Seen:
     watch: Watch
     deaths: dict[int, str] = field(default_factory=dict)
     logs: tuple[str, ...] = ()
+    corrupt: dict[int, str] = field(default_factory=dict)
+    """Checkpoints (by committed steps) a worker found corrupt while loading, and why."""
 
 
 def read_errors(watch: Watch, slots: tuple[Slot, ...], *, alive: frozenset[int],
@@ -94,6 +96,7 @@ def read_errors(watch: Watch, slots: tuple[Slot, ...], *, alive: frozenset[int],
     """
     deaths: dict[int, str] = {}
     logs: list[str] = []
+    corrupt: dict[int, str] = {}
     w = watch
     for slot in slots:
         if slot == MISSING:
@@ -113,13 +116,16 @@ def read_errors(watch: Watch, slots: tuple[Slot, ...], *, alive: frozenset[int],
         w = replace(w, messages=(*w.messages, first_line))
         if slot.worker not in alive:
             continue
+        if slot.corrupt_step is not None:
+            corrupt.setdefault(slot.corrupt_step, first_line)
+            continue
         if slot.fatal:
             deaths[slot.worker] = "error: " + first_line
         elif slot.peer is not None:
             w = replace(w, suspects=w.suspects | {slot.peer})
         if w.unexplained_since_s is None:
             w = replace(w, unexplained_since_s=now_s)
-    return Seen(w, deaths, tuple(logs))
+    return Seen(w, deaths, tuple(logs), corrupt)
 
 
 def check_beats(beats: Mapping[tuple[int, str], Beat], counts: Mapping[int, tuple[str, int]],

@@ -63,8 +63,9 @@ def step(c: Control, obs: m.Observation, p: Params) -> tuple[Control, list[m.Eff
     if before in (Mode.FINISHED, Mode.FAILED):
         # the run is over; checkpoints that complete now still count (the final one is
         # written only when the last step has none)
-        return rules.on_checkpoint(c, obs, p) if isinstance(obs, m.CheckpointDone) \
-            else (c, [])
+        if isinstance(obs, m.CheckpointWritten | m.CheckpointDone | m.CheckpointFailed):
+            return rules.apply(c, obs, p)
+        return c, []
     new, effects = rules.apply(c, obs, p)
     edge = transition(before, obs, mode(new))
     if edge is not None and edge not in TRANSITIONS:

@@ -77,12 +77,34 @@ class Reduced:
 
 
 @dataclass(frozen=True)
-class CheckpointDone:
-    """Every layer of the checkpoint after ``step`` steps arrived from generation ``gen``."""
+class CheckpointWritten:
+    """Every layer file of the checkpoint after ``step`` steps was written by generation
+    ``gen`` (its manifest is not written yet: it is not complete)."""
 
     now_s: float
     step: int
     gen: int
+
+
+@dataclass(frozen=True)
+class CheckpointDone:
+    """The manifest of the checkpoint after ``step`` steps from ``gen`` was written: the
+    checkpoint is complete."""
+
+    now_s: float
+    step: int
+    gen: int
+
+
+@dataclass(frozen=True)
+class CheckpointFailed:
+    """The checkpoint after ``step`` steps from ``gen`` could not be written (the disk
+    refused a layer file or the manifest, or it did not finish in time)."""
+
+    now_s: float
+    step: int
+    gen: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -162,7 +184,8 @@ class Launched:
     replacement: bool
 
 
-Observation = (Tick | Exits | Beats | Errors | Registered | Ready | Reduced | CheckpointDone
+Observation = (Tick | Exits | Beats | Errors | Registered | Ready | Reduced | CheckpointWritten
+               | CheckpointDone | CheckpointFailed
                | JoinAsked | StopAsked | Relaunch | SoftwareFault | TraceEnd | Decision
                | RejoinDecision | Absent | Launched)
 
@@ -299,11 +322,31 @@ class ProbeAbsent:
 @dataclass(frozen=True)
 class SaveCheckpoint:
     """Write the manifest of the checkpoint after ``step`` steps from generation ``gen``
-    (``accepted`` False: discard it, it belongs to an abandoned timeline or exists)."""
+    (answer :class:`CheckpointDone` or :class:`CheckpointFailed`); ``accepted`` False:
+    discard it, it belongs to an abandoned timeline or exists."""
 
     step: int
     gen: int
     accepted: bool
+
+
+@dataclass(frozen=True)
+class DropCheckpoint:
+    """A checkpoint that could not be written: discard what was written of it and list
+    it in the report (the previous complete one stays valid)."""
+
+    step: int
+    gen: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MarkCorrupt:
+    """A complete checkpoint whose files no longer match its manifest: set it aside so
+    it is never tried again."""
+
+    step: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -348,5 +391,6 @@ class Stop:
 
 
 Effect = (Log | Publish | Abort | Commit | Fence | Launch | Reply | StartFrom | Failure
-          | Resolved | Decide | DecideRejoin | ProbeAbsent | SaveCheckpoint | DropTimelines
+          | Resolved | Decide | DecideRejoin | ProbeAbsent | SaveCheckpoint | DropCheckpoint
+          | MarkCorrupt | DropTimelines
           | Retire | Rejoined | Stop)

@@ -62,6 +62,8 @@ class Params:
     """How long a drain waits for the step in flight before aborting it."""
     join_hint: str = ""
     """Appended to the join-deadline error (how to start the missing workers)."""
+    keep_checkpoints: int | None = None
+    """Complete checkpoints kept on disk (older ones are forgotten)."""
     deadline_of: Callable[[ExecutionPlan, Any], tuple[float, str | None]] = \
         lambda _plan, _migration: (3.0, None)
     """A generation's collective deadline, and a log line when it was raised."""

@@ -244,6 +244,9 @@ def on_errors(c: Control, obs: m.Errors, p: Params) -> Out:
     seen = detector.read_errors(c.watch, obs.slots, alive=c.run.alive, now_s=obs.now_s,
                                 hang_s=p.hang_s)
     c, effects = deaths(replace(c, watch=seen.watch), seen.deaths, obs.now_s, p)
+    if seen.corrupt and obs.gen == c.run.gen:
+        c, more = corrupt_fallback(c, seen.corrupt, obs.now_s, p)
+        effects += more
     return c, [*(m.Log(x) for x in seen.logs), *effects]
 
 
@@ -353,15 +356,48 @@ def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Params) -> Out:
     return replace(c, run=run), effects
 
 
+def on_checkpoint_written(c: Control, obs: m.CheckpointWritten, p: Params) -> Out:
+    """Every layer file of a checkpoint is written: write its manifest, unless it belongs
+    to an abandoned timeline (or exists already)."""
+    accepted = st.checkpoint_acceptable(c.run, obs.step, obs.gen)
+    return c, [m.SaveCheckpoint(obs.step, obs.gen, accepted)]
+
+
 def on_checkpoint(c: Control, obs: m.CheckpointDone, p: Params) -> Out:
-    """Every layer of a checkpoint arrived: it is complete unless it belongs to an
-    abandoned timeline (or exists already)."""
-    run, accepted = st.checkpoint_complete(c.run, obs.step, obs.gen)
+    """The manifest is written: the checkpoint is complete (a restart may load it)."""
+    run, accepted = st.checkpoint_complete(c.run, obs.step, obs.gen, p.keep_checkpoints)
+    if not accepted:
+        return c, []
     times = dict(c.checkpoint_times)
-    if accepted:
-        times[obs.step] = obs.now_s
-    return replace(c, run=run, checkpoint_times=times), [
-        m.SaveCheckpoint(obs.step, obs.gen, accepted)]
+    times[obs.step] = obs.now_s
+    return replace(c, run=run, checkpoint_times=times), []
+
+
+def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Params) -> Out:
+    """A checkpoint could not be written: drop it (never complete); the previous one
+    stays valid and the next is tried as usual."""
+    latest = c.run.latest_checkpoint()
+    return c, [m.DropCheckpoint(obs.step, obs.gen, obs.reason),
+               m.Log(f"warning: checkpoint after {obs.step} steps dropped ({obs.reason}); "
+                     f"the last complete one holds {latest} steps; training goes on")]
+
+
+def corrupt_fallback(c: Control, corrupt: dict[int, str], now_s: float, p: Params) -> Out:
+    """A worker found the checkpoint the running generation loads corrupt: set it aside
+    and load the newest one before it instead (on the same plan)."""
+    s = c.run
+    if s.load is None or s.load.kind != "restore" or s.load.step not in corrupt:
+        return c, []
+    bad = s.load.step
+    run = st.checkpoint_corrupt(s, bad)
+    run = st.recovered(run, st.Recovery("restart", s.plan,
+                                        restored_step=run.latest_checkpoint(bad - 1)))
+    effects: list[m.Effect] = [
+        m.Abort(s.gen, s.next_step), m.MarkCorrupt(bad, corrupt[bad]),
+        m.Log(f"warning: the checkpoint after {bad} steps is corrupt ({corrupt[bad]}); "
+              f"loading the one after {run.next_step} steps instead")]
+    c, more = new_generation(replace(c, recovering=True), run, now_s, p)
+    return c, effects + more
 
 
 def on_join(c: Control, obs: m.JoinAsked, p: Params) -> Out:
@@ -496,7 +532,9 @@ def _retry(c: Control, now_s: float, p: Params) -> Out:
 _HANDLERS: dict[type, Callable[[Control, Any, Params], Out]] = {
     m.Tick: on_tick, m.Exits: on_exits, m.Beats: on_beats, m.Errors: on_errors,
     m.Launched: on_launched, m.Registered: on_registered, m.Ready: on_ready,
-    m.Reduced: on_reduced, m.CheckpointDone: on_checkpoint, m.JoinAsked: on_join,
+    m.Reduced: on_reduced, m.CheckpointWritten: on_checkpoint_written,
+    m.CheckpointDone: on_checkpoint, m.CheckpointFailed: on_checkpoint_failed,
+    m.JoinAsked: on_join,
     m.StopAsked: on_stop, m.TraceEnd: on_trace_end, m.Relaunch: on_relaunch,
     m.SoftwareFault: on_software, m.Decision: on_decision,
     m.RejoinDecision: on_rejoin_decision, m.Absent: on_absent}

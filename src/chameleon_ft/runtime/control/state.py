@@ -177,12 +177,16 @@ def decision_inputs(state: RunState) -> tuple[ExecutionPlan, frozenset[int], fro
     """What a recovery decision starts from: the placement the state really has, the
     workers of it whose state is gone (dead, or replaced by a process that holds
     nothing), and the workers the policy may use (holders, and idle workers outside the
-    placement; a replacement under an id of the placement waits for a re-join).
+    placement; a replacement under an id of the placement, live or rerouted, waits for a
+    re-join).
     """
     base = state.state_plan
     placed = frozenset(base.workers)
     failed = placed - state.holding
-    usable = state.holding | (state.alive - placed)
+    # a replacement under the id of a stage the placement reroutes is not offered either:
+    # the policy would take it for the stage's own worker back and hand it its stage
+    # without copying any state (it joins through a re-join, which migrates)
+    usable = state.holding | (state.alive - placed - (base.dead_workers & state.stateless))
     return base, failed, usable
 
 
@@ -351,16 +355,39 @@ def rejoin_planned(state: RunState, plan: ExecutionPlan, migration: Migration | 
     return replace(state, pending=pending)
 
 
-def checkpoint_complete(state: RunState, step: int, gen: int) -> tuple[RunState, bool]:
-    """Every layer of the checkpoint after ``step`` committed steps arrived from ``gen``.
+def checkpoint_acceptable(state: RunState, step: int, gen: int) -> bool:
+    """Whether a checkpoint written after ``step`` committed steps by ``gen`` may become
+    complete: not from a generation before the last (re)load (an abandoned timeline), not
+    ahead of the committed steps, not one that exists."""
+    return gen >= state.epoch and step <= state.next_step and step not in state.checkpoints
+
+
+def checkpoint_complete(state: RunState, step: int, gen: int,
+                        keep: int | None = None) -> tuple[RunState, bool]:
+    """The checkpoint after ``step`` committed steps from ``gen`` is complete (its
+    manifest is written).
+
+    Args:
+        state: the run.
+        step: its committed steps.
+        gen: the generation that wrote it.
+        keep: complete checkpoints kept on disk (older ones are deleted, so forgotten).
 
     Returns:
-        The new state and whether the checkpoint was accepted: uploads from a generation
-        before the last (re)load belong to an abandoned timeline.
+        The new state and whether the checkpoint was accepted (see
+        :func:`checkpoint_acceptable`).
     """
-    if gen < state.epoch or step > state.next_step or step in state.checkpoints:
+    if not checkpoint_acceptable(state, step, gen):
         return state, False
-    return replace(state, checkpoints=tuple(sorted((*state.checkpoints, step)))), True
+    done = tuple(sorted((*state.checkpoints, step)))
+    if keep is not None:
+        done = done[-keep:]
+    return replace(state, checkpoints=done), True
+
+
+def checkpoint_corrupt(state: RunState, step: int) -> RunState:
+    """A complete checkpoint turned out corrupt: it is forgotten (never loaded again)."""
+    return replace(state, checkpoints=tuple(c for c in state.checkpoints if c != step))
 
 
 def draining(state: RunState, reason: str) -> RunState:

@@ -1,56 +1,189 @@
-"""Bulk state the coordinator serves and receives over ``storage.blobs``: checkpoint shards
-assembled into checkpoints, the state a restart reloads, the final state.
+"""Checkpoints as the coordinator follows them: the layer files the workers report, the
+manifest it writes, and the bulk channel for workers on hosts without the shared folder.
 
-The blob server answers on its own threads; this handle holds what they share with the
-coordinator's loop behind a lock. It decides nothing about the run: the control plane says
-which checkpoints are accepted (``SaveCheckpoint``) and which timelines are abandoned
-(``DropTimelines``); uploads of generations before the last (re)load are refused here by
-the epoch the shell last told it.
+Workers write their layers themselves (``worker.checkpoints``) and report each file's size
+and sha256 through the store; this handle gathers the reports of each checkpoint it
+expects, notices failures and deadlines, and writes the manifest when the control plane
+accepts the checkpoint. It never reads a layer file, except to serve a worker that does not
+see the folder (``get restore``: one layer at a time, verified) or to write one such a
+worker sends (``put checkpoint``). It decides nothing about the run: the control plane says
+which checkpoints are accepted (``SaveCheckpoint``), dropped (``DropCheckpoint``) and which
+timelines are abandoned (``DropTimelines``).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.protocol import ControlStore
 from chameleon_ft.runtime.storage.blobs import BlobError, BlobServer
 from chameleon_ft.runtime.storage.checkpoint import (
     Assembly,
     CheckpointError,
     CheckpointStore,
+    LayerFile,
     Manifest,
 )
 
 
-class FinalStateMissing(RuntimeError):
-    """No holder of some layer uploaded its final state."""
+@dataclass
+class Pending:
+    """A checkpoint the coordinator expects: its assembly and its deadline."""
+
+    assembly: Assembly
+    deadline_s: float
+    expected_s: float = 0.0
+    """When the step it holds committed (run clock)."""
+    written_s: float | None = None
+    """When every layer file was reported (the control plane was told then)."""
+    writers: dict[int, list[float]] = field(default_factory=dict)
+    """Per worker: bytes written and seconds spent writing them."""
+    assigned: dict[int, int] = field(default_factory=dict)
+    """Layer -> the worker expected to write it (empty: not followed)."""
+
+    @property
+    def written(self) -> bool:
+        """Every layer file was reported."""
+        return self.written_s is not None
+
+    def record(self) -> dict[str, Any]:
+        """What the report says of this checkpoint's writing."""
+        total = float(sum(size for _, size, _ in self.assembly.layers.values()))
+        took = (self.written_s or self.expected_s) - self.expected_s
+        return {"step": self.assembly.step, "gen": self.assembly.gen, "bytes": total,
+                "committed_at_s": self.expected_s, "written_after_s": took,
+                "workers": {str(w): {"bytes": b, "write_s": s}
+                            for w, (b, s) in sorted(self.writers.items())}}
 
 
 class BulkState:
-    """Checkpoint assemblies, reloads and the final state, over the blob channel."""
+    """The checkpoints being written, and the bulk channel."""
 
     def __init__(self, host: str, secret: bytes, ckpt: CheckpointStore, num_layers: int, *,
-                 timeout_s: float) -> None:
+                 timeout_s: float, deadline: Deadline | None = None) -> None:
         self.ckpt = ckpt
         self.num_layers = num_layers
         self.lock = threading.Lock()
-        self.assemblies: dict[tuple[int, int], Assembly] = {}
-        self.completed: queue.Queue[tuple[int, int]] = queue.Queue()
-        self.finals: dict[int, bytes] = {}
-        self.final_gen = -1
-        self.final_step = -1
+        self.pending: dict[tuple[int, int], Pending] = {}
         self.epoch = 0
         """Uploads of generations before this one belong to an abandoned timeline."""
-        self.server = BlobServer(host, secret, self.on_blob, timeout_s=timeout_s)
+        self.server = BlobServer(host, secret, self.on_blob, timeout_s=timeout_s,
+                                 deadline=deadline)
 
     @property
     def port(self) -> int:
         """The blob server's port."""
         return self.server.port
 
+    @property
+    def assemblies(self) -> dict[tuple[int, int], Assembly]:
+        """The checkpoints being written, by ``(step, gen)``."""
+        with self.lock:
+            return {k: v.assembly for k, v in self.pending.items()}
+
+    def expect(self, step: int, gen: int, deadline_s: float, now_s: float = 0.0,
+               assigned: dict[int, int] | None = None) -> None:
+        """Generation ``gen`` writes the checkpoint after ``step`` steps, by ``deadline_s``
+        (run clock); ``assigned`` says which worker writes each layer (a layer whose writer
+        is gone fails the checkpoint at once instead of at its deadline)."""
+        with self.lock:
+            if (step, gen) not in self.pending:
+                self.pending[(step, gen)] = Pending(
+                    self.ckpt.begin(step, gen, self.num_layers), deadline_s, now_s,
+                    assigned=dict(assigned or {}))
+
+    def get(self, step: int, gen: int) -> Assembly | None:
+        """The assembly of a checkpoint being written, if it is expected."""
+        with self.lock:
+            entry = self.pending.get((step, gen))
+        return None if entry is None else entry.assembly
+
+    def is_pending(self, step: int) -> bool:
+        """Whether a checkpoint after ``step`` steps is being written."""
+        with self.lock:
+            return any(k[0] == step and not v.written for k, v in self.pending.items())
+
+    def poll(self, store: ControlStore, now_s: float,
+             gone: Callable[[int], bool] = lambda _w: False,
+             ) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]:
+        """The checkpoints whose every layer is now written, and those that failed (a
+        worker's disk refused, a layer's writer is gone, or the deadline passed):
+        ``(step, gen[, reason])``."""
+        written, failed = [], []
+        with self.lock:
+            pending = [(k, v) for k, v in self.pending.items() if not v.written]
+        for (step, gen), entry in pending:
+            why = store.checkpoint_failure(gen, step)
+            if why is None and not entry.assembly.complete and \
+                    store.checkpoint_progress(gen, step) > 0:
+                for layer, doc in store.checkpoint_files(gen, step, self.num_layers).items():
+                    if layer in entry.assembly.layers:
+                        continue
+                    entry.assembly.report(layer, LayerFile(str(doc["file"]), int(doc["size"]),
+                                                           str(doc["sha256"])))
+                    share = entry.writers.setdefault(int(doc.get("worker", -1)), [0.0, 0.0])
+                    share[0] += int(doc["size"])
+                    share[1] += float(doc.get("write_s", 0.0))
+            lost = sorted({w for layer, w in entry.assigned.items()
+                           if layer not in entry.assembly.layers and gone(w)})
+            if why is None and lost:
+                why = f"worker(s) {lost} exited before writing their layers"
+            if why is not None:
+                failed.append((step, gen, why))
+            elif entry.assembly.complete:
+                entry.written_s = now_s
+                written.append((step, gen))
+            elif now_s > entry.deadline_s:
+                failed.append((step, gen, f"not written within its deadline; "
+                               f"{len(entry.assembly.layers)} of {self.num_layers} layers "
+                               "were"))
+        return written, failed
+
+    def save(self, step: int, gen: int, *, accepted: bool, plan: dict[str, Any],
+             meta: dict[str, Any],
+             store: ControlStore) -> tuple[Manifest, dict[str, Any]] | None:
+        """Write the manifest of a written checkpoint (or discard it); returns it with the
+        record of its writing.
+
+        Raises:
+            OSError: when the disk refuses the manifest (the checkpoint is discarded).
+        """
+        with self.lock:
+            entry = self.pending.pop((step, gen), None)
+        store.forget_checkpoint(gen, step, self.num_layers)
+        if entry is None:
+            return None
+        if not accepted:
+            self.ckpt.discard(entry.assembly)
+            return None
+        try:
+            return self.ckpt.commit(entry.assembly, plan=plan, meta=meta), entry.record()
+        except (OSError, CheckpointError):
+            self.ckpt.discard(entry.assembly)
+            raise
+
+    def drop(self, step: int, gen: int, store: ControlStore) -> None:
+        """Discard a checkpoint that failed."""
+        with self.lock:
+            entry = self.pending.pop((step, gen), None)
+        store.forget_checkpoint(gen, step, self.num_layers)
+        if entry is not None:
+            self.ckpt.discard(entry.assembly)
+
+    def drop_before(self, epoch: int) -> None:
+        """Discard checkpoints of abandoned timelines; refuse their later uploads."""
+        with self.lock:
+            self.epoch = max(self.epoch, epoch)
+            stale = [k for k in self.pending if k[1] < self.epoch]
+            entries = [self.pending.pop(k) for k in stale]
+        for entry in entries:
+            self.ckpt.discard(entry.assembly)
+
+    # ------------------------------------------------------------------ the bulk channel
     def on_blob(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         """Answer a bulk request (on a server thread)."""
         try:
@@ -62,9 +195,6 @@ class BulkState:
             raise BlobError(f"layer {layer} does not exist")
         if op == "put" and kind == "checkpoint":
             self._put_checkpoint(header, layer, payload)
-            return {}, b""
-        if op == "put" and kind == "final":
-            self._put_final(header, layer, payload)
             return {}, b""
         if op == "get" and kind == "restore":
             try:
@@ -79,78 +209,15 @@ class BulkState:
             if gen < self.epoch:
                 raise BlobError(f"checkpoint upload from generation {gen}, before the last "
                                 f"restart (generation {self.epoch}): refused")
-            key = (step, gen)
-            if key not in self.assemblies:
-                self.assemblies[key] = self.ckpt.begin(step, gen, self.num_layers)
-            assembly = self.assemblies[key]
-        if assembly.add(layer, payload):
-            self.completed.put(key)
-
-    def _put_final(self, header: dict[str, Any], layer: int, payload: bytes) -> None:
-        with self.lock:
-            if int(header["gen"]) != self.final_gen:
-                raise BlobError("final upload for another generation")
-            if int(header.get("held_step", -1)) != self.final_step:
-                # a worker whose state is older than the run's (it missed a commit): its
-                # copy would mix two steps into the final state
-                raise BlobError(f"final upload of layer {layer} holds step "
-                                f"{header.get('held_step')}, the run ends at {self.final_step}")
-            self.finals.setdefault(layer, payload)
-
-    def done(self) -> list[tuple[int, int]]:
-        """Checkpoints whose every layer arrived since the last call: ``(step, gen)``."""
-        out = []
-        while True:
-            try:
-                out.append(self.completed.get_nowait())
-            except queue.Empty:
-                return out
-
-    def save(self, step: int, gen: int, *, accepted: bool, plan: dict[str, Any],
-             meta: dict[str, Any]) -> Manifest | None:
-        """Commit (or discard) a complete assembly."""
-        with self.lock:
-            assembly = self.assemblies.pop((step, gen), None)
-        if assembly is None:
-            return None
-        if not accepted:
-            self.ckpt.discard(assembly)
-            return None
-        return self.ckpt.commit(assembly, plan=plan, meta=meta)
-
-    def drop_before(self, epoch: int) -> None:
-        """Discard assemblies of abandoned timelines; refuse their later uploads."""
-        with self.lock:
-            self.epoch = max(self.epoch, epoch)
-            stale = [k for k in self.assemblies if k[1] < self.epoch]
-            for key in stale:
-                self.ckpt.discard(self.assemblies.pop(key))
-
-    def expect_finals(self, gen: int, step: int) -> None:
-        """The final generation is ``gen``; its uploads must hold ``step`` steps."""
-        with self.lock:
-            self.final_gen, self.final_step = gen, step
-
-    def gather_finals(self, holders: Mapping[int, tuple[int, ...]],
-                      gone: Callable[[int], bool], timeout_s: float) -> dict[int, bytes]:
-        """Wait (bounded) for one holder of every layer to upload its final state.
-
-        Raises:
-            FinalStateMissing: when every holder of a layer is gone, or the time is up.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self.lock:
-                have = dict(self.finals)
-            missing = [i for i in range(self.num_layers) if i not in have]
-            if not missing:
-                return have
-            lost = [i for i in missing if all(gone(w) for w in holders.get(i, ()))]
-            if lost or time.monotonic() > deadline:
-                raise FinalStateMissing(
-                    f"layers {missing}: no holder uploaded its final state (holders "
-                    f"{[list(holders.get(i, ())) for i in missing]})")
-            time.sleep(0.002)
+            entry = self.pending.get((step, gen))
+        if entry is None:
+            raise BlobError(f"no checkpoint after {step} steps is expected from generation "
+                            f"{gen}")
+        try:
+            entry.assembly.add(layer, payload)
+        except OSError as exc:
+            raise BlobError(f"the coordinator could not write layer {layer}: "
+                            f"{exc.strerror or exc}") from None
 
     def close(self) -> None:
         """Stop serving; discard checkpoints that will never complete."""
@@ -158,6 +225,7 @@ class BulkState:
             self.server.close()
         finally:
             with self.lock:
-                for assembly in self.assemblies.values():
-                    self.ckpt.discard(assembly)
-                self.assemblies.clear()
+                entries = list(self.pending.values())
+                self.pending.clear()
+            for entry in entries:
+                self.ckpt.discard(entry.assembly)

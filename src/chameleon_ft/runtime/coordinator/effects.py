@@ -19,6 +19,7 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.coordinator.admission import JoinDesk
 from chameleon_ft.runtime.report.records import Event, StepRecord
+from chameleon_ft.runtime.storage.checkpoint import CheckpointError, writer_of
 from chameleon_ft.runtime.workload.bundle import Workload, seal_workload
 from chameleon_ft.runtime.workload.models import probe_outputs, targets_per_sample
 from chameleon_ft.runtime.workload.precision import torch_dtype
@@ -41,18 +42,35 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
         job_name=job.job_name, job_id=job.job_id, nonce=job.nonce,
         num_workers=job.num_workers, num_layers=job.num_layers, dtype=train.dtype,
         micro_batch=coord.config.job.micro_batch, global_batch=coord.config.job.global_batch,
-        heartbeat_s=train.heartbeat_s, hang_timeout_s=job.hang_s, backend=train.backend,
+        heartbeat_s=train.heartbeat_s, hang_timeout_s=job.hang_s, backend=coord.backend,
         data_digest=Workload.data_digest(job.data), checkpoint_every=train.checkpoint_every,
         control_timeout_s=max(train.join_timeout_s, 10 * job.hang_s),
         blob_port=coord.bulk.port, boundaries=boundaries,
         targets_per_sample=targets_per_sample(y),
-        workload=seal_workload(job.workload, job.secret))
+        workload=seal_workload(job.workload, job.secret),
+        checkpoint_dir=str(job.ckpt.root), device=coord.device,
+        storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s)
+
+
+STORE_VALUE_BYTES = 8 << 20
+"""The largest value the store carries (torch's ``TCPStore``)."""
 
 
 def announce(coord: Coordinator) -> None:
-    """Publish the job and its faults; say where it listens."""
+    """Publish the job and its faults; say where it listens.
+
+    Raises:
+        ValueError: when the objects given to ``train`` are too large to send the workers.
+    """
     job = coord.job
-    coord.cs.set_job(job_info(coord))
+    info = job_info(coord)
+    size = len(info.to_json())
+    if size > STORE_VALUE_BYTES - (64 << 10):
+        raise ValueError(f"workload: the model, data and optimizer objects given to train() "
+                         f"pickle to {size / 2**20:.1f} MiB; the workers receive at most "
+                         f"{STORE_VALUE_BYTES >> 20} MiB through the store: give file paths or "
+                         "small factories that load the data on the workers")
+    coord.cs.set_job(info)
     coord.book.publish(coord.cs)
     coord.desk = JoinDesk(coord.cs, token=job.token, job_name=job.job_name, job_id=job.job_id,
                           nonce=job.nonce, hang_s=job.hang_s)
@@ -132,6 +150,11 @@ def _do_commit(coord: Coordinator, e: m.Commit) -> None:
         coord.cs.forget_step(e.gen, e.step - 1)
     coord.report.committed(StepRecord(e.step, loss, now - e.start_s, e.gen, now,
                                       len(workers)), timings)
+    every = coord.train.checkpoint_every
+    if every > 0 and (e.step + 1) % every == 0:
+        plan = coord.state.state_plan  # the plan that committed the step
+        coord.bulk.expect(e.step + 1, e.gen, now + coord.job.checkpoint_deadline_s(), now,
+                          {i: writer_of(plan.holders(i), i) for i in range(plan.num_layers)})
     coord.hooks.on_commit(coord, e.step)
 
 
@@ -157,9 +180,9 @@ def _do_reply(coord: Coordinator, e: m.Reply) -> None:
                                      "at_s": coord.now()})
         coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
         return
-    incarnation = coord.launcher.admitted(e.worker)
+    incarnation, index = coord.launcher.admitted(e.worker, request.host, coord.state.alive)
     coord.desk.reply(request, auth.JoinReply(ok=True, worker=e.worker, incarnation=incarnation,
-                                             replacement=e.replacement))
+                                             replacement=e.replacement, local_index=index))
     coord.feed(m.Launched(coord.now(), {e.worker: incarnation}, local=False,
                           replacement=e.replacement))
     coord.log(f"admitted worker {e.worker} from {request.host} ({request.address})"
@@ -234,11 +257,34 @@ def _do_probe(coord: Coordinator, e: m.ProbeAbsent) -> None:
 def _do_save(coord: Coordinator, e: m.SaveCheckpoint) -> None:
     meta = {"config": coord.job.digest, "job": coord.job.job_name,
             "dtype": coord.train.dtype, "num_layers": coord.job.num_layers}
-    manifest = coord.bulk.save(e.step, e.gen, accepted=e.accepted,
-                               plan=coord.state.state_plan.to_dict(), meta=meta)
-    if manifest is not None and coord.now() - coord.checkpoint_logged_s >= CHECKPOINT_LOG_S:
+    try:
+        manifest = coord.bulk.save(e.step, e.gen, accepted=e.accepted,
+                                   plan=coord.state.state_plan.to_dict(), meta=meta,
+                                   store=coord.cs)
+    except (OSError, CheckpointError) as exc:
+        reason = f"manifest not written: {getattr(exc, 'strerror', None) or exc}"
+        coord.feed(m.CheckpointFailed(coord.now(), e.step, e.gen, reason))
+        return
+    if manifest is None:
+        return
+    manifest, record = manifest
+    coord.report.checkpoint_writes.append(
+        record | {"complete_after_s": coord.now() - record["committed_at_s"]})
+    coord.feed(m.CheckpointDone(coord.now(), e.step, e.gen))
+    if coord.now() - coord.checkpoint_logged_s >= CHECKPOINT_LOG_S:
         coord.checkpoint_logged_s = coord.now()
         coord.log(f"checkpoint after {e.step} steps written to {manifest.folder}")
+
+
+def _do_drop(coord: Coordinator, e: m.DropCheckpoint) -> None:
+    coord.bulk.drop(e.step, e.gen, coord.cs)
+    coord.report.dropped.append({"step": e.step, "gen": e.gen, "reason": e.reason,
+                                 "at_s": coord.now()})
+
+
+def _do_mark_corrupt(coord: Coordinator, e: m.MarkCorrupt) -> None:
+    coord.job.ckpt.mark_corrupt(e.step, e.reason)
+    coord.report.corrupt.append({"step": e.step, "reason": e.reason, "at_s": coord.now()})
 
 
 def _do_retire(coord: Coordinator, e: m.Retire) -> None:
@@ -252,12 +298,18 @@ def _do_rejoined(coord: Coordinator, e: m.Rejoined) -> None:
 
 
 def _do_stop(coord: Coordinator, e: m.Stop) -> None:
+    """The final generation: every worker leaves; unless the run failed, the holders of
+    the final state write its checkpoint first (when none holds the final step yet)."""
     coord.stopped = e
-    if not e.failed:
-        coord.bulk.expect_finals(e.gen, e.step)
+    write = not e.failed and e.step not in coord.job.ckpt.steps() and \
+        not coord.bulk.is_pending(e.step)
+    timeout_s = coord.job.checkpoint_deadline_s()
+    if write:
+        coord.bulk.expect(e.step, e.gen, coord.now() + timeout_s, coord.now())
     coord.cs.publish(e.gen, {"action": "stop", "gen": e.gen, "step": e.step,
                              "final": {str(i): list(ws) for i, ws in e.final.items()},
-                             "reason": e.reason}, [])
+                             "write": write, "failed": e.failed, "reason": e.reason,
+                             "final_timeout_s": 2 * timeout_s}, [])
 
 
 _PERFORM: dict[type, Callable[[Any, Any], None]] = {
@@ -276,6 +328,8 @@ _PERFORM: dict[type, Callable[[Any, Any], None]] = {
     m.DecideRejoin: _do_decide_rejoin,
     m.ProbeAbsent: _do_probe,
     m.SaveCheckpoint: _do_save,
+    m.DropCheckpoint: _do_drop,
+    m.MarkCorrupt: _do_mark_corrupt,
     m.DropTimelines: lambda coord, e: coord.bulk.drop_before(e.epoch),
     m.Retire: _do_retire,
     m.Rejoined: _do_rejoined,

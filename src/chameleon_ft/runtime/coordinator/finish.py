@@ -1,32 +1,21 @@
-"""The end of a run: the final state gathered and written (checkpoint, ``params.pt``, the
-model's own format), the report, or, when training could not go on, the reason."""
+"""The end of a run: the final checkpoint written by the workers that hold the final
+state, ``params.pt`` and the model's own format exported from it by a process of its own
+(the coordinator never holds the model), and the report; or, when training could not go
+on, the reason."""
 
 from __future__ import annotations
 
-import hashlib
-import io
+import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from chameleon_ft.runtime.control import messages as m
-from chameleon_ft.runtime.coordinator.bulk import FinalStateMissing
+from chameleon_ft.runtime.coordinator.launcher import forkserver_context
 from chameleon_ft.runtime.report.records import Event
-from chameleon_ft.runtime.storage.checkpoint import write_atomic
-from chameleon_ft.runtime.storage.packing import PackError, unpack
-from chameleon_ft.runtime.workload.models import export_model, param_name
+from chameleon_ft.runtime.storage.checkpoint import step_dir_name, writer_of
+from chameleon_ft.runtime.storage.export import export_main
 
 if TYPE_CHECKING:
     from chameleon_ft.runtime.coordinator.shell import Coordinator
-
-
-def param_hash(params: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the parameters' names and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(params):
-        h.update(name.encode())
-        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
@@ -51,6 +40,9 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "interrupted": stop.reason if stop.interrupted else None,
         "failed": stop.reason if stop.failed else None,
         "checkpoints": job.ckpt.steps(),
+        "dropped_checkpoints": coord.report.dropped,
+        "checkpoint_writes": coord.report.checkpoint_writes,
+        "corrupt_checkpoints": coord.report.corrupt,
     }
     if job.trace is not None:
         report.update(job.trace.report([r.committed_at_s for r in steps],
@@ -65,13 +57,17 @@ def _failed(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
 
     coord.launcher.join(sorted(coord.launcher.procs), coord.job.hang_s)
     coord.log(f"training stopped: {stop.reason}")
-    for event in coord.report.events:
-        if event.resumed_at_s is None and not event.idle and not event.strategy:
-            event.strategy = "none"
+    _settle_events(coord)
     coord.report.write(_base_report(coord, stop) | {"param_hash": None})
     if stop.bad_input:
         raise ValueError(stop.reason)
     raise WorkerFailure(stop.reason)
+
+
+def _settle_events(coord: Coordinator) -> None:
+    for event in coord.report.events:  # an event whose recovery never committed a step
+        if event.resumed_at_s is None and not event.idle and not event.strategy:
+            event.strategy = "none"
 
 
 def finish(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
@@ -80,58 +76,134 @@ def finish(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
 
     if stop.failed:
         return _failed(coord, stop)
-    job = coord.job
-    for event in coord.report.events:  # an event whose recovery never committed a step
-        if event.resumed_at_s is None and not event.idle and not event.strategy:
-            event.strategy = "none"
-
-    def gone(w: int) -> bool:
-        p = coord.launcher.procs.get(w)
-        return p is not None and p.process is not None and \
-            p.process.exitcode not in (None, 0)
-
+    _settle_events(coord)
     try:
-        layers = coord.bulk.gather_finals(stop.final, gone, max(10.0, 5 * job.hang_s))
-    except FinalStateMissing as exc:
-        raise WorkerFailure(str(exc)) from None
-    for step, gen in coord.bulk.done():
-        coord.feed(m.CheckpointDone(coord.now(), step, gen))
-    if stop.step not in job.ckpt.steps():
-        assembly = job.ckpt.begin(stop.step, stop.gen, job.num_layers)
-        for i, data in layers.items():
-            assembly.add(i, data)
-        manifest = job.ckpt.commit(assembly, plan=coord.state.state_plan.to_dict(),
-                                   meta={"config": job.digest, "job": job.job_name,
-                                         "dtype": coord.train.dtype,
-                                         "num_layers": job.num_layers})
-        coord.log(f"checkpoint after {stop.step} steps written to {manifest.folder}")
-    params = _params_of(layers)
+        _final_checkpoint(coord, stop)
+    finally:
+        coord.cs.final_done(stop.gen)  # the workers leave, whatever happened
     _wait_exits(coord)
-    buf = io.BytesIO()
-    torch.save(params, buf)
-    write_atomic(job.out_dir / "params.pt", buf.getvalue())
-    if export_model(job.model, params, job.out_dir):
+    job = coord.job
+    digest, exported = _export(coord, job.ckpt.root / step_dir_name(stop.step))
+    if exported:
         coord.log(f"model exported in its own format under {job.out_dir}")
-    coord.params = params
-    return coord.report.write(_base_report(coord, stop) | {"param_hash": param_hash(params)})
+    if digest is None:
+        raise WorkerFailure("params.pt not written: see the line above")
+    return coord.report.write(_base_report(coord, stop) | {"param_hash": digest})
 
 
-def _params_of(layers: dict[int, bytes]) -> dict[str, torch.Tensor]:
+def _final_checkpoint(coord: Coordinator, stop: m.Stop) -> None:
+    """Wait (by the checkpoint's bytes) until the final step has a complete checkpoint:
+    one written in the background, or the one the stop directive asked for. A layer
+    whose writer is gone is asked of its next holder.
+
+    Raises:
+        WorkerFailure: when no holder of some layer is left, or the time is up.
+    """
     from chameleon_ft.runtime.coordinator.shell import WorkerFailure
 
-    params: dict[str, torch.Tensor] = {}
-    for i, data in sorted(layers.items()):
-        try:
-            module_state = unpack(data)["module"]
-        except (PackError, KeyError, TypeError) as exc:
-            raise WorkerFailure(f"layer {i}: the final state does not decode: {exc}") from None
-        for name, tensor in module_state.items():
-            params[param_name(i, name)] = tensor
-    return params
+    job = coord.job
+    deadline = time.monotonic() + 2 * job.checkpoint_deadline_s()
+    asked: dict[int, set[int]] = {}
+    """Per worker: every layer asked of it so far (each ask repeats the earlier ones: a
+    worker that reads only the latest still writes them all)."""
+    tried: dict[int, set[int]] = {}
+    retried = False
+    while stop.step not in job.ckpt.steps():
+        coord.poll_checkpoints()
+        if stop.step in job.ckpt.steps():
+            return
+        entry = coord.bulk.get(stop.step, stop.gen)
+        if entry is None and not coord.bulk.is_pending(stop.step):
+            if retried:
+                raise WorkerFailure(f"the final checkpoint after {stop.step} steps could not "
+                                    f"be written: {coord.report.dropped[-1]['reason']}"
+                                    if coord.report.dropped else "no final checkpoint")
+            # the one being written in the background was dropped: the holders write it
+            retried = True
+            coord.bulk.expect(stop.step, stop.gen, coord.now() + job.checkpoint_deadline_s())
+            for worker, layers in _primaries(stop).items():
+                _ask(coord, stop, asked, worker, layers)
+            continue
+        if entry is not None:
+            _ask_more(coord, stop, set(entry.layers), asked, tried)
+        if time.monotonic() > deadline:
+            raise WorkerFailure(f"the final checkpoint after {stop.step} steps was not "
+                                "written in time")
+        time.sleep(0.005)
+
+
+def _primaries(stop: m.Stop) -> dict[int, list[int]]:
+    """Each final holder's share of the final checkpoint (replicas take turns by layer)."""
+    out: dict[int, list[int]] = {}
+    for layer, holders in stop.final.items():
+        if holders:
+            out.setdefault(writer_of(holders, layer), []).append(layer)
+    return out
+
+
+def _ask(coord: Coordinator, stop: m.Stop, asked: dict[int, set[int]], worker: int,
+         layers: list[int]) -> None:
+    asked.setdefault(worker, set()).update(layers)
+    coord.cs.final_more(stop.gen, worker, sorted(asked[worker]))
+
+
+def _ask_more(coord: Coordinator, stop: m.Stop, have: set[int], asked: dict[int, set[int]],
+              tried: dict[int, set[int]]) -> None:
+    """Layers whose writer exited go to their next live holder (once per holder).
+
+    Raises:
+        WorkerFailure: when every holder of a missing layer is gone.
+    """
+    from chameleon_ft.runtime.coordinator.shell import WorkerFailure
+
+    gone = coord.launcher.gone
+    for layer, holders in stop.final.items():
+        if layer in have or not holders:
+            continue
+        first = writer_of(holders, layer)
+        if not gone(first):
+            continue
+        seen = tried.setdefault(layer, {first})
+        if all(gone(w) for w in holders):
+            raise WorkerFailure(f"layer {layer}: every holder of its final state is gone "
+                                f"(holders {list(holders)})")
+        live = [w for w in holders if w not in seen and not gone(w)]
+        if live:
+            seen.add(live[0])
+            _ask(coord, stop, asked, live[0], [layer])
+
+
+def _export(coord: Coordinator, folder: Any) -> tuple[str | None, bool]:
+    """``params.pt`` and the model's own format, from the final checkpoint, by a child
+    process (its memory, not the coordinator's, holds the parameters)."""
+    ctx = forkserver_context()
+    here, there = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=export_main, args=(str(folder), coord.job.workload,
+                                                 str(coord.job.out_dir), there),
+                       name="chameleon-export")
+    proc.start()
+    there.close()
+    limit_s = 60.0 + 4 * coord.job.checkpoint_deadline_s()
+    answer: Any = ("error", f"the export did not answer within {limit_s:.0f} s")
+    try:
+        if here.poll(limit_s):
+            answer = here.recv()
+    except EOFError:
+        answer = ("error", f"the export process died (status {proc.exitcode})")
+    finally:
+        proc.join(5.0)
+        if proc.exitcode is None:  # never left behind
+            proc.kill()
+            proc.join(5.0)
+    if answer[0] != "ok":
+        coord.log(f"params.pt not written: {answer[1]}")
+        return None, False
+    return str(answer[1]), bool(answer[2])
 
 
 def _wait_exits(coord: Coordinator) -> None:
-    """Workers exit once they uploaded; a death after the last commit is reported."""
+    """Workers exit once the final checkpoint is complete; a death after the last commit
+    is reported."""
     alive = sorted(coord.state.alive)
     coord.launcher.join(alive, max(5.0, 2 * coord.job.hang_s))
     for w, code in sorted(coord.launcher.exits().items()):
@@ -147,3 +219,4 @@ def _wait_exits(coord: Coordinator) -> None:
             "final parameters"))
         coord.log(f"worker {w} died after the last step; its replicas supplied the final "
                   "parameters")
+

@@ -12,6 +12,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ class Proc:
     worker: int
     incarnation: str
     process: Any = None
+    host: str = ""
+    """The host it runs on ("": this one)."""
+    local_index: int = 0
+    """Its index among this job's workers on its host (which GPU it computes on)."""
 
 
 class Launcher:
@@ -63,21 +68,28 @@ class Launcher:
         out = {}
         for w in ids:
             incarnation = auth.new_nonce()
+            # local workers are ids 0..num_local-1: their index on this host is the id
             proc = ctx.Process(target=worker_main,
                                args=(w, self.host, self.port, address, incarnation,
-                                     self.secret, replacement),
+                                     self.secret, replacement, w),
                                daemon=False, name=f"chameleon-worker-{w}")
             proc.start()
-            self.procs[w] = Proc(w, incarnation, proc)
+            self.procs[w] = Proc(w, incarnation, proc, host=socket.gethostname(),
+                                 local_index=w)
             self.all_procs.append(proc)
             out[w] = incarnation
         return out
 
-    def admitted(self, worker: int) -> str:
-        """A remote process takes ``worker``: its incarnation."""
+    def admitted(self, worker: int, host: str, alive: Iterable[int]) -> tuple[str, int]:
+        """A remote process on ``host`` takes ``worker``: its incarnation, and its index
+        on that host (the lowest one no other live worker there holds, so two workers of a
+        host never share a GPU)."""
+        taken = {p.local_index for w, p in self.procs.items()
+                 if w != worker and w in set(alive) and p.host == host}
+        index = next(i for i in range(len(taken) + 1) if i not in taken)
         incarnation = auth.new_nonce()
-        self.procs[worker] = Proc(worker, incarnation)
-        return incarnation
+        self.procs[worker] = Proc(worker, incarnation, host=host, local_index=index)
+        return incarnation, index
 
     def pids(self, ids: Iterable[int]) -> list[int]:
         """The pids of local workers."""
@@ -88,6 +100,11 @@ class Launcher:
         """Current local processes that exited, with their status."""
         return {w: p.process.exitcode for w, p in self.procs.items()
                 if p.process is not None and p.process.exitcode is not None}
+
+    def gone(self, worker: int) -> bool:
+        """Whether the local process of ``worker`` exited (a remote one: not known)."""
+        p = self.procs.get(worker)
+        return p is not None and p.process is not None and p.process.exitcode is not None
 
     def kill(self, workers: Iterable[int]) -> list[int]:
         """SIGKILL the running local processes of ``workers``; returns those signalled."""

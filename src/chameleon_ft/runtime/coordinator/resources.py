@@ -102,12 +102,9 @@ def _fmt(num_bytes: float) -> str:
 
 
 def _backend(config: Config) -> str:
-    backend = config.train.backend
-    if backend == "auto":
-        import torch
+    from chameleon_ft.runtime.worker.groups import resolve_backend
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
+    return resolve_backend(config.train.backend, config.train.device)
 
 
 def _check_gpus(local: list[float], gpu_bytes: list[int] | None,

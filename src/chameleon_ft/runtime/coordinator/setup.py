@@ -15,6 +15,7 @@ from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime.coordinator.resources import check_memory
+from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.storage.checkpoint import CheckpointStore, Manifest
 from chameleon_ft.runtime.workload.bundle import Workload
@@ -108,6 +109,27 @@ class Job:
     def hang_s(self) -> float:
         """The hang deadline."""
         return self.config.train.hang_s
+
+    @property
+    def state_bytes(self) -> float:
+        """Bytes of the model's state: every layer's parameters and optimizer state (what a
+        checkpoint holds, one copy per layer)."""
+        return float(sum(layer.param_bytes + layer.optimizer_bytes
+                         for layer in self.profile.layers))
+
+    @property
+    def storage(self) -> Deadline:
+        """Deadlines of writing and reading checkpoints."""
+        return Deadline(self.hang_s, self.config.train.storage_gb_per_s)
+
+    def checkpoint_deadline_s(self) -> float:
+        """How long a checkpoint (every layer, written in parallel by the workers) may take."""
+        return self.storage.for_bytes(self.state_bytes)
+
+    def drain_grace_s(self) -> float:
+        """How long a drain lets the step in flight finish: the scheduler's grace less the
+        time the final checkpoint needs (0: abort it at once)."""
+        return max(0.0, self.config.train.drain_timeout_s - self.checkpoint_deadline_s())
 
     def estimate_s(self, plan: ExecutionPlan) -> float:
         """The plan's estimated step."""

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,11 @@ from chameleon_ft.runtime.coordinator.finish import finish
 from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc
 from chameleon_ft.runtime.coordinator.policy import Decide, PlannerDecide
 from chameleon_ft.runtime.coordinator.setup import Job, prepare
+from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.report.records import Event, StepRecord
 from chameleon_ft.runtime.report.run import RunReport
+from chameleon_ft.runtime.worker.groups import resolve_backend, resolve_device
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
 
@@ -142,6 +145,8 @@ class Coordinator:
             check_resources=check_resources, model=model, data=data, optimizer=optimizer,
             lr_schedule=lr_schedule, log_every=log_every, trace=trace, log=self.log)
         self.config, self.train = self.job.config, self.job.config.train
+        self.device = resolve_device(self.train.device)
+        self.backend = resolve_backend(self.train.backend, self.device)
         self.hooks = hooks or Hooks()
         self.decide: Decide | None = decide
         self.host, self.port = host, port
@@ -151,8 +156,6 @@ class Coordinator:
             tokens_per_step=self.config.job.global_batch * max(1, self.config.seq_len),
             log=self.log, log_every=self.job.log_every,
             resumed=self.job.resumed_from is not None)
-        self.params: dict[str, Any] = {}
-        """The final parameters by name (after :meth:`run`)."""
         self.t0 = time.monotonic()
         self.control: Control | None = None
         self.signals: list[str] = []
@@ -187,7 +190,8 @@ class Coordinator:
     @property
     def all_procs(self) -> list[Any]:
         """Every local process launched, replaced ones included."""
-        return self.launcher.all_procs
+        launcher = getattr(self, "launcher", None)
+        return [] if launcher is None else launcher.all_procs
 
     @property
     def events(self) -> list[Event]:
@@ -208,6 +212,17 @@ class Coordinator:
     def profile(self) -> Profile:
         """The job's per-layer costs."""
         return self.job.profile
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The final parameters by name, read from ``params.pt`` (after :meth:`run`; the
+        coordinator itself never holds them)."""
+        path = self.job.out_dir / "params.pt"
+        if not path.exists():
+            return {}
+        import torch
+
+        return dict(torch.load(path, weights_only=True))
 
     @property
     def op_times(self) -> list[dict[str, Any]]:
@@ -275,7 +290,9 @@ class Coordinator:
         self.port = self.store.port
         self.cs = proto.ControlStore(self.store)
         self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
-                              timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s))
+                              timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
+                              deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
+        job.ckpt.mark_job(job.job_id)
         self.launcher = Launcher(self.host, self.port, job.secret)
         self.params_m = self._params()
         self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
@@ -300,8 +317,11 @@ class Coordinator:
 
     def _start_state(self) -> st.RunState:
         step = self.job.start_step
-        return st.start(self.job.plan0, range(self.job.num_workers), step=step,
-                        load=st.Load("restore", step) if step else st.INIT)
+        start = st.start(self.job.plan0, range(self.job.num_workers), step=step,
+                         load=st.Load("restore", step) if step else st.INIT)
+        # a resumed run may fall back to an older checkpoint if the newest is corrupt
+        older = [s for s in self.job.ckpt.steps() if s <= step]
+        return replace(start, checkpoints=tuple(sorted({*older, step})))
 
     def _params(self) -> Params:
         job = self.job
@@ -310,7 +330,8 @@ class Coordinator:
             num_layers=job.num_layers, hang_s=job.hang_s, heartbeat_s=self.train.heartbeat_s,
             max_retries=self.train.max_retries, rejoin=self.train.rejoin,
             join_timeout_s=self.train.join_timeout_s, initial_plan=job.plan0,
-            replay=job.trace is not None, drain_grace_s=max(job.hang_s, 2.0),
+            replay=job.trace is not None, drain_grace_s=job.drain_grace_s(),
+            keep_checkpoints=self.train.keep_checkpoints,
             deadline_of=job.collective_deadline,
             join_hint=f"; start the rest with `chameleon worker --coordinator "
                       f"{self.host}:{self.port}`")
@@ -361,8 +382,7 @@ class Coordinator:
         fx.admit_joins(self, self.now())
         if self.job.trace is not None and mode(self.ctl) is not Mode.JOINING:
             self.job.trace.poll(self)
-        for step, gen in self.bulk.done():
-            self.feed(m.CheckpointDone(self.now(), step, gen))
+        self.poll_checkpoints()
         self.feed(m.Exits(self.now(), self.launcher.exits()))
         self.feed(m.Registered(self.now(), fx.newly_registered(self)))
         if self.signals_fed < len(self.signals):
@@ -372,6 +392,14 @@ class Coordinator:
             beats_due = self._observe_generation(beats_due)
         self.feed(m.Tick(self.now()))
         return beats_due
+
+    def poll_checkpoints(self) -> None:
+        """Checkpoints whose every layer file is written, and those that failed."""
+        written, failed = self.bulk.poll(self.cs, self.now(), self.launcher.gone)
+        for step, gen in written:
+            self.feed(m.CheckpointWritten(self.now(), step, gen))
+        for step, gen, why in failed:
+            self.feed(m.CheckpointFailed(self.now(), step, gen, why))
 
     def _observe_generation(self, beats_due: float) -> float:
         """The running generation: error reports, heartbeats, readiness, the step's votes."""

@@ -37,6 +37,13 @@ class RunReport:
         """Every commit in order, redone steps too."""
         self.rejoins: list[dict[str, Any]] = []
         self.refused: list[dict[str, Any]] = []
+        self.dropped: list[dict[str, Any]] = []
+        """Checkpoints that could not be written (the disk refused, or too slow)."""
+        self.corrupt: list[dict[str, Any]] = []
+        """Complete checkpoints found corrupt when loaded (set aside)."""
+        self.checkpoint_writes: list[dict[str, Any]] = []
+        """Each complete checkpoint: its bytes, how long after its commit every layer was
+        written and the manifest too, each writer's bytes and seconds."""
         self.metrics_path = out_dir / "metrics.jsonl"
         self.op_times_path = out_dir / "op_times.jsonl"
 

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from chameleon_ft.runtime.deadlines import Deadline
+
 MAGIC = b"CHB1"
 MAX_HEADER_BYTES = 1 << 16
 CHUNK = 1 << 20
@@ -70,19 +72,30 @@ def _recv_exact(sock: socket.socket, size: int, limit_s: float) -> bytes:
 
 
 def send_message(sock: socket.socket, secret: bytes, header: dict[str, Any],
-                 payload: bytes = b"") -> None:
-    """Send one framed, authenticated message."""
+                 payload: bytes = b"", deadline: Deadline | None = None) -> None:
+    """Send one framed, authenticated message (within ``deadline`` for its bytes, when
+    given; otherwise under the socket's own timeout)."""
     header = dict(header, size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     header["mac"] = _mac(secret, header)
     body = json.dumps(header).encode()
+    if deadline is not None:
+        sock.settimeout(deadline.for_bytes(len(body) + len(payload)))
     sock.sendall(MAGIC + struct.pack(">I", len(body)) + body)
     if payload:
         sock.sendall(payload)
 
 
 def recv_message(sock: socket.socket, secret: bytes, limit_s: float,
-                 max_payload_bytes: int) -> tuple[dict[str, Any], bytes]:
+                 max_payload_bytes: int,
+                 deadline: Deadline | None = None) -> tuple[dict[str, Any], bytes]:
     """Receive one message and check its framing, MAC and payload digest.
+
+    Args:
+        sock: the connection.
+        secret: the job secret.
+        limit_s: the deadline of the header (and of the payload without ``deadline``).
+        max_payload_bytes: larger payloads are refused.
+        deadline: the payload's deadline by its announced size.
 
     Raises:
         BlobError: for a malformed, unauthenticated, oversized or corrupted message.
@@ -105,7 +118,8 @@ def recv_message(sock: socket.socket, secret: bytes, limit_s: float,
     size = header.get("size")
     if not isinstance(size, int) or not 0 <= size <= max_payload_bytes:
         raise BlobError(f"payload size {size!r} refused")
-    payload = _recv_exact(sock, size, limit_s) if size else b""
+    payload_s = deadline.for_bytes(size) if deadline is not None else limit_s
+    payload = _recv_exact(sock, size, payload_s) if size else b""
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise BlobError("payload does not match its sha256")
     return header, payload
@@ -115,18 +129,21 @@ class BlobServer:
     """The coordinator's side: answers requests on its own threads until closed."""
 
     def __init__(self, host: str, secret: bytes, handler: Handler, *, timeout_s: float,
-                 max_payload_bytes: int = 1 << 40, port: int = 0) -> None:
+                 max_payload_bytes: int = 1 << 40, port: int = 0,
+                 deadline: Deadline | None = None) -> None:
         """Listen on ``host:port`` (0: any free port) and start serving.
 
         Args:
             host: the interface to listen on (the store's).
             secret: the job secret every message is authenticated with.
             handler: answers one request (called on a server thread).
-            timeout_s: deadline of receiving or sending one message.
+            timeout_s: deadline of receiving a request's header.
             max_payload_bytes: larger uploads are refused.
             port: port to bind.
+            deadline: a payload's deadline by its size (default: ``timeout_s`` whole).
         """
         self.secret, self.handler, self.timeout_s = secret, handler, timeout_s
+        self.deadline = deadline
         self.max_payload_bytes = max_payload_bytes
         self.refused = 0
         """Requests refused (bad framing, authentication, handler errors)."""
@@ -153,7 +170,7 @@ class BlobServer:
     def _handle(self, sock: socket.socket) -> None:
         try:
             header, payload = recv_message(sock, self.secret, self.timeout_s,
-                                           self.max_payload_bytes)
+                                           self.max_payload_bytes, self.deadline)
         except (BlobError, OSError) as exc:
             self.refused += 1
             with contextlib.suppress(OSError, BlobError):
@@ -169,7 +186,7 @@ class BlobServer:
             self.refused += 1
             reply, data = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, b""
         with contextlib.suppress(OSError, BlobError):
-            send_message(sock, self.secret, reply, data)
+            send_message(sock, self.secret, reply, data, self.deadline)
 
     def close(self) -> None:
         """Stop serving and close the listening socket."""
@@ -181,15 +198,17 @@ class BlobClient:
     """A worker's side: one request per call, each bounded by ``timeout_s``."""
 
     def __init__(self, host: str, port: int, secret: bytes, *, timeout_s: float,
-                 attempts: int = 3) -> None:
+                 attempts: int = 3, deadline: Deadline | None = None) -> None:
         """Args:
             host, port: the coordinator's blob server.
             secret: the job secret.
-            timeout_s: deadline of one request (connect, send, receive).
+            timeout_s: deadline of connecting and of a reply's header.
             attempts: tries of a request that fails on the connection (not on a refusal).
+            deadline: a payload's deadline by its size (default: ``timeout_s`` whole).
         """
         self.host, self.port, self.secret = host, port, secret
         self.timeout_s, self.attempts = timeout_s, attempts
+        self.deadline = deadline
 
     def request(self, header: dict[str, Any], payload: bytes = b"",
                 max_reply_bytes: int = 1 << 40) -> tuple[dict[str, Any], bytes]:
@@ -205,9 +224,9 @@ class BlobClient:
                                               timeout=self.timeout_s) as sock:
                     # the server may refuse before the payload is through: its reply says why
                     with contextlib.suppress(OSError):
-                        send_message(sock, self.secret, header, payload)
+                        send_message(sock, self.secret, header, payload, self.deadline)
                     reply, data = recv_message(sock, self.secret, self.timeout_s,
-                                               max_reply_bytes)
+                                               max_reply_bytes, self.deadline)
             except (OSError, BlobError) as exc:
                 last = exc
                 time.sleep(0.05 * (attempt + 1))

@@ -3,19 +3,22 @@
 Layout of a run directory::
 
     checkpoints/
+        .job                     the job id: a host that sees it shares the folder
         step00000020/            a complete checkpoint after 20 committed steps
             manifest.json        step, generation, plan, per-layer file, size and sha256
             layer0.bin ...       one file per layer: its parameters and optimizer state
-        .partial-step00000040-g3/  an assembly in progress (never read)
+        .partial-step00000040-g3/  a checkpoint being written (never read)
+        step00000030/manifest.json.corrupt   a checkpoint found corrupt (never tried again)
 
-A checkpoint is assembled in a ``.partial-*`` folder named by its step and the generation
-that uploads it, so uploads of two timelines (before and after a restart) never mix. Each
-layer file is written under a temporary name, flushed, fsynced and renamed; when every
-layer is there the manifest is written the same way and the folder is renamed to its final
-name, then the parent folder is fsynced. A reader therefore sees either a whole
-checkpoint or none. The last ``keep`` complete checkpoints are kept.
-
-Pure Python (no torch): the layer files are opaque bytes here.
+Workers write the layer files themselves, in parallel, into the ``.partial-*`` folder named
+by the step and the generation that writes it (two timelines, before and after a restart,
+never mix): each file under a temporary name, flushed, fsynced and renamed, its sha256
+computed as it is written (:func:`write_layer`). The coordinator never reads them: when
+every layer's file was reported with its size and digest it writes the manifest the same
+way and renames the folder to its final name, then fsyncs the parent. A reader therefore
+sees either a whole checkpoint or none; a layer is read by name whatever the plan, and
+verified against the manifest before it is decoded (:func:`read_layer_file`). The last
+``keep`` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,87 @@ def write_atomic(path: Path, data: bytes) -> None:
 def step_dir_name(step: int) -> str:
     """Folder name of the checkpoint after ``step`` committed steps."""
     return f"step{step:08d}"
+
+
+def partial_dir(root: Path, step: int, gen: int) -> Path:
+    """The folder where generation ``gen`` writes the checkpoint after ``step`` steps."""
+    return root / f".partial-{step_dir_name(step)}-g{gen}"
+
+
+def writer_of(holders: tuple[int, ...] | list[int], layer: int) -> int:
+    """Which of a layer's holders writes it into a checkpoint: replicas take turns by
+    layer, so they share the writing."""
+    ordered = sorted(set(holders))
+    return ordered[layer % len(ordered)]
+
+
+JOB_MARKER = ".job"
+"""A file in ``checkpoints/`` holding the job id: a worker that reads it there shares the
+coordinator's folder and writes and reads layer files itself."""
+
+CORRUPT = MANIFEST + ".corrupt"
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    """One layer's file in a checkpoint, as its writer reports it."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+def write_layer(folder: Path, name: str,
+                write_into: Callable[[Callable[[Any], Any]], Any]) -> LayerFile:
+    """Write one layer's file atomically, hashing its bytes as they go out.
+
+    Args:
+        folder: the checkpoint's partial folder (created if needed).
+        name: the file name.
+        write_into: called with a ``write(bytes)`` function; writes the whole content.
+
+    Raises:
+        OSError: when the disk refuses (full, read-only, failing): nothing is left behind.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    tmp = path.with_name(f".{name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            def write(data: Any) -> None:
+                nonlocal size
+                digest.update(data)
+                f.write(data)
+                size += len(data)
+
+            write_into(write)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(folder)
+    return LayerFile(name, size, digest.hexdigest())
+
+
+def read_layer_file(path: Path, size: int, sha256: str) -> bytes:
+    """A layer file's bytes, verified against its manifest entry.
+
+    Raises:
+        CheckpointError: when the file is missing, unreadable, or its bytes changed.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{path} does not match its sha256 in the manifest; the "
+                              "checkpoint is corrupt")
+    return data
 
 
 @dataclass(frozen=True)
@@ -131,28 +216,20 @@ class Manifest:
             CheckpointError: when the file is missing or its contents changed.
         """
         name, size, digest = self.layers[layer]
-        try:
-            data = (self.folder / name).read_bytes()
-        except OSError as exc:
-            raise CheckpointError(f"{self.folder}: layer {layer}: {exc}") from None
-        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-            raise CheckpointError(f"{self.folder}: layer {layer} ({name}) does not match its "
-                                  "sha256 in the manifest; the checkpoint is corrupt")
-        return data
+        return read_layer_file(self.folder / name, size, digest)
 
 
 class Assembly:
-    """One checkpoint being uploaded layer by layer (thread-safe)."""
+    """One checkpoint being written layer by layer (thread-safe)."""
 
     def __init__(self, root: Path, step: int, gen: int, num_layers: int) -> None:
         self.step, self.gen, self.num_layers = step, gen, num_layers
-        self.folder = root / f".partial-{step_dir_name(step)}-g{gen}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = partial_dir(root, step, gen)
         self.layers: dict[int, tuple[str, int, str]] = {}
         self.lock = threading.Lock()
 
-    def add(self, layer: int, data: bytes) -> bool:
-        """Store one layer's bytes (a repeated upload of a layer is ignored).
+    def report(self, layer: int, file: LayerFile) -> bool:
+        """A layer's file was written (a repeated report of a layer is ignored).
 
         Returns:
             Whether every layer is now present.
@@ -163,11 +240,20 @@ class Assembly:
         if not 0 <= layer < self.num_layers:
             raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
         with self.lock:
-            if layer not in self.layers:
-                name = f"layer{layer}.bin"
-                write_atomic(self.folder / name, data)
-                self.layers[layer] = (name, len(data), hashlib.sha256(data).hexdigest())
+            self.layers.setdefault(layer, (file.name, file.size, file.sha256))
             return len(self.layers) == self.num_layers
+
+    def add(self, layer: int, data: bytes) -> bool:
+        """Write one layer's bytes here (a worker without the shared folder sends them)
+        and report it."""
+        if not 0 <= layer < self.num_layers:
+            raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        with self.lock:
+            known = layer in self.layers
+        if known:
+            return self.complete
+        file = write_layer(self.folder, f"layer{layer}.bin", lambda write: write(data))
+        return self.report(layer, file)
 
     @property
     def complete(self) -> bool:
@@ -192,6 +278,10 @@ class CheckpointStore:
         for leftover in self.root.glob(".partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
 
+    def mark_job(self, job_id: str) -> None:
+        """Say which job writes here (workers on hosts that see it write layer files)."""
+        write_atomic(self.root / JOB_MARKER, job_id.encode())
+
     def begin(self, step: int, gen: int, num_layers: int) -> Assembly:
         """Start (or restart) assembling the checkpoint after ``step`` steps from ``gen``."""
         return Assembly(self.root, step, gen, num_layers)
@@ -202,6 +292,8 @@ class CheckpointStore:
 
         Raises:
             CheckpointError: when a layer is missing.
+            OSError: when the disk refuses the manifest or the rename (the checkpoint is
+                then not complete; discard it).
         """
         if not assembly.complete:
             missing = sorted(set(range(assembly.num_layers)) - set(assembly.layers))
@@ -226,6 +318,15 @@ class CheckpointStore:
     def discard(self, assembly: Assembly) -> None:
         """Drop an assembly that will never complete."""
         shutil.rmtree(assembly.folder, ignore_errors=True)
+
+    def mark_corrupt(self, step: int, why: str) -> None:
+        """Set a corrupt checkpoint aside: its manifest is renamed (never listed or tried
+        again) and the reason written beside it."""
+        folder = self.root / step_dir_name(step)
+        with contextlib.suppress(OSError):
+            os.replace(folder / MANIFEST, folder / CORRUPT)
+            (folder / "CORRUPT.txt").write_text(why + "\n")
+            _fsync_dir(folder)
 
     def _prune(self) -> None:
         complete = self.steps()

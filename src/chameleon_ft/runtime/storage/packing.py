@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,28 +51,61 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
     raise PackError(f"cannot pack a value of type {type(value).__name__}")
 
 
+def _prepare(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header (magic, length and JSON) and the flat CPU tensors of ``tree``."""
+    tensors: list[torch.Tensor] = []
+    encoded = _encode(tree, tensors)
+    specs, flats, offset = [], [], 0
+    for t in tensors:
+        if str(t.dtype) not in _DTYPES:
+            raise PackError(f"cannot pack a tensor of dtype {t.dtype}")
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        specs.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
+                      "nbytes": nbytes})
+        flats.append(flat)
+        offset += nbytes
+    header = json.dumps({"tree": encoded, "tensors": specs}, separators=(",", ":"),
+                        sort_keys=True).encode()
+    return b"".join([MAGIC, struct.pack(">Q", len(header)), header]), flats
+
+
+def _raw(flat: torch.Tensor) -> memoryview:
+    """The bytes of a flat CPU tensor, without a copy."""
+    if not flat.numel():
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
 def pack(tree: Any) -> bytes:
     """Serialise ``tree`` (tensors are copied to the CPU).
 
     Raises:
         PackError: for values other than tensors, containers and JSON scalars.
     """
-    tensors: list[torch.Tensor] = []
-    encoded = _encode(tree, tensors)
-    specs, chunks, offset = [], [], 0
-    for t in tensors:
-        if str(t.dtype) not in _DTYPES:
-            raise PackError(f"cannot pack a tensor of dtype {t.dtype}")
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
-        raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        data = raw.numpy().tobytes()
-        specs.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
-                      "nbytes": len(data)})
-        chunks.append(data)
-        offset += len(data)
-    header = json.dumps({"tree": encoded, "tensors": specs}, separators=(",", ":"),
-                        sort_keys=True).encode()
-    return b"".join([MAGIC, struct.pack(">Q", len(header)), header, *chunks])
+    head, flats = _prepare(tree)
+    return b"".join([head, *(_raw(f) for f in flats)])
+
+
+def pack_to(tree: Any, write: Callable[[memoryview | bytes], Any]) -> int:
+    """Serialise ``tree`` piece by piece into ``write`` (the same bytes as :func:`pack`,
+    never held whole: a tensor's bytes are written from its own memory).
+
+    Returns:
+        The number of bytes written.
+
+    Raises:
+        PackError: for values other than tensors, containers and JSON scalars.
+    """
+    head, flats = _prepare(tree)
+    write(head)
+    size = len(head)
+    for flat in flats:
+        raw = _raw(flat)
+        if len(raw):
+            write(raw)
+        size += len(raw)
+    return size
 
 
 def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:

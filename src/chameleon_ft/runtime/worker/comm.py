@@ -4,6 +4,11 @@
 process groups: post a send, receive, wait, all-reduce over a bucket's members. Every
 failure is a :class:`CommError` value naming the peer, which the worker reports to the
 coordinator; nothing here retries.
+
+Every tensor it hands a group lives where that group's backend needs it: on the worker's
+device for NCCL; in host memory for gloo, which moves CPU tensors only (a CUDA tensor is
+staged: copied to the host before a send or an all-reduce, and back after a receive), so
+workers computing on CUDA may talk over gloo and share a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
+class _Staged:
+    """A receive into a host buffer, copied to the device tensor when it is waited for."""
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.target.copy_(self.host)
+
+
 class Comm:
     """Point-to-point and all-reduce over one generation's groups, by worker id.
 
@@ -35,30 +51,39 @@ class Comm:
         world: the generation's world group (every member: point-to-point traffic).
         world_rank: each member's rank in ``world``.
         buckets: the all-reduce group of each bucket this worker belongs to, by members.
+        stage: move CUDA tensors through host memory (gloo).
     """
 
     def __init__(self, me: int, world: dist.ProcessGroup, world_rank: Mapping[int, int],
-                 buckets: Mapping[tuple[int, ...], dist.ProcessGroup]) -> None:
+                 buckets: Mapping[tuple[int, ...], dist.ProcessGroup],
+                 stage: bool = False) -> None:
         self.me = me
         self.world = world
         self.world_rank = dict(world_rank)
         self.buckets = dict(buckets)
+        self.stage = stage
+
+    def _out(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.cpu() if self.stage and tensor.is_cuda else tensor
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Post a send (it fails at once on a pair that is already closed)."""
         try:
-            return self.world.send([tensor], self.world_rank[dst], tag)
+            return self.world.send([self._out(tensor)], self.world_rank[dst], tag)
         except RuntimeError as exc:
             raise CommError(f"worker {self.me}: send to worker {dst} failed: "
                             f"{_first_line(exc)}", dst) from None
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Any:
         """Post a receive into ``tensor``; wait for it with :meth:`wait`."""
+        host = torch.empty_like(tensor, device="cpu") if self.stage and tensor.is_cuda \
+            else tensor
         try:
-            return self.world.recv([tensor], self.world_rank[src], tag)
+            work = self.world.recv([host], self.world_rank[src], tag)
         except RuntimeError as exc:
             raise CommError(f"worker {self.me}: {what} from worker {src} failed: "
                             f"{_first_line(exc)}", src) from None
+        return work if host is tensor else _Staged(work, host, tensor)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
         """Receive into ``tensor`` and wait for it."""
@@ -75,9 +100,12 @@ class Comm:
     def all_reduce(self, flat: torch.Tensor, members: tuple[int, ...]) -> None:
         """Sum ``flat`` in place over the bucket's members."""
         what = f"all-reduce over {list(members)}"
+        buf = self._out(flat)
         try:
-            work = self.buckets[members].allreduce([flat])
+            work = self.buckets[members].allreduce([buf])
         except RuntimeError as exc:
             raise CommError(f"worker {self.me}: {what} failed: {_first_line(exc)}",
                             None) from None
         self.wait(work, None, what)
+        if buf is not flat:
+            flat.copy_(buf)

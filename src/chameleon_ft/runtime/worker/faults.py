@@ -7,6 +7,7 @@ a fault on a rank that was repaired fires in the replacement (docs/design.md 4.3
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -15,6 +16,9 @@ from typing import Any
 
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.worker.comm import CommError
+
+DISK_ERRNO = {"disk-full": errno.ENOSPC, "disk-error": errno.EIO, "read-only": errno.EROFS}
+"""The error each disk fault makes a checkpoint write fail with."""
 
 
 class InjectedError(RuntimeError):
@@ -42,8 +46,11 @@ class Faults:
                       for index, (rank, step, kind, phase) in enumerate(faults)
                       if rank == self.worker]
 
-    def maybe_fire(self, step: int, phase: str, gen: int) -> None:
+    def maybe_fire(self, step: int, phase: str, gen: int) -> OSError | None:
         """Fire the faults due at this phase of this step (kill, hang, glitch, error).
+
+        Returns:
+            For a disk fault, the error the checkpoint write must fail with.
 
         Raises:
             CommError: for a glitch (a transient communication failure).
@@ -59,6 +66,9 @@ class Faults:
             self.store.set(proto.fault_fired_key(index), json.dumps(
                 {"time": time.time(), "step": step, "gen": gen, "worker": self.worker,
                  "incarnation": self.incarnation, "pid": os.getpid()}))
+            if kind in DISK_ERRNO:
+                code = DISK_ERRNO[kind]
+                return OSError(code, f"{os.strerror(code)} (injected)")
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "hang":
@@ -69,3 +79,4 @@ class Faults:
             else:
                 raise InjectedError(f"injected error on worker {self.worker} at step {step} "
                                     f"({phase})")
+        return None

@@ -23,11 +23,37 @@ BREAK_TAG = 2_000_000_000
 WARMUP_TAG = 1_500_000_000
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``nccl`` when CUDA is present, else ``gloo``."""
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when this host has a GPU, else ``cpu``."""
     if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "cuda" if torch.cuda.is_available() else "cpu"
     return name
+
+
+def resolve_backend(name: str, device: str = "auto") -> str:
+    """``auto`` -> ``nccl`` when the workers compute on CUDA, else ``gloo``."""
+    if name == "auto":
+        return "nccl" if resolve_device(device) == "cuda" else "gloo"
+    return name
+
+
+def worker_device(device: str, local_index: int, backend: str) -> torch.device:
+    """The device of the worker with index ``local_index`` on its host.
+
+    Raises:
+        ValueError: for CUDA on a host without a GPU, or NCCL with more workers on the
+            host than GPUs (NCCL cannot put two ranks of a group on one device).
+    """
+    if device != "cuda":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("train.device: cuda, but this host has no GPU")
+    if backend == "nccl" and local_index >= count:
+        raise ValueError(f"train.backend: nccl puts one worker on each GPU; worker index "
+                         f"{local_index} on a host with {count}; use backend = \"gloo\" "
+                         "to share GPUs, or fewer workers per host")
+    return torch.device("cuda", local_index % count)
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, *, backend: str,
@@ -142,7 +168,8 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"building the groups of generation {gen} failed: "
                         f"{str(exc).splitlines()[0][:200]}", None) from None
-    comm = Comm(me, world_group, {w: i for i, w in enumerate(world)}, buckets)
+    comm = Comm(me, world_group, {w: i for i, w in enumerate(world)}, buckets,
+                stage=backend == "gloo" and device.type == "cuda")
     warm_up(comm, world, device)
     return comm
 

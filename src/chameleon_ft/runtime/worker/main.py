@@ -36,8 +36,17 @@ import torch.distributed as dist
 
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
+from chameleon_ft.runtime.storage.checkpoint import writer_of
 from chameleon_ft.runtime.worker import groups
+from chameleon_ft.runtime.worker.checkpoints import (
+    CheckpointIO,
+    CorruptCheckpoint,
+    shared_folder,
+    snapshot,
+    wait_final,
+)
 from chameleon_ft.runtime.worker.comm import Comm, CommError
 from chameleon_ft.runtime.worker.executor import StepRun, all_reduce
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
@@ -48,6 +57,7 @@ from chameleon_ft.runtime.worker.liveness import (
     EXIT_OK,
     WAIT_SLICE_S,
     Liveness,
+    client,
     exit_now,
 )
 from chameleon_ft.runtime.worker.migration import Migration
@@ -75,7 +85,7 @@ class Worker:
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
                  incarnation: str, secret: bytes, connect_timeout_s: float = 30.0,
-                 replacement: bool = False) -> None:
+                 replacement: bool = False, local_index: int = 0) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -87,22 +97,11 @@ class Worker:
             secret: the job secret that authenticates bulk transfers.
             connect_timeout_s: deadline of connecting and reading the job.
             replacement: a repaired worker rejoining a running job under a dead one's id.
+            local_index: this worker's index among the workers of its host (its GPU).
         """
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address = host, port, address
-        self.store = dist.TCPStore(host, port, is_master=False,
-                                   timeout=timedelta(seconds=connect_timeout_s))
-        self.job = proto.JobInfo.from_json(self.store.get(proto.JOB_KEY))
-        self.hang_s = self.job.hang_timeout_s
-        # the watchdog decides whether the coordinator is gone; the training thread's
-        # requests may take longer on a loaded host without that meaning anything
-        self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
-        self.blobs = BlobClient(host, self.job.blob_port, secret,
-                                timeout_s=self.job.control_timeout_s)
-        self.dtype = torch_dtype(self.job.dtype)
-        self.work: Workload = open_workload(self.job.workload, secret)
-        self.backend = groups.resolve_backend(self.job.backend)
-        self.device = self._device()
+        self._connect(secret, connect_timeout_s, local_index)
         self.model, self.data = self.work.model(), self.work.data()
         self.opt_factory, self.lr_schedule = self.work.optimizer(), self.work.lr_schedule()
         digest = self.work.data_digest(self.data)
@@ -131,12 +130,28 @@ class Worker:
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
 
-    def _device(self) -> torch.device:
-        if self.backend != "nccl":
-            return torch.device("cpu")
-        device = torch.device("cuda", self.id % torch.cuda.device_count())  # pragma: no cover
-        torch.cuda.set_device(device)  # pragma: no cover - needs GPUs
-        return device  # pragma: no cover
+    def _connect(self, secret: bytes, connect_timeout_s: float, local_index: int) -> None:
+        """The store, the job, the bulk channel, the device and the checkpoint folder."""
+        self.store = dist.TCPStore(self.host, self.port, is_master=False,
+                                   timeout=timedelta(seconds=connect_timeout_s))
+        self.job = proto.JobInfo.from_json(self.store.get(proto.JOB_KEY))
+        self.hang_s = self.job.hang_timeout_s
+        # the watchdog decides whether the coordinator is gone; the training thread's
+        # requests may take longer on a loaded host without that meaning anything
+        self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
+        self.blobs = BlobClient(self.host, self.job.blob_port, secret,
+                                timeout_s=self.job.control_timeout_s,
+                                deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
+        self.dtype = torch_dtype(self.job.dtype)
+        self.work: Workload = open_workload(self.job.workload, secret)
+        self.backend = groups.resolve_backend(self.job.backend, self.job.device)
+        self.device = groups.worker_device(self.job.device, local_index, self.backend)
+        if self.device.type == "cuda":  # pragma: no cover - needs GPUs
+            torch.cuda.set_device(self.device)
+        self.storage = Deadline(self.hang_s, self.job.storage_gb_per_s)
+        self.ckpt = CheckpointIO(self.id, shared_folder(self.job.checkpoint_dir,
+                                                        self.job.job_id), self.blobs,
+                                 lambda: client(self.host, self.port, max(5.0, self.hang_s)))
 
     # ------------------------------------------------------------------ the stage
     def microbatch(self, step: int, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,9 +260,11 @@ class Worker:
             except dist.DistStoreError:
                 continue
 
-    def _report(self, fatal: bool, peer: int | None, message: str, gen: int) -> None:
+    def _report(self, fatal: bool, peer: int | None, message: str, gen: int,
+                corrupt_step: int | None = None) -> None:
         """Tell the coordinator: reserve a slot, then write the report into it."""
-        report = proto.ErrorReport(worker=self.id, fatal=fatal, peer=peer, message=message)
+        report = proto.ErrorReport(worker=self.id, fatal=fatal, peer=peer, message=message,
+                                   corrupt_step=corrupt_step)
         try:
             index = self.store.add(proto.error_slot_key(gen), 1) - 1
             self.store.set(proto.error_key(gen, index), report.to_json())
@@ -329,6 +346,9 @@ class Worker:
             _debug(f"w{self.id} gen {gen}: {exc}")
             self._report(False, exc.peer, str(exc), gen)
             generation.break_all()
+        except CorruptCheckpoint as exc:
+            self._report(False, None, str(exc), gen, corrupt_step=exc.step)
+            generation.break_all()
         finally:
             if previous is not None:
                 groups.close_later(previous)
@@ -336,11 +356,13 @@ class Worker:
 
     # ------------------------------------------------------------------ state
     def _restore(self, gen: int, step: int, wanted: list[int]) -> dict[int, LayerTrainState]:
+        """This worker's layers of the checkpoint after ``step`` steps, each verified
+        against the manifest before it is decoded (a corrupt file is reported, never
+        loaded)."""
         layers = {}
         for i in wanted:
             try:
-                _, blob = self.blobs.request({"op": "get", "kind": "restore", "step": step,
-                                              "layer": i, "gen": gen})
+                blob = self.ckpt.read(step, i, gen)
             except BlobError as exc:
                 raise CommError(f"worker {self.id}: reading layer {i} of the checkpoint "
                                 f"after {step} steps failed: {exc}", None) from None
@@ -410,40 +432,40 @@ class Worker:
         self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
 
-    # ------------------------------------------------------------------ uploads
-    def _upload(self, kind: str, layer: int, state: LayerTrainState, **fields: Any) -> None:
-        try:
-            self.blobs.request({"op": "put", "kind": kind, "layer": layer,
-                                "worker": self.id, **fields}, state.to_bytes())
-        except BlobError as exc:
-            # a checkpoint that cannot complete is not fatal: the coordinator keeps the
-            # previous one; say why
-            print(f"worker {self.id}: upload of layer {layer} ({kind}) refused: {exc}",
-                  file=sys.stderr, flush=True)
-
+    # ------------------------------------------------------------------ checkpoints
     def _maybe_checkpoint(self, num_steps: int, plan: ExecutionPlan, gen: int) -> None:
+        """At a checkpoint: snapshot the layers this worker writes and write them in the
+        background (training goes on at once)."""
         every = self.job.checkpoint_every
         if every <= 0 or num_steps % every:
             return
-        for i, state in self.layers.items():
-            holders = plan.holders(i)
-            if holders and holders[0] == self.id:  # its lowest-id holder writes a layer
-                self._upload("checkpoint", i, state, step=num_steps, gen=gen)
+        mine = {i: snapshot(state) for i, state in self.layers.items()
+                if writer_of(plan.holders(i), i) == self.id}
+        inject = self.faults.maybe_fire(num_steps - 1, "checkpoint", gen)
+        if mine or inject is not None:
+            self.ckpt.write_async(num_steps, gen, mine, inject, self.storage)
 
     def _stop(self, directive: dict[str, Any]) -> None:
-        """Upload the state of every layer this worker is a listed holder of (when it holds
-        that layer at the final step), then leave."""
-        if self.held_steps != directive["step"]:
-            return  # this worker missed a commit: its state is not the run's final one
-        for layer, workers in directive["final"].items():
-            if self.id in workers and int(layer) in self.held:
-                self._upload("final", int(layer), self.held[int(layer)],
-                             step=directive["step"], gen=directive["gen"],
-                             held_step=self.held_steps)
+        """The run ended: finish the checkpoint being written, write this worker's share of
+        the final checkpoint (its primary layers, and more if their first writer is gone),
+        then leave when the coordinator says the final checkpoint is complete."""
+        self.ckpt.finish(self.storage)
+        final = directive.get("final") or {}
+        if directive.get("failed") or self.held_steps != directive["step"]:
+            return  # nothing to write (a failed run, or this worker missed a commit)
+        gen, step = int(directive["gen"]), int(directive["step"])
+
+        def write(layers: list[int]) -> None:
+            self.ckpt.write(step, gen, {i: self.held[i].state_tree() for i in layers
+                                        if i in self.held})
+
+        if directive.get("write"):
+            write([int(i) for i, ws in final.items() if ws and writer_of(ws, int(i)) == self.id])
+        wait_final(self.store, gen, self.id, write, float(directive["final_timeout_s"]))
 
 
 def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
-                secret: bytes, replacement: bool = False) -> None:
+                secret: bytes, replacement: bool = False, local_index: int = 0) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
@@ -460,7 +482,7 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     code = EXIT_OK
     try:
         Worker(worker_id, host, port, address=address, incarnation=incarnation,
-               secret=secret, replacement=replacement).run()
+               secret=secret, replacement=replacement, local_index=local_index).run()
     except InjectedError:
         code = EXIT_ERROR
     except dist.DistStoreError:

@@ -232,12 +232,17 @@ class LayerTrainState:
                 group["lr"] = lr
         self.optimizer.step()
 
+    def state_tree(self) -> dict[str, Any]:
+        """What :meth:`to_bytes` packs: the module's and the optimizer's ``state_dict``
+        (their tensors are the live ones: copy them to keep a snapshot)."""
+        return {"format": _STATE_FORMAT, "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
     def to_bytes(self) -> bytes:
         """The module's and the optimizer's ``state_dict``, packed (``runtime.packing``:
         no pickle, device-neutral, and deterministic, so replicas of a layer give the same
         bytes and a migration may take slices of them from several senders)."""
-        return pack({"format": _STATE_FORMAT, "module": self.module.state_dict(),
-                     "optimizer": self.optimizer.state_dict()})
+        return pack(self.state_tree())
 
     @classmethod
     def from_bytes(cls, module: nn.Module, optimizer_factory: OptimizerFactory, data: bytes,

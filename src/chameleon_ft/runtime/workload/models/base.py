@@ -301,9 +301,10 @@ def to_run(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str)
 def probe_outputs(model: LayeredModel, inputs: torch.Tensor,
                   dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every layer's output for ``inputs``: what a stage boundary sends
-    and receives. Each layer runs on the meta device (no memory, no arithmetic); a layer
-    that cannot (some transformers versions enter autocast, which meta lacks) runs once on
-    CPU on zeros of the right shape.
+    and receives. Each layer is built and run on the meta device (no memory, no
+    arithmetic); a layer that cannot be built there (weights read from files) is built on
+    the CPU, one at a time, and one that cannot run there (some transformers versions
+    enter autocast, which meta lacks) runs once on CPU on zeros of the right shape.
 
     Args:
         model: the layered model.
@@ -318,12 +319,17 @@ def probe_outputs(model: LayeredModel, inputs: torch.Tensor,
     out: list[tuple[tuple[int, ...], torch.dtype]] = []
     with torch.no_grad():
         for i in range(model.num_layers):
-            layer = model.build_layer(i).to(dtype)
-            try:
+            try:  # built on meta too: the coordinator never allocates a layer
+                with torch.device("meta"):
+                    layer = model.build_layer(i).to(dtype)
                 y = layer.to("meta")(torch.empty(shape, dtype=x_dtype, device="meta"))
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):
                 layer = model.build_layer(i).to(dtype)
-                y = layer(torch.zeros(shape, dtype=x_dtype))
+                try:
+                    y = layer.to("meta")(torch.empty(shape, dtype=x_dtype, device="meta"))
+                except (RuntimeError, NotImplementedError):
+                    layer = model.build_layer(i).to(dtype)
+                    y = layer(torch.zeros(shape, dtype=x_dtype))
             shape, x_dtype = tuple(y.shape), y.dtype
             out.append((shape, x_dtype))
     return out

@@ -1,0 +1,84 @@
+"""The final parameters from a checkpoint's files: ``params.pt`` (every parameter by its
+runtime name, one tensor per tied pair) and the model's own format (``hf/`` for a Hugging
+Face model), written by a process of their own.
+
+The coordinator never holds the model: at the end of a run it starts :func:`export_main`
+in a child process that reads the final checkpoint layer by layer (each verified against
+the manifest), writes the files atomically, and sends back the parameters' digest. The
+same function re-exports any complete checkpoint of a run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chameleon_ft.runtime.storage.checkpoint import Manifest, write_atomic
+from chameleon_ft.runtime.storage.packing import PackError, unpack
+
+
+class ExportError(RuntimeError):
+    """A checkpoint that cannot be exported (a layer does not decode)."""
+
+
+def param_hash(params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the parameters' names and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def params_of(manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Every layer's parameters by runtime name, read and verified layer by layer.
+
+    Raises:
+        CheckpointError: when a file does not match the manifest.
+        ExportError: when a layer's state does not decode.
+    """
+    from chameleon_ft.runtime.workload.models import param_name
+
+    params: dict[str, torch.Tensor] = {}
+    for i in range(manifest.num_layers):
+        try:
+            module_state = unpack(manifest.read_layer(i))["module"]
+        except (PackError, KeyError, TypeError) as exc:
+            raise ExportError(f"layer {i}: the final state does not decode: {exc}") from None
+        for name, tensor in module_state.items():
+            params[param_name(i, name)] = tensor
+    return params
+
+
+def export(folder: Path, model: Any, out_dir: Path) -> tuple[str, bool]:
+    """Write ``params.pt`` (and the model's own format) from the checkpoint in ``folder``.
+
+    Returns:
+        The parameters' digest and whether the model wrote its own format.
+    """
+    from chameleon_ft.runtime.workload.models import drop_tied_copies, export_model
+
+    every = params_of(Manifest.read(folder))
+    exported = export_model(model, every, out_dir)  # it checks tied copies agree
+    params = drop_tied_copies(model, every)
+    buf = io.BytesIO()
+    torch.save(params, buf)
+    write_atomic(out_dir / "params.pt", buf.getvalue())
+    return param_hash(params), exported
+
+
+def export_main(folder: str, workload: Any, out_dir: str, conn: Any) -> None:
+    """Entry point of the export process: send back ``("ok", digest, exported)`` or
+    ``("error", message)`` on ``conn``."""
+    torch.set_num_threads(1)
+    try:
+        digest, exported = export(Path(folder), workload.model(), Path(out_dir))
+        conn.send(("ok", digest, exported))
+    except Exception as exc:  # reported to the coordinator in one line
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
