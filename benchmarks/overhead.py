@@ -68,11 +68,11 @@ def _torch_worker(rank: int, world: int, port: int, config_path: str, pp: int, d
     try:
         import torch
         import torch.distributed as dist
-        from chameleon_ft.runtime.workload.precision import torch_dtype
         from torch import nn
 
         from chameleon_ft.runtime.workload.data import load_data
         from chameleon_ft.runtime.workload.models import load_model, to_run
+        from chameleon_ft.runtime.workload.precision import torch_dtype
 
         torch.set_num_threads(1)
         config = _config(config_path, pp=pp, dp=dp)
