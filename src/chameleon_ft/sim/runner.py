@@ -194,7 +194,8 @@ def _run_unit(unit: _Unit, tick: Callable[[int], None] | None = None) -> dict[st
                                  failure_free_samples_s=unit.failure_free_samples_s,
                                  recovery=unit.config.recovery,
                                  num_workers=unit.config.num_workers,
-                                 workers_per_node=unit.config.workers_per_node, progress=handled)
+                                 workers_per_node=unit.config.workers_per_node, progress=handled,
+                                 checkpoint_every_steps=unit.config.train.checkpoint_every)
         return out
 
 
