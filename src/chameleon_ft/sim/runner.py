@@ -93,6 +93,18 @@ def _cell_specs(scenario: Scenario) -> list[tuple[FailureSpec, Config]]:
     return out
 
 
+CACHED_DECISION_WORKERS = 2 ** 20
+"""Bound on a unit's planner cache, counted in workers: a cached decision holds a few
+whole plans with their estimates (about 1 MB per 1,000 workers), so a planner keeps the
+planner's default 512 decisions up to 2,048 workers and 128 of 8,192 workers (0.5 GB or
+so at any scale). Eviction only costs time: a decision is recomputed the same."""
+
+
+def planner_cache_size(num_workers: int) -> int:
+    """Decisions a unit's planner keeps for a cluster of ``num_workers``."""
+    return max(32, min(512, CACHED_DECISION_WORKERS // max(1, num_workers)))
+
+
 def make_policy(name: str, planner: Planner, config: Config, *, bamboo_tax: float,
                 oobleck_fault_threshold: int = OOBLECK_FAULT_THRESHOLD) -> SimPolicy:
     """A fresh policy of ``name`` for one run on ``config``'s job.
@@ -178,7 +190,8 @@ def _few_collections() -> Iterator[None]:
 def _run_unit(unit: _Unit, tick: Callable[[int], None] | None = None) -> dict[str, RunResult]:
     """Run one unit's policies, in order, on a fresh planner."""
     with _few_collections():
-        planner = Planner(unit.config, profile=unit.profile)
+        planner = Planner(unit.config, profile=unit.profile,
+                          cache_size=planner_cache_size(unit.config.num_workers))
         out = {}
         for name in unit.policies:
             policy = make_policy(name, planner, unit.config, bamboo_tax=unit.bamboo_tax,
