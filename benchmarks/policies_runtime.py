@@ -11,7 +11,8 @@ worker's memory holding at most 3 of the 8 layers. One run of the benchmark:
    runtime itself);
 2. writes ``OUT/testbed.toml``: the testbed with that profile, the measured network and
    transition terms, and ``[recovery] checkpoint_interval_s`` set to ``checkpoint_every``
-   steps at the measured failure-free step;
+   steps at the measured failure-free step (the policy's assumption; the simulator, like
+   the runtime, checkpoints every ``[train] checkpoint_every`` committed steps);
 3. asks the simulator for each trace's prediction (``chameleon simulate --config
    OUT/testbed.toml --trace T --json``);
 4. replays each trace under each policy (``chameleon train --config OUT/testbed.toml
@@ -28,7 +29,9 @@ worker's memory holding at most 3 of the 8 layers. One run of the benchmark:
 
 The traces are ``benchmarks/traces/testbed8-*.csv``, drawn once by ``--make-traces`` (the
 simulator's generator: node MTBF 80 s, repairs after 30 s, Llama 3's mix, groups of 2
-nodes; seeds whose trace keeps at least half the workers alive).
+nodes; seeds whose trace keeps at least half the workers alive); traces 4 and 5 are drawn
+until a stage of the layout loses both its replicas at least three times (repeated
+restarts).
 
 Usage::
 
@@ -83,9 +86,42 @@ def load_average() -> float:
 
 
 # ---------------------------------------------------------------------- traces
-def make_traces(count: int = 3, duration_s: float = 150.0) -> list[Path]:
-    """Draw the committed traces: the first seeds whose trace never has fewer than half the
-    workers alive and holds a software fault and a repair (written to ``traces/``)."""
+def _dead_after_each(trace: Any) -> list[set[int]]:
+    """The testbed's dead workers after each event of ``trace`` (4 nodes of 2 workers)."""
+    from chameleon_ft.failures import EventKind
+
+    dead: set[int] = set()
+    out = []
+    for e in trace.events:
+        nodes_workers = {w for n in e.target for w in (2 * n, 2 * n + 1)}
+        if e.kind == EventKind.WORKER_FAIL:
+            dead |= set(e.target)
+        elif e.kind in (EventKind.NODE_FAIL, EventKind.GROUP_FAIL):
+            dead |= nodes_workers
+        elif e.kind == EventKind.REPAIR:
+            dead -= nodes_workers
+        out.append(set(dead))
+    return out
+
+
+def stage_losses(trace: Any) -> int:
+    """How often some stage of the testbed's layout (pp 4 x dp 2, pipeline-major: stage s of
+    pipeline p on worker 4p + s) loses both its replicas: each such loss leaves a layer
+    without a live copy, so every policy restarts from the checkpoint."""
+    count, lost_before = 0, False
+    for dead in _dead_after_each(trace):
+        lost = any({s, 4 + s} <= dead for s in range(4))
+        count += lost and not lost_before
+        lost_before = lost
+    return count
+
+
+def make_traces(count: int = 3, duration_s: float = 150.0, *, first: int = 1,
+                first_seed: int = 0, min_stage_losses: int = 0) -> list[Path]:
+    """Draw committed traces: the first seeds (from ``first_seed``) whose trace never has
+    fewer than half the workers alive, holds a software fault and a repair, and at least
+    ``min_stage_losses`` stage losses (:func:`stage_losses`); written to ``traces/`` as
+    ``testbed8-<first>.csv`` and on."""
     from chameleon_ft.failures import EventKind, trace_to_csv
     from chameleon_ft.sim.traces import generate_trace
     from chameleon_ft.spec.scenario import FailureSpec
@@ -93,31 +129,30 @@ def make_traces(count: int = 3, duration_s: float = 150.0) -> list[Path]:
     failures = FailureSpec(node_mtbf_hours=80 / 3600, repair="fixed", repair_hours=30 / 3600,
                            group_nodes=2)
     paths: list[Path] = []
-    seed = 0
+    seed = first_seed
     while len(paths) < count:
         trace = generate_trace(failures, num_nodes=4, workers_per_node=2,
                                duration_s=duration_s, seed=seed)
-        dead: set[int] = set()
-        fewest = 8
-        for e in trace.events:
-            nodes_workers = {w for n in e.target for w in (2 * n, 2 * n + 1)}
-            if e.kind == EventKind.WORKER_FAIL:
-                dead |= set(e.target)
-            elif e.kind in (EventKind.NODE_FAIL, EventKind.GROUP_FAIL):
-                dead |= nodes_workers
-            elif e.kind == EventKind.REPAIR:
-                dead -= nodes_workers
-            fewest = min(fewest, 8 - len(dead))
+        fewest = 8 - max((len(d) for d in _dead_after_each(trace)), default=0)
         kinds = {e.kind for e in trace.events}
-        if fewest >= 4 and EventKind.REPAIR in kinds and EventKind.SOFTWARE in kinds:
-            path = TRACES / f"testbed8-{len(paths) + 1}.csv"
+        losses = stage_losses(trace)
+        if (fewest >= 4 and EventKind.REPAIR in kinds and EventKind.SOFTWARE in kinds
+                and losses >= min_stage_losses):
+            path = TRACES / f"testbed8-{first + len(paths)}.csv"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(trace_to_csv(trace))
             print(f"{path.name}: seed {seed}, {len(trace.events)} events, at least {fewest} "
-                  "workers alive", flush=True)
+                  f"workers alive, {losses} stage losses", flush=True)
             paths.append(path)
         seed += 1
     return paths
+
+
+def make_stage_loss_traces() -> list[Path]:
+    """Traces 4 and 5: the same failures, drawn from seed 1000 on until a stage of the
+    layout loses both replicas at least three times: repeated restarts, where the
+    checkpoint cadence decides what each one loses."""
+    return make_traces(2, first=4, first_seed=1000, min_stage_losses=3)
 
 
 # ---------------------------------------------------------------------- testbed
@@ -182,7 +217,8 @@ def measured_testbed(doc: dict[str, Any], profile: dict[str, Any], out: Path) ->
     config = load_config(path)
     prof = build_profile(config)
     step_s = estimate(initial_plan(config, prof), prof, Topology.from_config(config)).step_s
-    # the simulator checkpoints every so many seconds, the runtime every so many steps
+    # both checkpoint every checkpoint_every committed steps; the interval is what the
+    # policy assumes of a restart's lost work when it prices fragility (design 3.4)
     doc["recovery"]["checkpoint_interval_s"] = round(doc["train"]["checkpoint_every"] * step_s,
                                                      3)
     write_toml(doc, path)
@@ -384,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/policies_runtime", help="output folder")
     parser.add_argument("--repeats", type=int, default=3, help="runs per trace and policy")
-    parser.add_argument("--traces", default="1,2,3", help="which testbed8-N.csv traces")
+    parser.add_argument("--traces", default="1,2,3,4,5", help="which testbed8-N.csv traces")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--workers", type=int, default=8, choices=(4, 8))
     parser.add_argument("--make-traces", action="store_true",
@@ -394,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.make_traces:
         make_traces()
+        make_stage_loss_traces()
         return 0
     policies = [p for p in args.policies.split(",") if p]
     trace_paths = [TRACES / f"testbed8-{n}.csv" for n in args.traces.split(",") if n]

@@ -2,30 +2,88 @@
 
     .venv/bin/python benchmarks/simulate.py                       # llama3-16k, 1 seed
     .venv/bin/python benchmarks/simulate.py --scenario paper32 --seeds 5
+    .venv/bin/python benchmarks/simulate.py --gpus 2048           # llama3-16k's job at 2k GPUs
+    .venv/bin/python benchmarks/simulate.py --scenario llama3-64k --events 400
 
-Prints wall time, peak memory (``resource.getrusage`` max RSS of this process and of the
-largest worker process), the trace size and each policy's mean average throughput. The issue's target: ``llama3-16k``, all policies, one seed,
-under 60 s on a 2-core machine.
+Prints the wall time, the CPU time of this process and of its children, the peak resident
+memory of every process that ran policies (each unit of policies runs in a forked process
+of its own; with ``--jobs 1`` in this one), the trace size, and each policy's mean average
+throughput and effective training time; for a single-cell scenario the effective-training
+table of RESULTS.md. ``--gpus`` runs the Llama 3 job (llama3-16k) at another scale: dp =
+GPUs / 128 with 16 micro-batches per pipeline, as many 8-GPU nodes, the same per-node
+failure rate (so 2,048 GPUs: 256 nodes, dp 16). The issue's targets (19): ``llama3-16k``,
+every policy, one seed, under 20 s on 2 cores; ``llama3-64k`` under 60 s; every simulation
+process under 2 GB at 65k GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from chameleon_ft.failures import Trace
 from chameleon_ft.sim import policies as sim_policies
-from chameleon_ft.sim.report import ProgressBar, policy_summary
-from chameleon_ft.sim.runner import default_jobs, run_scenario
-from chameleon_ft.sim.scenarios import preset_scenario
+from chameleon_ft.sim.report import ProgressBar, effective_training_table, policy_summary
+from chameleon_ft.sim.runner import ScenarioRun, default_jobs, run_scenario
+from chameleon_ft.sim.scenarios import Scenario, preset_scenario
 from chameleon_ft.sim.traces import generate_trace
+
+VARIANTS: tuple[tuple[str, Callable[[Scenario], Scenario]], ...] = (
+    ("as configured", lambda scenario: scenario),
+)
+"""The columns of the effective-training table: the scenario as configured, then one entry
+per means of recovery a later change adds (spare nodes, checkpoints in memory), each a
+function from the scenario to its variant."""
+
+
+def at_scale(scenario: Scenario, gpus: int) -> Scenario:
+    """The Llama 3 job of ``scenario`` (tp 8 x pp 16, 8 GPUs per node) at ``gpus`` GPUs:
+    dp = gpus / 128 pipelines of 16 micro-batches each, gpus / 8 nodes."""
+    config = scenario.config
+    per_pipeline = config.job.tp * config.job.pp
+    if gpus % per_pipeline or gpus % config.cluster.devices_per_node:
+        raise ValueError(f"--gpus: {gpus} is not a whole number of {per_pipeline}-GPU "
+                         "pipelines")
+    dp = gpus // per_pipeline
+    micro = config.job.global_batch // config.job.dp
+    job = replace(config.job, dp=dp, global_batch=dp * micro)
+    cluster = replace(config.cluster, num_nodes=gpus // config.cluster.devices_per_node)
+    return replace(scenario, name=f"{scenario.name}@{gpus}",
+                   config=replace(config, job=job, cluster=cluster))
+
+
+def bounded_trace(scenario: Scenario, events: int, seed: int | None) -> tuple[Trace, int]:
+    """The first ``events`` events of the first seed's trace, and how many it has."""
+    config, sim = scenario.config, scenario.simulation
+    whole = generate_trace(scenario.failures, num_nodes=config.cluster.num_nodes,
+                           workers_per_node=config.workers_per_node, duration_s=sim.duration_s,
+                           seed=seed if seed is not None else sim.seed)
+    n = min(events, len(whole.events))
+    end_s = whole.events[n].time_s if n < len(whole.events) else whole.duration_s
+    return Trace(whole.events[:n], end_s), len(whole.events)
+
+
+def _print_run(run: ScenarioRun) -> None:
+    for name in run.policies:
+        s = policy_summary(run.cells[0], name)
+        if s["avg_throughput_samples_s"] is None:
+            print(f"  {name:10s} died")
+            continue
+        print(f"  {name:10s} {s['avg_throughput_samples_s']:10.4g} samples/s  "
+              f"relative {s['relative_to_failure_free']:.4f} (+-{s['relative_std']:.4f})  "
+              f"effective training time {s['effective_training_time']:.1%}, "
+              f"time training {s['training_time_share']:.1%}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="llama3-16k")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="run the (Llama 3) scenario's job at this many GPUs")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--policies", default=None, help="comma-separated (default: all)")
@@ -36,47 +94,44 @@ def main() -> int:
                              "bounded measurement) and extrapolate to the whole trace")
     args = parser.parse_args()
     scenario = preset_scenario(args.scenario)
+    if args.gpus is not None:
+        scenario = at_scale(scenario, args.gpus)
     policies = (sim_policies.policy_names(args.policies.split(","))
                 if args.policies else None)
-
-    trace = None
-    full_events = 0
-    if args.events is not None:
-        config = scenario.config
-        sim = scenario.simulation
-        whole = generate_trace(scenario.failures, num_nodes=config.cluster.num_nodes,
-                               workers_per_node=config.workers_per_node,
-                               duration_s=sim.duration_s,
-                               seed=args.seed if args.seed is not None else sim.seed)
-        full_events = len(whole.events)
-        n = min(args.events, full_events)
-        end_s = whole.events[n].time_s if n < full_events else whole.duration_s
-        trace = Trace(whole.events[:n], end_s)
-    bar = ProgressBar(f"benchmark {args.scenario}")
-    start = time.perf_counter()
+    trace, full_events = (bounded_trace(scenario, args.events, args.seed)
+                          if args.events is not None else (None, 0))
     jobs = args.jobs or default_jobs()
-    run = run_scenario(scenario, policies=policies, seeds=args.seeds, seed=args.seed,
-                       trace=trace, progress=bar, jobs=jobs)
-    wall_s = time.perf_counter() - start
-    bar.close()
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    child_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    num_events = sum(len(r.trace.events) for cell in run.cells for r in cell.runs)
-    num_failures = sum(r.trace.num_failures for cell in run.cells for r in cell.runs)
-    print(f"scenario {args.scenario}: {len(run.policies)} policies x {args.seeds} seed(s), "
-          f"{len(run.cells)} cell(s), {num_events} trace events ({num_failures} failures), "
-          f"{jobs} process(es)")
-    print(f"wall {wall_s:.1f} s, peak RSS {peak_mib:.0f} MiB (this process), "
-          f"{child_mib:.0f} MiB (largest worker process)")
-    if trace is not None and trace.events:
-        print(f"bounded run: {len(trace.events)} of {full_events} events; extrapolated "
-              f"linearly to the whole trace: {wall_s * full_events / len(trace.events):.0f} s")
-    if len(run.cells) == 1:
-        for name in run.policies:
-            s = policy_summary(run.cells[0], name)
-            print(f"  {name:10s} {s['avg_throughput_samples_s']:10.4g} samples/s  "
-                  f"relative {s['relative_to_failure_free']:.4f} "
-                  f"(+-{s['relative_std']:.4f})")
+    runs = []
+    for label, variant in VARIANTS:
+        bar = ProgressBar(f"benchmark {scenario.name} ({label})")
+        start, cpu = time.perf_counter(), os.times()
+        run = run_scenario(variant(scenario), policies=policies, seeds=args.seeds,
+                           seed=args.seed, trace=trace, progress=bar, jobs=jobs)
+        wall_s, after = time.perf_counter() - start, os.times()
+        bar.close()
+        runs.append((label, run))
+        num_events = sum(len(r.trace.events) for cell in run.cells for r in cell.runs)
+        num_failures = sum(r.trace.num_failures for cell in run.cells for r in cell.runs)
+        print(f"scenario {scenario.name} ({label}): {len(run.policies)} policies x "
+              f"{args.seeds} seed(s), {len(run.cells)} cell(s), {num_events} trace events "
+              f"({num_failures} failures), {scenario.config.num_workers} workers, "
+              f"{jobs} process(es)")
+        own = (after.user - cpu.user) + (after.system - cpu.system)
+        children = (after.children_user - cpu.children_user) + (
+            after.children_system - cpu.children_system)
+        peaks = ", ".join(f"{b / 2**20:.0f}" for b in run.process_peak_rss_bytes)
+        print(f"wall {wall_s:.1f} s, CPU {own + children:.1f} s ({own:.1f} s here, "
+              f"{children:.1f} s in worker processes); peak RSS per process: {peaks} MiB")
+        if trace is not None and trace.events:
+            print(f"bounded run: {len(trace.events)} of {full_events} events; extrapolated "
+                  f"linearly to the whole trace: {wall_s * full_events / len(trace.events):.0f} s")
+        for lost in run.lost:
+            print(lost.line())
+        if len(run.cells) == 1:
+            _print_run(run)
+    if all(len(run.cells) == 1 for _, run in runs):
+        print()
+        print(effective_training_table(runs), end="")
     return 0
 
 

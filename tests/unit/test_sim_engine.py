@@ -61,10 +61,12 @@ class FakePolicy:
                       throughput_samples_s=FF, stall_s=3.0, terms=(("rebuild_s", 3.0),))
 
 
-def run(events: list[TraceEvent], duration_s: float, policy: FakePolicy | None = None):
+def run(events: list[TraceEvent], duration_s: float, policy: FakePolicy | None = None, *,
+        recovery: RecoverySpec = RECOVERY, checkpoint_every_steps: int = 0):
     policy = policy or FakePolicy()
     result = simulate(Trace(tuple(events), duration_s), policy, failure_free_samples_s=FF,
-                      recovery=RECOVERY, num_workers=NUM_WORKERS, workers_per_node=PER_NODE)
+                      recovery=recovery, num_workers=NUM_WORKERS, workers_per_node=PER_NODE,
+                      checkpoint_every_steps=checkpoint_every_steps)
     return result, policy
 
 
@@ -94,6 +96,11 @@ def test_single_failure_hand_computed():
     assert dict(result.decisions) == {"shrink": 1}
     assert policy.calls[0][2] == frozenset({1})
     assert result.timeline == ((0.0, FF), (101.0, 0.0), (104.0, 2.0))
+    # Kept training: 100 s before the failure (its last second was lost), 397 s after.
+    assert result.training_s == pytest.approx(497.0)
+    assert result.training_time_share == pytest.approx(497.0 / 501.0)
+    assert result.effective_training_time == pytest.approx(result.samples / FF / 501.0)
+    assert result.effective_training_time == pytest.approx(result.relative_to_failure_free)
 
 
 def test_failure_during_transition_redecides_from_committed_plan():
@@ -203,3 +210,64 @@ def test_failure_during_interim_phase_cancels_the_switch():
     assert (119.0, 0.0) not in result.timeline
     assert result.samples == pytest.approx(50 * BATCH + 16 * 1.0 + (1000.0 - 131.0) * 2.0)
     assert dict(result.time_lost_s)["partial_step_s"] == pytest.approx(7.0 / FF)
+
+
+SLOW_AFTER_FAILURE = [TraceEvent(101.0, EventKind.WORKER_FAIL, (1,)),
+                      TraceEvent(500.0, EventKind.SOFTWARE), TraceEvent(970.0, EventKind.SOFTWARE)]
+"""A failure at 101 leaves a plan at half speed (4 s steps from 104); software faults at
+500 and 970 restart it from its checkpoint."""
+
+
+def test_checkpoints_every_n_steps_are_sparser_in_wall_time_on_a_slower_plan():
+    stall = RECOVERY.detect_s + RECOVERY.restart_s + RECOVERY.checkpoint_load_s  # 61 s
+    result, _ = run(SLOW_AFTER_FAILURE, 1100.0, checkpoint_every_steps=100)
+    # Step 100 commits at 304 (50 steps by 101, 50 more of 4 s from 104): the fault at 500
+    # rolls back to 800 samples, losing the 49 steps since (1192 - 800 samples).
+    # Restarted at 561, step 200 commits at 961 (a redone step counts once): the fault at
+    # 970 loses 2 samples in flight and the 2 steps since; from 1031, 69 s at 2 samples/s.
+    assert result.samples == pytest.approx(1600.0 + 69.0 * 2.0)
+    lost = dict(result.time_lost_s)
+    assert lost["lost_work_s"] == pytest.approx((392.0 + 16.0) / FF)
+    assert lost["partial_step_s"] == pytest.approx((4.0 + 2.0) / FF)
+    assert lost["restart_s"] + lost["load_s"] + lost["detect_s"] == pytest.approx(
+        2 * stall + 1.0)  # and the failure's own detection
+    assert lost_total(result) == pytest.approx(1100.0 - result.samples / FF)
+    # Kept training: 0-100, 104-304, 561-961 and 1031-1100.
+    assert result.training_s == pytest.approx(100.0 + 200.0 + 400.0 + 69.0)
+
+
+def test_checkpoints_by_wall_time_at_the_same_failure_free_cadence_lose_less():
+    # Every 200 s is 100 failure-free steps, but on the slow plan only 50: at 400 the
+    # checkpoint holds 124 steps (992 samples), so the fault at 500 loses 200 samples.
+    by_time = RecoverySpec(detect_s=1.0, rebuild_s=2.0, restart_s=50.0,
+                           checkpoint_load_s=10.0, checkpoint_interval_s=200.0)
+    result, _ = run(SLOW_AFTER_FAILURE[:2], 1100.0, recovery=by_time)
+    assert dict(result.time_lost_s)["lost_work_s"] == pytest.approx(200.0 / FF)
+    steps, _ = run(SLOW_AFTER_FAILURE[:2], 1100.0, recovery=by_time, checkpoint_every_steps=100)
+    assert dict(steps.time_lost_s)["lost_work_s"] == pytest.approx(392.0 / FF)
+    assert steps.samples < result.samples
+
+
+def test_checkpoints_by_steps_equal_checkpoints_by_time_on_the_failure_free_plan():
+    # 500 failure-free steps are exactly the 1000 s interval: the same restart.
+    events = [TraceEvent(1301.0, EventKind.WORKER_FAIL, (0,))]
+    by_time, _ = run(events, 2000.0, FakePolicy(restart=True))
+    by_steps, policy = run(events, 2000.0, FakePolicy(restart=True), checkpoint_every_steps=500)
+    assert policy.calls[0][3] == pytest.approx(300.0)
+    assert by_steps.samples == pytest.approx(by_time.samples)
+    assert dict(by_steps.time_lost_s) == pytest.approx(dict(by_time.time_lost_s))
+    assert by_steps.training_s == pytest.approx(by_time.training_s)
+
+
+def test_no_checkpoints_restart_from_the_start_whatever_the_cadence():
+    without = RecoverySpec(detect_s=1.0, rebuild_s=2.0, restart_s=50.0, checkpoint_load_s=10.0,
+                           checkpoint=False)
+    result, _ = run([TraceEvent(1500.0, EventKind.SOFTWARE)], 2000.0, recovery=without,
+                    checkpoint_every_steps=10)
+    assert dict(result.time_lost_s)["lost_work_s"] == pytest.approx(1500.0)
+    assert result.training_s == pytest.approx(2000.0 - 1500.0 - 61.0)
+
+
+def test_negative_checkpoint_cadence_is_refused():
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        run([], 10.0, checkpoint_every_steps=-1)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +17,14 @@ from chameleon_ft.sim.policies import (
     EventContext,
     policy_names,
 )
-from chameleon_ft.sim.report import write_files
+from chameleon_ft.sim.report import (
+    effective_training_table,
+    policy_summary,
+    report_json,
+    report_markdown,
+    write_files,
+)
+from chameleon_ft.sim.runner import run_scenario
 from chameleon_ft.sim.scenarios import PRESETS, preset_scenario
 from chameleon_ft.spec import load_config
 from chameleon_ft.spec.recovery import RecoverySpec
@@ -135,3 +145,49 @@ def test_binned_throughput_integrates_the_timeline():
     edges, rates = binned_throughput([(0.0, 4.0), (5.0, 0.0), (7.5, 2.0)], 10.0, num_bins=2)
     assert edges == [0.0, 5.0, 10.0]
     assert rates == pytest.approx([4.0, (2.5 * 2.0) / 5.0])
+
+
+def _half_day(policies: tuple[str, ...], **recovery: float) -> Any:
+    scenario = preset_scenario("paper32")
+    config = replace(scenario.config, recovery=replace(scenario.config.recovery, **recovery))
+    scenario = replace(scenario, config=config,
+                       simulation=replace(scenario.simulation, days=0.5, seeds=2))
+    return run_scenario(scenario, policies=policies, jobs=1)
+
+
+def test_reports_give_effective_training_time_next_to_throughput():
+    run = _half_day(("chameleon", "reroute", "restart"))
+    doc = json.loads(report_json(run))
+    for policy in doc["policies"]:
+        # committed work at the failure-free speed over wall time...
+        assert policy["effective_training_time"] == pytest.approx(
+            policy["avg_throughput_samples_s"] / doc["failure_free_samples_s"])
+        # ...and the time spent training kept work, which a slower plan still counts
+        assert policy["effective_training_time"] <= policy["training_time_share"] + 1e-9
+        assert 0 < policy["training_time_share"] <= 1
+        for seed in policy["per_seed"]:
+            assert 0 < seed["effective_training_time"] <= seed["training_time_share"] + 1e-9
+    reroute = next(p for p in doc["policies"] if p["name"] == "reroute")
+    assert reroute["training_time_share"] > reroute["effective_training_time"] + 0.01
+    text = report_markdown(run)
+    assert "| effective training time | time training |" in text
+    chameleon = next(p for p in doc["policies"] if p["name"] == "chameleon")
+    assert f"| {chameleon['effective_training_time']:.4f} |" in text
+
+
+def test_effective_training_table_has_a_column_pair_per_variant():
+    policies = ("chameleon", "restart")
+    slow = _half_day(policies)
+    fast = _half_day(policies, restart_s=60.0, checkpoint_load_s=10.0)
+    table = effective_training_table([("as configured", slow), ("fast restarts", fast)])
+    lines = table.splitlines()
+    assert lines[0].count("effective training time") == 2
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:4]}
+    assert set(rows) == set(policies)
+    restart = [policy_summary(r.cells[0], "restart")["effective_training_time"]
+               for r in (slow, fast)]
+    assert restart[1] > restart[0]
+    assert f"{restart[0]:.1%} |" in rows["restart"] and f"{restart[1]:.1%} |" in rows["restart"]
+    assert "Llama 3" in table and "above 90%" in table
+    with pytest.raises(ValueError, match="other policies"):
+        effective_training_table([("a", slow), ("b", _half_day(("chameleon",)))])

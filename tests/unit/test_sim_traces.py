@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from trace_oracle import reference_trace
 
 from chameleon_ft.failures import (
     EventKind,
@@ -31,6 +32,34 @@ def test_same_seed_same_trace_other_seed_differs():
     failures = FailureSpec(node_mtbf_hours=48.0)
     assert gen(failures, 3) == gen(failures, 3)
     assert gen(failures, 3) != gen(failures, 4)
+
+
+@pytest.mark.parametrize("failures", [
+    FailureSpec(node_mtbf_hours=20.0, repair="exponential", repair_hours=3.0),
+    FailureSpec(node_mtbf_hours=5.0, repair="uniform", group_nodes=4),
+    FailureSpec(node_mtbf_hours=8.0, repair="none"),
+    FailureSpec(node_mtbf_hours=2.7, interarrival="weibull", weibull_shape=0.7,
+                single_worker=0.0, single_node=0.9, multi_node=0.1, software=0.0,
+                group_nodes=2, repair="exponential", repair_hours=0.75),
+    FailureSpec(node_mtbf_hours=30.0, single_worker=1.0, single_node=0.0, multi_node=0.0,
+                software=0.0, repair="fixed", repair_hours=48.0),
+], ids=["exponential", "uniform-groups", "no-repair", "weibull-spot", "workers-only"])
+def test_split_generator_draws_the_traces_of_the_original(failures):
+    # generate_trace was split into named steps; the original is kept as the oracle.
+    for seed in range(12):
+        trace = gen(failures, seed, days=20.0)
+        assert trace.events
+        assert trace == reference_trace(failures, num_nodes=NODES, workers_per_node=PER_NODE,
+                                        duration_s=20.0 * DAY_S, seed=seed)
+
+
+def test_split_generator_matches_the_original_at_llama3_scale():
+    failures = FailureSpec(repair="uniform")  # Llama 3's rate and mix
+    trace = generate_trace(failures, num_nodes=2048, workers_per_node=1,
+                           duration_s=54 * DAY_S, seed=0)
+    assert trace.num_failures > 300
+    assert trace == reference_trace(failures, num_nodes=2048, workers_per_node=1,
+                                    duration_s=54 * DAY_S, seed=0)
 
 
 def test_rate_and_mix_match_the_spec():

@@ -8,7 +8,9 @@ Three ways to say what to simulate::
         --repair-hours 3 [--trace trace.csv]
 
 With ``--out`` the JSON and Markdown reports and the PNG plots are written there, only
-once every run has finished. ``--save-trace`` writes the (first) generated trace as CSV.
+once every run has finished (a simulation process that died is one line on stderr and in
+the reports; the other results are kept). ``--save-trace`` writes the (first) generated
+trace as CSV.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``chameleon simulate``.
 
     Returns:
-        0 on success.
+        0 on success; 1 when a simulation process died (one line each on stderr; the
+        report holds the other results).
 
     Raises:
         ValueError: for bad flags, an unknown scenario or policy, or a bad trace; nothing
@@ -156,4 +159,6 @@ def run(args: argparse.Namespace) -> int:
         paths = write_files(args.out, files)
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     print(report_json(result) if args.json else report_markdown(result), end="")
-    return 0
+    for lost in result.lost:
+        print(lost.line(), file=sys.stderr)
+    return 1 if result.lost else 0

@@ -174,16 +174,33 @@ def _components(plan: ExecutionPlan) -> list[tuple[list[int], bool]]:
     return [(group, len(group) == 1 and group[0] not in rerouted) for group in groups.values()]
 
 
+CACHED_PLAN_WORKERS = 2 ** 21
+"""Bound on the whole-plan estimates kept, counted in workers: a kept estimate holds its
+plan and a per-worker memory table (about 0.3 MB per 1,000 workers with the plan's own
+tables), so the cache keeps 4,096 estimates of jobs up to 512 workers, 1,024 of 2,048 and
+256 of 8,192 workers: a few hundred MB at any scale (issue 19). Eviction only costs time:
+an estimate is a pure function of its plan."""
+
+
+def default_cache_size(num_workers: int) -> int:
+    """Whole-plan estimates an :class:`Estimator` keeps for a cluster of ``num_workers``."""
+    return max(64, min(4096, CACHED_PLAN_WORKERS // max(1, num_workers)))
+
+
 class Estimator:
     """Estimates plans for one profile and topology, memoising identical pipelines.
 
     Args:
         profile: per-layer costs.
         topology: workers, nodes and links.
-        cache_size: how many whole-plan estimates to keep.
+        cache_size: how many whole-plan estimates (and component timelines) to keep;
+            default :func:`default_cache_size` of the topology's workers.
     """
 
-    def __init__(self, profile: Profile, topology: Topology, cache_size: int = 4096) -> None:
+    def __init__(self, profile: Profile, topology: Topology,
+                 cache_size: int | None = None) -> None:
+        if cache_size is None:
+            cache_size = default_cache_size(topology.num_workers)
         self.profile = profile
         self.topology = topology
         self._plans: OrderedDict[tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
@@ -237,7 +254,8 @@ class Estimator:
             tuple(node_of(a) == node_of(b) for a, b in itertools.pairwise(workers)),
         )
         if not speeds:
-            if len(self._pipeline_keys) > 65536:
+            if len(self._pipeline_keys) > 16 * self._cache_size:
+                # the entries hold their pipelines alive: forget them all now and then
                 self._pipeline_keys.clear()
             self._pipeline_keys[id(pipe)] = (pipe, plan.schedule, key)
         return key

@@ -18,6 +18,15 @@ from chameleon_ft.spec.job import Schedule
 
 _SCHEDULE_CODES = {s.value: i for i, s in enumerate(Schedule)}
 
+_POSITIONS: dict[tuple[int, int], tuple[int, int]] = {}
+"""One ``(pipeline, stage)`` tuple per position, shared by every plan's table."""
+
+
+def _position(pipeline: int, stage: int) -> tuple[int, int]:
+    key = (pipeline, stage)
+    return _POSITIONS.setdefault(key, key)
+
+
 @dataclass(frozen=True, slots=True)
 class Stage:
     """A contiguous range of layers ``[first_layer, end_layer)`` run by one worker."""
@@ -208,32 +217,41 @@ class ExecutionPlan:
         """Live workers that run something, sorted."""
         return tuple(sorted(self.stage_of_worker))
 
+    # The tables below are kept with the plan (the planner's and the estimator's caches keep
+    # thousands of plans of thousands of workers), so their values are shared: one range
+    # object per distinct layer range, one tuple per (pipeline, stage) position.
     @cached_property
     def layers_by_worker(self) -> dict[int, range]:
         """The layer range each live worker holds."""
-        return {st.worker: st.layers for _, _, st in self._live_stages}
+        ranges: dict[tuple[int, int], range] = {}
+        out: dict[int, range] = {}
+        for _, _, st in self._live_stages():
+            bounds = (st.first_layer, st.end_layer)
+            layers = ranges.get(bounds)
+            if layers is None:
+                layers = ranges[bounds] = range(st.first_layer, st.end_layer)
+            out[st.worker] = layers
+        return out
 
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live worker."""
-        return {st.worker: (p, s) for p, s, st in self._live_stages}
+        return {st.worker: _position(p, s) for p, s, st in self._live_stages()}
 
-    @cached_property
-    def _live_stages(self) -> list[tuple[int, int, Stage]]:
-        """``(pipeline, stage, Stage)`` of every stage that is not rerouted."""
+    def _live_stages(self) -> Iterator[tuple[int, int, Stage]]:
+        """``(pipeline, stage, Stage)`` of every stage that is not rerouted (not kept: each
+        table above walks it once)."""
         if not self.reroutes:
-            return [(p, s, st) for p, pipe in enumerate(self.pipelines)
-                    for s, st in enumerate(pipe.stages)]
+            return self.iter_stages()
         dead = self.reroute_map
-        return [(p, s, st) for p, pipe in enumerate(self.pipelines)
-                for s, st in enumerate(pipe.stages) if (p, s) not in dead]
+        return ((p, s, st) for p, s, st in self.iter_stages() if (p, s) not in dead)
 
     @cached_property
     def holders_by_layer(self) -> tuple[tuple[int, ...], ...]:
         """For each layer, the live workers holding it, sorted."""
         # Few distinct layer ranges: gather workers per range, then per layer.
         by_range: dict[tuple[int, int], list[int]] = {}
-        for _, _, st in self._live_stages:
+        for _, _, st in self._live_stages():
             by_range.setdefault((st.first_layer, st.end_layer), []).append(st.worker)
         out: list[list[int]] = [[] for _ in range(self.num_layers)]
         for (lo, hi), ws in by_range.items():

@@ -8,13 +8,17 @@ Semantics (docs/design.md section 6, issue 4):
 - The transition (``Choice.stall_s``) makes no progress; then samples accrue at the chosen
   plan's throughput until the next event. A failure during a transition aborts it and
   decides again from the committed plan with every failure since.
-- A restart rolls the samples back to the last checkpoint. Checkpoints are taken at every
-  multiple of ``checkpoint_interval_s`` of wall time and hold the last completed step.
+- A restart rolls the samples back to the last checkpoint. Checkpoints are taken as the
+  runtime takes them, every ``checkpoint_every`` committed steps (``[train]``; a step
+  redone after a restart counts once), so a slower plan checkpoints less often in wall
+  time; without it, at every multiple of ``checkpoint_interval_s`` of wall time, holding
+  the last completed step.
 - A repair brings a node's workers back and asks the policy whether to use them (a rejoin
   during a transition waits for it to end). A job-level software fault restarts every
   process on the same plan from the checkpoint.
 - Time lost is booked by cause in failure-free-equivalent seconds, so the causes add up to
-  ``duration_s - samples / failure_free_throughput``.
+  ``duration_s - samples / failure_free_throughput``. The wall seconds spent training steps
+  whose work is kept (at whatever speed) are counted too (``training_s``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class RunResult:
     """Job-level software faults that restarted the job."""
     timeline: tuple[tuple[float, float], ...]
     """``(time_s, samples_s)`` where the throughput changes; it holds until the next point."""
+    training_s: float = 0.0
+    """Wall seconds spent running steps whose work was kept (not lost in flight nor rolled
+    back), at whatever speed the running plan had."""
 
     @property
     def avg_throughput_samples_s(self) -> float:
@@ -62,6 +69,21 @@ class RunResult:
         return self.avg_throughput_samples_s / self.failure_free_samples_s
 
     @property
+    def effective_training_time(self) -> float:
+        """Committed work over wall time, the work counted in seconds at the failure-free
+        speed (docs/design.md 6): the same figure as :attr:`relative_to_failure_free`,
+        under the name the industry reports."""
+        return self.samples / self.failure_free_samples_s / self.duration_s
+
+    @property
+    def training_time_share(self) -> float:
+        """Share of the wall time spent training work that was kept, at any speed (a
+        slower degraded plan counts in full): the time-only reading of effective training
+        time, at least :attr:`effective_training_time` unless a plan runs faster than the
+        failure-free one."""
+        return self.training_s / self.duration_s
+
+    @property
     def num_decisions(self) -> int:
         """Every decision the policy took."""
         return sum(n for _, n in self.decisions)
@@ -71,7 +93,8 @@ class _Run:
     """Mutable state of one simulation; private to :func:`simulate`."""
 
     def __init__(self, trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
-                 recovery: RecoverySpec, workers_per_node: int, num_workers: int) -> None:
+                 recovery: RecoverySpec, workers_per_node: int, num_workers: int,
+                 checkpoint_every_steps: int) -> None:
         self.trace = trace
         self.policy = policy
         self.ff = failure_free_samples_s
@@ -89,6 +112,14 @@ class _Run:
         self.run_start_samples = 0.0
         self.checkpoint_samples = 0.0
         self.since_checkpoint_s = 0.0
+        # Checkpoints by committed steps (0: by wall time, ``checkpoint_interval_s``).
+        self.checkpoint_every = checkpoint_every_steps
+        self.steps = 0  # committed steps when the running plan started or last stopped
+        self.run_start_steps = 0
+        self.checkpoint_steps = 0
+        # Wall seconds training kept work, now and at the last checkpoint.
+        self.training_s = 0.0
+        self.checkpoint_training_s = 0.0
         self.lost: dict[str, float] = {}
         self.decisions: dict[str, int] = {}
         self.num_software = 0
@@ -118,10 +149,14 @@ class _Run:
         heapq.heappush(self.queue, (time_s, self.seq, item))
         self.seq += 1
 
+    def _steps_in_run(self, at_s: float) -> int:
+        """Whole steps the running plan completed from its start to ``at_s``."""
+        return math.floor((at_s - self.run_start_s) / self.committed.step_s + 1e-9)
+
     def _completed_samples(self, at_s: float) -> float:
         """Samples at ``at_s`` counting only whole steps of the running plan."""
         choice = self.committed
-        steps = math.floor((at_s - self.run_start_s) / choice.step_s + 1e-9)
+        steps = self._steps_in_run(at_s)
         return self.run_start_samples + steps * choice.step_s * choice.throughput_samples_s
 
     def advance(self, to_s: float) -> None:
@@ -129,44 +164,85 @@ class _Run:
         dt = to_s - self.now
         if dt <= 0:
             return
+        if self.checkpoint_every:
+            self._advance_by_steps(to_s, dt)
+            self.now = to_s
+            return
         interval = self.recovery.checkpoint_interval_s
         checkpoint_s = math.floor(to_s / interval) * interval
         crosses = self.recovery.checkpoint and checkpoint_s > self.now
         if self.pending is not None or self.committed.plan is None:
-            if self.pending is None:
-                self._book("down_s", dt)
-            elif self.pending.terms:
-                total = self.pending.stall_s
-                for cause, seconds in self.pending.terms:
-                    self._book(cause, dt * seconds / total)
-            else:
-                self._book("transition_other_s", dt)
+            self._stalled(dt)
             if crosses:
                 # Nothing ran since the last step: the checkpoint holds the current state.
                 self.checkpoint_samples = self.samples
                 self.since_checkpoint_s = 0.0
+                self.checkpoint_training_s = self.training_s
         else:
-            rate = self.committed.throughput_samples_s
-            self.samples += rate * dt
-            self._book("degraded_s", dt * (self.ff - rate) / self.ff)
-            self.since_checkpoint_s += dt
+            rate = self._train(dt)
             if crosses:
                 # The checkpoint holds the last step completed before it.
                 self.checkpoint_samples = self._completed_samples(checkpoint_s)
-                self.since_checkpoint_s = (self.samples - self.checkpoint_samples) / rate
+                self._checkpointed_in_run(rate)
         self.now = to_s
+
+    def _stalled(self, dt: float) -> None:
+        """``dt`` seconds without training: book them to what the job was doing."""
+        if self.pending is None:
+            self._book("down_s", dt)
+        elif self.pending.terms:
+            total = self.pending.stall_s
+            for cause, seconds in self.pending.terms:
+                self._book(cause, dt * seconds / total)
+        else:
+            self._book("transition_other_s", dt)
+
+    def _train(self, dt: float) -> float:
+        """``dt`` seconds of the running plan; returns its throughput."""
+        rate = self.committed.throughput_samples_s
+        self.samples += rate * dt
+        self._book("degraded_s", dt * (self.ff - rate) / self.ff)
+        self.since_checkpoint_s += dt
+        self.training_s += dt
+        return rate
+
+    def _checkpointed_in_run(self, rate: float) -> None:
+        """A checkpoint of the running plan now holds ``checkpoint_samples``."""
+        self.since_checkpoint_s = (self.samples - self.checkpoint_samples) / rate
+        self.checkpoint_training_s = self.training_s - self.since_checkpoint_s
+
+    def _advance_by_steps(self, to_s: float, dt: float) -> None:
+        """:meth:`advance` when the job checkpoints every ``checkpoint_every`` committed
+        steps, as the runtime does: nothing is written while no step commits."""
+        if self.pending is not None or self.committed.plan is None:
+            self._stalled(dt)
+            return
+        rate = self._train(dt)
+        if not self.recovery.checkpoint:
+            return
+        done = self.run_start_steps + self._steps_in_run(to_s)
+        last = done - done % self.checkpoint_every
+        if last > self.checkpoint_steps:
+            # The newest checkpoint was written when step ``last`` committed.
+            choice = self.committed
+            self.checkpoint_steps = last
+            self.checkpoint_samples = self.run_start_samples + (
+                (last - self.run_start_steps) * choice.step_s * choice.throughput_samples_s)
+            self._checkpointed_in_run(rate)
 
     def interrupt(self) -> None:
         """Lose the step in flight of the running plan (if one runs)."""
         if self.pending is not None or self.committed.plan is None:
             return
+        self.steps = self.run_start_steps + self._steps_in_run(self.now)
         completed = self._completed_samples(self.now)
         lost = self.samples - completed
         if lost > 0:
             self.samples = completed
             self._book("partial_step_s", lost / self.ff)
-            self.since_checkpoint_s = max(
-                0.0, self.since_checkpoint_s - lost / self.committed.throughput_samples_s)
+            lost_s = lost / self.committed.throughput_samples_s
+            self.since_checkpoint_s = max(0.0, self.since_checkpoint_s - lost_s)
+            self.training_s -= lost_s
 
     def context(self, next_event_s: float) -> EventContext:
         return EventContext(alive=frozenset(self.alive), now_s=self.now,
@@ -183,6 +259,8 @@ class _Run:
                 self._book("lost_work_s", lost / self.ff)
                 self.samples = self.checkpoint_samples
             self.since_checkpoint_s = 0.0
+            self.training_s = self.checkpoint_training_s
+            self.steps = self.checkpoint_steps
         self.token += 1
         if choice.plan is None:
             self.committed = Choice(strategy=DOWN, plan=None)
@@ -203,6 +281,7 @@ class _Run:
         self.pending_failed = frozenset()
         self.run_start_s = self.now
         self.run_start_samples = self.samples
+        self.run_start_steps = self.steps
         self._schedule_switch()
 
     def _schedule_switch(self) -> None:
@@ -318,7 +397,8 @@ class _Run:
 
 def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
              recovery: RecoverySpec, num_workers: int, workers_per_node: int,
-             progress: Callable[[int], None] | None = None) -> RunResult:
+             progress: Callable[[int], None] | None = None,
+             checkpoint_every_steps: int = 0) -> RunResult:
     """Replay ``trace`` against ``policy``.
 
     Args:
@@ -329,17 +409,24 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
         num_workers: workers of the cluster.
         workers_per_node: workers per node.
         progress: called with the number of trace events handled so far, now and then.
+        checkpoint_every_steps: checkpoint every this many committed steps, as the runtime
+            does (``[train] checkpoint_every``); 0: every ``recovery.checkpoint_interval_s``
+            of wall time.
 
     Returns:
         The policy's result.
 
     Raises:
-        ValueError: for a non-positive failure-free throughput.
+        ValueError: for a non-positive failure-free throughput or a negative cadence.
     """
     if not failure_free_samples_s > 0:
         raise ValueError(f"failure-free throughput must be positive, got {failure_free_samples_s}")
+    if isinstance(checkpoint_every_steps, bool) or checkpoint_every_steps < 0:
+        raise ValueError(f"checkpoint_every: must be an integer >= 0, got "
+                         f"{checkpoint_every_steps!r}")
     run = _Run(trace, policy, failure_free_samples_s=failure_free_samples_s, recovery=recovery,
-               workers_per_node=workers_per_node, num_workers=num_workers)
+               workers_per_node=workers_per_node, num_workers=num_workers,
+               checkpoint_every_steps=checkpoint_every_steps)
     events = trace.events
     for event in events:
         run.push(event.time_s, event)
@@ -377,4 +464,5 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
         failure_free_samples_s=failure_free_samples_s,
         time_lost_s=tuple(sorted(run.lost.items())),
         decisions=tuple(sorted(run.decisions.items())),
-        num_software_restarts=run.num_software, timeline=tuple(run.timeline))
+        num_software_restarts=run.num_software, timeline=tuple(run.timeline),
+        training_s=run.training_s)

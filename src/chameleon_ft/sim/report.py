@@ -25,6 +25,16 @@ BASELINES = ("oobleck", "recycle", "reroute", "dynamic", "restart", "shrink", "b
 """Policies Chameleon is compared with: the published peers and our fixed strategies."""
 PAPER_RATIOS = {"recycle": 1.355, "oobleck": 1.229}
 """The paper's average-throughput ratios of Chameleon to ReCycle and Oobleck (32 devices)."""
+PUBLISHED_EFFECTIVE_TRAINING_TIME = (
+    ("Llama 3 405B (Meta, arXiv:2407.21783): 16,384 H100, 54 days, restarts from "
+     "checkpoints", "above 90%"),
+    ("ByteRobust (ByteDance, arXiv:2509.16293): 9,600 GPUs, 3 months, warm standby",
+     "97%"),
+    ("FT-HSDP (Meta, arXiv:2602.00277): O(100k) GPUs, fault-tolerant all-reduce",
+     "80% (44% without)"),
+)
+"""Effective training time as published (docs/design.md, "Sources of the defaults"); each
+measures the share of wall time spent on training that is kept."""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -35,8 +45,14 @@ def _std(values: Sequence[float]) -> float:
     return statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
-def _results(cell: CellRun, name: str) -> list[RunResult]:
-    return [r for run in cell.runs for r in run.results if r.name == name]
+def _results(cell: CellRun, name: str) -> list[tuple[int, RunResult]]:
+    """``(seed, result)`` of ``name`` on every trace of the cell where it finished."""
+    out = []
+    for run in cell.runs:
+        result = run.result(name)
+        if result is not None:
+            out.append((run.seed, result))
+    return out
 
 
 def policy_summary(cell: CellRun, name: str) -> dict[str, Any]:
@@ -48,12 +64,24 @@ def policy_summary(cell: CellRun, name: str) -> dict[str, Any]:
 
     Returns:
         ``name``, ``avg_throughput_samples_s`` (mean), ``avg_throughput_std``,
-        ``relative_to_failure_free`` (mean), ``relative_std``, ``time_lost_s`` by cause
-        (mean), ``num_decisions`` (mean), ``decisions`` by strategy (mean),
-        ``num_software_restarts`` (mean) and ``per_seed``.
+        ``relative_to_failure_free`` (mean), ``relative_std``, ``effective_training_time``
+        (mean: committed work at the failure-free speed over wall time, the same figure as
+        the relative throughput), ``training_time_share`` (mean: wall time training kept
+        work, at any speed), ``time_lost_s`` by cause (mean), ``num_decisions`` (mean),
+        ``decisions`` by strategy (mean), ``num_software_restarts`` (mean), ``per_seed``
+        and ``lost`` (one line per seed whose simulation process died; the means are over
+        the other seeds, ``None`` when none is left).
     """
-    results = _results(cell, name)
-    seeds = [run.seed for run in cell.runs]
+    pairs = _results(cell, name)
+    results = [r for _, r in pairs]
+    lost = [lost.line() for run in cell.runs for lost in run.lost
+            if lost.policy == name or name in lost.not_run]
+    if not results:
+        return {"name": name, "avg_throughput_samples_s": None, "avg_throughput_std": None,
+                "relative_to_failure_free": None, "relative_std": None,
+                "effective_training_time": None, "training_time_share": None,
+                "time_lost_s": {}, "num_decisions": None, "decisions": {},
+                "num_software_restarts": None, "per_seed": [], "lost": lost}
     throughput = [r.avg_throughput_samples_s for r in results]
     relative = [r.relative_to_failure_free for r in results]
     causes = sorted({c for r in results for c, _ in r.time_lost_s})
@@ -65,6 +93,8 @@ def policy_summary(cell: CellRun, name: str) -> dict[str, Any]:
         "avg_throughput_std": _std(throughput),
         "relative_to_failure_free": _mean(relative),
         "relative_std": _std(relative),
+        "effective_training_time": _mean([r.effective_training_time for r in results]),
+        "training_time_share": _mean([r.training_time_share for r in results]),
         "time_lost_s": {c: math.fsum(dict(r.time_lost_s).get(c, 0.0) for r in results) / n
                         for c in causes},
         "num_decisions": _mean([float(r.num_decisions) for r in results]),
@@ -73,19 +103,22 @@ def policy_summary(cell: CellRun, name: str) -> dict[str, Any]:
         "num_software_restarts": _mean([float(r.num_software_restarts) for r in results]),
         "per_seed": [{"seed": seed, "avg_throughput_samples_s": r.avg_throughput_samples_s,
                       "relative_to_failure_free": r.relative_to_failure_free,
+                      "effective_training_time": r.effective_training_time,
+                      "training_time_share": r.training_time_share,
                       "samples": r.samples}
-                     for seed, r in zip(seeds, results, strict=True)],
+                     for seed, r in pairs],
+        "lost": lost,
     }
 
 
 def _ratios(policies: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Chameleon's mean average throughput over each other policy's."""
-    if "chameleon" not in policies:
+    if "chameleon" not in policies or policies["chameleon"]["avg_throughput_samples_s"] is None:
         return {}
     ours = policies["chameleon"]["avg_throughput_samples_s"]
     return {f"chameleon/{name}": ours / p["avg_throughput_samples_s"]
             for name, p in policies.items()
-            if name != "chameleon" and p["avg_throughput_samples_s"] > 0}
+            if name != "chameleon" and p["avg_throughput_samples_s"]}
 
 
 def _cell_doc(run: ScenarioRun, cell: CellRun) -> dict[str, Any]:
@@ -115,8 +148,9 @@ def report_doc(run: ScenarioRun) -> dict[str, Any]:
 
     Returns:
         A JSON-ready mapping: the scenario, the failure-free figures, and per cell the traces,
-        every policy's summary (:func:`policy_summary`) and Chameleon's ratios. A single-cell
-        scenario also has its ``policies`` and ``ratios`` at the top level.
+        every policy's summary (:func:`policy_summary`) and Chameleon's ratios; ``lost``:
+        one line per simulation whose process died. A single-cell scenario also has its
+        ``policies`` and ``ratios`` at the top level.
     """
     scenario = run.scenario
     config = scenario.config
@@ -134,6 +168,7 @@ def report_doc(run: ScenarioRun) -> dict[str, Any]:
         "failure_free_samples_s": run.failure_free_samples_s,
         "failure_free_step_s": run.failure_free_step_s,
         "cells": [_cell_doc(run, cell) for cell in run.cells],
+        "lost": [lost.line() for lost in run.lost],
     }
     if len(run.cells) == 1:
         doc["policies"] = doc["cells"][0]["policies"]
@@ -175,23 +210,26 @@ def report_markdown(run: ScenarioRun) -> str:
         for cell in run.cells:
             rel = [policy_summary(cell, n)["relative_to_failure_free"] for n in run.policies]
             lines.append(f"| {cell.node_mtbf_hours:g} h | {_repair_label(cell.repair_hours)} | "
-                         + " | ".join(f"{r:.3f}" for r in rel) + " |")
+                         + " | ".join("died" if r is None else f"{r:.3f}" for r in rel) + " |")
         lines.append("")
-        return "\n".join(lines)
+        return "\n".join(lines + _lost_lines(run))
     cell = run.cells[0]
     failures = [r.trace.num_failures for r in cell.runs]
     lines += [f"Failures per trace: {', '.join(str(f) for f in failures)}.", "",
-              "| policy | avg samples/s | spread | relative | decisions | "
-              "main time lost (h) |",
-              "|---|---|---|---|---|---|"]
+              "| policy | avg samples/s | spread | effective training time | time training "
+              "| decisions | main time lost (h) |",
+              "|---|---|---|---|---|---|---|"]
     summaries = {n: policy_summary(cell, n) for n in run.policies}
     for name, s in summaries.items():
+        if s["avg_throughput_samples_s"] is None:
+            lines.append(f"| {name} | died | | | | | |")
+            continue
         lost = sorted(s["time_lost_s"].items(), key=lambda kv: -kv[1])[:3]
         lost_text = ", ".join(f"{c.removesuffix('_s')} {v / 3600:.2f}" for c, v in lost) or "-"
         decisions = ", ".join(f"{k} {v:g}" for k, v in s["decisions"].items()) or "-"
         lines.append(f"| {name} | {s['avg_throughput_samples_s']:.4g} | "
-                     f"±{s['avg_throughput_std']:.2g} | {s['relative_to_failure_free']:.4f} | "
-                     f"{decisions} | {lost_text} |")
+                     f"±{s['avg_throughput_std']:.2g} | {s['effective_training_time']:.4f} | "
+                     f"{s['training_time_share']:.4f} | {decisions} | {lost_text} |")
     ratios = _ratios(summaries)
     if ratios:
         lines += ["", "Chameleon's average throughput over each policy's:", ""]
@@ -199,8 +237,59 @@ def report_markdown(run: ScenarioRun) -> str:
             other = key.split("/", 1)[1]
             paper = f" (paper: {PAPER_RATIOS[other]}x)" if other in PAPER_RATIOS else ""
             lines.append(f"- {key}: {value:.3f}x{paper}")
-    lines.append("")
-    return "\n".join(lines)
+    lines += ["", "Effective training time: committed work at the failure-free speed over "
+              "wall time (the relative throughput); time training: the share of wall time "
+              "spent on steps that were kept, at any speed.", ""]
+    return "\n".join(lines + _lost_lines(run))
+
+
+def _lost_lines(run: ScenarioRun) -> list[str]:
+    lost = run.lost
+    if not lost:
+        return []
+    return ["Simulations whose process died (their policies have no result there):", "",
+            *(f"- {lost.line()}" for lost in lost), ""]
+
+
+def effective_training_table(variants: Sequence[tuple[str, ScenarioRun]]) -> str:
+    """Effective training time of every policy under each variant of one scenario, next
+    to the published figures: the table of RESULTS.md (llama3-16k).
+
+    A variant is the scenario with some means of recovery added or removed (spare nodes,
+    checkpoints in memory, ...): one column pair each, so a new means is one more entry.
+
+    Args:
+        variants: ``(label, run)`` pairs of single-cell runs over the same policies.
+
+    Returns:
+        A Markdown table (policies as rows; per variant the effective training time and the
+        share of wall time training, means over seeds) and the published figures.
+
+    Raises:
+        ValueError: for a sweep or variants that ran different policies.
+    """
+    if not variants:
+        raise ValueError("effective_training_table: give at least one run")
+    policies = variants[0][1].policies
+    for label, run in variants:
+        if len(run.cells) != 1 or run.policies != policies:
+            raise ValueError(f"effective_training_table: {label!r} is a sweep or ran other "
+                             "policies")
+    header = "| policy | " + " | ".join(f"{label}: effective training time | time training"
+                                         for label, _ in variants) + " |"
+    lines = [header, "|---|" + "---|---|" * len(variants)]
+    for name in policies:
+        cells = []
+        for _, run in variants:
+            s = policy_summary(run.cells[0], name)
+            if s["effective_training_time"] is None:
+                cells += ["died", ""]
+            else:
+                cells += [f"{s['effective_training_time']:.1%}", f"{s['training_time_share']:.1%}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Published:", ""]
+    lines += [f"- {what}: {value}" for what, value in PUBLISHED_EFFECTIVE_TRAINING_TIME]
+    return "\n".join(lines) + "\n"
 
 
 def _figure_png(fig: Any) -> bytes:
@@ -279,7 +368,8 @@ def relative_png(run: ScenarioRun) -> bytes:
     if not run.scenario.simulation.is_sweep:
         cell = run.cells[0]
         fig, ax = plt.subplots(figsize=(7, 4))
-        summaries = [policy_summary(cell, n) for n in run.policies]
+        summaries = [s for s in (policy_summary(cell, n) for n in run.policies)
+                     if s["relative_to_failure_free"] is not None]
         ax.bar([s["name"] for s in summaries], [s["relative_to_failure_free"] for s in summaries],
                yerr=[s["relative_std"] for s in summaries], capsize=3)
         ax.set_ylim(0, 1.05)
@@ -296,7 +386,8 @@ def relative_png(run: ScenarioRun) -> bytes:
             cells = [c for c in run.cells if c.repair_hours == repair]
             xs = [c.node_mtbf_hours for c in cells]
             for name in run.policies:
-                ys = [policy_summary(c, name)["relative_to_failure_free"] for c in cells]
+                ys = [math.nan if y is None else y for y in
+                      (policy_summary(c, name)["relative_to_failure_free"] for c in cells)]
                 ax.plot(xs, ys, marker="o", label=name, linewidth=1.0)
             ax.set_xscale("log")
             ax.set_xlabel("node MTBF (h)")

@@ -13,8 +13,7 @@ import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chameleon_ft.failures import Trace
@@ -23,6 +22,7 @@ from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.sim.engine import RunResult, simulate
+from chameleon_ft.sim.forked import Send, peak_rss_bytes, run_forked
 from chameleon_ft.sim.peers import OOBLECK_FAULT_THRESHOLD, OobleckPolicy
 from chameleon_ft.sim.policies import BambooPolicy, PlannerPolicy, SimPolicy
 from chameleon_ft.sim.scenarios import Scenario
@@ -40,7 +40,37 @@ class SeedRun:
     trace: Trace
     """The trace all policies ran on."""
     results: tuple[RunResult, ...]
-    """One result per policy, in the order asked for."""
+    """One result per policy, in the order asked for (a policy whose simulation process
+    died has none: see ``lost``)."""
+    lost: tuple[LostRun, ...] = ()
+    """Policies on this trace whose simulation process died."""
+
+    def result(self, policy: str) -> RunResult | None:
+        """``policy``'s result on this trace, ``None`` when its process died."""
+        return next((r for r in self.results if r.name == policy), None)
+
+
+@dataclass(frozen=True)
+class LostRun:
+    """A policy's simulation on one trace that never finished: its process died."""
+
+    seed: int
+    """The trace's seed."""
+    policy: str
+    """The policy being simulated when the process died."""
+    reason: str
+    """How the process died (``killed by SIGKILL ... at 12.4 GB resident``)."""
+    not_run: tuple[str, ...] = ()
+    """Later policies of the same process that never started."""
+    cell: str = ""
+    """The sweep cell (``node MTBF 6 h, repair 2 h``), empty for a single-cell scenario."""
+
+    def line(self) -> str:
+        """The one line that reports it."""
+        where = f" ({self.cell})" if self.cell else ""
+        rest = f"; {', '.join(self.not_run)} not run on it either" if self.not_run else ""
+        return (f"simulate: the simulation of {self.policy} on seed {self.seed}{where} died, "
+                f"{self.reason}{rest}; the other results are kept")
 
 
 @dataclass(frozen=True)
@@ -69,6 +99,14 @@ class ScenarioRun:
     """Failure-free step time of the job."""
     cells: tuple[CellRun, ...]
     """One cell, or the sweep grid in row-major (MTBF, repair) order."""
+    process_peak_rss_bytes: tuple[int, ...] = ()
+    """Peak resident memory of each process that ran policies (one per unit in separate
+    processes; this process's alone otherwise): what a run needs, not part of reports."""
+
+    @property
+    def lost(self) -> tuple[LostRun, ...]:
+        """Every policy run whose process died, over all cells and seeds."""
+        return tuple(lost for cell in self.cells for run in cell.runs for lost in run.lost)
 
 
 def _cell_specs(scenario: Scenario) -> list[tuple[FailureSpec, Config]]:
@@ -91,6 +129,18 @@ def _cell_specs(scenario: Scenario) -> list[tuple[FailureSpec, Config]]:
                              repair_hours=prior_repair)
             out.append((cell, replace(scenario.config, policy=policy)))
     return out
+
+
+CACHED_DECISION_WORKERS = 2 ** 20
+"""Bound on a unit's planner cache, counted in workers: a cached decision holds a few
+whole plans with their estimates (about 1 MB per 1,000 workers), so a planner keeps the
+planner's default 512 decisions up to 2,048 workers and 128 of 8,192 workers (0.5 GB or
+so at any scale). Eviction only costs time: a decision is recomputed the same."""
+
+
+def planner_cache_size(num_workers: int) -> int:
+    """Decisions a unit's planner keeps for a cluster of ``num_workers``."""
+    return max(32, min(512, CACHED_DECISION_WORKERS // max(1, num_workers)))
 
 
 def make_policy(name: str, planner: Planner, config: Config, *, bamboo_tax: float,
@@ -149,15 +199,6 @@ class _Unit:
     failure_free_samples_s: float
 
 
-_DONE: Any = None
-"""A shared event counter, set in worker processes (progress of the parent's bar)."""
-
-
-def _init_worker(counter: Any) -> None:
-    global _DONE
-    _DONE = counter
-
-
 @contextlib.contextmanager
 def _few_collections() -> Iterator[None]:
     """Run the cyclic garbage collector rarely for a while.
@@ -175,40 +216,51 @@ def _few_collections() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def _run_unit(unit: _Unit, tick: Callable[[int], None] | None = None) -> dict[str, RunResult]:
-    """Run one unit's policies, in order, on a fresh planner."""
+def _run_unit(unit: _Unit, tick: Callable[[int], None],
+              started: Callable[[str], None]) -> Iterator[tuple[str, RunResult]]:
+    """Run one unit's policies, in order, on a fresh planner; yields each result as soon
+    as it is there (``started`` is told before each policy begins)."""
     with _few_collections():
-        planner = Planner(unit.config, profile=unit.profile)
-        out = {}
+        planner = Planner(unit.config, profile=unit.profile,
+                          cache_size=planner_cache_size(unit.config.num_workers))
         for name in unit.policies:
+            started(name)
             policy = make_policy(name, planner, unit.config, bamboo_tax=unit.bamboo_tax,
                                  oobleck_fault_threshold=unit.oobleck_fault_threshold)
             last = [0]
 
             def handled(n: int, last: list[int] = last) -> None:
-                if tick is not None:
-                    tick(n - last[0])
+                tick(n - last[0])
                 last[0] = n
 
-            out[name] = simulate(unit.trace, policy,
+            yield name, simulate(unit.trace, policy,
                                  failure_free_samples_s=unit.failure_free_samples_s,
                                  recovery=unit.config.recovery,
                                  num_workers=unit.config.num_workers,
-                                 workers_per_node=unit.config.workers_per_node, progress=handled)
-        return out
+                                 workers_per_node=unit.config.workers_per_node, progress=handled,
+                                 checkpoint_every_steps=unit.config.train.checkpoint_every)
 
 
-def _run_in_worker(unit: _Unit) -> dict[str, RunResult]:
-    def tick(n: int) -> None:
-        with _DONE.get_lock():
-            _DONE.value += n
+@dataclass
+class _Outcome:
+    """What came back from one unit."""
 
-    return _run_unit(unit, tick)
+    results: dict[str, RunResult] = field(default_factory=dict)
+    running: str | None = None
+    """The policy started last and not finished (what a dead process was doing)."""
+    peak_rss_bytes: int = 0
+    """Peak resident memory of the process that ran it (this process's when run here)."""
+    death: str | None = None
+    """How its process died, when it did."""
 
 
 def _run_units(units: Sequence[_Unit], *, jobs: int, total: int,
-               progress: Callable[[int, int], None] | None) -> list[dict[str, RunResult]]:
-    """Every unit's results, in order; ``jobs`` processes at once (forked: Linux, macOS)."""
+               progress: Callable[[int, int], None] | None) -> list[_Outcome]:
+    """Every unit's outcome, in order; ``jobs`` processes at once (forked: Linux, macOS).
+
+    In separate processes a unit whose process dies (killed by the kernel for memory, by a
+    user) keeps the results its policies finished and says how it died; the others run on.
+    """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs: must be an integer >= 1, got {jobs!r}")
     done = [0]
@@ -218,20 +270,51 @@ def _run_units(units: Sequence[_Unit], *, jobs: int, total: int,
         if progress is not None:
             progress(done[0], total)
 
+    outcomes = [_Outcome() for _ in units]
     jobs = min(jobs, len(units))
     if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_run_unit(unit, tick) for unit in units]
-    context = multiprocessing.get_context("fork")
-    counter = context.Value("q", 0)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
-                             initargs=(counter,)) as pool:
-        futures = [pool.submit(_run_in_worker, unit) for unit in units]
-        pending = set(futures)
-        while pending:
-            _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            if progress is not None:
-                progress(min(counter.value, total), total)
-        return [f.result() for f in futures]
+        for unit, outcome in zip(units, outcomes, strict=True):
+            def started(name: str, outcome: _Outcome = outcome) -> None:
+                outcome.running = name
+
+            for name, result in _run_unit(unit, tick, started):
+                outcome.results[name] = result
+                outcome.running = None
+            outcome.peak_rss_bytes = peak_rss_bytes()
+        return outcomes
+    counter = multiprocessing.get_context("fork").Value("q", 0)
+
+    def shared_tick(n: int) -> None:
+        with counter.get_lock():
+            counter.value += n
+
+    def task(unit: _Unit) -> Callable[[Send], None]:
+        def run(send: Send) -> None:
+            for name, result in _run_unit(unit, shared_tick, lambda n: send(("start", n))):
+                send(("done", name, result, peak_rss_bytes()))
+        return run
+
+    def on_message(index: int, message: Any) -> None:
+        outcome = outcomes[index]
+        if message[0] == "start":
+            outcome.running = message[1]
+        else:
+            _, name, result, peak = message
+            outcome.results[name] = result
+            outcome.running = None
+            outcome.peak_rss_bytes = max(outcome.peak_rss_bytes, peak)
+
+    def on_poll() -> None:
+        if progress is not None:
+            progress(min(counter.value, total), total)
+
+    for death in run_forked([task(u) for u in units], jobs=jobs, on_message=on_message,
+                            on_poll=on_poll):
+        outcome = outcomes[death.task]
+        outcome.death = death.reason
+        if death.peak_rss_bytes is not None:
+            outcome.peak_rss_bytes = max(outcome.peak_rss_bytes, death.peak_rss_bytes)
+    return outcomes
 
 
 def default_jobs() -> int:
@@ -297,23 +380,43 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
                    oobleck_fault_threshold=sim.oobleck_fault_threshold,
                    failure_free_samples_s=float(failure_free.throughput_samples_s))
              for c, k, group in units]
-    results = _run_units(specs, jobs=jobs, total=total, progress=progress)
+    outcomes = _run_units(specs, jobs=jobs, total=total, progress=progress)
     by_unit: dict[tuple[int, int], dict[str, RunResult]] = {}
-    for (c, k, _), out in zip(units, results, strict=True):
-        by_unit.setdefault((c, k), {}).update(out)
+    lost: dict[tuple[int, int], list[LostRun]] = {}
+    for (c, k, group), outcome in zip(units, outcomes, strict=True):
+        by_unit.setdefault((c, k), {}).update(outcome.results)
+        if outcome.death is not None:
+            running = outcome.running or next(n for n in group if n not in outcome.results)
+            later = group[group.index(running) + 1:]
+            lost.setdefault((c, k), []).append(LostRun(
+                seed=traces[c][k][0], policy=running, reason=outcome.death, not_run=later,
+                cell=_cell_label(cells_in[c][0]) if len(cells_in) > 1 else ""))
     cells = []
     for c, ((failures, _), cell_traces) in enumerate(zip(cells_in, traces, strict=True)):
         runs = tuple(SeedRun(seed=s, trace=cell_trace,
-                             results=tuple(by_unit[(c, k)][n] for n in names))
+                             results=tuple(by_unit[(c, k)][n] for n in names
+                                           if n in by_unit[(c, k)]),
+                             lost=tuple(lost.get((c, k), ())))
                      for k, (s, cell_trace) in enumerate(cell_traces))
-        repair: float | None = None
-        if failures.repair == RepairKind.UNIFORM:
-            repair = (failures.repair_min_hours + failures.repair_max_hours) / 2
-        elif failures.repairs:
-            repair = failures.repair_hours
-        cells.append(CellRun(node_mtbf_hours=failures.node_mtbf_hours, repair_hours=repair,
-                             runs=runs))
+        cells.append(CellRun(node_mtbf_hours=failures.node_mtbf_hours,
+                             repair_hours=_repair_hours(failures), runs=runs))
     ff = failure_free
     return ScenarioRun(scenario=scenario, policies=names,
                        failure_free_samples_s=float(ff.throughput_samples_s),
-                       failure_free_step_s=float(ff.step_s), cells=tuple(cells))
+                       failure_free_step_s=float(ff.step_s), cells=tuple(cells),
+                       process_peak_rss_bytes=tuple(o.peak_rss_bytes for o in outcomes))
+
+
+def _repair_hours(failures: FailureSpec) -> float | None:
+    """A cell's mean or fixed repair time; ``None``: never repaired."""
+    if failures.repair == RepairKind.UNIFORM:
+        return (failures.repair_min_hours + failures.repair_max_hours) / 2
+    if failures.repairs:
+        return failures.repair_hours
+    return None
+
+
+def _cell_label(failures: FailureSpec) -> str:
+    repair = _repair_hours(failures)
+    return (f"node MTBF {failures.node_mtbf_hours:g} h, repair "
+            + ("never" if repair is None else f"{repair:g} h"))

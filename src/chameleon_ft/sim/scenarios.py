@@ -11,6 +11,9 @@ and Chameleon's horizon estimate starts from it and learns from the failures it 
 - ``llama3-16k``: Llama 3 405B on 16,384 H100 (examples/llama3-405b-16k.toml's job) for
   54 days at Llama 3's published rate (419 interruptions in 54 days on 2,048 nodes) and mix;
   repairs by automated node replacement in 5 min to 2 h (docs/design.md, "Sources of the defaults").
+- ``llama3-64k``: the same job at 65,536 H100 (8,192 nodes, dp 512, 16 micro-batches per
+  pipeline as at 16k) with the same per-node failure rate, mix and repairs: about 1,700
+  interruptions in 54 days; the simulator's scale benchmark.
 - ``spot``: the same 32 devices on preemptible nodes: whole-node preemptions every ~40 min
   for the job, nodes back after ~45 min on average, sometimes a zone-wide burst.
 - ``sweep``: a grid over node MTBF (1 h to 30 days) and repair time (10 min to never) on a
@@ -56,48 +59,12 @@ checkpoint_load_s = 120.0
 checkpoint_interval_s = 3600.0
 """
 
-PRESETS: dict[str, str] = {
-    "paper32": f"""\
-# The Chameleon paper's 32-device setting (examples/paper32.toml's job) with failures every
-# few hours and repairs of hours.
-#
-#   chameleon simulate --scenario paper32
-#   chameleon simulate --config examples/scenarios/paper32.toml --seeds 5 --out out/paper32
-
-{_PAPER32_JOB}
-[policy]
-name = "chameleon"
-node_mtbf_hours = 12.0
-repair_hours = 3.0
-
-[simulation]
-days = 7.0
-seeds = 5
-seed = 0
-
-[failures]
-node_mtbf_hours = 12.0          # 4 nodes: one interruption every ~3 h
-interarrival = "exponential"
-single_worker = 0.59            # Llama 3 mix: GPU-class faults
-single_node = 0.18              # host faults
-multi_node = 0.08               # switch / cable: both nodes of a pair
-software = 0.15                 # job-level faults, no hardware lost
-group_nodes = 2
-repair = "exponential"
-repair_hours = 3.0
-""",
-    "llama3-16k": """\
-# Llama 3 405B on 16,384 H100 (examples/llama3-405b-16k.toml's job) for the 54 days of the
-# Llama 3 report: 419 unexpected interruptions (node MTBF ~264 days), 59 % GPU-class, 18 %
-# other host, 8 % switch or cable, 15 % software.
-#
-#   chameleon simulate --scenario llama3-16k
-
+_LLAMA3_JOB = """\
 [model]
 preset = "llama3-405b"
 
 [cluster]
-num_nodes = 2048
+num_nodes = {nodes}
 devices_per_node = 8
 device = "h100-80g"
 intra_node_gb_per_s = 450.0
@@ -106,8 +73,8 @@ inter_node_gb_per_s = 50.0
 [job]
 tp = 8
 pp = 16
-dp = 128
-global_batch = 2048
+dp = {dp}
+global_batch = {batch}
 micro_batch = 1
 schedule = "interleaved"
 virtual_stages = 8
@@ -141,7 +108,60 @@ group_nodes = 4                 # nodes behind one leaf switch
 repair = "uniform"
 repair_min_hours = 0.0833       # automated node replacement: ~5 min
 repair_max_hours = 2.0
+"""
+"""The Llama 3 405B job and its Llama 3 failures, at ``nodes`` 8-GPU nodes (one worker each),
+``dp`` pipelines of 16 stages and 16 micro-batches of one sequence per pipeline."""
+
+_LLAMA3_16K = """\
+# Llama 3 405B on 16,384 H100 (examples/llama3-405b-16k.toml's job) for the 54 days of the
+# Llama 3 report: 419 unexpected interruptions (node MTBF ~264 days), 59 % GPU-class, 18 %
+# other host, 8 % switch or cable, 15 % software.
+#
+#   chameleon simulate --scenario llama3-16k
+
+""" + _LLAMA3_JOB.format(nodes=2048, dp=128, batch=2048)
+
+_LLAMA3_64K = """\
+# The llama3-16k job at four times its scale: 65,536 H100 (8,192 nodes), dp 512 with the
+# same 16 micro-batches per pipeline (a 64M-token step), at Llama 3's node failure rate
+# (about 1,700 interruptions in 54 days) and mix. The simulator's scale benchmark.
+#
+#   chameleon simulate --scenario llama3-64k
+
+""" + _LLAMA3_JOB.format(nodes=8192, dp=512, batch=8192)
+
+PRESETS: dict[str, str] = {
+    "paper32": f"""\
+# The Chameleon paper's 32-device setting (examples/paper32.toml's job) with failures every
+# few hours and repairs of hours.
+#
+#   chameleon simulate --scenario paper32
+#   chameleon simulate --config examples/scenarios/paper32.toml --seeds 5 --out out/paper32
+
+{_PAPER32_JOB}
+[policy]
+name = "chameleon"
+node_mtbf_hours = 12.0
+repair_hours = 3.0
+
+[simulation]
+days = 7.0
+seeds = 5
+seed = 0
+
+[failures]
+node_mtbf_hours = 12.0          # 4 nodes: one interruption every ~3 h
+interarrival = "exponential"
+single_worker = 0.59            # Llama 3 mix: GPU-class faults
+single_node = 0.18              # host faults
+multi_node = 0.08               # switch / cable: both nodes of a pair
+software = 0.15                 # job-level faults, no hardware lost
+group_nodes = 2
+repair = "exponential"
+repair_hours = 3.0
 """,
+    "llama3-16k": _LLAMA3_16K,
+    "llama3-64k": _LLAMA3_64K,
     "spot": f"""\
 # The 32 devices of paper32 on preemptible (spot) nodes: whole nodes are taken away every
 # ~40 min for the job and come back after ~45 min on average; now and then a burst takes

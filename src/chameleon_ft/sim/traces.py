@@ -11,6 +11,7 @@ The trace format itself (events, CSV, validation) is :mod:`chameleon_ft.failures
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
@@ -18,6 +19,9 @@ import numpy as np
 
 from chameleon_ft.failures import EventKind, Trace, TraceEvent, validate_trace
 from chameleon_ft.spec.scenario import FailureSpec, Interarrival, RepairKind
+
+_KINDS = (EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL, EventKind.SOFTWARE)
+"""The failure kinds in the order of the mix's weights (the draws depend on it)."""
 
 
 def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: int,
@@ -41,97 +45,135 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
         raise ValueError(f"simulation.days: the duration must be positive, got {duration_s} s")
     if num_nodes < 1 or workers_per_node < 1:
         raise ValueError("cluster: needs at least one node and one worker per node")
-    rng = np.random.default_rng(seed)
-    mtbf_s = failures.node_mtbf_hours * 3600.0
-    kinds = (EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL, EventKind.SOFTWARE)
-    weights = np.array([failures.single_worker, failures.single_node, failures.multi_node,
-                        failures.software], dtype=float)
-    weights = weights / weights.sum()
-    shape = failures.weibull_shape
-    # A Weibull of shape k and scale 1 has mean Gamma(1 + 1/k): divide it out to keep the mean.
-    weibull_mean = math.gamma(1.0 + 1.0 / shape)
-
-    down: set[int] = set()                 # nodes entirely dead
-    dead_workers: set[int] = set()         # dead workers on nodes that are still up
-    repairs: list[tuple[float, int, int]] = []  # (time, seq, node)
-    events: list[TraceEvent] = []
-    seq = 0
+    fleet = _Fleet(failures, num_nodes, workers_per_node, np.random.default_rng(seed))
     now = 0.0
-
-    def schedule_repair(nodes: tuple[int, ...], at_s: float) -> None:
-        nonlocal seq
-        repair_s = _repair_s(failures, rng)
-        if repair_s is None:
-            return
-        for node in nodes:
-            heapq.heappush(repairs, (at_s + repair_s, seq, node))
-            seq += 1
-
     while True:
-        up = [n for n in range(num_nodes) if n not in down]
-        if up:
-            mean_s = mtbf_s / len(up)
-            if failures.interarrival == Interarrival.WEIBULL:
-                gap_s = mean_s * float(rng.weibull(shape)) / weibull_mean
-            else:
-                gap_s = float(rng.exponential(mean_s))
-            next_fail = now + gap_s
-        else:
-            next_fail = math.inf
+        next_fail = now + fleet.gap_s()
         # Repairs that land before the next failure happen first; the failure process is
         # memoryless, so redrawing its gap after a repair changes no statistics.
-        if repairs and repairs[0][0] < min(next_fail, duration_s):
-            at_s, _, node = heapq.heappop(repairs)
-            events.append(TraceEvent(at_s, EventKind.REPAIR, (node,)))
-            down.discard(node)
-            dead_workers -= set(range(node * workers_per_node, (node + 1) * workers_per_node))
-            now = at_s
+        if fleet.repairs and fleet.repairs[0][0] < min(next_fail, duration_s):
+            now = fleet.repair_next()
             continue
         if next_fail >= duration_s:
             break
         now = next_fail
-        kind = kinds[int(rng.choice(len(kinds), p=weights))]
-        if kind == EventKind.SOFTWARE:
-            events.append(TraceEvent(now, kind))
-            continue
-        node = up[int(rng.integers(len(up)))]
-        if kind == EventKind.WORKER_FAIL:
-            live = [w for w in range(node * workers_per_node, (node + 1) * workers_per_node)
-                    if w not in dead_workers]
-            worker = live[int(rng.integers(len(live)))]
-            if len(live) == 1:
-                # The node's last worker: the whole node is now down.
-                dead_workers -= set(range(node * workers_per_node, (node + 1) * workers_per_node))
-                down.add(node)
-            else:
-                dead_workers.add(worker)
-            events.append(TraceEvent(now, kind, (worker,)))
-            if not _has_repair(repairs, node):
-                schedule_repair((node,), now)
-            continue
-        if kind == EventKind.GROUP_FAIL:
-            first = node - node % failures.group_nodes
-            group = tuple(n for n in range(first, min(first + failures.group_nodes, num_nodes))
-                          if n not in down)
-        else:
-            group = (node,)
-        if len(group) == 1:
-            kind = EventKind.NODE_FAIL
-        events.append(TraceEvent(now, kind, group))
-        down.update(group)
-        dead_workers -= set(events[-1].workers(workers_per_node))
-        # One repair time for the whole group: the switch or cable is fixed once. A node
-        # already waiting for a repair (after a worker failure) keeps its earlier repair.
-        fresh = tuple(n for n in group if not _has_repair(repairs, n))
-        if fresh:
-            schedule_repair(fresh, now)
-    trace = Trace(events=tuple(events), duration_s=float(duration_s))
+        fleet.fail(now)
+    trace = Trace(events=tuple(fleet.events), duration_s=float(duration_s))
     validate_trace(trace, num_nodes=num_nodes, workers_per_node=workers_per_node)
     return trace
 
 
-def _has_repair(repairs: list[tuple[float, int, int]], node: int) -> bool:
-    return any(n == node for _, _, n in repairs)
+class _Fleet:
+    """What is alive while a trace is drawn, and the events so far; private to
+    :func:`generate_trace`. The order of the draws is part of a seed's trace."""
+
+    def __init__(self, failures: FailureSpec, num_nodes: int, workers_per_node: int,
+                 rng: np.random.Generator) -> None:
+        self.failures = failures
+        self.num_nodes = num_nodes
+        self.per_node = workers_per_node
+        self.rng = rng
+        self.mtbf_s = failures.node_mtbf_hours * 3600.0
+        weights = np.array([failures.single_worker, failures.single_node, failures.multi_node,
+                            failures.software], dtype=float)
+        self.weights = weights / weights.sum()
+        # A Weibull of shape k and scale 1 has mean Gamma(1 + 1/k): divide it out to keep
+        # the mean.
+        self.weibull_mean = math.gamma(1.0 + 1.0 / failures.weibull_shape)
+        self.up = list(range(num_nodes))      # nodes not entirely dead, ascending
+        self.down: set[int] = set()           # nodes entirely dead
+        self.dead_workers: set[int] = set()   # dead workers on nodes that are still up
+        self.repairs: list[tuple[float, int, int]] = []  # (time, seq, node)
+        self.repairing: set[int] = set()      # nodes in ``repairs``
+        self.seq = 0
+        self.events: list[TraceEvent] = []
+
+    def gap_s(self) -> float:
+        """Seconds to the next failure while the live nodes stay up (inf: none is up)."""
+        if not self.up:
+            return math.inf
+        mean_s = self.mtbf_s / len(self.up)
+        if self.failures.interarrival == Interarrival.WEIBULL:
+            return mean_s * float(self.rng.weibull(self.failures.weibull_shape)) \
+                / self.weibull_mean
+        return float(self.rng.exponential(mean_s))
+
+    def repair_next(self) -> float:
+        """Bring the node of the earliest repair back; returns the repair's time."""
+        at_s, _, node = heapq.heappop(self.repairs)
+        self.repairing.discard(node)
+        self.events.append(TraceEvent(at_s, EventKind.REPAIR, (node,)))
+        self._set_up(node)
+        self.dead_workers -= set(self._workers_of(node))
+        return at_s
+
+    def fail(self, now: float) -> None:
+        """One interruption at ``now``: its kind from the mix, its target among the live."""
+        kind = _KINDS[int(self.rng.choice(len(_KINDS), p=self.weights))]
+        if kind == EventKind.SOFTWARE:
+            self.events.append(TraceEvent(now, kind))
+            return
+        node = self.up[int(self.rng.integers(len(self.up)))]
+        if kind == EventKind.WORKER_FAIL:
+            self._fail_worker(now, node)
+        else:
+            self._fail_nodes(now, kind, node)
+
+    def _fail_worker(self, now: float, node: int) -> None:
+        live = [w for w in self._workers_of(node) if w not in self.dead_workers]
+        worker = live[int(self.rng.integers(len(live)))]
+        if len(live) == 1:
+            # The node's last worker: the whole node is now down.
+            self.dead_workers -= set(self._workers_of(node))
+            self._set_down(node)
+        else:
+            self.dead_workers.add(worker)
+        self.events.append(TraceEvent(now, EventKind.WORKER_FAIL, (worker,)))
+        if node not in self.repairing:
+            self._schedule_repair((node,), now)
+
+    def _fail_nodes(self, now: float, kind: EventKind, node: int) -> None:
+        """A host fault takes ``node``; a switch or cable fault its whole aligned group."""
+        if kind == EventKind.GROUP_FAIL:
+            size = self.failures.group_nodes
+            first = node - node % size
+            group = tuple(n for n in range(first, min(first + size, self.num_nodes))
+                          if n not in self.down)
+        else:
+            group = (node,)
+        if len(group) == 1:
+            kind = EventKind.NODE_FAIL
+        self.events.append(TraceEvent(now, kind, group))
+        for n in group:
+            self._set_down(n)
+        self.dead_workers -= set(self.events[-1].workers(self.per_node))
+        # One repair time for the whole group: the switch or cable is fixed once. A node
+        # already waiting for a repair (after a worker failure) keeps its earlier repair.
+        fresh = tuple(n for n in group if n not in self.repairing)
+        if fresh:
+            self._schedule_repair(fresh, now)
+
+    def _schedule_repair(self, nodes: tuple[int, ...], at_s: float) -> None:
+        repair_s = _repair_s(self.failures, self.rng)
+        if repair_s is None:
+            return
+        for node in nodes:
+            heapq.heappush(self.repairs, (at_s + repair_s, self.seq, node))
+            self.repairing.add(node)
+            self.seq += 1
+
+    def _workers_of(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+    def _set_down(self, node: int) -> None:
+        if node not in self.down:
+            self.down.add(node)
+            del self.up[bisect.bisect_left(self.up, node)]
+
+    def _set_up(self, node: int) -> None:
+        if node in self.down:
+            self.down.discard(node)
+            bisect.insort(self.up, node)
 
 
 def _repair_s(failures: FailureSpec, rng: np.random.Generator) -> float | None:
