@@ -104,8 +104,10 @@ def test_a_dead_simulation_is_one_line_and_the_other_results_are_kept(
     dead = next(p for p in doc["policies"] if p["name"] == victim)
     assert dead["lost"] == [line] and len(dead["per_seed"]) == 1
     assert line in report_markdown(run)
-    # every unit ran in its own process and said how much memory it took
-    assert len(run.process_peak_rss_bytes) == 4 and min(run.process_peak_rss_bytes) > 0
+    # every unit ran in its own process; those that finished said how much memory they took
+    # (the killed one only if it lived until the parent's first look at it)
+    assert len(run.process_peak_rss_bytes) == 4
+    assert sum(1 for peak in run.process_peak_rss_bytes if peak > 0) >= 3
 
 
 def test_results_do_not_depend_on_processes() -> None:
