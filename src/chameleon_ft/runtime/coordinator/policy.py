@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
@@ -61,14 +60,3 @@ class PlannerDecide:
                 self.planner.precompute(plan)
 
         threading.Thread(target=work, daemon=True, name="chameleon-precompute").start()
-
-
-def restart_decision(plan: ExecutionPlan, reason: str) -> DecisionLike:
-    """A decision that reloads the checkpoint on ``plan``."""
-    return ManualDecision("restart", plan, reason=reason)
-
-
-def precompute_of(decide: Any) -> Callable[[ExecutionPlan], None] | None:
-    """The policy's ``precompute`` if it has one."""
-    fn: Callable[[ExecutionPlan], None] | None = getattr(decide, "precompute", None)
-    return fn
