@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from chameleon_ft.runtime import auth
-from chameleon_ft.spec.train import parse_fault
+from chameleon_ft.spec.train import TRAIN_DTYPES, parse_fault
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", metavar="NAME",
                         help="chameleon (adaptive), reroute, dynamic, restart, shrink or "
                              "reroute-then-dynamic ([policy] name)")
-    parser.add_argument("--dtype", choices=("float32", "float64"),
-                        help="parameter dtype ([train] dtype); float64 for exact comparisons")
+    parser.add_argument("--dtype", choices=TRAIN_DTYPES,
+                        help="numerics ([train] dtype): float32; float64 for exact "
+                             "comparisons; bfloat16 for mixed precision (bf16 compute, "
+                             "fp32 master weights, gradients and optimizer state)")
     parser.add_argument("--out", metavar="DIR",
                         help="the run directory: checkpoints, report.json, params.pt, "
                              "metrics.jsonl (default: a new runs/train-<time>)")

@@ -14,7 +14,7 @@ from chameleon_ft.runtime.coordinator.bulk import FinalStateMissing
 from chameleon_ft.runtime.report.records import Event
 from chameleon_ft.runtime.storage.checkpoint import write_atomic
 from chameleon_ft.runtime.storage.packing import PackError, unpack
-from chameleon_ft.runtime.workload.models import export_model, param_name
+from chameleon_ft.runtime.workload.models import drop_tied_copies, export_model, param_name
 
 if TYPE_CHECKING:
     from chameleon_ft.runtime.coordinator.shell import Coordinator
@@ -105,7 +105,7 @@ def finish(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
                                          "dtype": coord.train.dtype,
                                          "num_layers": job.num_layers})
         coord.log(f"checkpoint after {stop.step} steps written to {manifest.folder}")
-    params = _params_of(layers)
+    params = drop_tied_copies(job.model, _params_of(layers))  # a tied pair once
     _wait_exits(coord)
     buf = io.BytesIO()
     torch.save(params, buf)

@@ -71,7 +71,8 @@ class RunReport:
                 f.writelines(json.dumps(t) + "\n" for t in timings)
         if record.step % self.every == 0 or record.step == self.total_steps - 1 or \
                 record.step == self.start_step or recovering:
-            self.log(f"step {record.step:4d}  loss {record.loss:.4f}  step "
+            norm = "" if record.grad_norm is None else f"  grad norm {record.grad_norm:.3f}"
+            self.log(f"step {record.step:4d}  loss {record.loss:.4f}{norm}  step "
                      f"{record.step_s:.3f} s  gen {record.gen}")
         for event in self.events:
             if event.resumed_at_s is None and not event.idle:
@@ -83,9 +84,9 @@ class RunReport:
 
     def _metrics_line(self, r: StepRecord) -> str:
         tokens_per_s = self.tokens_per_step / r.step_s if r.step_s > 0 else None
-        return json.dumps({"step": r.step, "loss": r.loss, "step_s": r.step_s,
-                           "tokens_per_s": tokens_per_s, "gen": r.gen,
-                           "plan_workers": r.num_workers})
+        return json.dumps({"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm,
+                           "lr": r.lr, "step_s": r.step_s, "tokens_per_s": tokens_per_s,
+                           "gen": r.gen, "plan_workers": r.num_workers})
 
     def rewind(self, to_step: int) -> None:
         """A restart threw the steps from ``to_step`` on away: they will be redone."""
