@@ -35,7 +35,7 @@ from chameleon_ft.runtime.coordinator import effects as fx
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
 from chameleon_ft.runtime.coordinator.finish import finish
-from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc
+from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc, adapter_modules
 from chameleon_ft.runtime.coordinator.policy import Decide, PlannerDecide
 from chameleon_ft.runtime.coordinator.setup import Job, prepare
 from chameleon_ft.runtime.replay import TraceDriver
@@ -276,7 +276,8 @@ class Coordinator:
         self.cs = proto.ControlStore(self.store)
         self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
                               timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s))
-        self.launcher = Launcher(self.host, self.port, job.secret)
+        self.launcher = Launcher(self.host, self.port, job.secret,
+                                 preload=adapter_modules(job.model))
         self.params_m = self._params()
         self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
         old_handlers = self._install_signal_handlers()
