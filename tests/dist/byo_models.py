@@ -38,3 +38,28 @@ class TinyRegression:
         x = np.stack([np.random.default_rng(g0 + i).normal(size=6) for i in range(size)])
         y = np.stack([np.sin(x[:, :3].sum(axis=1)), np.cos(x[:, 3:].sum(axis=1))], axis=1)
         return torch.tensor(x), torch.tensor(y)
+
+
+class FrozenLayers:
+    """Any layered model with its first layers frozen (``requires_grad = False``), as when
+    fine-tuning the top of a model; everything else is the inner model's."""
+
+    def __init__(self, inner: object, frozen: int) -> None:
+        self.inner = inner
+        self.frozen = frozen
+        self.num_layers: int = inner.num_layers  # type: ignore[attr-defined]
+
+    def build_layer(self, index: int) -> nn.Module:
+        layer: nn.Module = self.inner.build_layer(index)  # type: ignore[attr-defined]
+        if index < self.frozen:
+            layer.requires_grad_(False)
+        return layer
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner.loss(output, targets)  # type: ignore[attr-defined]
+        return out
+
+    def __getattr__(self, name: str) -> object:  # export, tied_parameters, hf_name...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

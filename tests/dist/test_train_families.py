@@ -55,12 +55,14 @@ embedding and zero-started norms), so that clipping at 1.0 bites."""
 
 
 def family_job(family: str, root: Path, *, train: dict[str, Any] | None = None,
-               optimizer: dict[str, Any] | None = None) -> Any:
-    """The family's tiny model and a token file under ``root``, and its job."""
+               optimizer: dict[str, Any] | None = None,
+               saved_dtype: torch.dtype = torch.float64) -> Any:
+    """The family's tiny model (stored in ``saved_dtype``) and a token file under
+    ``root``, and its job."""
     hf_config = family_config(family)
     if family in INIT_RANGE:
         hf_config.initializer_range = INIT_RANGE[family]
-    save_random_hf(hf_config, root / family, seed=4, dtype=torch.float64)
+    save_random_hf(hf_config, root / family, seed=4, dtype=saved_dtype)
     (np.arange(3000) * 31 % VOCAB).astype(np.uint16).tofile(root / "tokens.bin")
     return config_from_mapping({
         **LAYOUT,

@@ -15,6 +15,7 @@ from chameleon_ft.runtime.report.records import Event
 from chameleon_ft.runtime.storage.checkpoint import write_atomic
 from chameleon_ft.runtime.storage.packing import PackError, unpack
 from chameleon_ft.runtime.workload.models import drop_tied_copies, export_model, param_name
+from chameleon_ft.runtime.workload.precision import Precision, for_export
 
 if TYPE_CHECKING:
     from chameleon_ft.runtime.coordinator.shell import Coordinator
@@ -110,7 +111,8 @@ def finish(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
     buf = io.BytesIO()
     torch.save(params, buf)
     write_atomic(job.out_dir / "params.pt", buf.getvalue())
-    if export_model(job.model, params, job.out_dir):
+    exported = for_export(job.model, params, Precision.of(coord.train.dtype))
+    if export_model(job.model, exported, job.out_dir):
         coord.log(f"model exported in its own format under {job.out_dir}")
     coord.params = params
     return coord.report.write(_base_report(coord, stop) | {"param_hash": param_hash(params)})

@@ -27,6 +27,7 @@ and what a stage sends is bf16 by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,3 +100,15 @@ class Precision:
         if self.mixed and output.is_floating_point():
             return output.to(self.master)
         return output
+
+
+def for_export(model: Any, params: dict[str, torch.Tensor],
+               precision: Precision) -> dict[str, torch.Tensor]:
+    """The parameters the model's own format (``hf/``) is written with: as trained, and
+    under mixed precision the fp32 masters cast to the model's own dtype (``model.dtype``,
+    e.g. the dtype its ``save_pretrained`` directory was stored in), as a bf16 run that
+    started from a bf16 checkpoint gives one back."""
+    own = getattr(model, "dtype", None)
+    if not precision.mixed or not isinstance(own, torch.dtype):
+        return params
+    return {k: v.to(own) if v.is_floating_point() else v for k, v in params.items()}
