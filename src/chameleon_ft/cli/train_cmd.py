@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "metrics.jsonl (default: a new runs/train-<time>)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its newest complete checkpoint")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write TensorBoard event files (loss, grad_norm, lr, "
+                             "tokens/s, step time) under the run directory's tensorboard/; "
+                             "needs the tensorboard package (the [tensorboard] extra)")
     parser.add_argument("--log-every", type=int, metavar="N",
                         help="a progress line every N steps (default: about 25 per run; "
                              "failures, decisions and recoveries always)")
@@ -154,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
                         num_local_workers=local, host=args.host, port=args.port, log=log,
                         token=token, job_name=args.job_name, resume=args.resume,
-                        log_every=args.log_every, trace=trace)
+                        log_every=args.log_every, trace=trace, tensorboard=args.tensorboard)
     try:
         report = coord.run()
     except WorkerFailure as exc:

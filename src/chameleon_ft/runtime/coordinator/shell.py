@@ -117,6 +117,8 @@ class Coordinator:
         log_every: a step line every this many steps (default: about 25 per run);
             failures, decisions and recoveries are always logged.
         trace: a failure trace to replay in wall-clock time (``runtime/replay.py``).
+        tensorboard: also write TensorBoard event files under ``out_dir/tensorboard``
+            (needs the ``tensorboard`` package).
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
@@ -128,7 +130,8 @@ class Coordinator:
                  resume: bool = False, check_resources: bool = True,
                  hooks: Hooks | None = None, model: Any = None, data: Any = None,
                  optimizer: Any = None, lr_schedule: Any = None,
-                 log_every: int | None = None, trace: TraceDriver | None = None) -> None:
+                 log_every: int | None = None, trace: TraceDriver | None = None,
+                 tensorboard: bool = False) -> None:
         """Prepare a job (nothing starts until :meth:`run`; the arguments are the class's).
 
         Raises:
@@ -150,7 +153,7 @@ class Coordinator:
             self.job.out_dir, steps=self.train.steps, start_step=self.job.start_step,
             tokens_per_step=self.config.job.global_batch * max(1, self.config.seq_len),
             log=self.log, log_every=self.job.log_every,
-            resumed=self.job.resumed_from is not None)
+            resumed=self.job.resumed_from is not None, tensorboard=tensorboard)
         self.params: dict[str, Any] = {}
         """The final parameters by name (after :meth:`run`)."""
         self.t0 = time.monotonic()
