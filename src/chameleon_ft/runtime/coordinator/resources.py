@@ -80,8 +80,8 @@ def _activations(config: Config, profile: Profile, num_layers: int) -> tuple[lis
     elem = _DTYPE_BYTES[config.train.dtype]
     if config.model is not None:
         full = [_activation_elements(config.model, config.job.micro_batch) * elem] * num_layers
-        layer_input = config.model.seq_len * config.job.micro_batch * \
-            config.model.hidden_size * elem
+        layer_input = float(config.model.seq_len * config.job.micro_batch
+                            * config.model.hidden_size * elem)
     else:  # the profile's activations are bf16 bytes per micro-batch
         full = [layer.activation_bytes * elem / BF16_BYTES for layer in profile.layers]
         layer_input = max((layer.output_bytes * elem / BF16_BYTES for layer in profile.layers),
