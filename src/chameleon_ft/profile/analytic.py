@@ -196,7 +196,8 @@ def analytic_profile(
     boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
 
     def layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float,
-              params: float, act: float, out: float, comm_s: float = 0.0) -> LayerCost:
+              params: float, act: float, out: float, comm_s: float = 0.0,
+              workspace: float = 0.0) -> LayerCost:
         per_device = params / t
         return LayerCost(
             name=name,
@@ -209,6 +210,7 @@ def analytic_profile(
                         else grad_b * per_device / optimizer_shards),
             activation_bytes=act * act_scale,
             output_bytes=out * act_scale,
+            workspace_bytes=workspace * act_scale,
         )
 
     # Embedding: a gather forward, a scatter-add into its gradient backward.
@@ -216,9 +218,13 @@ def analytic_profile(
     layers = [layer("embedding", lookup_s, 0.0, lookup_s, v * h,
                     BF16_BYTES * tokens * h / t, boundary_bytes)]
     block_params = model.block_params()
+    # Full recomputation runs one block's forward again inside its backward: its
+    # activations live, for one micro-batch, while that backward runs.
+    recomputed = kept + score_bytes - activation if recompute == Recompute.FULL.value else 0.0
     for i in range(model.num_blocks):
         layers.append(layer(f"block{i}", block_fwd_s, block_bwd_input_s, block_bwd_weight_s,
-                            block_params, activation, boundary_bytes, comm_s=tp_comm_s))
+                            block_params, activation, boundary_bytes, comm_s=tp_comm_s,
+                            workspace=recomputed))
     # Head: the final norm, the logits product and a softmax cross-entropy over fp32 logits.
     logits_s = _gemm(device, tokens, h, v / t)
     loss_bytes = 3 * 4 * tokens * v / t
