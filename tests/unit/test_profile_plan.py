@@ -200,5 +200,5 @@ def test_analytic_profile_prices_the_runtimes_numerics(dtype: str | None, per_pa
         assert mine.activation_bytes == pytest.approx(act_scale * planner.activation_bytes)
         assert mine.output_bytes == pytest.approx(act_scale * planner.output_bytes)
         assert mine.fwd_s == planner.fwd_s
-    with pytest.raises(ValueError, match="train.dtype"):
+    with pytest.raises(ValueError, match=r"train\.dtype"):
         analytic_profile(model, device, train_dtype="float16")

@@ -27,6 +27,10 @@ from chameleon_ft.runtime.workload.optim import (
     grad_norm_squared,
 )
 
+REDUCE_CHUNK_BYTES = 8 * 2**20
+"""Largest flattened copy of gradients one all-reduce takes (a larger tensor is reduced in
+place, alone)."""
+
 
 def _trainable(state: LayerTrainState) -> Iterator[nn.Parameter]:
     """The parameters the optimizer steps that take gradients (frozen ones never do)."""
@@ -40,6 +44,8 @@ def all_reduce(comm: Comm, rounds: list[list[list[list[int]]]],
     A trainable parameter without a gradient gets a zero one first, so every holder
     contributes the same tensors in the same order; a frozen one (``requires_grad``
     False) takes no part, so no optimizer ever moves it, however many workers hold it.
+    A bucket is reduced in chunks of at most ``REDUCE_CHUNK_BYTES`` (as DDP caps its
+    buckets): the copy a flattened chunk takes stays small beside the gradients.
     """
     for rnd in rounds:
         for workers, layer_ids in rnd:
@@ -53,12 +59,36 @@ def all_reduce(comm: Comm, rounds: list[list[list[list[int]]]],
                     grads.append(param.grad)
             if len(workers) == 1 or not grads:
                 continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, tuple(workers))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for chunk in _chunks(grads):
+                _all_reduce_chunk(comm, chunk, tuple(workers))
+
+
+def _chunks(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """The gradients in consecutive groups of at most ``REDUCE_CHUNK_BYTES`` (a larger
+    tensor alone), so that flattening never copies more than that at once."""
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if chunk and size + nbytes > REDUCE_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(g)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _all_reduce_chunk(comm: Comm, chunk: list[torch.Tensor], members: tuple[int, ...]) -> None:
+    if len(chunk) == 1 and chunk[0].is_contiguous():  # in place, no copy
+        comm.all_reduce(chunk[0].view(-1), members)
+        return
+    flat = torch.cat([g.reshape(-1) for g in chunk])
+    comm.all_reduce(flat, members)
+    offset = 0
+    for g in chunk:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor:

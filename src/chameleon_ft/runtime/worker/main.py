@@ -52,7 +52,7 @@ from chameleon_ft.runtime.worker.liveness import (
     Liveness,
     exit_now,
 )
-from chameleon_ft.runtime.worker.memory import peak_resident_bytes, resident_bytes
+from chameleon_ft.runtime.worker.memory import peak_resident_bytes, reset_peak, resident_bytes
 from chameleon_ft.runtime.worker.migration import Migration
 from chameleon_ft.runtime.workload.bundle import Workload, open_workload
 from chameleon_ft.runtime.workload.models import StageModel, tied_copies
@@ -93,7 +93,8 @@ class Worker:
             replacement: a repaired worker rejoining a running job under a dead one's id.
         """
         self.rss_base_bytes = resident_bytes()
-        """Resident memory before this worker built anything (the process it forked from)."""
+        """Resident memory once this worker is set up (before it builds its stage), the
+        peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address = host, port, address
         self.store = dist.TCPStore(host, port, is_master=False,
@@ -129,6 +130,8 @@ class Worker:
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
+        if reset_peak():  # what training adds is measured from here
+            self.rss_base_bytes = resident_bytes()
 
     def _open_workload(self) -> None:
         """The model, data, optimizer and numerics of the job (the data checked against

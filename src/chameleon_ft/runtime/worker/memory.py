@@ -1,7 +1,9 @@
 """A worker's memory as the kernel counts it: resident now and at its peak (Linux
 ``/proc/self/status``; ``None`` elsewhere). Reported with each step's timings so a run
 shows what each worker really needed (``op_times.jsonl``), next to the planner's
-estimate."""
+estimate: the worker resets its peak once it is set up (``/proc/self/clear_refs``), so
+the peak less the resident memory at that moment is what training added (layers,
+optimizer state, activations, every transient)."""
 
 from __future__ import annotations
 
@@ -25,3 +27,14 @@ def resident_bytes() -> int | None:
 def peak_resident_bytes() -> int | None:
     """The largest resident memory this process has had (``VmHWM``)."""
     return _status_bytes("VmHWM")
+
+
+def reset_peak() -> bool:
+    """Set the peak to the resident memory now (Linux 4.0+: ``5`` into
+    ``/proc/self/clear_refs``); whether it was done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
