@@ -106,13 +106,13 @@ def run_once(config: Any, out: Path, warmup: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=688)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=1376)
     parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
