@@ -40,8 +40,8 @@ TRAIN = {"steps": 4, "dtype": "float64", "hang_timeout_s": 2.0, "heartbeat_s": 0
 FAMILIES = {  # family -> (policy after the kill, tolerance)
     "llama": ("dynamic", 1e-9),   # tied: embedding and head on different workers
     "mistral": ("reroute", 1e-9),
-    "qwen2": ("dynamic", 1e-9),   # tied
-    "qwen3": ("restart", 1e-9),
+    "qwen2": ("restart", 1e-9),   # tied: both copies through a checkpoint reload
+    "qwen3": ("dynamic", 1e-9),
     "phi3": ("chameleon", 1e-9),
     # transformers computes parts of these in float32 even in a float64 model (Gemma's
     # 1 + w norms take w.float(), Gemma 2's eager softmax runs in float32): the tolerance
