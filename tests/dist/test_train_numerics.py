@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from byo_models import FrozenLayers
-from test_train_families import exported, family_job, max_diff
+from hf_jobs import exported, family_job, max_diff
 
 import chameleon_ft
 from chameleon_ft.plan import initial_plan
