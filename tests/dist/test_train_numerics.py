@@ -28,9 +28,9 @@ BF16_STEP_LOSS_REL = 1e-2
 """Per-step loss of the bf16 runtime against plain bf16 training: bf16 keeps 8 bits of
 mantissa (unit roundoff 2^-8 = 3.9e-3), and the two runs round differently (each
 micro-batch's gradient rounded to bf16 and summed in fp32, against the whole batch's in one
-bf16 backward; other matmul shapes). Measured: at most 1.6e-3 over 8 steps, the same size
-as plain bf16 against plain fp32 (1.6e-3); the bound is 2.5 unit roundoffs
-(benchmarks/RESULTS.md, "Mixed precision")."""
+bf16 backward; other matmul shapes). Measured: at most 1.4e-3 over 8 steps, the size of
+plain bf16 against plain fp32 (1.1e-3); the bound is 2.5 unit roundoffs (benchmarks/
+RESULTS.md section 6)."""
 
 
 def _metrics(run: Path) -> list[dict[str, Any]]:
