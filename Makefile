@@ -11,7 +11,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[runtime,dev,hf]'
+	$(BIN)/python -m pip install -q -e '.[runtime,dev,hf,tensorboard]'
 	touch $(STAMP)
 
 # The main job: train a tiny GPT on 4 worker processes (dp 2 x pp 2), kill one of them

@@ -64,3 +64,28 @@ class SlowData:
 
     def digest(self) -> str:
         return f"slow:{self.seq_len}:{self.delay_s}:{self.from_step}:{self.global_batch}"
+
+
+class FrozenLayers:
+    """Any layered model with its first layers frozen (``requires_grad = False``), as when
+    fine-tuning the top of a model; everything else is the inner model's."""
+
+    def __init__(self, inner: object, frozen: int) -> None:
+        self.inner = inner
+        self.frozen = frozen
+        self.num_layers: int = inner.num_layers  # type: ignore[attr-defined]
+
+    def build_layer(self, index: int) -> nn.Module:
+        layer: nn.Module = self.inner.build_layer(index)  # type: ignore[attr-defined]
+        if index < self.frozen:
+            layer.requires_grad_(False)
+        return layer
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner.loss(output, targets)  # type: ignore[attr-defined]
+        return out
+
+    def __getattr__(self, name: str) -> object:  # export, tied_parameters, hf_name...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

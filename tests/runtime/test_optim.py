@@ -198,3 +198,38 @@ def test_schedules() -> None:
     assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match=r"optimizer\.decay_steps"):
         schedule_from_config(_config(optimizer={"schedule": "cosine", "warmup_steps": 30}))
+
+
+def test_mixed_precision_state_keeps_fp32_masters() -> None:
+    """A bf16 compute copy of fp32 masters: gradients of two micro-batches sum into the
+    masters in fp32, the optimizer steps the masters and the copy follows; the state's
+    bytes hold the masters and rebuild the same pair."""
+    from chameleon_ft.runtime.workload.optim import LayerTrainState, TorchOptimizer
+
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    frozen_bias = layer.bias.detach().clone()
+    layer.bias.requires_grad_(False)
+    factory = TorchOptimizer("AdamW", (("lr", 0.1), ("weight_decay", 0.1)))
+    state = LayerTrainState.create(layer, factory, compute_dtype=torch.bfloat16)
+    assert state.mixed and state.master is layer
+    assert state.module.weight.dtype == torch.bfloat16 and layer.weight.dtype == torch.float32
+    x = [torch.randn(3, 8, dtype=torch.bfloat16) for _ in range(2)]
+    for xb in x:  # two micro-batches
+        state.module(xb).float().sum().backward()
+    assert state.module.weight.grad is None  # handed to the master at once
+    expected = sum(xb.float().sum(0) for xb in x)
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.float32
+    assert torch.allclose(layer.weight.grad, expected.expand(4, 8), rtol=1e-2)
+    before = layer.weight.detach().clone()
+    state.step(0)
+    assert not torch.equal(layer.weight, before)
+    assert torch.equal(state.module.weight, layer.weight.to(torch.bfloat16))
+    assert torch.equal(layer.bias, frozen_bias)  # frozen: never moves
+    again = nn.Linear(8, 4)
+    again.bias.requires_grad_(False)
+    rebuilt = LayerTrainState.from_bytes(again, factory, state.to_bytes(),
+                                         compute_dtype=torch.bfloat16)
+    assert torch.equal(rebuilt.master.weight, layer.weight)  # fp32 masters, exactly
+    assert torch.equal(rebuilt.module.weight, state.module.weight)
+    assert rebuilt.optimizer.state_dict()["state"][0]["exp_avg"].dtype == torch.float32

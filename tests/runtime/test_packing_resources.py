@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,3 +88,32 @@ def test_tiny_fits_and_the_device_mismatch_is_noted() -> None:
     assert "'a100-80g'" in note and "CPU" in note
     with pytest.raises(ValueError, match="memory"):
         check_memory(config, plan, build_profile(config), 4, backend="gloo", available=2**20)
+
+
+def _llama_job(**train: object) -> object:
+    return config_from_mapping({
+        "model": {"preset": "llama2-7b", "num_blocks": 4, "seq_len": 256},
+        "cluster": {"num_nodes": 2, "devices_per_node": 2, "device": "cpu"},
+        "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2},
+        "train": dict(train)})
+
+
+def test_the_memory_check_counts_the_runs_numerics() -> None:
+    """bf16 holds a bf16 copy beside fp32 masters, gradients and moments (18 bytes a
+    parameter against float32's 16) and bf16 activations; activation checkpointing keeps
+    each layer's input only, plus one layer's recompute."""
+    from chameleon_ft.runtime.coordinator.resources import state_bytes_per_param
+
+    assert [state_bytes_per_param(d) for d in ("float32", "float64", "bfloat16")] == \
+        [16, 32, 18]
+    needs = {}
+    for dtype in ("float32", "bfloat16"):
+        for ckpt in ("none", "full"):
+            config: Any = _llama_job(dtype=dtype, activation_checkpointing=ckpt)
+            profile = build_profile(config, runtime=True)
+            plan = initial_plan(config, profile)
+            needs[dtype, ckpt] = worker_bytes(config, plan, profile,
+                                              layer_parameters(config, profile))[0]
+    assert needs["float32", "full"] < needs["float32", "none"]
+    assert needs["bfloat16", "full"] < needs["bfloat16", "none"]
+    assert needs["bfloat16", "none"] < needs["float32", "none"]  # half the activations

@@ -17,7 +17,7 @@ FLAGS = {
     "train": {"--config", "--dtype", "--fault", "--host", "--job-name", "--json",
               "--log-every", "--out",
               "--policy", "--port", "--rejoin", "--remote-workers", "--resume", "--steps",
-              "--token", "--trace", "--workers"},
+              "--tensorboard", "--token", "--trace", "--workers"},
     "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
                "--job", "--num-workers", "--token"},
     "prepare-data": {"--input", "--out", "--tokenizer"},

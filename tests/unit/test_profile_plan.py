@@ -181,3 +181,24 @@ def test_file_profile_through_the_config(tmp_path: Path) -> None:
     doc["profile"] = {"kind": "file"}
     with pytest.raises(ValueError, match=r"^profile\.path"):
         config_from_mapping(doc)
+
+
+@pytest.mark.parametrize(("dtype", "per_param", "act_scale"),
+                         [(None, 16, 1), ("bfloat16", 18, 1), ("float32", 16, 2),
+                          ("float64", 32, 4)])
+def test_analytic_profile_prices_the_runtimes_numerics(dtype: str | None, per_param: int,
+                                                       act_scale: int) -> None:
+    """The planner's mixed precision by default (bf16 weights and gradients, fp32 masters
+    and moments); the runtime's bytes for its [train] dtype (bf16 compute copy beside fp32
+    masters, gradients and moments; one dtype for everything otherwise)."""
+    model, device = model_preset("gpt3-1.3b"), device_preset("a100-80g")
+    base = analytic_profile(model, device, micro_batch=2)
+    priced = analytic_profile(model, device, micro_batch=2, train_dtype=dtype)
+    for mine, planner in zip(priced.layers, base.layers, strict=True):
+        params = planner.param_bytes / 2
+        assert mine.static_bytes == pytest.approx(per_param * params)
+        assert mine.activation_bytes == pytest.approx(act_scale * planner.activation_bytes)
+        assert mine.output_bytes == pytest.approx(act_scale * planner.output_bytes)
+        assert mine.fwd_s == planner.fwd_s
+    with pytest.raises(ValueError, match=r"train\.dtype"):
+        analytic_profile(model, device, train_dtype="float16")

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from chameleon_ft.runtime import auth
-from chameleon_ft.spec.train import parse_fault
+from chameleon_ft.spec.train import TRAIN_DTYPES, parse_fault
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,13 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", metavar="NAME",
                         help="chameleon (adaptive), reroute, dynamic, restart, shrink or "
                              "reroute-then-dynamic ([policy] name)")
-    parser.add_argument("--dtype", choices=("float32", "float64"),
-                        help="parameter dtype ([train] dtype); float64 for exact comparisons")
+    parser.add_argument("--dtype", choices=TRAIN_DTYPES,
+                        help="numerics ([train] dtype): float32; float64 for exact "
+                             "comparisons; bfloat16 for mixed precision (bf16 compute, "
+                             "fp32 master weights, gradients and optimizer state)")
     parser.add_argument("--out", metavar="DIR",
                         help="the run directory: checkpoints, report.json, params.pt, "
                              "metrics.jsonl (default: a new runs/train-<time>)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its newest complete checkpoint")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write TensorBoard event files (loss, grad_norm, lr, "
+                             "tokens/s, step time) under the run directory's tensorboard/; "
+                             "needs the tensorboard package (the [tensorboard] extra)")
     parser.add_argument("--log-every", type=int, metavar="N",
                         help="a progress line every N steps (default: about 25 per run; "
                              "failures, decisions and recoveries always)")
@@ -153,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
                         num_local_workers=local, host=args.host, port=args.port, log=log,
                         token=token, job_name=args.job_name, resume=args.resume,
-                        log_every=args.log_every, trace=trace)
+                        log_every=args.log_every, trace=trace, tensorboard=args.tensorboard)
     try:
         report = coord.run()
     except WorkerFailure as exc:

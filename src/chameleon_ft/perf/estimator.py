@@ -438,10 +438,12 @@ class Estimator:
         allreduce = commit_s - profile.control_s - makespan
 
         # Memory per device: parameters, gradients and optimizer state of the layers held,
-        # plus the activations of the micro-batches in flight at the worst moment.
+        # plus the activations of the micro-batches in flight at the worst moment, plus one
+        # layer's backward workspace (recomputed activations).
         peak_memory: dict[int, float] = {}
         for w, layers in plan.layers_by_worker.items():
-            peak_memory[w] = self._static_bytes(layers) + act_peak.get(w, 0.0)
+            workspace = max((profile.layers[i].workspace_bytes for i in layers), default=0.0)
+            peak_memory[w] = self._static_bytes(layers) + act_peak.get(w, 0.0) + workspace
         capacity = topo.memory_capacity_bytes
         max_memory = max(peak_memory.values(), default=0.0)
 

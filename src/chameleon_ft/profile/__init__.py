@@ -16,16 +16,19 @@ from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.profile_source import ProfileKind
 
 
-def build_profile(config: Config) -> Profile:
+def build_profile(config: Config, *, runtime: bool = False) -> Profile:
     """The profile a job file asks for (its ``[profile]`` table), folded into columns when
     the job interleaves ``virtual_stages`` chunks per worker (:func:`fold_profile`; for a
     model whose blocks split evenly into the chunks, the embedding and the head ride with
     the first and last blocks).
 
+    ``runtime``: price the bytes the runtime holds for ``[train] dtype`` (an analytic
+    profile; otherwise the planner's mixed-precision bytes, as published runs train).
+
     Raises:
         ValueError: when the profile cannot be built (missing file, layer count mismatch).
     """
-    profile = _model_profile(config)
+    profile = _model_profile(config, runtime)
     v = config.job.virtual_stages
     if v > 1:
         # A model's first and last layers are the embedding and the head: when the blocks
@@ -41,7 +44,7 @@ def build_profile(config: Config) -> Profile:
     return profile
 
 
-def _model_profile(config: Config) -> Profile:
+def _model_profile(config: Config, runtime: bool = False) -> Profile:
     source = config.profile
     if source.kind == ProfileKind.UNIFORM:
         return uniform_profile(
@@ -69,7 +72,8 @@ def _model_profile(config: Config) -> Profile:
     return analytic_profile(config.model, config.cluster.device, micro_batch=config.job.micro_batch,
                             tp=config.job.tp, cluster=config.cluster, recompute=source.recompute,
                             optimizer_shards=config.job.dp if source.shard_optimizer else 1,
-                            fused_attention=source.fused_attention)
+                            fused_attention=source.fused_attention,
+                            train_dtype=config.train.dtype if runtime else None)
 
 
 __all__ = [

@@ -32,6 +32,13 @@ ATTENTION_BACKWARD_RATIO = 2.5
 against the forward's 2; Dao 2023)."""
 UNFUSED_SCORE_BYTES = 13
 """Forward memory traffic per score element of unfused attention (see the block below)."""
+TRAIN_DTYPE_BYTES: dict[str, tuple[int, int, int]] = {
+    "bfloat16": (2, 4, 12),  # bf16 compute copy; fp32 gradients; fp32 masters + 2 moments
+    "float32": (4, 4, 8),
+    "float64": (8, 8, 16),
+}
+"""Per parameter, the runtime's (weights, gradients, optimizer state) bytes for each
+``[train] dtype``; activations and boundaries scale with the weights' element size."""
 
 
 def _ring_allreduce_s(num_bytes: float, ranks: int, latency_s: float, bw_bytes_s: float) -> float:
@@ -83,6 +90,7 @@ def analytic_profile(
     recompute: str = Recompute.SELECTIVE.value,
     optimizer_shards: int = 1,
     fused_attention: bool = True,
+    train_dtype: str | None = None,
 ) -> Profile:
     """Per-layer costs of ``model`` on ``device`` with tensor parallelism ``tp``.
 
@@ -100,6 +108,11 @@ def analytic_profile(
         fused_attention: a fused attention kernel (FlashAttention: causal half, no score
             matrix in memory); otherwise the scores are written, softmaxed, dropped out and
             read back, and kept for the backward unless recomputed.
+        train_dtype: the runtime's numerics (``[train] dtype``), whose bytes replace the
+            default mixed-precision ones (bf16 weights and gradients, fp32 masters and
+            moments: 16 bytes a parameter, bf16 activations): ``bfloat16`` (the runtime's
+            fp32 gradients: 18), ``float32`` (16, activations twice as large), ``float64``
+            (32, four times). Timings are unchanged.
 
     Returns:
         A profile with ``model.num_layers`` layers, figures per device.
@@ -111,6 +124,11 @@ def analytic_profile(
         raise ValueError(f"profile.recompute: unknown value {recompute!r}")
     if optimizer_shards < 1:
         raise ValueError(f"optimizer_shards: must be >= 1, got {optimizer_shards}")
+    if train_dtype is not None and train_dtype not in TRAIN_DTYPE_BYTES:
+        raise ValueError(f"train.dtype: unknown value {train_dtype!r}")
+    weight_b, grad_b, optimizer_b = TRAIN_DTYPE_BYTES.get(
+        train_dtype or "", (BF16_BYTES, BF16_BYTES, OPTIMIZER_BYTES_PER_PARAM))
+    act_scale = weight_b / BF16_BYTES  # activations and boundaries in the weights' dtype
     b, s, h, a = micro_batch, model.seq_len, model.hidden_size, model.num_heads
     v, f, t = model.vocab_size, model.ffn, tp
     q_width, kv_width = _attention_widths(model)
@@ -178,18 +196,21 @@ def analytic_profile(
     boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
 
     def layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float,
-              params: float, act: float, out: float, comm_s: float = 0.0) -> LayerCost:
+              params: float, act: float, out: float, comm_s: float = 0.0,
+              workspace: float = 0.0) -> LayerCost:
         per_device = params / t
         return LayerCost(
             name=name,
             fwd_s=fwd_s + comm_s,
             bwd_input_s=bwd_input_s + comm_s,
             bwd_weight_s=bwd_weight_s,
-            param_bytes=BF16_BYTES * per_device,
-            optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * per_device / optimizer_shards,
-            grad_bytes=None if optimizer_shards == 1 else BF16_BYTES * per_device / optimizer_shards,
-            activation_bytes=act,
-            output_bytes=out,
+            param_bytes=weight_b * per_device,
+            optimizer_bytes=optimizer_b * per_device / optimizer_shards,
+            grad_bytes=(None if optimizer_shards == 1 and grad_b == weight_b
+                        else grad_b * per_device / optimizer_shards),
+            activation_bytes=act * act_scale,
+            output_bytes=out * act_scale,
+            workspace_bytes=workspace * act_scale,
         )
 
     # Embedding: a gather forward, a scatter-add into its gradient backward.
@@ -197,9 +218,13 @@ def analytic_profile(
     layers = [layer("embedding", lookup_s, 0.0, lookup_s, v * h,
                     BF16_BYTES * tokens * h / t, boundary_bytes)]
     block_params = model.block_params()
+    # Full recomputation runs one block's forward again inside its backward: its
+    # activations live, for one micro-batch, while that backward runs.
+    recomputed = kept + score_bytes - activation if recompute == Recompute.FULL.value else 0.0
     for i in range(model.num_blocks):
         layers.append(layer(f"block{i}", block_fwd_s, block_bwd_input_s, block_bwd_weight_s,
-                            block_params, activation, boundary_bytes, comm_s=tp_comm_s))
+                            block_params, activation, boundary_bytes, comm_s=tp_comm_s,
+                            workspace=recomputed))
     # Head: the final norm, the logits product and a softmax cross-entropy over fp32 logits.
     logits_s = _gemm(device, tokens, h, v / t)
     loss_bytes = 3 * 4 * tokens * v / t
@@ -211,7 +236,7 @@ def analytic_profile(
     # all-reduces the two copies' gradients), so its bytes count there.
     layers.append(layer("head", head_fwd_s, head_bwd_s, logits_s, v * h + h, head_act, 0.0))
 
-    total_params_per_device = sum(layer.param_bytes for layer in layers) / BF16_BYTES
+    total_params_per_device = sum(layer.param_bytes for layer in layers) / weight_b
     optimizer_step_s = device.op_seconds(
         0.0, total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / optimizer_shards)
     if device.mfu is not None:  # the flat model prices memory traffic at the datasheet rate
@@ -224,5 +249,6 @@ def analytic_profile(
         micro_batch=micro_batch,
         source="analytic",
         meta={"model": model.name, "device": device.name, "tp": tp, "recompute": recompute,
-              "optimizer_shards": optimizer_shards, "fused_attention": fused_attention},
+              "optimizer_shards": optimizer_shards, "fused_attention": fused_attention,
+              **({"train_dtype": train_dtype} if train_dtype else {})},
     )

@@ -48,10 +48,14 @@ class LayerCost:
     grad_bytes: float | None = None
     """Gradient bytes kept on the device; ``None``: as many as ``param_bytes`` (fewer when
     the gradients are sharded over the data-parallel replicas)."""
+    workspace_bytes: float = 0.0
+    """Bytes the layer's backward holds for one micro-batch beyond ``activation_bytes``,
+    at one moment only: with full recomputation, the activations its forward makes again
+    (a worker needs the largest of its layers' once, not per micro-batch in flight)."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "param_bytes", "optimizer_bytes",
-                     "activation_bytes", "output_bytes"):
+                     "activation_bytes", "output_bytes", "workspace_bytes"):
             _check(f"layer {self.name or '?'}.{name}", getattr(self, name))
         if self.grad_bytes is not None:
             _check(f"layer {self.name or '?'}.grad_bytes", self.grad_bytes)
@@ -351,6 +355,7 @@ def _sum_costs(chosen: Sequence[LayerCost], name: str) -> LayerCost:
         optimizer_bytes=sum(c.optimizer_bytes for c in chosen),
         activation_bytes=sum(c.activation_bytes for c in chosen),
         output_bytes=chosen[-1].output_bytes if chosen else 0.0,
+        workspace_bytes=max((c.workspace_bytes for c in chosen), default=0.0),
     )
 
 

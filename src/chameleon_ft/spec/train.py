@@ -12,6 +12,9 @@ from enum import StrEnum
 
 from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
 
+TRAIN_DTYPES = ("float32", "float64", "bfloat16")
+"""The runtime's numerics (``[train] dtype``)."""
+
 
 class ActivationCheckpointing(StrEnum):
     """What a worker keeps of a layer's forward for its backward."""
@@ -161,7 +164,10 @@ class TrainSpec:
     steps: int = 20
     """Optimizer steps to run."""
     dtype: str = "float32"
-    """``float32``, or ``float64`` for bit-comparable recovery checks."""
+    """``float32``; ``float64`` for bit-comparable recovery checks; ``bfloat16`` for mixed
+    precision: bf16 compute (parameters, activations and their gradients between stages),
+    fp32 master weights, gradients (accumulated, reduced and clipped in fp32), optimizer
+    state and checkpoints."""
     seed: int = 0
     """Seed of the parameter initialisation (data order is fixed by the step number)."""
     lr: float = 1e-3
@@ -234,7 +240,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps)
-        check_choice("dtype", self.dtype, ("float32", "float64"))
+        check_choice("dtype", self.dtype, TRAIN_DTYPES)
         check_choice("activation_checkpointing", self.activation_checkpointing,
                      [a.value for a in ActivationCheckpointing])
         check_int("seed", self.seed, minimum=0)

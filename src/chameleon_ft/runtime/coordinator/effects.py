@@ -18,10 +18,15 @@ from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.coordinator.admission import JoinDesk
-from chameleon_ft.runtime.report.records import Event, StepRecord
+from chameleon_ft.runtime.report.records import Event, StepRecord, step_metrics
+from chameleon_ft.runtime.step_sync import extra_groups, step_reductions
 from chameleon_ft.runtime.storage.checkpoint import CheckpointError, writer_of
 from chameleon_ft.runtime.workload.bundle import Workload, seal_workload
-from chameleon_ft.runtime.workload.models import probe_outputs, targets_per_sample
+from chameleon_ft.runtime.workload.models import (
+    probe_outputs,
+    targets_per_sample,
+    tied_parameters,
+)
 from chameleon_ft.runtime.workload.precision import torch_dtype
 
 if TYPE_CHECKING:
@@ -129,11 +134,14 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> None:
         "migration": migration,
         "load": None if s.load is None else {"kind": s.load.kind, "step": s.load.step},
         "incarnations": {str(w): members.incarnation(w) for w in sorted(s.alive)},
-        "collective_timeout_s": info.collective_s}
+        "collective_timeout_s": info.collective_s,
+        **step_reductions(s.plan, tied_parameters(coord.job.model),
+                          coord.config.optimizer.clip_grad_norm)}
     coord.hooks.before_publish(coord, directive)
     groups = [(proto.world_prefix(s.gen), len(world))]
     groups += [(proto.bucket_prefix(s.gen, b), len(b))
-               for b in sorted({tuple(b[0]) for rnd in rounds for b in rnd if len(b[0]) > 1})]
+               for b in sorted({tuple(b[0]) for rnd in rounds for b in rnd if len(b[0]) > 1}
+                               | set(extra_groups(directive)))]
     coord.cs.publish(s.gen, directive, groups)
     precompute = getattr(coord.decide_fn(), "precompute", None)
     if precompute is not None:
@@ -148,8 +156,9 @@ def _do_commit(coord: Coordinator, e: m.Commit) -> None:
     timings = coord.cs.take_timings(e.gen, e.step, workers)
     if e.forget_previous:
         coord.cs.forget_step(e.gen, e.step - 1)
+    grad_norm, lr = step_metrics(timings)
     coord.report.committed(StepRecord(e.step, loss, now - e.start_s, e.gen, now,
-                                      len(workers)), timings)
+                                      len(workers), grad_norm, lr), timings)
     every = coord.train.checkpoint_every
     if every > 0 and (e.step + 1) % every == 0:
         plan = coord.state.state_plan  # the plan that committed the step

@@ -179,7 +179,8 @@ def _export(coord: Coordinator, folder: Any) -> tuple[str | None, bool]:
     ctx = forkserver_context()
     here, there = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=export_main, args=(str(folder), coord.job.workload,
-                                                 str(coord.job.out_dir), there),
+                                                 str(coord.job.out_dir), coord.train.dtype,
+                                                 there),
                        name="chameleon-export")
     proc.start()
     there.close()

@@ -26,14 +26,26 @@ REAP_S = 5.0
 """How long the end of a run waits for its processes before killing them."""
 
 
-def forkserver_context() -> Any:
-    """A forkserver context whose server preloads torch and the worker module."""
+def forkserver_context(preload: Iterable[str] = ()) -> Any:
+    """A forkserver context whose server preloads torch, the worker module and
+    ``preload`` (e.g. the model's adapter: transformers takes seconds to import, once in
+    the server instead of once per worker; a module that does not import is skipped).
+    The server starts once per process: the first call's list is the one it keeps."""
     # Waits in slices make c10d log a warning per timed-out slice; keep errors only.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = multiprocessing.get_context("forkserver")
     # Workers fork from a server that already imported torch: ~0.3 s per worker, not 5-10 s.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker.main"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker.main",
+                                *preload])
     return ctx
+
+
+def adapter_modules(model: Any) -> tuple[str, ...]:
+    """The module of the model's adapter when it is one of ours (the Hugging Face one
+    imports transformers), for the forkserver to preload; a user's own module is left to
+    the workers (importing it may do anything)."""
+    module = type(model).__module__
+    return (module,) if module.startswith("chameleon_ft.") else ()
 
 
 @dataclass
@@ -52,8 +64,10 @@ class Proc:
 class Launcher:
     """Starts local worker processes and keeps a handle on every one of them."""
 
-    def __init__(self, host: str, port: int, secret: bytes) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, preload: Iterable[str] = ()) -> None:
         self.host, self.port, self.secret = host, port, secret
+        self.preload = tuple(preload)
+        """Modules the workers' forkserver imports once (see :func:`forkserver_context`)."""
         self.procs: dict[int, Proc] = {}
         """The current process of each worker id (local or remote)."""
         self.all_procs: list[Any] = []
@@ -63,7 +77,7 @@ class Launcher:
         """Start a process for each worker id; returns their incarnations."""
         from chameleon_ft.runtime.worker.main import worker_main
 
-        ctx = forkserver_context()
+        ctx = forkserver_context(self.preload)
         address = auth.advertise_address(self.host, self.port)
         out = {}
         for w in ids:

@@ -5,8 +5,11 @@ and end by the kernel's out-of-memory killer a minute or two later with a mislea
 "worker exited with status -9".
 
 The need of a worker is the runtime's own: every parameter of its stage in the run's
-dtype, its gradient, and the optimizer's state (AdamW: two moments), plus the activations
-kept for the micro-batches in flight (at most the number of stages, 1F1B), plus the
+dtype, its gradient, and the optimizer's state (AdamW: two moments); under mixed precision
+(``bfloat16``) the bf16 compute copy plus fp32 masters, fp32 gradients and fp32 moments
+(18 bytes a parameter); plus the activations kept for the micro-batches in flight (at most
+the number of stages, 1F1B), in the compute dtype (with activation checkpointing only each
+layer's input, plus one layer's activations while its forward runs again), plus the
 process itself (the Python interpreter and torch). CPU workers of one host share its
 available memory; a GPU worker has its device's memory.
 """
@@ -26,7 +29,10 @@ PROCESS_BYTES = 300 * 2**20
 importing torch, plus gloo's buffers and threads)."""
 OPTIMIZER_COPIES = 2
 """Optimizer state per parameter, in parameter-sized tensors (AdamW: two moments)."""
-_DTYPE_BYTES = {"float32": 4, "float64": 8}
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+"""Bytes of one element in the dtype the layers compute in (activations)."""
+_MASTER_BYTES = {"float32": 4, "float64": 8, "bfloat16": 4}
+"""Bytes of one element of the master weights, gradients and optimizer state."""
 GIB = 2**30
 
 
@@ -58,6 +64,33 @@ def _activation_elements(model: ModelSpec, micro_batch: int) -> float:
     return s * b * h * (34 + 5 * a * s / h) / 2
 
 
+def state_bytes_per_param(dtype: str) -> int:
+    """Resident bytes per parameter: weights, gradients and optimizer state (AdamW's two
+    moments), and under mixed precision the bf16 compute copy beside the fp32 masters."""
+    master = _MASTER_BYTES[dtype] * (2 + OPTIMIZER_COPIES)
+    return master + (_DTYPE_BYTES[dtype] if _DTYPE_BYTES[dtype] != _MASTER_BYTES[dtype] else 0)
+
+
+def _activations(config: Config, profile: Profile, num_layers: int) -> tuple[list[float],
+                                                                               list[float]]:
+    """Per layer and micro-batch in flight: the bytes kept for the backward, and the bytes
+    a layer's forward holds while it runs (the same without activation checkpointing)."""
+    from chameleon_ft.spec.train import ActivationCheckpointing
+
+    elem = _DTYPE_BYTES[config.train.dtype]
+    if config.model is not None:
+        full = [_activation_elements(config.model, config.job.micro_batch) * elem] * num_layers
+        layer_input = float(config.model.seq_len * config.job.micro_batch
+                            * config.model.hidden_size * elem)
+    else:  # the profile's activations are bf16 bytes per micro-batch
+        full = [layer.activation_bytes * elem / BF16_BYTES for layer in profile.layers]
+        layer_input = max((layer.output_bytes * elem / BF16_BYTES for layer in profile.layers),
+                          default=0.0)
+    if config.train.activation_checkpointing == ActivationCheckpointing.FULL:
+        return [min(layer_input, f) for f in full], full
+    return full, full
+
+
 def worker_bytes(config: Config, plan: ExecutionPlan, profile: Profile,
                  params: list[int]) -> dict[int, float]:
     """Bytes each worker of ``plan`` needs in the runtime (process included).
@@ -68,19 +101,16 @@ def worker_bytes(config: Config, plan: ExecutionPlan, profile: Profile,
         profile: per-layer costs (activations, when the architecture is unknown).
         params: parameters of each layer (:func:`layer_parameters`).
     """
-    dtype = _DTYPE_BYTES[config.train.dtype]
-    if config.model is not None:
-        act = [_activation_elements(config.model, config.job.micro_batch) * dtype] * len(params)
-    else:  # the profile's activations are bf16 bytes per micro-batch
-        act = [layer.activation_bytes * dtype / BF16_BYTES for layer in profile.layers]
+    per_param = state_bytes_per_param(config.train.dtype)
+    kept, running = _activations(config, profile, len(params))
     out: dict[int, float] = {}
     pipe_stages = max(p.num_stages for p in plan.pipelines)
     for _, stage_index, stage in plan.iter_stages():
         in_flight = max(1, pipe_stages - stage_index)
-        n = sum(params[i] for i in stage.layers)
-        state = n * dtype * (2 + OPTIMIZER_COPIES)
+        state = sum(params[i] for i in stage.layers) * per_param
+        recompute = max(running[i] - kept[i] for i in stage.layers)
         out[stage.worker] = out.get(stage.worker, 0.0) + state + in_flight * sum(
-            act[i] for i in stage.layers) + PROCESS_BYTES
+            kept[i] for i in stage.layers) + recompute + PROCESS_BYTES
     return out
 
 

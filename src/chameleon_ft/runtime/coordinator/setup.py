@@ -204,7 +204,7 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     workload.lr_schedule()
     config, num_local, policy_name, notes = _checked_config(config, num_local_workers,
                                                             policy, custom_decide)
-    prof = profile if profile is not None else build_profile(config)
+    prof = profile if profile is not None else build_profile(config, runtime=True)
     check_faults(tuple(faults), config.num_workers, config.train.steps)
     plan0 = initial_plan(config, prof)
     if prof.num_layers != built_model.num_layers:

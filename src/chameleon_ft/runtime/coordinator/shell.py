@@ -36,7 +36,7 @@ from chameleon_ft.runtime.coordinator import effects as fx
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
 from chameleon_ft.runtime.coordinator.finish import finish
-from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc
+from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc, adapter_modules
 from chameleon_ft.runtime.coordinator.policy import Decide, PlannerDecide
 from chameleon_ft.runtime.coordinator.setup import Job, prepare
 from chameleon_ft.runtime.deadlines import Deadline
@@ -120,6 +120,8 @@ class Coordinator:
         log_every: a step line every this many steps (default: about 25 per run);
             failures, decisions and recoveries are always logged.
         trace: a failure trace to replay in wall-clock time (``runtime/replay.py``).
+        tensorboard: also write TensorBoard event files under ``out_dir/tensorboard``
+            (needs the ``tensorboard`` package).
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
@@ -131,7 +133,8 @@ class Coordinator:
                  resume: bool = False, check_resources: bool = True,
                  hooks: Hooks | None = None, model: Any = None, data: Any = None,
                  optimizer: Any = None, lr_schedule: Any = None,
-                 log_every: int | None = None, trace: TraceDriver | None = None) -> None:
+                 log_every: int | None = None, trace: TraceDriver | None = None,
+                 tensorboard: bool = False) -> None:
         """Prepare a job (nothing starts until :meth:`run`; the arguments are the class's).
 
         Raises:
@@ -155,7 +158,7 @@ class Coordinator:
             self.job.out_dir, steps=self.train.steps, start_step=self.job.start_step,
             tokens_per_step=self.config.job.global_batch * max(1, self.config.seq_len),
             log=self.log, log_every=self.job.log_every,
-            resumed=self.job.resumed_from is not None)
+            resumed=self.job.resumed_from is not None, tensorboard=tensorboard)
         self.t0 = time.monotonic()
         self.control: Control | None = None
         self.signals: list[str] = []
@@ -293,7 +296,8 @@ class Coordinator:
                               timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
                               deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
         job.ckpt.mark_job(job.job_id)
-        self.launcher = Launcher(self.host, self.port, job.secret)
+        self.launcher = Launcher(self.host, self.port, job.secret,
+                                 preload=adapter_modules(job.model))
         self.params_m = self._params()
         self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
         old_handlers = self._install_signal_handlers()

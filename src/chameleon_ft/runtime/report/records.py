@@ -4,6 +4,7 @@ transition of each recovery (pure Python)."""
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,21 @@ class StepRecord:
     gen: int
     committed_at_s: float
     num_workers: int
+    grad_norm: float | None = None
+    """The global gradient norm before clipping (every parameter of the model once)."""
+    lr: float | None = None
+    """The learning rate the step applied."""
+
+
+def step_metrics(timings: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """The step's global gradient norm and learning rate from the workers' reports: each
+    worker's share of the squared norm (``grad_norm_sq``, its lowest-id layers) added up,
+    and the rate any of them applied. The shares are taken out of ``timings``."""
+    shares = [t.pop("grad_norm_sq") for t in timings if "grad_norm_sq" in t]
+    rates = [t.pop("lr") for t in timings if "lr" in t]
+    norm = math.sqrt(math.fsum(shares)) if shares else None
+    lr = next((r for r in rates if r is not None), None)
+    return norm, lr
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The run's report as it grows: committed steps, failures, re-joins, refused joins, and
 the files a user reads (``metrics.jsonl`` and ``op_times.jsonl`` appended as steps commit,
-so a run that dies keeps them; ``report.json`` and ``report.png`` at the end).
+so a run that dies keeps them, and with ``tensorboard`` the same scalars as TensorBoard
+event files; ``report.json`` and ``report.png`` at the end).
 
 Nothing here steers the run: the control plane decides from its own state.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from chameleon_ft.runtime.report.board import Board
 from chameleon_ft.runtime.report.records import Event, StepRecord, measure_transitions
 from chameleon_ft.runtime.storage.checkpoint import write_atomic
 
@@ -22,7 +24,11 @@ class RunReport:
     """Records of one run, and their files under the run directory."""
 
     def __init__(self, out_dir: Path, *, steps: int, start_step: int, tokens_per_step: int,
-                 log: Log, log_every: int | None, resumed: bool) -> None:
+                 log: Log, log_every: int | None, resumed: bool,
+                 tensorboard: bool = False) -> None:
+        """Raises:
+            ValueError: ``tensorboard`` without the ``tensorboard`` package.
+        """
         self.out_dir = out_dir
         self.total_steps = steps
         self.start_step = start_step
@@ -46,6 +52,7 @@ class RunReport:
         written and the manifest too, each writer's bytes and seconds."""
         self.metrics_path = out_dir / "metrics.jsonl"
         self.op_times_path = out_dir / "op_times.jsonl"
+        self.board = Board(out_dir / "tensorboard") if tensorboard else None
 
     def open(self) -> None:
         """Start the streamed files: a resumed run keeps the metrics of its earlier steps."""
@@ -73,12 +80,15 @@ class RunReport:
         self.commits.append(record)
         with self.metrics_path.open("a") as f:
             f.write(self._metrics_line(record) + "\n")
+        if self.board is not None:
+            self.board.add(record, self._metrics(record))
         if timings:
             with self.op_times_path.open("a") as f:
                 f.writelines(json.dumps(t) + "\n" for t in timings)
         if record.step % self.every == 0 or record.step == self.total_steps - 1 or \
                 record.step == self.start_step or recovering:
-            self.log(f"step {record.step:4d}  loss {record.loss:.4f}  step "
+            norm = "" if record.grad_norm is None else f"  grad norm {record.grad_norm:.3f}"
+            self.log(f"step {record.step:4d}  loss {record.loss:.4f}{norm}  step "
                      f"{record.step_s:.3f} s  gen {record.gen}")
         for event in self.events:
             if event.resumed_at_s is None and not event.idle:
@@ -88,11 +98,14 @@ class RunReport:
                 self.log(f"recovered: first step after the failure committed "
                          f"{record.committed_at_s - origin:.3f} s after it ({event.strategy})")
 
-    def _metrics_line(self, r: StepRecord) -> str:
+    def _metrics(self, r: StepRecord) -> dict[str, Any]:
         tokens_per_s = self.tokens_per_step / r.step_s if r.step_s > 0 else None
-        return json.dumps({"step": r.step, "loss": r.loss, "step_s": r.step_s,
-                           "tokens_per_s": tokens_per_s, "gen": r.gen,
-                           "plan_workers": r.num_workers})
+        return {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+                "step_s": r.step_s, "tokens_per_s": tokens_per_s, "gen": r.gen,
+                "plan_workers": r.num_workers}
+
+    def _metrics_line(self, r: StepRecord) -> str:
+        return json.dumps(self._metrics(r))
 
     def rewind(self, to_step: int) -> None:
         """A restart threw the steps from ``to_step`` on away: they will be redone."""
@@ -114,6 +127,8 @@ class RunReport:
         """Measure the transitions, then write ``report.json``, the compacted metrics
         (one line per step, a redone step's last commit) and ``report.png``."""
         measure_transitions(self.events, self.commits)
+        if self.board is not None:
+            self.board.close()
         report["events"] = [e.to_dict() for e in self.events]
         write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
         lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())

@@ -54,29 +54,36 @@ def params_of(manifest: Manifest) -> dict[str, torch.Tensor]:
     return params
 
 
-def export(folder: Path, model: Any, out_dir: Path) -> tuple[str, bool]:
+def export(folder: Path, model: Any, out_dir: Path, dtype: str) -> tuple[str, bool]:
     """Write ``params.pt`` (and the model's own format) from the checkpoint in ``folder``.
+
+    Args:
+        folder: a complete checkpoint.
+        model: the layered model.
+        out_dir: the run directory.
+        dtype: the run's ``[train] dtype`` (under mixed precision the checkpoint holds fp32
+            masters; the model's own format gets them in the model's own dtype).
 
     Returns:
         The parameters' digest and whether the model wrote its own format.
     """
     from chameleon_ft.runtime.workload.models import drop_tied_copies, export_model
+    from chameleon_ft.runtime.workload.precision import Precision, for_export
 
-    every = params_of(Manifest.read(folder))
-    exported = export_model(model, every, out_dir)  # it checks tied copies agree
-    params = drop_tied_copies(model, every)
+    params = drop_tied_copies(model, params_of(Manifest.read(folder)))  # a tied pair once
     buf = io.BytesIO()
     torch.save(params, buf)
     write_atomic(out_dir / "params.pt", buf.getvalue())
+    exported = export_model(model, for_export(model, params, Precision.of(dtype)), out_dir)
     return param_hash(params), exported
 
 
-def export_main(folder: str, workload: Any, out_dir: str, conn: Any) -> None:
+def export_main(folder: str, workload: Any, out_dir: str, dtype: str, conn: Any) -> None:
     """Entry point of the export process: send back ``("ok", digest, exported)`` or
     ``("error", message)`` on ``conn``."""
     torch.set_num_threads(1)
     try:
-        digest, exported = export(Path(folder), workload.model(), Path(out_dir))
+        digest, exported = export(Path(folder), workload.model(), Path(out_dir), dtype)
         conn.send(("ok", digest, exported))
     except Exception as exc:  # reported to the coordinator in one line
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -4,8 +4,10 @@ A step is the worker's list of actions from ``perf.build_schedule`` (``F`` or ``
 pipeline ``p``, stage ``s``, micro-batch ``m``), run in order: a forward takes its input
 from the data (first stage) or a receive, and ends in the loss (last stage) or a send; a
 backward takes its gradient from a receive (or the loss) and sends the input's gradient
-upstream. Then each gradient bucket is all-reduced, round by round. Communication goes
-through :class:`~chameleon_ft.runtime.worker.comm.Comm`; the executor never sees a group.
+upstream (a stage whose output needs no gradient, every parameter up to it frozen, runs
+no backward but still receives its gradient, as the schedule sends one). The gradients'
+reductions that follow are ``worker.gradients``. Communication goes through
+:class:`~chameleon_ft.runtime.worker.comm.Comm`; the executor never sees a group.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime.worker.comm import Comm
 from chameleon_ft.runtime.workload.models import StageModel, to_run
-from chameleon_ft.runtime.workload.optim import LayerTrainState
 
 FORWARD, BACKWARD = 0, 1
 """Tag kinds: activations flow forward, gradients backward."""
@@ -31,6 +32,9 @@ class Stage(Protocol):
 
     stage: StageModel
     dtype: torch.dtype
+    """What the layers compute in (floating-point inputs take it)."""
+    loss_dtype: torch.dtype
+    """What the loss computes in (floating-point targets take it)."""
     device: torch.device
     micro_batch: int
     loss_count: int
@@ -112,7 +116,7 @@ class StepRun:
 
     def _samples(self, p: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.w.microbatch(self.step, (self.offsets[p] + m) * self.w.micro_batch)
-        return to_run(x, self.w.dtype, self.w.device), to_run(y, self.w.dtype, self.w.device)
+        return to_run(x, self.w.dtype, self.w.device), to_run(y, self.w.loss_dtype, self.w.device)
 
     def forward(self, p: int, s: int, m: int) -> None:
         """``F(p, s, m)``: input from the data or the previous stage, output to the loss or
@@ -146,13 +150,15 @@ class StepRun:
         x, out = self.inflight.pop((p, s, m))
         if s == self.plan.pipelines[p].num_stages - 1:
             t0 = time.perf_counter()
-            out.backward()
+            if out.requires_grad:
+                out.backward()
         else:
             grad = torch.empty_like(out)
             self.comm.recv(grad, self._executor(p, s + 1, m), self._tag(BACKWARD, p, s, m),
                            "gradient receive")
             t0 = time.perf_counter()
-            out.backward(grad)
+            if out.requires_grad:  # not when every parameter up to here is frozen
+                out.backward(grad)
         self.result.backward_s.append(time.perf_counter() - t0)
         if s > 0:
             dst = self._executor(p, s - 1, m)
@@ -160,33 +166,3 @@ class StepRun:
             self.sends.append((self.comm.send(payload, dst, self._tag(BACKWARD, p, s - 1, m)),
                                dst, payload))
         self._first("backward")
-
-
-def all_reduce(comm: Comm, rounds: list[list[list[list[int]]]],
-               layers: dict[int, LayerTrainState]) -> None:
-    """Sum each bucket's gradients over the workers holding its layers, round by round.
-
-    A trainable parameter without a gradient gets a zero one first, so every holder
-    contributes the same tensors in the same order; a frozen one (``requires_grad``
-    False) takes no part, so no optimizer ever moves it, however many workers hold it.
-    """
-    for rnd in rounds:
-        for workers, layer_ids in rnd:
-            if comm.me not in workers:
-                continue
-            grads = []
-            for i in layer_ids:
-                for param in layers[i].module.parameters():
-                    if not param.requires_grad:
-                        continue
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    grads.append(param.grad)
-            if len(workers) == 1 or not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, tuple(workers))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()

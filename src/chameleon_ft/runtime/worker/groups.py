@@ -144,10 +144,15 @@ def close_later(generation: Generation) -> None:
 
 def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
-          address: str, device: torch.device) -> Comm:
-    """Build a generation's groups (the world group, then one per all-reduce bucket this
-    worker belongs to, in one global order so no two workers wait on each other in
-    opposite orders), and warm every pair up.
+          address: str, device: torch.device,
+          extra: list[tuple[int, ...]] | None = None) -> Comm:
+    """Build a generation's groups (the world group, then one per all-reduce bucket and
+    per ``extra`` member set this worker belongs to, one group per distinct member set, in
+    one global order so no two workers wait on each other in opposite orders), and warm
+    every pair up.
+
+    ``extra``: the members of the step's other reductions (tied pairs, the norm:
+    ``runtime.step_sync.extra_groups``).
 
     Raises:
         CommError: when a group cannot be built or warmed up.
@@ -158,7 +163,8 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
                                  backend=backend, timeout_s=timeout_s, address=address)
         generation.add(world_group, world.index(me), len(world))
         members = sorted({tuple(b[0]) for rnd in rounds for b in rnd
-                          if me in b[0] and len(b[0]) > 1})
+                          if me in b[0] and len(b[0]) > 1}
+                         | {m for m in extra or () if me in m and len(m) > 1})
         buckets: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for m in members:
             group = make_group(store, proto.bucket_prefix(gen, m), m.index(me), len(m),

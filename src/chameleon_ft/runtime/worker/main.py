@@ -37,6 +37,7 @@ import torch.distributed as dist
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import writer_of
 from chameleon_ft.runtime.worker import groups
@@ -48,8 +49,9 @@ from chameleon_ft.runtime.worker.checkpoints import (
     wait_final,
 )
 from chameleon_ft.runtime.worker.comm import Comm, CommError
-from chameleon_ft.runtime.worker.executor import StepRun, all_reduce
+from chameleon_ft.runtime.worker.executor import StepResult, StepRun
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
+from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
 from chameleon_ft.runtime.worker.liveness import (
     EXIT_COORDINATOR_GONE,
     EXIT_ERROR,
@@ -60,11 +62,13 @@ from chameleon_ft.runtime.worker.liveness import (
     client,
     exit_now,
 )
+from chameleon_ft.runtime.worker.memory import peak_resident_bytes, reset_peak, resident_bytes
 from chameleon_ft.runtime.worker.migration import Migration
 from chameleon_ft.runtime.workload.bundle import Workload, open_workload
-from chameleon_ft.runtime.workload.models import StageModel, to_run
+from chameleon_ft.runtime.workload.models import StageModel, tied_copies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
-from chameleon_ft.runtime.workload.precision import torch_dtype
+from chameleon_ft.runtime.workload.precision import Precision
+from chameleon_ft.spec.train import ActivationCheckpointing
 
 # kept importable from here (harnesses and the profiler build groups the same way)
 make_group = groups.make_group
@@ -99,16 +103,13 @@ class Worker:
             replacement: a repaired worker rejoining a running job under a dead one's id.
             local_index: this worker's index among the workers of its host (its GPU).
         """
+        self.rss_base_bytes = resident_bytes()
+        """Resident memory once this worker is set up (before it builds its stage), the
+        peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address = host, port, address
         self._connect(secret, connect_timeout_s, local_index)
-        self.model, self.data = self.work.model(), self.work.data()
-        self.opt_factory, self.lr_schedule = self.work.optimizer(), self.work.lr_schedule()
-        digest = self.work.data_digest(self.data)
-        if digest != self.job.data_digest:
-            raise ValueError(f"data: this host's data ({digest}) differs from the "
-                             f"coordinator's ({self.job.data_digest}); give every host the "
-                             "same files")
+        self._open_workload()
         self.micro_batch = self.job.micro_batch
         self.loss_count = self.job.global_batch * self.job.targets_per_sample
         """The loss normaliser: target elements in the whole step."""
@@ -124,11 +125,30 @@ class Worker:
         """Seconds of the last optimizer step (reported with the next step's timings)."""
         self.last_commit_wait_s: float | None = None
         """Seconds from reporting "reduced" to reading the verdict, last step."""
-        self.stage = StageModel()
+        self.stage = StageModel(checkpointing=self.checkpointing)
         self.faults = Faults(self.store, self.id, incarnation)
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
+        if reset_peak():  # what training adds is measured from here
+            self.rss_base_bytes = resident_bytes()
+
+    def _open_workload(self) -> None:
+        """The model, data, optimizer and numerics of the job (the data checked against
+        the coordinator's)."""
+        self.precision = Precision.of(self.job.dtype)
+        self.dtype, self.loss_dtype = self.precision.compute, self.precision.master
+        self.checkpointing = (self.work.config.train.activation_checkpointing
+                              == ActivationCheckpointing.FULL)
+        self.model, self.data = self.work.model(), self.work.data()
+        self.copies = set(tied_copies(self.model))
+        """Runtime names of the tied copies (their originals count in the norm)."""
+        self.opt_factory, self.lr_schedule = self.work.optimizer(), self.work.lr_schedule()
+        digest = self.work.data_digest(self.data)
+        if digest != self.job.data_digest:
+            raise ValueError(f"data: this host's data ({digest}) differs from the "
+                             f"coordinator's ({self.job.data_digest}); give every host the "
+                             "same files")
 
     def _connect(self, secret: bytes, connect_timeout_s: float, local_index: int) -> None:
         """The store, the job, the bulk channel, the device and the checkpoint folder."""
@@ -142,7 +162,6 @@ class Worker:
         self.blobs = BlobClient(self.host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s,
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
-        self.dtype = torch_dtype(self.job.dtype)
         self.work: Workload = open_workload(self.job.workload, secret)
         self.backend = groups.resolve_backend(self.job.backend, self.job.device)
         self.device = groups.worker_device(self.job.device, local_index, self.backend)
@@ -160,8 +179,8 @@ class Worker:
         return x, y
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model's summed loss."""
-        out: torch.Tensor = self.model.loss(output, targets)
+        """The model's summed loss (in the master dtype under mixed precision)."""
+        out: torch.Tensor = self.model.loss(self.precision.for_loss(output), targets)
         return out
 
     def boundary_buffer(self, layer: int) -> torch.Tensor:
@@ -170,22 +189,28 @@ class Worker:
         return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
 
     def module(self, index: int) -> torch.nn.Module:
-        """Layer ``index`` with its initial parameters, in the run's dtype, on the device."""
-        module: torch.nn.Module = self.model.build_layer(index).to(self.dtype).to(self.device)
-        return module
+        """Layer ``index`` with its initial parameters, in the run's master dtype, on the
+        device."""
+        module: torch.nn.Module = self.model.build_layer(index).to(self.precision.master)
+        return module.to(self.device)
+
+    def new_layer(self, index: int) -> LayerTrainState:
+        """Layer ``index`` with its initial parameters and a fresh optimizer."""
+        return LayerTrainState.create(self.module(index), self.opt_factory, self.lr_schedule,
+                                      self.precision.compute_if_mixed)
 
     def layer_from_bytes(self, index: int, data: bytes) -> LayerTrainState:
         """Layer ``index`` with the state in ``data``."""
         try:
             return LayerTrainState.from_bytes(self.module(index), self.opt_factory, data,
-                                              self.lr_schedule)
+                                              self.lr_schedule, self.precision.compute_if_mixed)
         except ValueError as exc:
             raise RuntimeError(f"worker {self.id}: the state received for layer {index} "
                                f"does not load: {exc}") from None
 
     def _set_layers(self, layers: dict[int, LayerTrainState]) -> None:
         self.layers = layers
-        self.stage = StageModel()
+        self.stage = StageModel(checkpointing=self.checkpointing)
         for i in sorted(layers):
             self.stage.layers[str(i)] = layers[i].module
 
@@ -199,8 +224,8 @@ class Worker:
         """
         last = self.job.num_layers - 1
         x, y = self.microbatch(0, 0)
-        x, y = to_run(x, self.dtype, self.device), to_run(y, self.dtype, self.device)
-        hidden = self.module(0)(x)
+        x, y = self.precision.inputs(x, self.device), self.precision.targets(y, self.device)
+        hidden = self.module(0).to(self.dtype)(x)
         # The first backward from a non-scalar output with a given gradient (what every
         # stage but the last runs) is slow once per process, whatever the shapes.
         if hidden.requires_grad:
@@ -208,13 +233,13 @@ class Worker:
         if last > 1:  # a middle layer: a floating-point input that needs its gradient
             inp = self.boundary_buffer(1).zero_()
             inp.requires_grad_(inp.is_floating_point())
-            out = self.module(1)(inp)
+            out = self.module(1).to(self.dtype)(inp)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
         if last > 0:
             inp = self.boundary_buffer(last).zero_()
             inp.requires_grad_(inp.is_floating_point())
-            self.model.loss(self.module(last)(inp), y).backward()
+            self.loss(self.module(last).to(self.dtype)(inp), y).backward()
 
     # ------------------------------------------------------------------ the coordinator
     def _await(self, key: str, gen: int | None = None) -> bytes:
@@ -328,7 +353,7 @@ class Worker:
         try:
             self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
             comm = groups.build(self.store, generation, self.id, world, d["rounds"],
-                                backend=self.backend,
+                                extra=extra_groups(d), backend=self.backend,
                                 timeout_s=float(d["collective_timeout_s"]),
                                 address=self.address, device=self.device)
             self.faults.maybe_fire(d["step"], "recovery", gen)
@@ -376,8 +401,7 @@ class Worker:
         load = d.get("load")
         layers = dict(self.held) if self.held_steps == d["step"] else {}
         if load is not None and load["kind"] == "init":
-            layers = {i: LayerTrainState.create(self.module(i), self.opt_factory,
-                                                self.lr_schedule) for i in wanted}
+            layers = {i: self.new_layer(i) for i in wanted}
         elif load is not None and load["kind"] == "restore":
             layers = self._restore(gen, load["step"], wanted)
         migration = d.get("migration")
@@ -409,14 +433,8 @@ class Worker:
         result = StepRun(self, comm, plan, step,
                          lambda phase: self.faults.maybe_fire(step, phase, gen)
                          ).run(d["ops"].get(str(self.id), []))
-        all_reduce(comm, d["rounds"], self.layers)
-        if result.losses:
-            self.store.set(proto.loss_key(gen, step, self.id), json.dumps(result.losses))
-        held = self.stage.indices()
-        self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
-            {"layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
-             "b_s": result.backward_s, "optimizer_s": self.last_optimizer_s,
-             "commit_wait_s": self.last_commit_wait_s}))
+        reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
+        self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
         self.store.add(proto.reduced_key(gen, step), 1)
         verdict = self._await(proto.verdict_key(gen, step), gen).decode()
@@ -431,6 +449,18 @@ class Worker:
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
+
+    def _report_step(self, gen: int, step: int, result: StepResult, reduced: Reduced) -> None:
+        """The step's losses, and its timings, memory, norm share and learning rate."""
+        if result.losses:
+            self.store.set(proto.loss_key(gen, step, self.id), json.dumps(result.losses))
+        held = self.stage.indices()
+        self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
+            {"layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
+             "b_s": result.backward_s, "optimizer_s": self.last_optimizer_s,
+             "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
+             "rss_peak_bytes": peak_resident_bytes(), "grad_norm_sq": reduced.norm_squared,
+             "lr": self.layers[held[0]].lr(step) if held else None}))
 
     # ------------------------------------------------------------------ checkpoints
     def _maybe_checkpoint(self, num_steps: int, plan: ExecutionPlan, gen: int) -> None:

@@ -83,6 +83,21 @@ def check_main_guard(frame: FrameType | None) -> None:
     raise SystemExit(EXIT_USAGE)
 
 
+def _with_overrides(config: Config, **train: Any) -> Config:
+    """``config`` with the ``[train]`` keys given (not ``None``) replaced.
+
+    Raises:
+        ValueError: naming the ``train.`` field a value is wrong for.
+    """
+    overrides = {key: value for key, value in train.items() if value is not None}
+    if not overrides:
+        return config
+    try:
+        return replace(config, train=replace(config.train, **overrides))
+    except ValueError as exc:
+        raise ValueError(f"train.{exc}") from None
+
+
 def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
           optimizer: Any = None, lr_schedule: Callable[[int], float] | None = None,
           out_dir: str | Path | None = None, steps: int | None = None,
@@ -130,18 +145,7 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
 
     if not isinstance(config, Config):
         config = load_config(config)
-    overrides: dict[str, Any] = {}
-    if steps is not None:
-        overrides["steps"] = steps
-    if dtype is not None:
-        overrides["dtype"] = dtype
-    if rejoin is not None:
-        overrides["rejoin"] = rejoin
-    if overrides:
-        try:
-            config = replace(config, train=replace(config.train, **overrides))
-        except ValueError as exc:
-            raise ValueError(f"train.{exc}") from None
+    config = _with_overrides(config, steps=steps, dtype=dtype, rejoin=rejoin)
     parsed = [f if isinstance(f, Fault) else parse_fault(f) for f in faults]
     coord = Coordinator(config, model=model, data=data, optimizer=optimizer,
                         lr_schedule=lr_schedule, out_dir=out_dir, policy=policy,

@@ -23,6 +23,7 @@ False``) never moves: :meth:`LayerTrainState.step` drops any gradient it was giv
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from collections.abc import Callable, Iterable
@@ -186,6 +187,31 @@ def grad_norm_squared(params: Iterable[nn.Parameter]) -> torch.Tensor:
     return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
 
 
+def _dtype_of(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the module's first floating-point parameter (None: it has none)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return None
+
+
+def _into_master(master: nn.Parameter) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook for a compute parameter: add its gradient to
+    ``master``'s, in the master's dtype, and drop it (so micro-batches sum in the master
+    dtype)."""
+
+    def hook(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        grad = param.grad.to(master.dtype)
+        if master.grad is None:
+            master.grad = grad
+        else:
+            master.grad.add_(grad)
+        param.grad = None
+
+    return hook
+
+
 def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch.Tensor:
     """The factor every gradient is multiplied by when clipping to ``max_norm``:
     ``min(1, max_norm / (total_norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
@@ -195,35 +221,65 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 
 
 class LayerTrainState:
-    """One layer's module and its optimizer: what moves when the layer moves."""
+    """One layer's module and its optimizer: what moves when the layer moves.
+
+    Under mixed precision (``compute_dtype`` given) the layer exists twice: ``master``,
+    the module in the master dtype whose parameters the optimizer steps and whose state
+    moves and is checkpointed, and ``module``, a copy in the compute dtype that the stage
+    runs. Each compute parameter's gradient is added into its master's gradient (in the
+    master dtype) as soon as autograd has accumulated it, and dropped; after each step the
+    masters are copied into the compute copy. Without mixed precision ``module`` and
+    ``master`` are one object.
+    """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_schedule: LRScheduleFn | None = None) -> None:
+                 lr_schedule: LRScheduleFn | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         """Args:
-            module: the layer (on its device, in the run's dtype).
+            module: the layer (on its device, in the run's master dtype).
             optimizer: over exactly ``module.parameters()``, in that order.
             lr_schedule: sets every group's ``lr`` before each step; ``None`` keeps it.
+            compute_dtype: the dtype the layer computes in, when it differs from its
+                parameters' (mixed precision); ``None``: the module itself computes.
         """
-        self.module = module
+        self.master = module
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
+        self.module = module
+        """What the stage runs (the compute copy under mixed precision)."""
+        if compute_dtype is not None and compute_dtype != _dtype_of(module):
+            self.module = copy.deepcopy(module).to(compute_dtype)
+            masters = dict(module.named_parameters())
+            for name, param in self.module.named_parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        _into_master(masters[name]))
 
     @classmethod
     def create(cls, module: nn.Module, optimizer_factory: OptimizerFactory,
-               lr_schedule: LRScheduleFn | None = None) -> LayerTrainState:
+               lr_schedule: LRScheduleFn | None = None,
+               compute_dtype: torch.dtype | None = None) -> LayerTrainState:
         """A fresh state: the factory's optimizer over the module's parameters."""
-        return cls(module, optimizer_factory(module.parameters()), lr_schedule)
+        return cls(module, optimizer_factory(module.parameters()), lr_schedule, compute_dtype)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the stage runs a compute copy of the master weights."""
+        return self.module is not self.master
 
     def zero_grad(self) -> None:
         """Drop every gradient (``None``, so unused parameters stay untouched)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed:
+            self.module.zero_grad(set_to_none=True)
 
     def step(self, step_index: int) -> None:
         """Apply the accumulated gradients: set the rate of 0-based step ``step_index``
         from the schedule, then ``optimizer.step()``. Parameters without a gradient are
         left alone (torch.optim skips them); a frozen parameter's gradient (a zero one
-        filled in for an all-reduce) is dropped first, so weight decay never moves it."""
-        for param in self.module.parameters():
+        filled in for an all-reduce) is dropped first, so weight decay never moves it.
+        Under mixed precision the stepped masters are then copied into the compute copy."""
+        for param in self.master.parameters():
             if not param.requires_grad:
                 param.grad = None
         if self.lr_schedule is not None:
@@ -231,11 +287,24 @@ class LayerTrainState:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for compute, master in zip(self.module.parameters(), self.master.parameters(),
+                                           strict=True):
+                    compute.copy_(master)
+
+    def lr(self, step_index: int) -> float | None:
+        """The learning rate step ``step_index`` applies (``None`` when unknown)."""
+        if self.lr_schedule is not None:
+            return float(self.lr_schedule(step_index))
+        groups = self.optimizer.param_groups
+        value = groups[0].get("lr") if groups else None
+        return float(value) if isinstance(value, int | float) else None
 
     def state_tree(self) -> dict[str, Any]:
-        """What :meth:`to_bytes` packs: the module's and the optimizer's ``state_dict``
-        (their tensors are the live ones: copy them to keep a snapshot)."""
-        return {"format": _STATE_FORMAT, "module": self.module.state_dict(),
+        """What :meth:`to_bytes` packs: the master weights' and the optimizer's
+        ``state_dict`` (their tensors are the live ones: copy them to keep a snapshot)."""
+        return {"format": _STATE_FORMAT, "module": self.master.state_dict(),
                 "optimizer": self.optimizer.state_dict()}
 
     def to_bytes(self) -> bytes:
@@ -246,7 +315,8 @@ class LayerTrainState:
 
     @classmethod
     def from_bytes(cls, module: nn.Module, optimizer_factory: OptimizerFactory, data: bytes,
-                   lr_schedule: LRScheduleFn | None = None) -> LayerTrainState:
+                   lr_schedule: LRScheduleFn | None = None,
+                   compute_dtype: torch.dtype | None = None) -> LayerTrainState:
         """Rebuild a state from :meth:`to_bytes` output.
 
         Args:
@@ -255,6 +325,7 @@ class LayerTrainState:
             optimizer_factory: the same factory that built the sender's optimizer.
             data: the bytes.
             lr_schedule: as for :meth:`create`.
+            compute_dtype: as for :meth:`create` (the bytes hold the master weights).
 
         Raises:
             ValueError: for bytes that do not hold this layer's state.
@@ -271,6 +342,6 @@ class LayerTrainState:
         except RuntimeError as exc:
             raise ValueError(f"layer state: does not match the layer: "
                              f"{str(exc).splitlines()[-1].strip()}") from None
-        state = cls.create(module, optimizer_factory, lr_schedule)
+        state = cls.create(module, optimizer_factory, lr_schedule, compute_dtype)
         state.optimizer.load_state_dict(blob["optimizer"])
         return state

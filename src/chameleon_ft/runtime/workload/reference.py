@@ -10,13 +10,16 @@ tied pair is one parameter (the Sequential shares the original with the layer th
 the copy), so it gets the sum of both uses' gradients and counts once in the gradient
 norm; ``[optimizer] clip_grad_norm`` clips with ``torch.nn.utils.clip_grad_norm_`` over
 the whole model before each step; parameters built with ``requires_grad = False`` never
-get a gradient and never move. It returns the final parameters by the runtime's names
+get a gradient and never move. ``[train] dtype = "bfloat16"`` trains the plain mixed
+precision recipe (the whole model computing in bf16 from fp32 master weights that one
+fp32 optimizer steps). It returns the final parameters by the runtime's names
 (``layers.{i}.<name>``, tied copies left out), so they compare name by name with a run
 under any plan, failures and recoveries included.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,14 +36,13 @@ from chameleon_ft.runtime.workload.models import (
     split_param_name,
     tied_copies,
     tied_parameters,
-    to_run,
 )
 from chameleon_ft.runtime.workload.optim import (
     OptimizerFactory,
     optimizer_from_config,
     schedule_from_config,
 )
-from chameleon_ft.runtime.workload.precision import torch_dtype
+from chameleon_ft.runtime.workload.precision import Precision, dtype_name
 from chameleon_ft.spec.config import Config
 
 
@@ -60,11 +62,14 @@ class ReferenceRun:
 class _WholeModel:
     """The whole model as one module, with the map from its names to the runtime's."""
 
-    def __init__(self, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
-                 to_runtime: dict[str, str]) -> None:
+    def __init__(self, module: nn.Module,
+                 forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                 to_runtime: dict[str, str], is_hf: bool) -> None:
         self.module = module
         self.forward = forward
+        """``(module, inputs) -> output``: the module may be a compute copy of ``module``."""
         self.to_runtime = to_runtime
+        self.is_hf = is_hf
 
 
 def _is_hf(model: LayeredModel) -> bool:
@@ -99,12 +104,17 @@ def _hf_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
     whole.config.use_cache = False
     for name, p in whole.named_parameters():  # frozen where the layer is frozen
         p.requires_grad_(layers[split_param_name(to_runtime[name])].requires_grad)
+    return _WholeModel(whole, _hf_forward, to_runtime, is_hf=True)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = whole(input_ids=x, use_cache=False).logits
-        return logits
 
-    return _WholeModel(whole, forward, to_runtime)
+def _hf_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits: torch.Tensor = module(input_ids=x, use_cache=False).logits
+    return logits
+
+
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = module(x)
+    return out
 
 
 def _sequential_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
@@ -118,7 +128,7 @@ def _sequential_whole(model: LayeredModel, dtype: torch.dtype) -> _WholeModel:
         index, _, name = full.partition(".")
         runtime = param_name(int(index), name)
         to_runtime[full] = copies.get(runtime, runtime)
-    return _WholeModel(whole, whole, to_runtime)
+    return _WholeModel(whole, _call, to_runtime, is_hf=False)
 
 
 def train_reference(config: Config, *, model: LayeredModel | None = None,
@@ -139,12 +149,16 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
         lr_schedule: rate of each 0-based step (default: ``[optimizer]``'s schedule, or
             none when ``optimizer`` is given).
         steps: steps to train (default ``[train] steps``).
-        dtype: parameter dtype (default ``[train] dtype``).
+        dtype: the dtype (default ``[train] dtype``); ``torch.bfloat16`` trains as the
+            runtime's mixed precision does, plainly: the whole model computes in bf16 from
+            fp32 master weights that the optimizer steps (gradients cast to fp32, clipped
+            there), the loss in fp32 from the bf16 logits.
         clip_grad_norm: clip by global norm (default ``[optimizer] clip_grad_norm``; 0:
             never).
 
     Returns:
-        The final parameters by runtime name, every step's mean loss and gradient norm.
+        The final parameters by runtime name (the masters under mixed precision), every
+        step's mean loss and gradient norm.
     """
     model = load_model(config) if model is None else model
     data = load_data(config) if data is None else data
@@ -152,35 +166,62 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
         optimizer = optimizer_from_config(config)
         if lr_schedule is None:
             lr_schedule = schedule_from_config(config)
-    dtype = torch_dtype(config.train.dtype) if dtype is None else dtype
-    steps = config.train.steps if steps is None else steps
+    precision = Precision.of(config.train.dtype if dtype is None else dtype_name(dtype))
     clip = config.optimizer.clip_grad_norm if clip_grad_norm is None else clip_grad_norm
-    is_hf = _is_hf(model)
-    whole = _hf_whole(model, dtype) if is_hf else _sequential_whole(model, dtype)
-    params = list(whole.module.parameters())  # a tied pair once
-    opt = optimizer(params)
+    whole = (_hf_whole if _is_hf(model) else _sequential_whole)(model, precision.master)
+    trainer = _Plain(model, whole, optimizer, lr_schedule, precision, clip)
     run = ReferenceRun(params={})
     batch = config.job.global_batch
-    for step in range(steps):
+    for step in range(config.train.steps if steps is None else steps):
         x, y = data.microbatch(step, 0, batch)
-        x, y = to_run(x, dtype, "cpu"), to_run(y, dtype, "cpu")
-        out = whole.forward(x)
-        if is_hf:  # the ordinary Hugging Face loss: mean token cross-entropy
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        else:
-            loss = model.loss(out, y) / y.numel()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if lr_schedule is not None:
-            for group in opt.param_groups:
-                group["lr"] = float(lr_schedule(step))
-        opt.step()
-        run.losses.append(float(loss.detach()))
-        run.grad_norms.append(float(norm))
+        loss, norm = trainer.step(step, precision.inputs(x, "cpu"), precision.targets(y, "cpu"))
+        run.losses.append(loss)
+        run.grad_norms.append(norm)
     run.params = {whole.to_runtime[name]: p.detach().cpu().clone()
                   for name, p in whole.module.named_parameters()}
     return run
+
+
+class _Plain:
+    """One optimizer over the whole model (and its bf16 compute copy under mixed
+    precision), stepped on the whole global batch."""
+
+    def __init__(self, model: LayeredModel, whole: _WholeModel, optimizer: OptimizerFactory,
+                 lr_schedule: Callable[[int], float] | None, precision: Precision,
+                 clip: float) -> None:
+        self.model, self.whole, self.precision, self.clip = model, whole, precision, clip
+        self.lr_schedule = lr_schedule
+        self.params = list(whole.module.parameters())  # a tied pair once
+        self.opt = optimizer(self.params)
+        self.compute = whole.module
+        if precision.mixed:
+            self.compute = copy.deepcopy(whole.module).to(precision.compute)
+        self.pairs = list(zip(self.compute.parameters(), self.params, strict=True))
+
+    def step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """Train one step on ``(x, y)``; return its mean loss and gradient norm."""
+        out = self.precision.for_loss(self.whole.forward(self.compute, x))
+        if self.whole.is_hf:  # the ordinary Hugging Face loss: mean token cross-entropy
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        else:
+            loss = self.model.loss(out, y) / y.numel()
+        self.opt.zero_grad(set_to_none=True)
+        self.compute.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.precision.mixed:  # the bf16 gradients onto the fp32 masters
+            for compute, master in self.pairs:
+                master.grad = None if compute.grad is None else compute.grad.to(master.dtype)
+        params = self.params
+        if self.clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if self.lr_schedule is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = float(self.lr_schedule(step))
+        self.opt.step()
+        if self.precision.mixed:
+            with torch.no_grad():
+                for compute, master in self.pairs:
+                    compute.copy_(master)
+        return float(loss.detach()), float(norm)

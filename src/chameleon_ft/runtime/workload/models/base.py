@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @runtime_checkable
@@ -164,11 +165,17 @@ def check_tied_parameters(model: Any) -> None:
 
 
 class StageModel(nn.Module):
-    """The layers one worker holds, run in order; names are ``layers.{i}.<param>``."""
+    """The layers one worker holds, run in order; names are ``layers.{i}.<param>``.
 
-    def __init__(self) -> None:
+    With ``checkpointing`` (``[train] activation_checkpointing = "full"``) each layer keeps
+    only its input for the backward and runs its forward again there
+    (``torch.utils.checkpoint``, non-reentrant): the same gradients, less memory.
+    """
+
+    def __init__(self, checkpointing: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
+        self.checkpointing = checkpointing
 
     def indices(self) -> list[int]:
         """Held layer indices, ascending."""
@@ -177,8 +184,10 @@ class StageModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the held layers in order: the model's inputs or the previous stage's output
         in, the next stage's input or the loss's input out."""
+        recompute = self.checkpointing and torch.is_grad_enabled()
         for i in self.indices():
-            x = self.layers[str(i)](x)
+            layer = self.layers[str(i)]
+            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         return x
 
 
