@@ -269,7 +269,8 @@ def _allocated(templates: Templates, lengths: tuple[int, ...],
     key = ("allocate", lengths, num_microbatches)
     found = templates.memo.get(key)
     if found is None:
-        step_s, counts = allocate(list(lengths), num_microbatches, templates.length_step_s)
+        step_s, counts = allocate(list(lengths), num_microbatches, templates.length_step_s,
+                                  known=templates.priced_steps)
         found = templates.memo[key] = (step_s, tuple(counts))
     return found[0], list(found[1])
 
