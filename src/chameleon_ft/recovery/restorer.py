@@ -18,9 +18,6 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-from scipy.optimize import linear_sum_assignment
-
 from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
@@ -95,6 +92,12 @@ def match_workers(held: list[set[int]], wanted: list[set[int]],
             rest_cols.append(j)
     moved = 0.0
     if rest_cols:
+        # Imported here: numpy and scipy.optimize take about as long to load as a cold
+        # decision on 2,048 workers takes, and a decision whose survivors keep their
+        # stages (most single failures of a large job) never needs them.
+        import numpy as np
+        from scipy.optimize import linear_sum_assignment
+
         rest_rows = sorted(i for pool in free_by_set.values() for i in pool)
         sizes = np.asarray(layer_bytes, dtype=float)
         have = np.zeros((len(rest_rows), num_layers))
