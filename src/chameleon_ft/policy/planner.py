@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chameleon_ft.perf import Estimate, Topology, estimator_for
-from chameleon_ft.perf.gcpause import gc_paused, with_gc_paused
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score
@@ -186,8 +185,7 @@ class Planner:
         self._cache: OrderedDict[_CacheKey, _Entry] = OrderedDict()
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         start = time.perf_counter()
-        with gc_paused():
-            self._warm_templates()
+        self._warm_templates()
         self.setup_s = time.perf_counter() - start
         """Seconds spent building the pipeline templates (once per job)."""
 
@@ -350,7 +348,7 @@ class Planner:
             raw, hit, search_s = self._lookup_exact(
                 key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
             stored = self._cache[key].plan
-            return _Found(raw, hit, search_s, lambda c: form.answer(c, plan, stored))
+            return _Found(raw, hit, search_s, form.answerer(plan, stored))
         renaming = (canonical_renaming(plan, marked, alive, self._topology)
                     if kind == "fail" else None)
         if not renaming:  # not symmetric, or already canonical
@@ -442,9 +440,8 @@ class Planner:
             if not alive:
                 continue
             # Equivalent failures of a symmetric plan share one cache entry.
-            with gc_paused():
-                found = self._lookup("fail", self._state(plan, alive, None), failed,
-                                     self._failure_strategies())
+            found = self._lookup("fail", self._state(plan, alive, None), failed,
+                                 self._failure_strategies())
             added += 0 if found.hit else 1
         return time.perf_counter() - start
 
@@ -461,7 +458,6 @@ class Planner:
         return mean_horizon_s(self._worker_rate_per_s(now_s), num_live,
                               self.config.policy.repair_hours)
 
-    @with_gc_paused
     def decide(self, plan: ExecutionPlan, failed: Iterable[int], *,
                alive: Iterable[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
@@ -541,7 +537,6 @@ class Planner:
                             num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
                             cache_hit=found.hit, back=back)
 
-    @with_gc_paused
     def decide_rejoin(self, plan: ExecutionPlan, returned: Iterable[int], *,
                       alive: Iterable[int] | None = None, now_s: float = 0.0,
                       horizon_s: float | None = None, policy: str | None = None,
