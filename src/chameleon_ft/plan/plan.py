@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -437,6 +437,28 @@ def even_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi
     return out
+
+
+def sharing_stages(plan: ExecutionPlan, source: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with each pipeline whose stages equal a pipeline's of ``source`` holding
+    that pipeline's very stage tuple (the same plan, shared objects).
+
+    A decision renamed back from the planner's canonical form renames a pipeline whose
+    stage tuple it knows without building its stages again: a dynamic plan that keeps
+    most pipelines of the plan it replaces (thousands of stages on 2,048 workers) then
+    costs a warm decision little more than the pipelines it changes.
+    """
+    known = {pipe.stages: pipe.stages for pipe in source.pipelines}
+    pipelines = []
+    changed = False
+    for pipe in plan.pipelines:
+        stages = known.get(pipe.stages)
+        if stages is None or stages is pipe.stages:
+            pipelines.append(pipe)
+        else:
+            pipelines.append(Pipeline(stages, pipe.num_microbatches))
+            changed = True
+    return replace(plan, pipelines=tuple(pipelines)) if changed else plan
 
 
 def workers_of(plans: Iterable[ExecutionPlan]) -> set[int]:

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.plan import sharing_stages
 from chameleon_ft.recovery.restorer import (
     assign_workers,
     fatal_nodes,
@@ -458,6 +459,7 @@ def search(state: RecoveryState) -> SearchResult | None:
     if best is None:
         return None
     _, _, new_plan, est, lengths_of_plan = best
+    new_plan = sharing_stages(new_plan, state.plan)
     migration = schedule_migration(new_plan, held, state.profile, state.topology,
                                    max_parts=state.config.recovery.migration_max_parts)
     return SearchResult(plan=new_plan, estimate=est, migration=migration,

@@ -156,12 +156,13 @@ def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
     node_of = topology.node_of
     dead = plan.reroute_map
     by_range: dict[tuple[int, int], int] = {}
+    get = by_range.get
     for p, pipe in enumerate(plan.pipelines):
         for s, st in enumerate(pipe.stages):
             if dead and (p, s) in dead:
                 continue
             key = (st.first_layer, st.end_layer)
-            seen = by_range.get(key)
+            seen = get(key)
             if seen is None:
                 by_range[key] = node_of(st.worker)
             elif seen >= 0 and seen != node_of(st.worker):
