@@ -5,21 +5,18 @@ An estimate of a rerouted stage of the 16k job builds about 70,000 small lists a
 generations' collections walk every object the process keeps, the planner's caches of
 plans and timelines included: more than half of that estimate's time, and a third of a
 cold decision's. Reference counting frees what the planning core drops (it makes no
-reference cycles of its own), so pausing the cyclic collector around a decision or an
-estimate changes nothing but the time; anything cyclic is collected once it resumes.
+reference cycles of its own), so pausing the cyclic collector around an estimate changes
+nothing but the time; anything cyclic is collected once it resumes. (Around a whole
+decision it does not pay: the collection of what the decision keeps only moves to its
+end.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import threading
-from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
-
-P = ParamSpec("P")
-R = TypeVar("R")
+from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0
@@ -30,8 +27,8 @@ _paused = False
 def gc_paused() -> Iterator[None]:
     """Run the block with the cyclic collector off.
 
-    Nested and concurrent blocks (a background precompute next to a decision) share one
-    pause: the collector comes back, if it was on, when the last of them ends.
+    Nested and concurrent blocks (a background precompute next to a decision's estimates)
+    share one pause: the collector comes back, if it was on, when the last of them ends.
     """
     global _depth, _paused
     with _lock:
@@ -50,15 +47,4 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def with_gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` run inside :func:`gc_paused`."""
-
-    @functools.wraps(fn)
-    def paused(*args: P.args, **kwargs: P.kwargs) -> R:
-        with gc_paused():
-            return fn(*args, **kwargs)
-
-    return paused
-
-
-__all__ = ["gc_paused", "with_gc_paused"]
+__all__ = ["gc_paused"]
