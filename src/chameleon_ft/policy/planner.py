@@ -21,6 +21,7 @@ re-scores (the dynamic search time then counts as hidden, 0 s).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -148,6 +149,55 @@ class _Entry:
     candidates: dict[Strategy, Candidate] = field(default_factory=dict)
 
 
+class DecisionCache:
+    """Decisions' candidates by event, the least recently used dropped first.
+
+    Safe to share between planners of one job on different threads (a background
+    precompute and the decisions, ``prepared.py``): a look-up or an insert holds the lock
+    for one dictionary operation, never while anything is priced. Entries only ever gain
+    candidates, each an immutable value, so a reader sees an entry whole or without a
+    strategy another thread is adding (it then prices that one itself).
+
+    Args:
+        size: entries kept. An entry holds a few whole plans with their estimates: about
+            4 MB on 2,048 workers, a few kB on 32.
+
+    Raises:
+        ValueError: for a size below 1.
+    """
+
+    def __init__(self, size: int = 512) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"cache_size: must be an integer >= 1, got {size!r}")
+        self.size = size
+        self._entries: OrderedDict[_CacheKey, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: _CacheKey) -> _Entry | None:
+        """The entry of ``key`` (now the most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: _CacheKey, entry: _Entry) -> None:
+        """Keep ``entry`` for ``key`` as the most recently used."""
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class Planner:
     """Recovery planning for one job.
 
@@ -155,19 +205,19 @@ class Planner:
         config: the job.
         profile: per-layer costs; default: built from the config.
         policy: overrides ``config.policy.name``.
-        cache_size: decisions' candidates kept (least recently used dropped first). An
-            entry holds a few whole plans with their estimates: about 4 MB on 2,048
-            workers, a few kB on 32.
+        cache_size: decisions' candidates kept (least recently used dropped first; see
+            :class:`DecisionCache`).
+        cache: a decision cache shared with other planners of the same job (then
+            ``cache_size`` is its size).
 
     Raises:
         ValueError: for an unknown policy or a job that does not fit.
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
-                 policy: str | None = None, cache_size: int = 512) -> None:
-        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
-            raise ValueError(f"cache_size: must be an integer >= 1, got {cache_size!r}")
-        self.cache_size = cache_size
+                 policy: str | None = None, cache_size: int = 512,
+                 cache: DecisionCache | None = None) -> None:
+        self._cache = cache if cache is not None else DecisionCache(cache_size)
         self.config = config
         self._profile = profile if profile is not None else build_profile(config)
         self._topology = Topology.from_config(config)
@@ -182,7 +232,6 @@ class Planner:
             workers_per_node=self._topology.workers_per_node,
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
-        self._cache: OrderedDict[_CacheKey, _Entry] = OrderedDict()
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         start = time.perf_counter()
         self._warm_templates()
@@ -212,6 +261,16 @@ class Planner:
                     self.templates.length_step_s(length, m)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def cache_size(self) -> int:
+        """Decisions' candidates kept."""
+        return self._cache.size
+
+    @property
+    def cache(self) -> DecisionCache:
+        """The decision cache (shareable with another planner of this job)."""
+        return self._cache
+
     @property
     def initial_plan(self) -> ExecutionPlan:
         """The failure-free plan of the job."""
@@ -345,19 +404,18 @@ class Planner:
             canon_alive = form.rename(alive)
             canon_marked = form.rename(marked)
             key = (form.plan, canon_marked, canon_alive, kind)
-            raw, hit, search_s = self._lookup_exact(
+            raw, hit, search_s, stored = self._lookup_exact(
                 key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
-            stored = self._cache[key].plan
             return _Found(raw, hit, search_s, form.answerer(plan, stored))
         renaming = (canonical_renaming(plan, marked, alive, self._topology)
                     if kind == "fail" else None)
         if not renaming:  # not symmetric, or already canonical
-            raw, hit, search_s = self._lookup_exact((plan, marked, alive, kind), state, marked,
-                                                    wanted)
+            raw, hit, search_s, _ = self._lookup_exact((plan, marked, alive, kind), state,
+                                                       marked, wanted)
             return _Found(raw, hit, search_s, None)
         canon_marked = frozenset(renaming.get(w, w) for w in marked)
         canon_alive = frozenset(renaming.get(w, w) for w in alive)
-        raw, hit, search_s = self._lookup_exact(
+        raw, hit, search_s, _ = self._lookup_exact(
             (plan, canon_marked, canon_alive, kind), replace(state, alive=canon_alive),
             canon_marked, wanted)
         back = {v: k for k, v in renaming.items()}
@@ -365,7 +423,9 @@ class Planner:
 
     def _lookup_exact(self, key: _CacheKey, state: RecoveryState, marked: frozenset[int],
                       wanted: tuple[Strategy, ...]
-                      ) -> tuple[tuple[Candidate, ...], bool, float]:
+                      ) -> tuple[tuple[Candidate, ...], bool, float, ExecutionPlan]:
+        """The ``wanted`` candidates of ``key`` (priced now when missing), whether all came
+        from the cache, the seconds spent, and the plan they were computed from."""
         start = time.perf_counter()
         entry = self._cache.get(key)
         if entry is None:
@@ -382,22 +442,27 @@ class Planner:
             else:
                 found[strategy] = self._build(key[3], strategy, state, marked)
                 out.append(found[strategy])
-        self._store(key, entry)
-        return tuple(out), not missing, time.perf_counter() - start
-
-    def _store(self, key: _CacheKey, value: _Entry) -> None:
-        self._cache[key] = value
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        self._cache.put(key, entry)
+        return tuple(out), not missing, time.perf_counter() - start, entry.plan
 
     def clear_cache(self) -> None:
         """Forget every cached decision (the pipeline templates stay)."""
         self._cache.clear()
 
+    def likely_failures(self, plan: ExecutionPlan) -> list[frozenset[int]]:
+        """The failures :meth:`precompute` prepares by default: every single worker of
+        ``plan``, then every node's workers (nodes with more than one)."""
+        sets = [frozenset({w}) for w in plan.workers]
+        by_node: dict[int, set[int]] = {}
+        for w in plan.workers:
+            by_node.setdefault(self._topology.node_of(w), set()).add(w)
+        sets.extend(frozenset(ws) for ws in by_node.values() if len(ws) > 1)
+        return sets
+
     def precompute(self, plan: ExecutionPlan, *,
                    failures: Iterable[Iterable[int]] | None = None,
-                   budget_s: float | None = None) -> float:
+                   budget_s: float | None = None,
+                   stop: Callable[[], bool] | None = None) -> float:
         """Fill the cache for likely failures of ``plan`` while training is healthy.
 
         Every failure set costs one cold search (tens of milliseconds on 32 workers, a few
@@ -411,6 +476,8 @@ class Planner:
             failures: failure sets to prepare; default: every single live worker and every
                 node's live workers.
             budget_s: stop starting new searches after this many seconds.
+            stop: asked once before each failure set (after the budget): True stops
+                (a real failure wants the machine, ``prepared.py``).
 
         Returns:
             Seconds spent.
@@ -422,11 +489,7 @@ class Planner:
             raise ValueError(f"budget_s: must be >= 0, got {budget_s}")
         start = time.perf_counter()
         if failures is None:
-            sets = [frozenset({w}) for w in plan.workers]
-            by_node: dict[int, set[int]] = {}
-            for w in plan.workers:
-                by_node.setdefault(self._topology.node_of(w), set()).add(w)
-            sets.extend(frozenset(ws) for ws in by_node.values() if len(ws) > 1)
+            sets = self.likely_failures(plan)
         else:
             sets = [self._workers("failures", ws) for ws in failures]
         base_alive = frozenset(plan.workers)
@@ -435,6 +498,8 @@ class Planner:
             if budget_s is not None and time.perf_counter() - start >= budget_s:
                 break
             if added >= self.cache_size:
+                break
+            if stop is not None and stop():
                 break
             alive = base_alive - failed
             if not alive:
@@ -780,4 +845,4 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-__all__ = ["Decision", "Planner", "infeasible"]
+__all__ = ["Decision", "DecisionCache", "Planner", "infeasible"]
