@@ -150,33 +150,8 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
 
 def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
     """Nodes whose loss leaves some layer of ``plan`` without a live replica (the single
-    node holding every replica of a layer)."""
-    # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
-    # ranges, so this stays cheap on thousands of workers and on freshly renamed plans).
-    node_of = topology.node_of
-    dead = plan.reroute_map
-    by_range: dict[tuple[int, int], int] = {}
-    get = by_range.get
-    for p, pipe in enumerate(plan.pipelines):
-        for s, st in enumerate(pipe.stages):
-            if dead and (p, s) in dead:
-                continue
-            key = (st.first_layer, st.end_layer)
-            seen = get(key)
-            if seen is None:
-                by_range[key] = node_of(st.worker)
-            elif seen >= 0 and seen != node_of(st.worker):
-                by_range[key] = -1
-    if all(node < 0 for node in by_range.values()):
-        return frozenset()  # every range spans two nodes: nothing can be fatal
-    out = set()
-    for layer in range(plan.num_layers):
-        nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
-        if len(nodes) == 1:
-            (node,) = nodes
-            if node >= 0:
-                out.add(node)
-    return frozenset(out)
+    node holding every replica of a layer; :meth:`ExecutionPlan.fatal_nodes`)."""
+    return plan.fatal_nodes(topology.workers_per_node)
 
 
 def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
