@@ -135,6 +135,7 @@ def test_a_newer_plan_replaces_the_preparation(
         prepared.prepare(first)
         assert started.wait(30)
         prepared.prepare(second, failures=[[w] for w in second.workers[:3]])
+        assert (prepared.status().plan, prepared.status().state) == (second, "preparing")
         release.set()
         assert prepared.wait(60)
         status = prepared.status()
@@ -166,3 +167,14 @@ def test_close_stops_the_thread_and_refuses_more_work(config: Config) -> None:
 def test_a_negative_budget_is_refused(config: Config) -> None:
     with pytest.raises(ValueError, match="budget_s"):
         PreparedPlanner(Planner(config), budget_s=-1.0)
+
+
+def test_likely_failures_meet_every_stage_first(config: Config) -> None:
+    """Pipeline by pipeline: a budget that runs out after ``pp`` failure sets has met every
+    stage (and failures of one stage of identical pipelines share their answer)."""
+    planner = Planner(config)
+    plan = planner.initial_plan
+    sets = planner.likely_failures(plan)
+    assert len(sets) == len(set(sets)) == len(plan.workers) + config.cluster.num_nodes
+    first = [plan.stage_of_worker[w] for ws in sets[:config.job.pp] for w in ws]
+    assert sorted(s for _, s in first) == list(range(config.job.pp))

@@ -451,8 +451,15 @@ class Planner:
 
     def likely_failures(self, plan: ExecutionPlan) -> list[frozenset[int]]:
         """The failures :meth:`precompute` prepares by default: every single worker of
-        ``plan``, then every node's workers (nodes with more than one)."""
-        sets = [frozenset({w}) for w in plan.workers]
+        ``plan``, pipeline by pipeline and stage by stage, then every node's workers (nodes
+        with more than one).
+
+        Failures of the same stage of identical pipelines share one answer (the symmetric
+        cache), and the first pipeline meets every stage: a budget that runs out still
+        leaves most failures prepared (by worker id, the 16k job's first 128 failures are
+        all of stage 0).
+        """
+        sets = [frozenset({w}) for w in plan.stage_of_worker]
         by_node: dict[int, set[int]] = {}
         for w in plan.workers:
             by_node.setdefault(self._topology.node_of(w), set()).add(w)

@@ -128,6 +128,7 @@ class PreparedPlanner:
                 raise RuntimeError("prepare: the planner is closed")
             self._stop_locked()
             self._pending = _Request(plan, sets, threading.Event())
+            self._status = PrepareStatus("preparing", plan, 0, 0, 0.0)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="chameleon-prepare")
@@ -140,7 +141,9 @@ class PreparedPlanner:
             self._stop_locked()
 
     def _stop_locked(self) -> None:
-        self._pending = None
+        if self._pending is not None:
+            self._status = PrepareStatus("cancelled", self._pending.plan, 0, 0, 0.0)
+            self._pending = None
         if self._current is not None:
             self._current.cancel.set()
 
@@ -194,7 +197,8 @@ class PreparedPlanner:
                                        error=f"{type(exc).__name__}: {exc}")
             with self._lock:
                 self._current = None
-                self._status = status
+                if self._pending is None:  # else a newer plan's status stands
+                    self._status = status
                 self._lock.notify_all()
 
     def _prepare(self, preparer: Planner, request: _Request) -> PrepareStatus:
