@@ -18,8 +18,9 @@ process; p99 is the nearest rank (of 50 failures, the largest):
   renaming the answer), every candidate named (as ``chameleon plan`` prints them), and only
   the chosen one (``detail=False``: the others keep their prices).
 - prepare: ``PreparedPlanner`` preparing every single-worker and single-node failure of
-  the job in the background, and a decision arriving in the middle of it (the last
-  worker's failure, not prepared yet): it stops the preparation and decides cold.
+  the job in the background within the job's ``[policy] precompute_budget_s`` (60 s), and
+  a decision arriving in the middle of a second preparation (the last worker's failure,
+  not prepared yet): it stops the preparation and decides cold.
 - command: the whole ``chameleon plan --config JOB --fail 17`` in a fresh process (import,
   setup, decision, printing), and the search time it reports.
 
@@ -110,7 +111,7 @@ def prepare(config: Any, planner: Planner) -> dict[str, Any]:
     arrives in the middle of a second one."""
     plan = planner.initial_plan
     planner.clear_cache()
-    prepared = PreparedPlanner(planner, budget_s=600.0)
+    prepared = PreparedPlanner(planner)  # the job's [policy] precompute_budget_s
     try:
         prepared.prepare(plan)
         assert prepared.wait(900)
