@@ -40,7 +40,7 @@ from chameleon_ft.policy.symmetry import (
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
-from chameleon_ft.recovery.restorer import copy_in, fatal_nodes
+from chameleon_ft.recovery.restorer import copy_in, fatal_nodes, load_matching
 from chameleon_ft.recovery.templates import Templates
 from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
 from chameleon_ft.recovery.types import (
@@ -234,9 +234,12 @@ class Planner:
             num_microbatches=self._initial_plan.num_microbatches)
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         start = time.perf_counter()
+        if not self._topology.placement_free:
+            load_matching()  # the Hungarian matching's libraries, once per job
         self._warm_templates()
         self.setup_s = time.perf_counter() - start
-        """Seconds spent building the pipeline templates (once per job)."""
+        """Seconds spent building the pipeline templates (once per job), and loading the
+        matching's libraries where placement matters."""
 
     def _warm_templates(self) -> None:
         """Time every template at the micro-batch counts a single-worker or single-node

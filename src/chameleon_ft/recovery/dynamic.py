@@ -405,8 +405,7 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
     same, so the Hungarian matching runs only for the shapes that win.
     """
     topology = state.topology
-    placement_free = (topology.workers_per_node == 1 or topology.cluster.num_nodes == 1
-                      or topology.cluster.ideal_network)
+    placement_free = topology.placement_free
     best: _Best | None = None
     unmatched: list[tuple[float, ExecutionPlan, tuple[int, ...]]] = []
     for split in priced:

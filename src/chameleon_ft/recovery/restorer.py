@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
@@ -47,6 +48,20 @@ class Matching:
 def _missing_bytes(have: Collection[int], want: Collection[int],
                    layer_bytes: Sequence[float]) -> float:
     return float(sum(layer_bytes[layer] for layer in want if layer not in have))
+
+
+def load_matching() -> tuple[Any, Any]:
+    """``numpy`` and ``scipy.optimize.linear_sum_assignment``, imported on first use.
+
+    They take about as long to load as a cold decision on 2,048 workers takes, and a
+    decision whose survivors keep their stages (most single failures of a large job) never
+    needs them; a job where placement matters loads them with its planner
+    (``Planner.__init__``), so that no decision pays for it.
+    """
+    import numpy
+    from scipy.optimize import linear_sum_assignment
+
+    return numpy, linear_sum_assignment
 
 
 def match_workers(held: list[set[int]], wanted: list[set[int]],
@@ -92,12 +107,7 @@ def match_workers(held: list[set[int]], wanted: list[set[int]],
             rest_cols.append(j)
     moved = 0.0
     if rest_cols:
-        # Imported here: numpy and scipy.optimize take about as long to load as a cold
-        # decision on 2,048 workers takes, and a decision whose survivors keep their
-        # stages (most single failures of a large job) never needs them.
-        import numpy as np
-        from scipy.optimize import linear_sum_assignment
-
+        np, linear_sum_assignment = load_matching()
         rest_rows = sorted(i for pool in free_by_set.values() for i in pool)
         sizes = np.asarray(layer_bytes, dtype=float)
         have = np.zeros((len(rest_rows), num_layers))
