@@ -15,7 +15,9 @@ one with the policy:
 
 Expedient search: ``precompute(plan)`` fills the cache for every single-worker and
 single-node failure while training is healthy; a decision that hits the cache only
-re-scores (the dynamic search time then counts as hidden, 0 s).
+re-scores (the dynamic search time then counts as hidden, 0 s). ``prepared.py`` runs it in
+the background, within a budget, with a second planner sharing the cache
+(:class:`DecisionCache`), so that a decision never waits for it.
 """
 
 from __future__ import annotations
