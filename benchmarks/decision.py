@@ -10,6 +10,9 @@ single workers evenly spread over the job, at least 50 (paper32 has only 36 dist
 single-worker and single-node failures: each is decided twice). Wall-clock seconds, one
 process; p99 is the nearest rank (of 50 failures, the largest):
 
+Next to the wall-clock medians of cold and warm decisions, their CPU medians (what a quiet
+machine's wall clock would be).
+
 - setup: building the Planner (profile, failure-free estimate, pipeline templates timed at
   the micro-batch counts single failures ask for); once per job.
 - cold: ``decide`` with the decision cache cleared before each failure (the templates and
@@ -74,9 +77,12 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
+def timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> tuple[float, Any]:
+    """Wall seconds of ``fn()`` and its result; its CPU seconds appended to ``cpu``."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     out = fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - start_cpu)
     return time.perf_counter() - start, out
 
 
@@ -86,17 +92,22 @@ def bench(name: str, count: int) -> dict[str, Any]:
     setup_s, planner = timed(lambda: Planner(config))
     plan = planner.initial_plan
     sets = failure_sets(planner, count)
-    cold = []
+    cold: list[float] = []
+    cold_cpu: list[float] = []
     for failed in sets:
         planner.clear_cache()
-        seconds, decision = timed(lambda failed=failed: planner.decide(plan, failed))
+        seconds, decision = timed(lambda failed=failed: planner.decide(plan, failed),
+                                  cold_cpu)
         assert not decision.cache_hit
         cold.append(seconds)
     planner.clear_cache()
     precompute_s, _ = timed(lambda: planner.precompute(plan, failures=sets))
-    warm, lean = [], []
+    warm: list[float] = []
+    warm_cpu: list[float] = []
+    lean: list[float] = []
     for failed in sets:
-        seconds, decision = timed(lambda failed=failed: planner.decide(plan, failed))
+        seconds, decision = timed(lambda failed=failed: planner.decide(plan, failed),
+                                  warm_cpu)
         assert decision.cache_hit
         warm.append(seconds)
         seconds, decision = timed(lambda failed=failed: planner.decide(plan, failed,
@@ -106,6 +117,7 @@ def bench(name: str, count: int) -> dict[str, Any]:
     return {"workers": len(plan.workers), "failures": len(sets),
             "distinct": len({tuple(s) for s in sets}), "setup_s": setup_s,
             "cold": cold, "warm": warm, "lean": lean, "precompute_s": precompute_s,
+            "cold_cpu": cold_cpu, "warm_cpu": warm_cpu,
             **prepare(config, planner)}
 
 
@@ -192,7 +204,7 @@ def main() -> None:
           f"wall-clock ms, p99 = nearest rank")
     print(f"{'job':16s} {'workers':>7s} {'failures':>8s} {'setup':>7s} {'cold p50':>9s} "
           f"{'cold p99':>9s} {'warm p50':>9s} {'warm p99':>9s} {'lean p50':>9s} "
-          f"{'lean p99':>9s}")
+          f"{'lean p99':>9s} {'CPU p50: cold':>14s} {'warm':>6s}")
     results = {}
     for name in jobs:
         r = results[name] = bench(name, count)
@@ -200,8 +212,9 @@ def main() -> None:
               f"{_ms(r['setup_s']):>7s} {_ms(statistics.median(r['cold'])):>9s} "
               f"{_ms(percentile(r['cold'], 0.99)):>9s} "
               f"{_ms(statistics.median(r['warm'])):>9s} {_ms(percentile(r['warm'], 0.99)):>9s} "
-              f"{_ms(statistics.median(r['lean'])):>9s} {_ms(percentile(r['lean'], 0.99)):>9s}",
-              flush=True)
+              f"{_ms(statistics.median(r['lean'])):>9s} {_ms(percentile(r['lean'], 0.99)):>9s} "
+              f"{_ms(statistics.median(r['cold_cpu'])):>14s} "
+              f"{_ms(statistics.median(r['warm_cpu'])):>6s}", flush=True)
     print("\nbackground preparation of every single-worker and single-node failure, and a "
           "decision arriving in the middle of it")
     for name, r in results.items():
