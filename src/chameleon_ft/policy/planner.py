@@ -120,6 +120,10 @@ class Decision:
         }
 
 
+class _Stopped(Exception):
+    """A precompute asked to stop in the middle of a failure set (``Planner._stop``)."""
+
+
 _CacheKey = tuple[ExecutionPlan, frozenset[int], frozenset[int], str]
 """(plan, failed or returned workers, live workers, event kind)."""
 
@@ -235,6 +239,8 @@ class Planner:
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
+        self._stop: Callable[[], bool] | None = None
+        """While :meth:`precompute` runs: whether to stop (asked before every estimate)."""
         start = time.perf_counter()
         if not self._topology.placement_free:
             load_matching()  # the Hungarian matching's libraries, once per job
@@ -306,8 +312,15 @@ class Planner:
         return self._estimator.estimate(plan)
 
     def _pipeline_estimate(self, plan: ExecutionPlan) -> tuple[float, bool]:
-        est = self._estimator.estimate(plan)
+        est = self._checked_estimate(plan)
         return est.step_s, est.memory_fits
+
+    def _checked_estimate(self, plan: ExecutionPlan) -> Estimate:
+        """The estimator's view of ``plan``, unless the precompute under way was asked to
+        stop (every search is a sequence of estimates: it stops between two)."""
+        if self._stop is not None and self._stop():
+            raise _Stopped
+        return self._estimator.estimate(plan)
 
     # ------------------------------------------------------------------ checks
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
@@ -366,7 +379,7 @@ class Planner:
                since_checkpoint_s: float | None) -> RecoveryState:
         return RecoveryState(config=self.config, profile=self._profile,
                              topology=self._topology, plan=plan, alive=alive,
-                             templates=self.templates, estimate=self._estimator.estimate,
+                             templates=self.templates, estimate=self._checked_estimate,
                              since_checkpoint_s=since_checkpoint_s)
 
     # ------------------------------------------------------------------ candidates
@@ -474,7 +487,8 @@ class Planner:
     def precompute(self, plan: ExecutionPlan, *,
                    failures: Iterable[Iterable[int]] | None = None,
                    budget_s: float | None = None,
-                   stop: Callable[[], bool] | None = None) -> float:
+                   stop: Callable[[], bool] | None = None,
+                   on_prepared: Callable[[frozenset[int]], None] | None = None) -> float:
         """Fill the cache for likely failures of ``plan`` while training is healthy.
 
         Every failure set costs one cold search (tens of milliseconds on 32 workers, a few
@@ -488,8 +502,10 @@ class Planner:
             failures: failure sets to prepare; default: every single live worker and every
                 node's live workers.
             budget_s: stop starting new searches after this many seconds.
-            stop: asked once before each failure set (after the budget): True stops
-                (a real failure wants the machine, ``prepared.py``).
+            stop: asked before each failure set and before every estimate while one is
+                prepared: True stops at once, the set under way left unprepared (a real
+                failure wants the machine, ``prepared.py``).
+            on_prepared: called with each failure set once it is prepared.
 
         Returns:
             Seconds spent.
@@ -506,20 +522,28 @@ class Planner:
             sets = [self._workers("failures", ws) for ws in failures]
         base_alive = frozenset(plan.workers)
         added = 0
-        for failed in dict.fromkeys(sets):
-            if budget_s is not None and time.perf_counter() - start >= budget_s:
-                break
-            if added >= self.cache_size:
-                break
-            if stop is not None and stop():
-                break
-            alive = base_alive - failed
-            if not alive:
-                continue
-            # Equivalent failures of a symmetric plan share one cache entry.
-            found = self._lookup("fail", self._state(plan, alive, None), failed,
-                                 self._failure_strategies())
-            added += 0 if found.hit else 1
+        self._stop = stop
+        try:
+            for failed in dict.fromkeys(sets):
+                if budget_s is not None and time.perf_counter() - start >= budget_s:
+                    break
+                if added >= self.cache_size:
+                    break
+                if stop is not None and stop():
+                    break
+                alive = base_alive - failed
+                if not alive:
+                    continue
+                # Equivalent failures of a symmetric plan share one cache entry.
+                found = self._lookup("fail", self._state(plan, alive, None), failed,
+                                     self._failure_strategies())
+                added += 0 if found.hit else 1
+                if on_prepared is not None:
+                    on_prepared(failed)
+        except _Stopped:
+            pass  # the set under way stays unprepared; what it priced is kept
+        finally:
+            self._stop = None
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions

@@ -8,9 +8,9 @@ planner of the same job. The two share nothing but the decision cache
 so a decision never waits for the preparation:
 
 - a failure already prepared is a cache hit (re-scoring and renaming only);
-- a failure that arrives mid-preparation stops it (before its next failure set) and is
-  decided at once, cold if it was not prepared yet: bounded by a cold decision, not by
-  the preparation;
+- a failure that arrives mid-preparation stops it (before its next estimate: a search is
+  a sequence of them) and is decided at once, cold if it was not prepared yet: bounded by
+  a cold decision, not by the preparation;
 - the preparation stops after ``[policy] precompute_budget_s`` seconds.
 
 The runtime wraps it in four calls::
@@ -28,8 +28,8 @@ thread, one at a time (the deciding planner is not shared). ``detail=False`` nam
 the chosen candidate's plans (a warm decision on 2,048 workers in about half the time);
 the others keep their prices. :meth:`status` says how far the preparation got.
 
-Python runs one thread at a time: while the preparation finishes the failure set it is
-on (a cold search, a few hundred milliseconds on 2,048 workers), a decision shares the
+Python runs one thread at a time: while the preparation finishes the estimate it is on
+(tens to a couple of hundred milliseconds on 2,048 workers), a decision shares the
 interpreter with it.
 """
 
@@ -115,7 +115,7 @@ class PreparedPlanner:
                 failures: Iterable[Iterable[int]] | None = None) -> None:
         """Prepare the decisions of likely failures of ``plan`` in the background; returns
         at once. A preparation still running (for an older plan) stops before its next
-        failure set.
+        estimate.
 
         Args:
             plan: the plan now running.
@@ -136,7 +136,7 @@ class PreparedPlanner:
             self._lock.notify_all()
 
     def cancel(self) -> None:
-        """Stop the preparation before its next failure set, and drop one not started."""
+        """Stop the preparation before its next estimate, and drop one not started."""
         with self._lock:
             self._stop_locked()
 
@@ -165,8 +165,8 @@ class PreparedPlanner:
             return self._status
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the preparation and join its thread (it ends after the failure set it is
-        on, up to ``timeout_s``)."""
+        """Stop the preparation and join its thread (it ends after the estimate it is on,
+        up to ``timeout_s``)."""
         with self._lock:
             self._closing = True
             self._stop_locked()
@@ -206,22 +206,20 @@ class PreparedPlanner:
         asked = request.failures
         sets = list(dict.fromkeys(asked if asked is not None
                                   else preparer.likely_failures(plan)))
-        started = 0
+        done = 0
         start = time.perf_counter()
 
-        def stop() -> bool:  # asked before each failure set
-            nonlocal started
-            if request.cancel.is_set():
-                return True
-            started += 1
+        def prepared(_: frozenset[int]) -> None:
+            nonlocal done
+            done += 1
             with self._lock:
-                self._status = PrepareStatus("preparing", plan, len(sets), started - 1,
+                self._status = PrepareStatus("preparing", plan, len(sets), done,
                                              time.perf_counter() - start)
-            return False
 
-        preparer.precompute(plan, failures=sets, budget_s=self._budget_s, stop=stop)
+        preparer.precompute(plan, failures=sets, budget_s=self._budget_s,
+                            stop=request.cancel.is_set, on_prepared=prepared)
         elapsed = time.perf_counter() - start
-        if started >= len(sets):
+        if done >= len(sets):
             state = "done"
         elif request.cancel.is_set():
             state = "cancelled"
@@ -229,12 +227,12 @@ class PreparedPlanner:
             state = "budget"
         else:
             state = "cache full"
-        return PrepareStatus(state, plan, len(sets), started, elapsed)
+        return PrepareStatus(state, plan, len(sets), done, elapsed)
 
     # ---------------------------------------------------------------- decisions
     def decide(self, plan: ExecutionPlan, failed: Iterable[int], **kwargs: Any) -> Decision:
-        """:meth:`Planner.decide`, after telling the preparation to stop (never waiting
-        for it)."""
+        """:meth:`Planner.decide`, after telling the preparation to stop (before its next
+        estimate; never waiting for it)."""
         self.cancel()
         return self._planner.decide(plan, failed, **kwargs)
 
