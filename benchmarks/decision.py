@@ -15,6 +15,8 @@ machine's wall clock would be).
 
 - setup: building the Planner (profile, failure-free estimate, pipeline templates timed at
   the micro-batch counts single failures ask for); once per job.
+- first: the new planner's first decision, worker 17 failed (what ``chameleon plan``
+  reports as its search), wall and (CPU).
 - cold: ``decide`` with the decision cache cleared before each failure (the templates and
   what the search remembers per survivor count stay, as in a running job).
 - warm: ``decide`` for a failure prepared by ``precompute`` (a cache hit: re-scoring and
@@ -91,6 +93,8 @@ def bench(name: str, count: int) -> dict[str, Any]:
     config = load_config(ROOT / "examples" / f"{name}.toml")
     setup_s, planner = timed(lambda: Planner(config))
     plan = planner.initial_plan
+    first_cpu: list[float] = []
+    first_s, _ = timed(lambda: planner.decide(plan, [17]), first_cpu)
     sets = failure_sets(planner, count)
     cold: list[float] = []
     cold_cpu: list[float] = []
@@ -116,6 +120,7 @@ def bench(name: str, count: int) -> dict[str, Any]:
         lean.append(seconds)
     return {"workers": len(plan.workers), "failures": len(sets),
             "distinct": len({tuple(s) for s in sets}), "setup_s": setup_s,
+            "first_s": first_s, "first_cpu": first_cpu[0],
             "cold": cold, "warm": warm, "lean": lean, "precompute_s": precompute_s,
             "cold_cpu": cold_cpu, "warm_cpu": warm_cpu,
             **prepare(config, planner)}
@@ -202,14 +207,17 @@ def main() -> None:
                             capture_output=True, text=True, check=False).stdout.strip()
     print(f"commit {commit or '?'}; load average {os.getloadavg()[0]:.1f}; "
           f"wall-clock ms, p99 = nearest rank")
-    print(f"{'job':16s} {'workers':>7s} {'failures':>8s} {'setup':>7s} {'cold p50':>9s} "
+    print(f"{'job':16s} {'workers':>7s} {'failures':>8s} {'setup':>7s} {'first':>14s} "
+          f"{'cold p50':>9s} "
           f"{'cold p99':>9s} {'warm p50':>9s} {'warm p99':>9s} {'lean p50':>9s} "
           f"{'lean p99':>9s} {'CPU p50: cold':>14s} {'warm':>6s}")
     results = {}
     for name in jobs:
         r = results[name] = bench(name, count)
         print(f"{name:16s} {r['workers']:7d} {r['failures']:5d}/{r['distinct']:<3d}"
-              f"{_ms(r['setup_s']):>7s} {_ms(statistics.median(r['cold'])):>9s} "
+              f"{_ms(r['setup_s']):>7s} "
+              f"{_ms(r['first_s']) + ' (' + _ms(r['first_cpu']) + ')':>14s} "
+              f"{_ms(statistics.median(r['cold'])):>9s} "
               f"{_ms(percentile(r['cold'], 0.99)):>9s} "
               f"{_ms(statistics.median(r['warm'])):>9s} {_ms(percentile(r['warm'], 0.99)):>9s} "
               f"{_ms(statistics.median(r['lean'])):>9s} {_ms(percentile(r['lean'], 0.99)):>9s} "
