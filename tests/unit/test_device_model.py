@@ -395,6 +395,19 @@ def test_llama_templates_price_long_pipelines_without_simulating_them() -> None:
     assert far == pytest.approx(price(templates.one_pipeline(layout, 300))[0], rel=1e-3)
 
 
+def test_llama3_64k_example_is_the_16k_job_with_512_pipelines() -> None:
+    """examples/llama3-405b-64k.toml: everything but the node and pipeline counts as the
+    16k job."""
+    small = load_config(ROOT / "examples" / "llama3-405b-16k.toml")
+    large = load_config(ROOT / "examples" / "llama3-405b-64k.toml")
+    assert (large.cluster.num_nodes, large.job.dp) == (8192, 512)
+    assert large.num_workers == 8192 and large.cluster.num_nodes * 8 == 65536
+    assert large.cluster == dataclasses.replace(small.cluster, num_nodes=8192)
+    assert large.job == dataclasses.replace(small.job, dp=512)
+    assert (large.model, large.profile, large.recovery, large.policy) == (
+        small.model, small.profile, small.recovery, small.policy)
+
+
 def test_interleaved_fold_keeps_megatrons_ends_with_the_first_and_last_blocks() -> None:
     """When the blocks split evenly into the chunks, the embedding rides with the first
     block and the head with the last (Megatron); else they are chunks of their own."""

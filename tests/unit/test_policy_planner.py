@@ -154,7 +154,10 @@ def test_precompute_makes_decisions_cache_hits() -> None:
     plan = planner.initial_plan
     spent = planner.precompute(plan)
     assert spent > 0
-    cold = Planner(small_config(num_nodes=4)).decide(plan, [6], horizon_s=600.0)
+    # the search hidden: a cold dynamic candidate otherwise pays the search time this
+    # (shared, loaded) machine took, and may then lose to another strategy
+    cold = Planner(small_config(num_nodes=4)).decide(plan, [6], horizon_s=600.0,
+                                                       hide_search=True)
     warm = planner.decide(plan, [6], horizon_s=600.0)
     assert warm.cache_hit and not cold.cache_hit
     assert warm.strategy == cold.strategy
@@ -164,6 +167,28 @@ def test_precompute_makes_decisions_cache_hits() -> None:
     # a whole node (workers 2, 3: stage 0 of two pipelines) was precomputed too
     node = planner.decide(plan, [2, 3], horizon_s=600.0)
     assert node.cache_hit and node.strategy != "restart"
+
+
+def test_precompute_stops_between_estimates() -> None:
+    """Asked to stop in the middle of a failure set, precompute leaves that set unprepared
+    (its decision is cold) and prepares nothing more."""
+    planner = Planner(small_config(num_nodes=4))
+    plan = planner.initial_plan
+    asked: list[int] = []
+
+    def stop() -> bool:  # before the first set, then before each estimate
+        asked.append(1)
+        return len(asked) > 3
+
+    prepared: list[frozenset[int]] = []
+    planner.precompute(plan, stop=stop, on_prepared=prepared.append)
+    assert len(asked) == 4 and prepared == []
+    first = planner.likely_failures(plan)[0]
+    assert not planner.decide(plan, first).cache_hit
+    everything: list[frozenset[int]] = []
+    planner.precompute(plan, stop=lambda: False, on_prepared=everything.append)
+    assert everything == planner.likely_failures(plan)
+    assert planner.decide(plan, first).cache_hit
 
 
 def test_rejoin_keeps_or_reuses_returned_workers(paper32: Planner) -> None:

@@ -267,3 +267,37 @@ def test_a_returned_worker_gets_a_placement_as_fast_as_the_jobs_own() -> None:
     assert planner.estimate(back).throughput_samples_s >= job * (1 - 1e-9)
     topology = planner.recovery_state(back, back.workers).topology
     assert len(fatal_nodes(back, topology)) <= len(fatal_nodes(initial, topology))
+
+
+@pytest.mark.parametrize("example", ["paper32", "scenarios/sweep"])
+def test_search_splits_micro_batches_as_the_moves_do(
+        example: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search's exact splits (found from the optimum with the step times the
+    templates already priced) give the plans the moves alone gave, failure by failure."""
+    from chameleon_ft.recovery import templates as templates_module
+
+    config = load_config(Path(__file__).parents[2] / "examples" / f"{example}.toml")
+    plan = Planner(config).initial_plan
+    node_of_five = [w for w in plan.workers if w // config.workers_per_node
+                    == 5 // config.workers_per_node]
+    failures = [[5], [0], [5, 6], [3, 30 % len(plan.workers)], node_of_five]
+
+    def results() -> list[tuple[object, ...]]:
+        planner = Planner(config)  # fresh templates: nothing remembered between runs
+        out = []
+        for failed in failures:
+            state = planner.recovery_state(plan, set(plan.workers) - set(failed))
+            if state.missing_layers():
+                continue  # a node holding a whole stage: only a restart
+            found = dynamic.search(state)
+            assert found is not None
+            out.append((found.plan, found.estimate.step_s, found.lengths,
+                        found.migration.moved_bytes))
+        return out
+
+    fast = results()
+    assert len(fast) >= 4
+    monkeypatch.setattr(dynamic, "allocate",
+                        lambda layouts, total, step_s, known=None:
+                        templates_module.allocate_by_moves(layouts, total, step_s))
+    assert results() == fast

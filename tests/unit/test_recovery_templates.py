@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chameleon_ft.plan import layer_costs
+from chameleon_ft.policy import Planner
 from chameleon_ft.profile import LayerCost, Profile
-from chameleon_ft.recovery.templates import allocate, memory_bounds, stage_memory_bytes
+from chameleon_ft.recovery.templates import (
+    allocate,
+    allocate_by_moves,
+    memory_bounds,
+    stage_memory_bytes,
+)
+from chameleon_ft.spec.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _profile(costs: list[float], params: list[float], acts: list[float]) -> Profile:
@@ -83,3 +93,79 @@ def test_allocate_is_the_min_max_split(data: st.DataObject) -> None:
     assert sum(counts) == total and min(counts) >= 1
     assert value == best
     assert max(step(k, m) for k, m in zip(pipes, counts, strict=True)) == best
+
+
+def _staircase(data: st.DataObject, top: int) -> list[float]:
+    """A non-decreasing step table over 1..``top`` micro-batches with flat runs, values
+    shared with other kinds (so kinds tie) and a memory limit (infinity from some count)."""
+    incs = data.draw(st.lists(st.sampled_from([0, 0, 1, 1, 2, 5]), min_size=top, max_size=top))
+    limit = data.draw(st.integers(1, top + 1))
+    acc, table = data.draw(st.integers(1, 4)), []
+    for m, inc in enumerate(incs, start=1):
+        acc += inc
+        table.append(float(acc) if m < limit else math.inf)
+    return table
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_allocate_from_the_optimum_gives_the_split_of_the_moves(data: st.DataObject) -> None:
+    """The split found from the optimum (``known`` given) is the one the moves reach, for
+    any non-decreasing steps, whatever step times are known beforehand."""
+    top = 40
+    tables = [_staircase(data, top) for _ in range(data.draw(st.integers(1, 3)))]
+    pipes = data.draw(st.lists(st.integers(0, len(tables) - 1), min_size=1, max_size=30))
+    total = data.draw(st.integers(1, 200))
+    asked: list[tuple[int, int]] = []
+
+    def step(kind: int, m: int) -> float:
+        asked.append((kind, m))
+        return tables[kind][m - 1] if m <= top else math.inf
+
+    priced = [{m: tables[k][m - 1] for m in data.draw(st.sets(st.integers(1, top)))}
+              for k in range(len(tables))]
+    expected = allocate_by_moves(pipes, total, step)
+    assert allocate(pipes, total, step, known=priced.__getitem__) == expected
+    assert allocate(pipes, total, step) == expected
+
+
+def test_allocate_from_the_optimum_prices_only_near_it() -> None:
+    """Eight slow-filling pipelines among many fast ones: the moves walk the eight down
+    from a large start, pricing every count on the way; from the optimum, with the counts
+    near it known, nothing more is priced."""
+    def step(kind: str, m: int) -> float:
+        if kind == "long":  # 16 stages: a bubble until 16 micro-batches, then a jump
+            return 6.0 + 0.01 * m if m <= 17 else 7.0 + 0.2 * m
+        return 5.5 + 0.1 * m if m <= 8 else 10.0 + m  # 8 stages
+
+    pipes = ["long"] * 8 + ["short"] * 239
+    near = {"long": {m: step("long", m) for m in (15, 16, 17, 18, 19)},
+            "short": {m: step("short", m) for m in (7, 8, 9, 10)}}
+    asked: set[tuple[str, int]] = set()
+
+    def counted(kind: str, m: int) -> float:
+        asked.add((kind, m))
+        return step(kind, m)
+
+    expected = allocate_by_moves(pipes, 2048, counted)
+    walked = {m for kind, m in asked if kind == "long"}
+    asked.clear()
+    assert allocate(pipes, 2048, counted, known=near.__getitem__) == expected
+    assert expected[1].count(17) == 8 and expected[1].count(8) == 239
+    assert len(walked) > 50 and not asked - {(k, m) for k in near for m in near[k]}
+
+
+@pytest.mark.parametrize(("example", "most"), [("paper32", 65), ("testbed8", 9),
+                                               ("llama3-405b-16k", 20)])
+def test_template_steps_never_decrease_with_the_micro_batches(example: str, most: int) -> None:
+    """What :func:`allocate` relies on, over the pipeline lengths the dynamic search
+    considers, up to about twice each pipeline's share of the job's micro-batches (the
+    16k job: up to the step's jump past one group of 16)."""
+    planner = Planner(load_config(ROOT / "examples" / f"{example}.toml"))
+    templates, job = planner.templates, planner.config.job
+    longest = min(templates.num_layers, job.pp + planner.config.recovery.search_extra_stages)
+    lengths = templates.feasible_lengths(longest)
+    assert lengths
+    for length in lengths:
+        steps = [templates.length_step_s(length, m) for m in range(1, most + 1)]
+        assert steps == sorted(steps), length

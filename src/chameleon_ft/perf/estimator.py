@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chameleon_ft.perf.coloring import rounds
+from chameleon_ft.perf.gcpause import gc_paused
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.perf.schedule import (
     Bucket,
@@ -383,7 +384,8 @@ class Estimator:
             if hit is not None:
                 self._plans.move_to_end(key)
                 return hit
-        result = self._estimate(plan, speeds, brute_force)
+        with gc_paused():  # see gcpause.py: the graphs are many small containers
+            result = self._estimate(plan, speeds, brute_force)
         if not brute_force:
             self._plans[key] = result
             if len(self._plans) > self._cache_size:

@@ -41,6 +41,13 @@ class Topology:
         device = self.cluster.device
         return math.inf if device is None else float(device.memory_bytes)
 
+    @property
+    def placement_free(self) -> bool:
+        """Whether which worker runs which stage cannot change an estimate: one worker per
+        node, one node, or free links (every transfer crosses the same kind of link)."""
+        return (self.workers_per_node == 1 or self.cluster.num_nodes == 1
+                or self.cluster.ideal_network)
+
     def node_of(self, worker: int) -> int:
         """The node holding ``worker``."""
         return worker // self.workers_per_node

@@ -395,6 +395,12 @@ class _Graph:
         stream_id = [0] * num_ops
         next_in_stream = [-1] * num_ops
         for sid, ids in enumerate(self.streams):
+            first, last = ids[0], ids[-1]
+            if last - first == len(ids) - 1:
+                # a whole stage's stream: consecutive ids, set in bulk
+                stream_id[first:last + 1] = [sid] * len(ids)
+                next_in_stream[first:last] = range(first + 1, last + 1)
+                continue
             for op_id in ids:
                 stream_id[op_id] = sid
             for a, b in itertools.pairwise(ids):
@@ -462,6 +468,168 @@ def component_order(plan: ExecutionPlan, pipelines: Iterable[int]) -> list[int]:
     return sorted(local, key=local.__getitem__)
 
 
+class _GraphBuilder:
+    """The flat arrays of a :class:`_Graph`, filled stage stream by stage stream (the hot
+    path of every estimate: a rerouted stage of the 16k job is 70,000 operations)."""
+
+    def __init__(self, plan: ExecutionPlan, topology: Topology, chosen: list[int],
+                 speeds: Mapping[int, float], variant: int) -> None:
+        self.plan = plan
+        self.topology = topology
+        self.chosen = chosen
+        self.speed = speeds
+        self.variant = variant
+        self.schedule = (ScheduleName.ONE_F_ONE_B.value if variant == FUSED_VARIANT
+                         else plan.schedule)
+        self.split_all = self.schedule in SPLIT_SCHEDULES
+        # Workers that run several streams: rerouted peers. Their W's, when split, become
+        # streams of their own that run only in idle time.
+        members = set(chosen)
+        self.peers = {w for r in plan.reroutes if r.pipeline in members for w, _ in r.shares}
+        self.defer = self.split_all or (plan.defer_weight_grad and variant != FUSED_VARIANT)
+        self.op_meta: list[tuple[int, int, int, int, int]] = []
+        self.op_worker: list[int] = []
+        self.op_dur: list[float] = []
+        self.op_act: list[float] = []
+        self.op_foreign: list[bool] = []
+        self.streams: list[list[int]] = []  # op ids in order
+        self.stream_of_worker: dict[int, list[int]] = {}
+        self.fwd_id: dict[tuple[int, int], list[int]] = {}
+        self.bwd_id: dict[tuple[int, int], list[int]] = {}
+        self.wgt_id: dict[tuple[int, int], list[int]] = {}
+        self.succs: list[list[tuple[int, float]]] = []
+        self.pending: list[int] = []
+        self._delays: dict[tuple[int, int, float], float] = {}
+
+    def _split(self, p: int, s: int, worker: int) -> int:
+        """How stage ``s`` of pipeline ``p`` runs its backward (:func:`_stream_layout`)."""
+        if (p, s) in self.plan.reroute_map or (self.defer and worker in self.peers):
+            return 2 if self.defer else 0
+        return 1 if self.split_all else 0
+
+    def _new_stream(self, worker: int, ids: list[int]) -> None:
+        self.stream_of_worker.setdefault(worker, []).append(len(self.streams))
+        self.streams.append(ids)
+
+    def add_stage(self, p: int, s: int, chunks: ChunkCosts) -> None:
+        """The operations of stage ``s`` of pipeline ``p``, as one or more streams."""
+        pipe = self.plan.pipelines[p]
+        w0 = pipe.stages[s].worker
+        split = self._split(p, s, w0)
+        base = len(self.op_worker)
+        kinds, rounds, mbs, fpos, bpos, wpos = _stream_layout(
+            pipe.num_stages, s, pipe.num_microbatches, self.schedule, len(chunks), split,
+            self.variant)
+        n = len(kinds)
+        self.fwd_id[(p, s)] = [base + i for i in fpos]
+        self.bwd_id[(p, s)] = [base + i for i in bpos]
+        if split:
+            self.wgt_id[(p, s)] = [base + i for i in wpos]
+        self.op_meta.extend(zip(kinds, [p] * n, [s] * n, mbs, rounds, strict=True))
+        cells = _stream_cells(chunks, kinds, rounds, split)
+        self.op_act.extend([a for _, a in cells])
+        reroute = self.plan.reroute_map.get((p, s))
+        if reroute is None:
+            # One worker runs the whole stream, in order (its W's in a stream of their
+            # own when it defers them).
+            sp = self.speed.get(w0, 1.0)
+            self.op_worker.extend([w0] * n)
+            self.op_dur.extend([d / sp for d, _ in cells] if sp != 1.0 else [d for d, _ in cells])
+            self.op_foreign.extend([False] * n)
+            if split == 2:
+                self._new_stream(w0, [base + i for i in range(n) if kinds[i] != _W])
+                self._new_stream(w0, [base + i for i in range(n) if kinds[i] == _W])
+            else:
+                self._new_stream(w0, list(range(base, base + n)))
+            return
+        executors = self.plan.executor(p, s)
+        by_worker: dict[tuple[int, bool], list[int]] = {}
+        for i, (k, j) in enumerate(zip(kinds, mbs, strict=True)):
+            w = executors[j]
+            self.op_worker.append(w)
+            self.op_dur.append(cells[i][0] / self.speed.get(w, 1.0))
+            self.op_foreign.append(True)
+            by_worker.setdefault((w, k == _W), []).append(base + i)
+        for (w, _), ids in by_worker.items():
+            self._new_stream(w, ids)
+
+    def _link(self, src: int, dst: int, num_bytes: float, back: int, front: int) -> None:
+        """Activation ``src -> dst``; its gradient ``back -> front`` (same bytes)."""
+        op_worker, delays = self.op_worker, self._delays
+        a, b = op_worker[src], op_worker[dst]
+        delay = delays.get((a, b, num_bytes))
+        if delay is None:
+            delay = delays[(a, b, num_bytes)] = self.topology.p2p_s(a, b, num_bytes)
+        self.succs[src].append((dst, delay))
+        self.pending[dst] += 1
+        rev = delays.get((b, a, num_bytes))
+        if rev is None:
+            rev = delays[(b, a, num_bytes)] = self.topology.p2p_s(b, a, num_bytes)
+        self.succs[back].append((front, rev))
+        self.pending[front] += 1
+
+    def link_stage(self, p: int, s: int, chunks: ChunkCosts) -> None:
+        """Stage ``s``'s own edges (F before B before W) and those to the next stage (or,
+        from the last stage, to the first stage's next chunk)."""
+        succs, pending = self.succs, self.pending
+        fids, bids = self.fwd_id[(p, s)], self.bwd_id[(p, s)]
+        for f, b in zip(fids, bids, strict=True):
+            succs[f].append((b, 0.0))
+            pending[b] += 1
+        wids = self.wgt_id.get((p, s))
+        if wids is not None:
+            for b, w in zip(bids, wids, strict=True):
+                succs[b].append((w, 0.0))
+                pending[w] += 1
+        pipe = self.plan.pipelines[p]
+        m = pipe.num_microbatches
+        if s + 1 < pipe.num_stages:
+            next_f, next_b = self.fwd_id[(p, s + 1)], self.bwd_id[(p, s + 1)]
+            if (p, s) in self.plan.reroute_map or (p, s + 1) in self.plan.reroute_map:
+                for r, c in enumerate(chunks):
+                    for x in range(r * m, (r + 1) * m):
+                        self._link(fids[x], next_f[x], c.output_bytes, next_b[x], bids[x])
+                return
+            # One worker on each side: one transfer time per chunk, each way.
+            a, b = pipe.stages[s].worker, pipe.stages[s + 1].worker
+            for r, c in enumerate(chunks):
+                ahead = self.topology.p2p_s(a, b, c.output_bytes)
+                back = self.topology.p2p_s(b, a, c.output_bytes)
+                for x in range(r * m, (r + 1) * m):
+                    fx, nfx, nbx, bx = fids[x], next_f[x], next_b[x], bids[x]
+                    succs[fx].append((nfx, ahead))
+                    pending[nfx] += 1
+                    succs[nbx].append((bx, back))
+                    pending[bx] += 1
+        elif len(chunks) > 1:
+            # The last stage's chunk r feeds the first stage's chunk r + 1.
+            first_f, first_b = self.fwd_id[(p, 0)], self.bwd_id[(p, 0)]
+            for r in range(len(chunks) - 1):
+                for j in range(m):
+                    x, y = r * m + j, (r + 1) * m + j
+                    self._link(fids[x], first_f[y], chunks[r].output_bytes, first_b[y],
+                               bids[x])
+
+    def graph(self) -> _Graph:
+        """The graph built (after :meth:`add_stage` and :meth:`link_stage`)."""
+        return _Graph(self.op_meta, self.op_worker, self.op_dur, self.op_act, self.op_foreign,
+                      self.succs, self.streams, self.stream_of_worker, self.pending,
+                      {p: i for i, p in enumerate(self.chosen)})
+
+
+def _stream_cells(chunks: ChunkCosts, kinds: Sequence[int], rounds: Sequence[int],
+                  split: int) -> list[tuple[float, float]]:
+    """Duration (at unit speed) and activation bytes of each operation of a stream."""
+    table: list[tuple[tuple[float, float], ...]] = []
+    for c in chunks:
+        if split:
+            table.append(((c.fwd_s, c.activation_bytes), (c.bwd_input_s, 0.0),
+                          (c.bwd_weight_s, -c.activation_bytes)))
+        else:
+            table.append(((c.fwd_s, c.activation_bytes), (c.bwd_s, -c.activation_bytes)))
+    return [table[r][k] for k, r in zip(kinds, rounds, strict=True)]
+
+
 def build_graph(
     plan: ExecutionPlan,
     profile: Profile,
@@ -479,200 +647,65 @@ def build_graph(
     chosen = component_order(
         plan, range(plan.num_pipelines) if pipelines is None else pipelines)
     costs = costs if costs is not None else _stage_costs(plan, profile)
-    speed = speeds or {}
-    rerouted = plan.reroute_map
-    schedule = plan.schedule
-    if variant == FUSED_VARIANT:
-        schedule = ScheduleName.ONE_F_ONE_B.value
-    split_all = schedule in SPLIT_SCHEDULES
-    # Workers that run several streams: rerouted peers. Their W's, when split, become
-    # streams of their own that run only in idle time.
-    members = set(chosen)
-    peers = {w for r in plan.reroutes if r.pipeline in members for w, _ in r.shares}
-    defer = split_all or (plan.defer_weight_grad and variant != FUSED_VARIANT)
-
-    # ---- the graph, as flat arrays indexed by op id (this loop is the hot path)
-    op_meta: list[tuple[int, int, int, int, int]] = []
-    op_worker: list[int] = []
-    op_dur: list[float] = []
-    op_act: list[float] = []
-    op_foreign: list[bool] = []
-    streams: list[list[int]] = []  # op ids in order
-    stream_of_worker: dict[int, list[int]] = {}
-    fwd_id: dict[tuple[int, int], list[int]] = {}
-    bwd_id: dict[tuple[int, int], list[int]] = {}
-    wgt_id: dict[tuple[int, int], list[int]] = {}
-
+    builder = _GraphBuilder(plan, topology, chosen, speeds or {}, variant)
     for p in chosen:
-        pipe = plan.pipelines[p]
-        num_stages, m = pipe.num_stages, pipe.num_microbatches
-        for s in range(num_stages):
-            chunks = costs[(p, s)]
-            v = len(chunks)
-            reroute = rerouted.get((p, s))
-            w0 = pipe.stages[s].worker
-            if reroute is not None or (defer and w0 in peers):
-                split = 2 if defer else 0
-            else:
-                split = 1 if split_all else 0
-            base = len(op_worker)
-            kinds, rounds, mbs, fpos, bpos, wpos = _stream_layout(
-                num_stages, s, m, schedule, v, split, variant)
-            n = len(kinds)
-            fwd_id[(p, s)] = [base + i for i in fpos]
-            bwd_id[(p, s)] = [base + i for i in bpos]
-            if split:
-                wgt_id[(p, s)] = [base + i for i in wpos]
-            op_meta.extend(zip(kinds, [p] * n, [s] * n, mbs, rounds, strict=True))
-            # Duration and activation of each (kind, chunk) at unit speed.
-            table: list[tuple[tuple[float, float], ...]] = []
-            for c in chunks:
-                if split:
-                    table.append(((c.fwd_s, c.activation_bytes),
-                                  (c.bwd_input_s, 0.0),
-                                  (c.bwd_weight_s, -c.activation_bytes)))
-                else:
-                    table.append(((c.fwd_s, c.activation_bytes),
-                                  (c.bwd_s, -c.activation_bytes)))
-            cells = [table[r][k] for k, r in zip(kinds, rounds, strict=True)]
-            op_act.extend([a for _, a in cells])
-            if reroute is None:
-                # One worker runs the whole stream, in order (its W's in a stream of
-                # their own when it defers them).
-                sp = speed.get(w0, 1.0)
-                op_worker.extend([w0] * n)
-                op_dur.extend([d / sp for d, _ in cells])
-                op_foreign.extend([False] * n)
-                if split == 2:
-                    own = [base + i for i in range(n) if kinds[i] != _W]
-                    deferred = [base + i for i in range(n) if kinds[i] == _W]
-                    for seq in (own, deferred):
-                        stream_of_worker.setdefault(w0, []).append(len(streams))
-                        streams.append(seq)
-                else:
-                    stream_of_worker.setdefault(w0, []).append(len(streams))
-                    streams.append(list(range(base, base + n)))
-                continue
-            executors = plan.executor(p, s)
-            by_worker: dict[tuple[int, bool], list[int]] = {}
-            for i, (k, j) in enumerate(zip(kinds, mbs, strict=True)):
-                w = executors[j]
-                op_worker.append(w)
-                op_dur.append(cells[i][0] / speed.get(w, 1.0))
-                op_foreign.append(True)
-                by_worker.setdefault((w, k == _W), []).append(base + i)
-            for (w, _), ids in by_worker.items():
-                stream_of_worker.setdefault(w, []).append(len(streams))
-                streams.append(ids)
-
-    num_ops = len(op_worker)
-    succs: list[list[tuple[int, float]]] = [[] for _ in range(num_ops)]
-    pending = [0] * num_ops
-    delays: dict[tuple[int, int, float], float] = {}
-
-    def link(src: int, dst: int, num_bytes: float, back: int, front: int) -> None:
-        """Activation ``src -> dst``; its gradient ``back -> front`` (same bytes)."""
-        a, b = op_worker[src], op_worker[dst]
-        delay = delays.get((a, b, num_bytes))
-        if delay is None:
-            delay = delays[(a, b, num_bytes)] = topology.p2p_s(a, b, num_bytes)
-        succs[src].append((dst, delay))
-        pending[dst] += 1
-        rev = delays.get((b, a, num_bytes))
-        if rev is None:
-            rev = delays[(b, a, num_bytes)] = topology.p2p_s(b, a, num_bytes)
-        succs[back].append((front, rev))
-        pending[front] += 1
-
+        for s in range(plan.pipelines[p].num_stages):
+            builder.add_stage(p, s, costs[(p, s)])
+    num_ops = len(builder.op_worker)
+    builder.succs = [[] for _ in range(num_ops)]
+    builder.pending = [0] * num_ops
     for p in chosen:
-        pipe = plan.pipelines[p]
-        num_stages, m = pipe.num_stages, pipe.num_microbatches
-        for s in range(num_stages):
-            fids, bids = fwd_id[(p, s)], bwd_id[(p, s)]
-            for f, b in zip(fids, bids, strict=True):
-                succs[f].append((b, 0.0))
-                pending[b] += 1
-            wids = wgt_id.get((p, s))
-            if wids is not None:
-                for b, w in zip(bids, wids, strict=True):
-                    succs[b].append((w, 0.0))
-                    pending[w] += 1
-            chunks = costs[(p, s)]
-            if s + 1 < num_stages:
-                next_f, next_b = fwd_id[(p, s + 1)], bwd_id[(p, s + 1)]
-                if (p, s) in rerouted or (p, s + 1) in rerouted:
-                    for r, c in enumerate(chunks):
-                        out_bytes = c.output_bytes
-                        for x in range(r * m, (r + 1) * m):
-                            link(fids[x], next_f[x], out_bytes, next_b[x], bids[x])
-                    continue
-                # One worker on each side: one transfer time per chunk, each way.
-                a, b = pipe.stages[s].worker, pipe.stages[s + 1].worker
-                for r, c in enumerate(chunks):
-                    ahead = topology.p2p_s(a, b, c.output_bytes)
-                    back = topology.p2p_s(b, a, c.output_bytes)
-                    for x in range(r * m, (r + 1) * m):
-                        fx, nfx, nbx, bx = fids[x], next_f[x], next_b[x], bids[x]
-                        succs[fx].append((nfx, ahead))
-                        pending[nfx] += 1
-                        succs[nbx].append((bx, back))
-                        pending[bx] += 1
-            elif len(chunks) > 1:
-                # The last stage's chunk r feeds the first stage's chunk r + 1.
-                first_f, first_b = fwd_id[(p, 0)], bwd_id[(p, 0)]
-                for r in range(len(chunks) - 1):
-                    out_bytes = chunks[r].output_bytes
-                    for j in range(m):
-                        x, y = r * m + j, (r + 1) * m + j
-                        link(fids[x], first_f[y], out_bytes, first_b[y], bids[x])
-
-    return _Graph(op_meta, op_worker, op_dur, op_act, op_foreign, succs, streams,
-                  stream_of_worker, pending, {p: i for i, p in enumerate(chosen)})
+        for s in range(plan.pipelines[p].num_stages):
+            builder.link_stage(p, s, costs[(p, s)])
+    return builder.graph()
 
 
-def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
-    """Run the list scheduler over ``graph`` with one priority rule.
+class _ListRun:
+    """One run of the list scheduler over a graph with one priority rule.
 
-    Workers are renumbered densely (``wi``) so the hot loop indexes lists, not dicts.
+    Workers are renumbered densely (``wi``) so the hot loops index lists, not dicts. A
+    worker running one stream has no choice to make: its next op starts as soon as the op
+    is released and the worker is free, so such ops are timed eagerly, in dependency
+    order, without events (:meth:`drain`). Only workers merging several streams (rerouted
+    peers) go through the event queue, where the priority rule picks among the ops ready
+    "now" (:meth:`try_start`). Eager ops release their successors early, but with their
+    true ready times, so a merging worker sees exactly the ops ready at its decision time.
     """
-    priority = PRIORITIES[rule]
-    op_meta, op_dur = graph.op_meta, graph.op_dur
-    op_act, op_foreign, succs = graph.op_act, graph.op_foreign, graph.succs
-    streams = graph.streams
-    workers, op_wi, wi_streams, stream_id, next_in_stream = graph.layout
-    rank = graph.pipeline_rank
-    num_ops, num_workers = len(op_meta), len(workers)
-    pending = list(graph.pending)
-    ready = [0.0] * num_ops
-    head = [ids[0] for ids in streams]
-    end = [0.0] * num_ops
-    # Why each op started when it did: the predecessor that released it last, with the
-    # transfer delay, or the previous op on the same worker; used to walk the critical path.
-    cause_op = [-1] * num_ops
-    ready_cause = [-1] * num_ops
-    busy_until = [0.0] * num_workers
-    last_op = [-1] * num_workers
-    running = [False] * num_workers
-    wake_at = [math.inf] * num_workers
-    events: list[tuple[float, int, int, int]] = []  # (time, seq, 0 done | 1 wake, payload)
-    seq = 0
-    order: list[list[int]] = [[] for _ in range(num_workers)]
-    busy_s = [0.0] * num_workers
-    act_now = [0.0] * num_workers
-    act_peak = [0.0] * num_workers
 
-    # A worker running one stream has no choice to make: its next op starts as soon as the
-    # op is released and the worker is free, so such ops are timed eagerly, in dependency
-    # order, without events. Only workers merging several streams (rerouted peers) go
-    # through the event queue, where the priority rule picks among the ops ready "now".
-    # Eager ops release their successors early, but with their true ready times, so a
-    # merging worker sees exactly the ops ready at its decision time.
-    single = [len(ws) == 1 for ws in wi_streams]
-    stack: list[int] = []
-    touched: list[int] = []
+    def __init__(self, graph: _Graph, rule: str, with_ops: bool) -> None:
+        self.graph = graph
+        self.priority = PRIORITIES[rule]
+        self.with_ops = with_ops
+        self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream = (
+            graph.layout)
+        num_ops, num_workers = len(graph.op_meta), len(self.workers)
+        self.pending = list(graph.pending)
+        self.ready = [0.0] * num_ops
+        self.head = [ids[0] for ids in graph.streams]
+        self.end = [0.0] * num_ops
+        # Why each op started when it did: the predecessor that released it last, with the
+        # transfer delay, or the previous op on the same worker (the critical path's walk).
+        self.cause_op = [-1] * num_ops
+        self.ready_cause = [-1] * num_ops
+        self.busy_until = [0.0] * num_workers
+        self.last_op = [-1] * num_workers
+        self.running = [False] * num_workers
+        self.wake_at = [math.inf] * num_workers
+        self.events: list[tuple[float, int, int, int]] = []  # (time, seq, 0 done | 1 wake, op or worker)
+        self.seq = 0
+        self.order: list[list[int]] = [[] for _ in range(num_workers)]
+        self.busy_s = [0.0] * num_workers
+        self.act_now = [0.0] * num_workers
+        self.act_peak = [0.0] * num_workers
+        self.single = [len(ws) == 1 for ws in self.wi_streams]
+        self.stack: list[int] = []  # eager ops released and at the head of their stream
+        self.touched: list[int] = []  # merging workers with an op released
 
-    def release(op_id: int, t1: float) -> None:
-        for dst, delay in succs[op_id]:
+    def release(self, op_id: int, t1: float) -> None:
+        """``op_id`` ended at ``t1``: its successors' ready times and counts."""
+        ready, ready_cause, pending, op_wi = (self.ready, self.ready_cause, self.pending,
+                                              self.op_wi)
+        for dst, delay in self.graph.succs[op_id]:
             arrival = t1 + delay
             if arrival >= ready[dst]:
                 ready[dst] = arrival
@@ -680,22 +713,23 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
             pending[dst] -= 1
             if pending[dst] == 0:
                 u = op_wi[dst]
-                if not single[u]:
-                    touched.append(u)
-                elif head[stream_id[dst]] == dst:
-                    stack.append(dst)
+                if not self.single[u]:
+                    self.touched.append(u)
+                elif self.head[self.stream_id[dst]] == dst:
+                    self.stack.append(dst)
 
-    def account(w: int, op_id: int) -> None:
-        order[w].append(op_id)
-        busy_s[w] += op_dur[op_id]
-        act = act_now[w] + op_act[op_id]
-        act_now[w] = act
-        if act > act_peak[w]:
-            act_peak[w] = act
-
-    def drain() -> None:
+    def drain(self) -> None:
         """Time every eager op that can run now, and what they release (the hot loop:
-        ``account`` and ``release`` written out)."""
+        the bookkeeping of :meth:`release` and :meth:`_account` written out)."""
+        stack, touched, single = self.stack, self.touched, self.single
+        op_wi, op_dur, op_act = self.op_wi, self.graph.op_dur, self.graph.op_act
+        succs, pending, ready, ready_cause = (self.graph.succs, self.pending, self.ready,
+                                              self.ready_cause)
+        busy_until, last_op, cause_op, end = (self.busy_until, self.last_op, self.cause_op,
+                                              self.end)
+        busy_s, act_now, act_peak, order = self.busy_s, self.act_now, self.act_peak, self.order
+        head, stream_id, next_in_stream = self.head, self.stream_id, self.next_in_stream
+        with_ops = self.with_ops
         while stack:
             op_id = stack.pop()
             w = op_wi[op_id]
@@ -734,14 +768,24 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
             if nxt >= 0 and pending[nxt] == 0:
                 stack.append(nxt)
 
-    def try_start(w: int, now: float) -> None:
-        nonlocal seq
-        if running[w]:
-            return
+    def _account(self, w: int, op_id: int) -> None:
+        self.order[w].append(op_id)
+        self.busy_s[w] += self.graph.op_dur[op_id]
+        act = self.act_now[w] + self.graph.op_act[op_id]
+        self.act_now[w] = act
+        if act > self.act_peak[w]:
+            self.act_peak[w] = act
+
+    def _choice(self, w: int, now: float) -> tuple[int, float]:
+        """The ready stream head of merging worker ``w`` the rule picks at ``now`` (-1:
+        none), and when the next one becomes ready (infinity: none known)."""
+        head, pending, ready = self.head, self.pending, self.ready
+        op_meta, op_foreign, rank = (self.graph.op_meta, self.graph.op_foreign,
+                                     self.graph.pipeline_rank)
         best = -1
         best_key: tuple[float, ...] | None = None
         wait = math.inf
-        for sid in wi_streams[w]:
+        for sid in self.wi_streams[w]:
             op_id = head[sid]
             if op_id < 0 or pending[op_id]:
                 continue
@@ -751,83 +795,104 @@ def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
                     wait = r
                 continue
             kind, p, s, j, chunk = op_meta[op_id]
-            key = priority(r, kind, j, rank[p], s, op_foreign[op_id], chunk)
+            key = self.priority(r, kind, j, rank[p], s, op_foreign[op_id], chunk)
             if best_key is None or key < best_key:
                 best, best_key = op_id, key
-        if best < 0:
-            if wait < wake_at[w]:
-                wake_at[w] = wait
-                heapq.heappush(events, (wait, seq, 1, w))
-                seq += 1
+        return best, wait
+
+    def try_start(self, w: int, now: float) -> None:
+        """Start merging worker ``w``'s next op at ``now`` if it is idle and one is ready;
+        else wake it when the next one is."""
+        if self.running[w]:
             return
-        free = busy_until[w]
+        best, wait = self._choice(w, now)
+        if best < 0:
+            if wait < self.wake_at[w]:
+                self.wake_at[w] = wait
+                heapq.heappush(self.events, (wait, self.seq, 1, w))
+                self.seq += 1
+            return
+        free = self.busy_until[w]
         t0 = now if now > free else free
-        cause_op[best] = ready_cause[best] if (ready_cause[best] >= 0 and ready[best] >= free) \
-            else last_op[w]
-        t1 = t0 + op_dur[best]
-        end[best] = t1
-        running[w] = True
-        head[stream_id[best]] = next_in_stream[best]
-        account(w, best)
-        heapq.heappush(events, (t1, seq, 0, best))
-        seq += 1
+        cause = self.ready_cause[best]
+        self.cause_op[best] = cause if (cause >= 0 and self.ready[best] >= free) \
+            else self.last_op[w]
+        t1 = t0 + self.graph.op_dur[best]
+        self.end[best] = t1
+        self.running[w] = True
+        self.head[self.stream_id[best]] = self.next_in_stream[best]
+        self._account(w, best)
+        heapq.heappush(self.events, (t1, self.seq, 0, best))
+        self.seq += 1
 
-    def start_touched(now: float) -> None:
-        while touched:
-            try_start(touched.pop(), now)
+    def run(self) -> None:
+        """Every op timed: the eager ones first, then event by event.
 
-    for w in range(num_workers):
-        if single[w]:
-            first = head[wi_streams[w][0]]
-            if first >= 0 and pending[first] == 0:
-                stack.append(first)
-    drain()
-    for w in range(num_workers):
-        if not single[w]:
-            try_start(w, 0.0)
-    touched.clear()
-    while events:
-        t, _, event, payload = heapq.heappop(events)
-        if event == 1:
-            if wake_at[payload] == t:
-                wake_at[payload] = math.inf
-            try_start(payload, t)
-            continue
-        op_id = payload
-        w = op_wi[op_id]
-        running[w] = False
-        busy_until[w] = t
-        last_op[w] = op_id
-        # Release the successors first, so the worker's next choice sees all of them.
-        release(op_id, t)
-        drain()
-        try_start(w, t)
-        start_touched(t)
+        Raises:
+            RuntimeError: when the fixed orders deadlock.
+        """
+        for w in range(len(self.workers)):
+            if self.single[w]:
+                first = self.head[self.wi_streams[w][0]]
+                if first >= 0 and self.pending[first] == 0:
+                    self.stack.append(first)
+        self.drain()
+        for w in range(len(self.workers)):
+            if not self.single[w]:
+                self.try_start(w, 0.0)
+        self.touched.clear()
+        events = self.events
+        while events:
+            t, _, event, payload = heapq.heappop(events)
+            if event == 1:
+                if self.wake_at[payload] == t:
+                    self.wake_at[payload] = math.inf
+                self.try_start(payload, t)
+                continue
+            op_id = payload
+            w = self.op_wi[op_id]
+            self.running[w] = False
+            self.busy_until[w] = t
+            self.last_op[w] = op_id
+            # Release the successors first, so the worker's next choice sees all of them.
+            self.release(op_id, t)
+            self.drain()
+            self.try_start(w, t)
+            while self.touched:
+                self.try_start(self.touched.pop(), t)
+        if any(h != -1 for h in self.head):
+            # A fixed per-stage order that waits on an op queued behind it on another
+            # worker; the orders of stage_order never do (tests cover random shapes).
+            raise RuntimeError("schedule deadlocked")
 
-    if any(h != -1 for h in head):
-        # A fixed per-stage order that waits on an op queued behind it on another worker;
-        # the orders of stage_order never do (tests cover random shapes).
-        raise RuntimeError("schedule deadlocked")
+    def timeline(self) -> Timeline:
+        """The timed schedule, with the critical path split into compute and transfers."""
+        timeline = Timeline()
+        for i, w in enumerate(self.workers):
+            if self.with_ops:
+                timeline.ops[w] = [self.graph.op(op_id) for op_id in self.order[i]]
+            timeline.finish_s[w] = self.busy_until[i]
+            timeline.busy_s[w] = self.busy_s[i]
+            timeline.peak_activation_bytes[w] = self.act_peak[i]
+        end = self.end
+        if end:
+            makespan = max(end)
+            node = end.index(makespan)  # the first op ending last
+            timeline.makespan_s = makespan
+            compute = 0.0
+            while node >= 0:
+                compute += self.graph.op_dur[node]
+                node = self.cause_op[node]
+            timeline.critical_compute_s = compute
+            timeline.critical_p2p_s = max(0.0, timeline.makespan_s - compute)
+        return timeline
 
-    timeline = Timeline()
-    for i, w in enumerate(workers):
-        if with_ops:
-            timeline.ops[w] = [graph.op(op_id) for op_id in order[i]]
-        timeline.finish_s[w] = busy_until[i]
-        timeline.busy_s[w] = busy_s[i]
-        timeline.peak_activation_bytes[w] = act_peak[i]
-    if num_ops:
-        makespan = max(end)
-        last = end.index(makespan)  # the first op ending last
-        timeline.makespan_s = makespan
-        node = last
-        compute = 0.0
-        while node >= 0:
-            compute += op_dur[node]
-            node = cause_op[node]
-        timeline.critical_compute_s = compute
-        timeline.critical_p2p_s = max(0.0, timeline.makespan_s - compute)
-    return timeline
+
+def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
+    """Run the list scheduler over ``graph`` with one priority rule (:class:`_ListRun`)."""
+    run = _ListRun(graph, rule, with_ops)
+    run.run()
+    return run.timeline()
 
 
 def simulate(

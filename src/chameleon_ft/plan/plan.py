@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -259,6 +259,41 @@ class ExecutionPlan:
                 out[layer].extend(ws)
         return tuple(tuple(sorted(ws)) for ws in out)
 
+    def fatal_nodes(self, workers_per_node: int) -> frozenset[int]:
+        """Nodes (``worker // workers_per_node``) whose loss leaves some layer without a
+        live replica: the single node holding every replica of a layer. Kept with the plan
+        (the policy asks for every candidate of every decision, cached ones included)."""
+        known: tuple[int, frozenset[int]] | None = self.__dict__.get("_fatal_nodes")
+        if known is not None and known[0] == workers_per_node:
+            return known[1]
+        # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
+        # ranges, so this stays cheap on thousands of workers).
+        dead = self.reroute_map
+        by_range: dict[tuple[int, int], int] = {}
+        get = by_range.get
+        for p, pipe in enumerate(self.pipelines):
+            for s, st in enumerate(pipe.stages):
+                if dead and (p, s) in dead:
+                    continue
+                key = (st.first_layer, st.end_layer)
+                seen = get(key)
+                node = st.worker // workers_per_node
+                if seen is None:
+                    by_range[key] = node
+                elif seen >= 0 and seen != node:
+                    by_range[key] = -1
+        out: set[int] = set()
+        if any(node >= 0 for node in by_range.values()):
+            for layer in range(self.num_layers):
+                nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
+                if len(nodes) == 1:
+                    (node,) = nodes
+                    if node >= 0:
+                        out.add(node)
+        found = frozenset(out)
+        object.__setattr__(self, "_fatal_nodes", (workers_per_node, found))
+        return found
+
     def holders(self, layer: int) -> tuple[int, ...]:
         """Live workers holding ``layer`` (they all-reduce its gradient), sorted."""
         return self.holders_by_layer[layer]
@@ -455,6 +490,28 @@ def even_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi
     return out
+
+
+def sharing_stages(plan: ExecutionPlan, source: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with each pipeline whose stages equal a pipeline's of ``source`` holding
+    that pipeline's very stage tuple (the same plan, shared objects).
+
+    A decision renamed back from the planner's canonical form renames a pipeline whose
+    stage tuple it knows without building its stages again: a dynamic plan that keeps
+    most pipelines of the plan it replaces (thousands of stages on 2,048 workers) then
+    costs a warm decision little more than the pipelines it changes.
+    """
+    known = {pipe.stages: pipe.stages for pipe in source.pipelines}
+    pipelines = []
+    changed = False
+    for pipe in plan.pipelines:
+        stages = known.get(pipe.stages)
+        if stages is None or stages is pipe.stages:
+            pipelines.append(pipe)
+        else:
+            pipelines.append(Pipeline(stages, pipe.num_microbatches))
+            changed = True
+    return replace(plan, pipelines=tuple(pipelines)) if changed else plan
 
 
 def workers_of(plans: Iterable[ExecutionPlan]) -> set[int]:

@@ -15,12 +15,15 @@ one with the policy:
 
 Expedient search: ``precompute(plan)`` fills the cache for every single-worker and
 single-node failure while training is healthy; a decision that hits the cache only
-re-scores (the dynamic search time then counts as hidden, 0 s).
+re-scores (the dynamic search time then counts as hidden, 0 s). ``prepared.py`` runs it in
+the background, within a budget, with a second planner sharing the cache
+(:class:`DecisionCache`), so that a decision never waits for it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -39,7 +42,7 @@ from chameleon_ft.policy.symmetry import (
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic, reroute, restart, shrink
 from chameleon_ft.recovery.reroute_then_dynamic import combine
-from chameleon_ft.recovery.restorer import copy_in, fatal_nodes
+from chameleon_ft.recovery.restorer import copy_in, fatal_nodes, load_matching
 from chameleon_ft.recovery.templates import Templates
 from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
 from chameleon_ft.recovery.types import (
@@ -117,6 +120,10 @@ class Decision:
         }
 
 
+class _Stopped(Exception):
+    """A precompute asked to stop in the middle of a failure set (``Planner._stop``)."""
+
+
 _CacheKey = tuple[ExecutionPlan, frozenset[int], frozenset[int], str]
 """(plan, failed or returned workers, live workers, event kind)."""
 
@@ -148,6 +155,55 @@ class _Entry:
     candidates: dict[Strategy, Candidate] = field(default_factory=dict)
 
 
+class DecisionCache:
+    """Decisions' candidates by event, the least recently used dropped first.
+
+    Safe to share between planners of one job on different threads (a background
+    precompute and the decisions, ``prepared.py``): a look-up or an insert holds the lock
+    for one dictionary operation, never while anything is priced. Entries only ever gain
+    candidates, each an immutable value, so a reader sees an entry whole or without a
+    strategy another thread is adding (it then prices that one itself).
+
+    Args:
+        size: entries kept. An entry holds a few whole plans with their estimates: about
+            4 MB on 2,048 workers, a few kB on 32.
+
+    Raises:
+        ValueError: for a size below 1.
+    """
+
+    def __init__(self, size: int = 512) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"cache_size: must be an integer >= 1, got {size!r}")
+        self.size = size
+        self._entries: OrderedDict[_CacheKey, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: _CacheKey) -> _Entry | None:
+        """The entry of ``key`` (now the most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: _CacheKey, entry: _Entry) -> None:
+        """Keep ``entry`` for ``key`` as the most recently used."""
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class Planner:
     """Recovery planning for one job.
 
@@ -155,19 +211,19 @@ class Planner:
         config: the job.
         profile: per-layer costs; default: built from the config.
         policy: overrides ``config.policy.name``.
-        cache_size: decisions' candidates kept (least recently used dropped first). An
-            entry holds a few whole plans with their estimates: about 4 MB on 2,048
-            workers, a few kB on 32.
+        cache_size: decisions' candidates kept (least recently used dropped first; see
+            :class:`DecisionCache`).
+        cache: a decision cache shared with other planners of the same job (then
+            ``cache_size`` is its size).
 
     Raises:
         ValueError: for an unknown policy or a job that does not fit.
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
-                 policy: str | None = None, cache_size: int = 512) -> None:
-        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
-            raise ValueError(f"cache_size: must be an integer >= 1, got {cache_size!r}")
-        self.cache_size = cache_size
+                 policy: str | None = None, cache_size: int = 512,
+                 cache: DecisionCache | None = None) -> None:
+        self._cache = cache if cache is not None else DecisionCache(cache_size)
         self.config = config
         self._profile = profile if profile is not None else build_profile(config)
         self._topology = Topology.from_config(config)
@@ -182,12 +238,16 @@ class Planner:
             workers_per_node=self._topology.workers_per_node,
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
-        self._cache: OrderedDict[_CacheKey, _Entry] = OrderedDict()
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
+        self._stop: Callable[[], bool] | None = None
+        """While :meth:`precompute` runs: whether to stop (asked before every estimate)."""
         start = time.perf_counter()
+        if not self._topology.placement_free:
+            load_matching()  # the Hungarian matching's libraries, once per job
         self._warm_templates()
         self.setup_s = time.perf_counter() - start
-        """Seconds spent building the pipeline templates (once per job)."""
+        """Seconds spent building the pipeline templates (once per job), and loading the
+        matching's libraries where placement matters."""
 
     def _warm_templates(self) -> None:
         """Time every template at the micro-batch counts a single-worker or single-node
@@ -212,6 +272,16 @@ class Planner:
                     self.templates.length_step_s(length, m)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def cache_size(self) -> int:
+        """Decisions' candidates kept."""
+        return self._cache.size
+
+    @property
+    def cache(self) -> DecisionCache:
+        """The decision cache (shareable with another planner of this job)."""
+        return self._cache
+
     @property
     def initial_plan(self) -> ExecutionPlan:
         """The failure-free plan of the job."""
@@ -242,8 +312,15 @@ class Planner:
         return self._estimator.estimate(plan)
 
     def _pipeline_estimate(self, plan: ExecutionPlan) -> tuple[float, bool]:
-        est = self._estimator.estimate(plan)
+        est = self._checked_estimate(plan)
         return est.step_s, est.memory_fits
+
+    def _checked_estimate(self, plan: ExecutionPlan) -> Estimate:
+        """The estimator's view of ``plan``, unless the precompute under way was asked to
+        stop (every search is a sequence of estimates: it stops between two)."""
+        if self._stop is not None and self._stop():
+            raise _Stopped
+        return self._estimator.estimate(plan)
 
     # ------------------------------------------------------------------ checks
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
@@ -302,7 +379,7 @@ class Planner:
                since_checkpoint_s: float | None) -> RecoveryState:
         return RecoveryState(config=self.config, profile=self._profile,
                              topology=self._topology, plan=plan, alive=alive,
-                             templates=self.templates, estimate=self._estimator.estimate,
+                             templates=self.templates, estimate=self._checked_estimate,
                              since_checkpoint_s=since_checkpoint_s)
 
     # ------------------------------------------------------------------ candidates
@@ -345,19 +422,18 @@ class Planner:
             canon_alive = form.rename(alive)
             canon_marked = form.rename(marked)
             key = (form.plan, canon_marked, canon_alive, kind)
-            raw, hit, search_s = self._lookup_exact(
+            raw, hit, search_s, stored = self._lookup_exact(
                 key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
-            stored = self._cache[key].plan
-            return _Found(raw, hit, search_s, lambda c: form.answer(c, plan, stored))
+            return _Found(raw, hit, search_s, form.answerer(plan, stored))
         renaming = (canonical_renaming(plan, marked, alive, self._topology)
                     if kind == "fail" else None)
         if not renaming:  # not symmetric, or already canonical
-            raw, hit, search_s = self._lookup_exact((plan, marked, alive, kind), state, marked,
-                                                    wanted)
+            raw, hit, search_s, _ = self._lookup_exact((plan, marked, alive, kind), state,
+                                                       marked, wanted)
             return _Found(raw, hit, search_s, None)
         canon_marked = frozenset(renaming.get(w, w) for w in marked)
         canon_alive = frozenset(renaming.get(w, w) for w in alive)
-        raw, hit, search_s = self._lookup_exact(
+        raw, hit, search_s, _ = self._lookup_exact(
             (plan, canon_marked, canon_alive, kind), replace(state, alive=canon_alive),
             canon_marked, wanted)
         back = {v: k for k, v in renaming.items()}
@@ -365,7 +441,9 @@ class Planner:
 
     def _lookup_exact(self, key: _CacheKey, state: RecoveryState, marked: frozenset[int],
                       wanted: tuple[Strategy, ...]
-                      ) -> tuple[tuple[Candidate, ...], bool, float]:
+                      ) -> tuple[tuple[Candidate, ...], bool, float, ExecutionPlan]:
+        """The ``wanted`` candidates of ``key`` (priced now when missing), whether all came
+        from the cache, the seconds spent, and the plan they were computed from."""
         start = time.perf_counter()
         entry = self._cache.get(key)
         if entry is None:
@@ -382,22 +460,35 @@ class Planner:
             else:
                 found[strategy] = self._build(key[3], strategy, state, marked)
                 out.append(found[strategy])
-        self._store(key, entry)
-        return tuple(out), not missing, time.perf_counter() - start
-
-    def _store(self, key: _CacheKey, value: _Entry) -> None:
-        self._cache[key] = value
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        self._cache.put(key, entry)
+        return tuple(out), not missing, time.perf_counter() - start, entry.plan
 
     def clear_cache(self) -> None:
         """Forget every cached decision (the pipeline templates stay)."""
         self._cache.clear()
 
+    def likely_failures(self, plan: ExecutionPlan) -> list[frozenset[int]]:
+        """The failures :meth:`precompute` prepares by default: every single worker of
+        ``plan``, pipeline by pipeline and stage by stage, then every node's workers (nodes
+        with more than one).
+
+        Failures of the same stage of identical pipelines share one answer (the symmetric
+        cache), and the first pipeline meets every stage: a budget that runs out still
+        leaves most failures prepared (by worker id, the 16k job's first 128 failures are
+        all of stage 0).
+        """
+        sets = [frozenset({w}) for w in plan.stage_of_worker]
+        by_node: dict[int, set[int]] = {}
+        for w in plan.workers:
+            by_node.setdefault(self._topology.node_of(w), set()).add(w)
+        sets.extend(frozenset(ws) for ws in by_node.values() if len(ws) > 1)
+        return sets
+
     def precompute(self, plan: ExecutionPlan, *,
                    failures: Iterable[Iterable[int]] | None = None,
-                   budget_s: float | None = None) -> float:
+                   budget_s: float | None = None,
+                   stop: Callable[[], bool] | None = None,
+                   on_prepared: Callable[[frozenset[int]], None] | None = None) -> float:
         """Fill the cache for likely failures of ``plan`` while training is healthy.
 
         Every failure set costs one cold search (tens of milliseconds on 32 workers, a few
@@ -411,6 +502,10 @@ class Planner:
             failures: failure sets to prepare; default: every single live worker and every
                 node's live workers.
             budget_s: stop starting new searches after this many seconds.
+            stop: asked before each failure set and before every estimate while one is
+                prepared: True stops at once, the set under way left unprepared (a real
+                failure wants the machine, ``prepared.py``).
+            on_prepared: called with each failure set once it is prepared.
 
         Returns:
             Seconds spent.
@@ -422,27 +517,33 @@ class Planner:
             raise ValueError(f"budget_s: must be >= 0, got {budget_s}")
         start = time.perf_counter()
         if failures is None:
-            sets = [frozenset({w}) for w in plan.workers]
-            by_node: dict[int, set[int]] = {}
-            for w in plan.workers:
-                by_node.setdefault(self._topology.node_of(w), set()).add(w)
-            sets.extend(frozenset(ws) for ws in by_node.values() if len(ws) > 1)
+            sets = self.likely_failures(plan)
         else:
             sets = [self._workers("failures", ws) for ws in failures]
         base_alive = frozenset(plan.workers)
         added = 0
-        for failed in dict.fromkeys(sets):
-            if budget_s is not None and time.perf_counter() - start >= budget_s:
-                break
-            if added >= self.cache_size:
-                break
-            alive = base_alive - failed
-            if not alive:
-                continue
-            # Equivalent failures of a symmetric plan share one cache entry.
-            found = self._lookup("fail", self._state(plan, alive, None), failed,
-                                 self._failure_strategies())
-            added += 0 if found.hit else 1
+        self._stop = stop
+        try:
+            for failed in dict.fromkeys(sets):
+                if budget_s is not None and time.perf_counter() - start >= budget_s:
+                    break
+                if added >= self.cache_size:
+                    break
+                if stop is not None and stop():
+                    break
+                alive = base_alive - failed
+                if not alive:
+                    continue
+                # Equivalent failures of a symmetric plan share one cache entry.
+                found = self._lookup("fail", self._state(plan, alive, None), failed,
+                                     self._failure_strategies())
+                added += 0 if found.hit else 1
+                if on_prepared is not None:
+                    on_prepared(failed)
+        except _Stopped:
+            pass  # the set under way stays unprepared; what it priced is kept
+        finally:
+            self._stop = None
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ decisions
@@ -780,4 +881,4 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-__all__ = ["Decision", "Planner", "infeasible"]
+__all__ = ["Decision", "DecisionCache", "Planner", "infeasible"]

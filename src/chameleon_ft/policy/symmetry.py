@@ -10,7 +10,7 @@ every single failure is one of 16 cached problems instead of 2,048.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -212,13 +212,26 @@ class CanonicalForm:
         ``self.plan``, maybe another object): pipelines of the answer that are its very
         objects are replaced by the original pipelines, without renaming stage by stage.
         """
-        back = {v: k for k, v in self.renaming.items()}
-        source = stored if stored is not None else self.plan
-        same = {id(pipe): original.pipelines[p]
-                for pipe, p in zip(source.pipelines, self.order, strict=True)}
-        same_stages = {id(pipe.stages): original.pipelines[p].stages
-                       for pipe, p in zip(source.pipelines, self.order, strict=True)}
-        return rename_candidate(candidate, back, original, known=(same, same_stages))
+        return self.answerer(original, stored)(candidate)
+
+    def answerer(self, original: ExecutionPlan, stored: ExecutionPlan | None = None
+                 ) -> Callable[[Candidate], Candidate]:
+        """:meth:`answer` for several candidates of one state: the renaming back and the
+        original pipelines are looked up once, at the first candidate."""
+        maps: list[tuple[dict[int, int], _Known]] = []
+
+        def named(candidate: Candidate) -> Candidate:
+            if not maps:
+                source = stored if stored is not None else self.plan
+                pairs = list(zip(source.pipelines, self.order, strict=True))
+                maps.append(({v: k for k, v in self.renaming.items()},
+                             ({id(pipe): original.pipelines[p] for pipe, p in pairs},
+                              {id(pipe.stages): original.pipelines[p].stages
+                               for pipe, p in pairs})))
+            back, known = maps[0]
+            return rename_candidate(candidate, back, original, known=known)
+
+        return named
 
 
 _CANONICAL_PIPELINES: dict[tuple[Any, ...], Pipeline] = {}

@@ -14,6 +14,8 @@ block's output per direction (Narayanan et al. 2021; Korthikanti et al. 2022).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from chameleon_ft.profile.profile import LayerCost, Profile
 from chameleon_ft.spec.cluster import ClusterSpec
 from chameleon_ft.spec.device import DeviceSpec
@@ -23,6 +25,15 @@ from chameleon_ft.spec.profile_source import Recompute
 BF16_BYTES = 2
 OPTIMIZER_BYTES_PER_PARAM = 12
 """fp32 master weights plus Adam's two moments."""
+TRAIN_DTYPE_BYTES: dict[str, tuple[int, int, int]] = {
+    "bfloat16": (2, 4, 12),  # bf16 compute copy; fp32 gradients; fp32 masters + 2 moments
+    "float32": (4, 4, 8),
+    "float64": (8, 8, 16),
+}
+"""Per parameter, the runtime's (weights, gradients, optimizer state) bytes for each
+``[train] dtype``; activations and boundaries scale with the weights' element size."""
+MIXED_BYTES = (BF16_BYTES, BF16_BYTES, OPTIMIZER_BYTES_PER_PARAM)
+"""The planner's default: bf16 weights and gradients, fp32 masters and moments."""
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
 """Memory traffic of one mixed-precision AdamW update per parameter (reads and writes)."""
 CAUSAL_SHARE = 0.5
@@ -32,13 +43,6 @@ ATTENTION_BACKWARD_RATIO = 2.5
 against the forward's 2; Dao 2023)."""
 UNFUSED_SCORE_BYTES = 13
 """Forward memory traffic per score element of unfused attention (see the block below)."""
-TRAIN_DTYPE_BYTES: dict[str, tuple[int, int, int]] = {
-    "bfloat16": (2, 4, 12),  # bf16 compute copy; fp32 gradients; fp32 masters + 2 moments
-    "float32": (4, 4, 8),
-    "float64": (8, 8, 16),
-}
-"""Per parameter, the runtime's (weights, gradients, optimizer state) bytes for each
-``[train] dtype``; activations and boundaries scale with the weights' element size."""
 
 
 def _ring_allreduce_s(num_bytes: float, ranks: int, latency_s: float, bw_bytes_s: float) -> float:
@@ -78,6 +82,195 @@ def _attention_widths(model: ModelSpec) -> tuple[float, float]:
         return float(model.num_heads * model.head_dim), float(model.kv_heads * model.head_dim)
     h = model.hidden_size
     return float(h), h * (model.kv_heads / model.num_heads)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One micro-batch through one block on one of ``t`` tensor-parallel devices."""
+
+    model: ModelSpec
+    device: DeviceSpec
+    b: int
+    t: int
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.model.seq_len
+
+    @property
+    def widths(self) -> tuple[float, float]:
+        """The queries' and the keys' widths (:func:`_attention_widths`)."""
+        return _attention_widths(self.model)
+
+    @property
+    def gated(self) -> bool:
+        return self.model.gated
+
+    @property
+    def mlp_in(self) -> int:
+        """The MLP's input projections' width: gate and up for SwiGLU."""
+        return (2 if self.gated else 1) * self.model.ffn
+
+    @property
+    def scores(self) -> float:
+        """Score-matrix elements on this device."""
+        s = self.model.seq_len
+        return self.b * s * s * self.model.num_heads / self.t
+
+
+def _tp_comm_s(shape: _Shape, cluster: ClusterSpec | None) -> float:
+    """A block's tensor-parallel collectives, per direction: two all-reduces (or all-gather
+    + reduce-scatter) of its output over the intra-node link; free on an ideal network."""
+    if cluster is None or cluster.ideal_network or shape.t <= 1:
+        return 0.0
+    latency_s, bw = cluster.link(same_node=True)
+    return 2 * _ring_allreduce_s(BF16_BYTES * shape.tokens * shape.model.hidden_size,
+                                 shape.t, latency_s, bw)
+
+
+def _products_s(shape: _Shape) -> float:
+    """A block's four products, forward (its input gradient and weight gradient each cost
+    the same)."""
+    device, tokens, t = shape.device, shape.tokens, shape.t
+    h, f = shape.model.hidden_size, shape.model.ffn
+    q_width, kv_width = shape.widths
+    qkv_out = q_width + 2 * kv_width
+    return (
+        _gemm(device, tokens, h, qkv_out / t)
+        + _gemm(device, tokens, q_width / t, h)
+        + _gemm(device, tokens, h, shape.mlp_in / t)
+        + _gemm(device, tokens, f / t, h)
+    )
+
+
+def _attention_s(shape: _Shape, fused: bool) -> tuple[float, float]:
+    """The attention core (``Q K^T`` and ``P V`` over this device's heads), forward and
+    backward."""
+    device, t = shape.device, shape.t
+    b, s = shape.b, shape.model.seq_len
+    q_width, kv_width = shape.widths
+    attention_flops = 4 * b * s * s * q_width / t
+    qkvo_bytes = BF16_BYTES * shape.tokens * (2 * q_width + 2 * kv_width) / t
+    if fused:
+        # The causal half only; the backward recomputes the scores.
+        return (device.op_seconds(CAUSAL_SHARE * attention_flops, qkvo_bytes),
+                device.op_seconds(ATTENTION_BACKWARD_RATIO * CAUSAL_SHARE * attention_flops,
+                                  2 * qkvo_bytes))
+    # Two batched products over the whole square, and the score matrix through memory:
+    # written (2 bytes), scale-mask-softmax read and written (4), dropout read, written
+    # and its mask (5), read by P V (2); about twice that backward.
+    scores = shape.scores
+    return (device.op_seconds(attention_flops, qkvo_bytes)
+            + device.op_seconds(0.0, UNFUSED_SCORE_BYTES * scores),
+            device.op_seconds(2 * attention_flops, 2 * qkvo_bytes)
+            + device.op_seconds(0.0, 2 * UNFUSED_SCORE_BYTES * scores))
+
+
+def _elementwise_s(shape: _Shape) -> tuple[float, float]:
+    """Elementwise work, memory-bound, forward and backward: two norms (read + write), two
+    residual adds (two reads + one write) on this device's 1/t of the tokens (sequence
+    parallelism), and the activation function on its 1/t of the MLP width. The backward
+    moves about twice as much."""
+    t, h, f = shape.t, shape.model.hidden_size, shape.model.ffn
+    elementwise_bytes = BF16_BYTES * shape.tokens * ((2 * 2 * h + 2 * 3 * h) / t
+                                                     + (3 if shape.gated else 2) * f / t)
+    return (shape.device.op_seconds(0.0, elementwise_bytes),
+            shape.device.op_seconds(0.0, 2 * elementwise_bytes))
+
+
+@dataclass(frozen=True)
+class _BlockCosts:
+    fwd_s: float
+    bwd_input_s: float
+    bwd_weight_s: float
+    activation_bytes: float
+    workspace_bytes: float
+    """Full recomputation runs one block's forward again inside its backward: its
+    activations live, for one micro-batch, while that backward runs."""
+
+
+def _block(shape: _Shape, recompute: str, fused_attention: bool) -> _BlockCosts:
+    """One transformer block's seconds and the activation bytes it keeps per micro-batch."""
+    products = _products_s(shape)
+    attention_s, attention_bwd_s = _attention_s(shape, fused_attention)
+    elementwise_s, elementwise_bwd_s = _elementwise_s(shape)
+    block_fwd_s = products + attention_s + elementwise_s
+    recompute_s = {
+        Recompute.NONE.value: 0.0,
+        Recompute.SELECTIVE.value: attention_s,
+        Recompute.FULL.value: block_fwd_s,
+    }[recompute]
+    tokens, t, h = shape.tokens, shape.t, shape.model.hidden_size
+    kept = activation_bytes_per_token(shape.model) * tokens / t
+    # Unfused attention keeps the softmax output (2 bytes), its dropout mask (1) and the
+    # dropped-out scores (2) per element: Korthikanti et al.'s 5 a s^2 b / t.
+    score_bytes = 0.0 if fused_attention else 5 * shape.scores
+    activation = {
+        Recompute.NONE.value: kept + score_bytes,
+        Recompute.SELECTIVE.value: kept,
+        # Only the block input is kept; with sequence parallelism each device keeps 1/t.
+        Recompute.FULL.value: BF16_BYTES * tokens * h / t,
+    }[recompute]
+    recomputed = kept + score_bytes - activation if recompute == Recompute.FULL.value else 0.0
+    return _BlockCosts(fwd_s=block_fwd_s,
+                       bwd_input_s=products + attention_bwd_s + elementwise_bwd_s + recompute_s,
+                       bwd_weight_s=products, activation_bytes=activation,
+                       workspace_bytes=recomputed)
+
+
+def _layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float, params: float,
+           act: float, out: float, *, t: int, optimizer_shards: int,
+           dtype_bytes: tuple[int, int, int] = MIXED_BYTES, comm_s: float = 0.0,
+           workspace: float = 0.0) -> LayerCost:
+    """A layer's costs per device: ``params`` split over ``t`` devices, the optimizer
+    state and the gradients over ``optimizer_shards``, at ``dtype_bytes`` (weights,
+    gradients, optimizer state) a parameter; activations in the weights' dtype."""
+    weight_b, grad_b, optimizer_b = dtype_bytes
+    act_scale = weight_b / BF16_BYTES
+    per_device = params / t
+    return LayerCost(
+        name=name,
+        fwd_s=fwd_s + comm_s,
+        bwd_input_s=bwd_input_s + comm_s,
+        bwd_weight_s=bwd_weight_s,
+        param_bytes=weight_b * per_device,
+        optimizer_bytes=optimizer_b * per_device / optimizer_shards,
+        grad_bytes=(None if optimizer_shards == 1 and grad_b == weight_b
+                    else grad_b * per_device / optimizer_shards),
+        activation_bytes=act * act_scale,
+        output_bytes=out * act_scale,
+        workspace_bytes=workspace * act_scale,
+    )
+
+
+def _head(shape: _Shape, optimizer_shards: int,
+          dtype_bytes: tuple[int, int, int] = MIXED_BYTES) -> LayerCost:
+    """The final norm, the logits product and a softmax cross-entropy over fp32 logits.
+
+    A tied head still keeps its own copy on the last stage (Megatron does the same and
+    all-reduces the two copies' gradients), so its bytes count there.
+    """
+    device, tokens, t = shape.device, shape.tokens, shape.t
+    h, v = shape.model.hidden_size, shape.model.vocab_size
+    logits_s = _gemm(device, tokens, h, v / t)
+    loss_bytes = 3 * 4 * tokens * v / t
+    norm_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
+    head_fwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + norm_s
+    head_bwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + 2 * norm_s
+    head_act = BF16_BYTES * tokens * h / t + 4 * tokens * v / t  # input + fp32 logits
+    return _layer("head", head_fwd_s, head_bwd_s, logits_s, v * h + h, head_act, 0.0, t=t,
+                  optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)
+
+
+def _optimizer_step_s(layers: list[LayerCost], device: DeviceSpec, optimizer_shards: int,
+                      weight_bytes: int = BF16_BYTES) -> float:
+    """The optimizer step over every layer's parameters on one device, memory-bound."""
+    total_params_per_device = sum(layer.param_bytes for layer in layers) / weight_bytes
+    if device.mfu is not None:  # the flat model prices memory traffic at the datasheet rate
+        return (total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM
+                / optimizer_shards / (device.memory_gb_per_s * 1e9))
+    return device.op_seconds(
+        0.0, total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / optimizer_shards)
 
 
 def analytic_profile(
@@ -126,126 +319,28 @@ def analytic_profile(
         raise ValueError(f"optimizer_shards: must be >= 1, got {optimizer_shards}")
     if train_dtype is not None and train_dtype not in TRAIN_DTYPE_BYTES:
         raise ValueError(f"train.dtype: unknown value {train_dtype!r}")
-    weight_b, grad_b, optimizer_b = TRAIN_DTYPE_BYTES.get(
-        train_dtype or "", (BF16_BYTES, BF16_BYTES, OPTIMIZER_BYTES_PER_PARAM))
-    act_scale = weight_b / BF16_BYTES  # activations and boundaries in the weights' dtype
-    b, s, h, a = micro_batch, model.seq_len, model.hidden_size, model.num_heads
-    v, f, t = model.vocab_size, model.ffn, tp
-    q_width, kv_width = _attention_widths(model)
-    tokens = b * s
-    gated = model.gated
-    mlp_in = (2 if gated else 1) * f  # gate and up projections for SwiGLU
-
-    tp_comm_s = 0.0
-    if cluster is not None and not cluster.ideal_network and t > 1:
-        latency_s, bw = cluster.link(same_node=True)
-        # Two all-reduces (or all-gather + reduce-scatter) of the block's output per direction.
-        tp_comm_s = 2 * _ring_allreduce_s(BF16_BYTES * tokens * h, t, latency_s, bw)
-
-    # ---- one block: its products (forward; input gradient and weight gradient cost the same)
-    qkv_out = q_width + 2 * kv_width
-    products = (
-        _gemm(device, tokens, h, qkv_out / t)
-        + _gemm(device, tokens, q_width / t, h)
-        + _gemm(device, tokens, h, mlp_in / t)
-        + _gemm(device, tokens, f / t, h)
-    )
-    # The attention core: Q K^T and P V over the heads of this device.
-    attention_flops = 4 * b * s * s * q_width / t
-    qkvo_bytes = BF16_BYTES * tokens * (2 * q_width + 2 * kv_width) / t
-    scores = b * s * s * a / t  # score-matrix elements on this device
-    if fused_attention:
-        # The causal half only; the backward recomputes the scores.
-        attention_s = device.op_seconds(CAUSAL_SHARE * attention_flops, qkvo_bytes)
-        attention_bwd_s = device.op_seconds(
-            ATTENTION_BACKWARD_RATIO * CAUSAL_SHARE * attention_flops, 2 * qkvo_bytes)
-    else:
-        # Two batched products over the whole square, and the score matrix through memory:
-        # written (2 bytes), scale-mask-softmax read and written (4), dropout read, written
-        # and its mask (5), read by P V (2); about twice that backward.
-        attention_s = (device.op_seconds(attention_flops, qkvo_bytes)
-                       + device.op_seconds(0.0, UNFUSED_SCORE_BYTES * scores))
-        attention_bwd_s = (device.op_seconds(2 * attention_flops, 2 * qkvo_bytes)
-                           + device.op_seconds(0.0, 2 * UNFUSED_SCORE_BYTES * scores))
-    # Elementwise work, memory-bound: two norms (read + write), two residual adds (two
-    # reads + one write) on this device's 1/t of the tokens (sequence parallelism), and the
-    # activation function on its 1/t of the MLP width. The backward moves about twice as much.
-    elementwise_bytes = BF16_BYTES * tokens * ((2 * 2 * h + 2 * 3 * h) / t
-                                               + (3 if gated else 2) * f / t)
-    elementwise_s = device.op_seconds(0.0, elementwise_bytes)
-    elementwise_bwd_s = device.op_seconds(0.0, 2 * elementwise_bytes)
-
-    block_fwd_s = products + attention_s + elementwise_s
-    recompute_s = {
-        Recompute.NONE.value: 0.0,
-        Recompute.SELECTIVE.value: attention_s,
-        Recompute.FULL.value: block_fwd_s,
-    }[recompute]
-    block_bwd_input_s = products + attention_bwd_s + elementwise_bwd_s + recompute_s
-    block_bwd_weight_s = products
-    kept = activation_bytes_per_token(model) * tokens / t
-    # Unfused attention keeps the softmax output (2 bytes), its dropout mask (1) and the
-    # dropped-out scores (2) per element: Korthikanti et al.'s 5 a s^2 b / t.
-    score_bytes = 0.0 if fused_attention else 5 * scores
-    activation = {
-        Recompute.NONE.value: kept + score_bytes,
-        Recompute.SELECTIVE.value: kept,
-        # Only the block input is kept; with sequence parallelism each device keeps 1/t.
-        Recompute.FULL.value: BF16_BYTES * tokens * h / t,
-    }[recompute]
+    dtype_bytes = TRAIN_DTYPE_BYTES.get(train_dtype or "", MIXED_BYTES)
+    shape = _Shape(model=model, device=device, b=micro_batch, t=tp)
+    tokens, t, h, v = shape.tokens, tp, model.hidden_size, model.vocab_size
+    block = _block(shape, recompute, fused_attention)
     boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
-
-    def layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float,
-              params: float, act: float, out: float, comm_s: float = 0.0,
-              workspace: float = 0.0) -> LayerCost:
-        per_device = params / t
-        return LayerCost(
-            name=name,
-            fwd_s=fwd_s + comm_s,
-            bwd_input_s=bwd_input_s + comm_s,
-            bwd_weight_s=bwd_weight_s,
-            param_bytes=weight_b * per_device,
-            optimizer_bytes=optimizer_b * per_device / optimizer_shards,
-            grad_bytes=(None if optimizer_shards == 1 and grad_b == weight_b
-                        else grad_b * per_device / optimizer_shards),
-            activation_bytes=act * act_scale,
-            output_bytes=out * act_scale,
-            workspace_bytes=workspace * act_scale,
-        )
-
     # Embedding: a gather forward, a scatter-add into its gradient backward.
     lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
-    layers = [layer("embedding", lookup_s, 0.0, lookup_s, v * h,
-                    BF16_BYTES * tokens * h / t, boundary_bytes)]
+    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, v * h, BF16_BYTES * tokens * h / t,
+                     boundary_bytes, t=t, optimizer_shards=optimizer_shards,
+                     dtype_bytes=dtype_bytes)]
     block_params = model.block_params()
-    # Full recomputation runs one block's forward again inside its backward: its
-    # activations live, for one micro-batch, while that backward runs.
-    recomputed = kept + score_bytes - activation if recompute == Recompute.FULL.value else 0.0
+    tp_comm_s = _tp_comm_s(shape, cluster)
     for i in range(model.num_blocks):
-        layers.append(layer(f"block{i}", block_fwd_s, block_bwd_input_s, block_bwd_weight_s,
-                            block_params, activation, boundary_bytes, comm_s=tp_comm_s,
-                            workspace=recomputed))
-    # Head: the final norm, the logits product and a softmax cross-entropy over fp32 logits.
-    logits_s = _gemm(device, tokens, h, v / t)
-    loss_bytes = 3 * 4 * tokens * v / t
-    norm_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
-    head_fwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + norm_s
-    head_bwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + 2 * norm_s
-    head_act = BF16_BYTES * tokens * h / t + 4 * tokens * v / t  # input + fp32 logits
-    # A tied head still keeps its own copy on the last stage (Megatron does the same and
-    # all-reduces the two copies' gradients), so its bytes count there.
-    layers.append(layer("head", head_fwd_s, head_bwd_s, logits_s, v * h + h, head_act, 0.0))
-
-    total_params_per_device = sum(layer.param_bytes for layer in layers) / weight_b
-    optimizer_step_s = device.op_seconds(
-        0.0, total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / optimizer_shards)
-    if device.mfu is not None:  # the flat model prices memory traffic at the datasheet rate
-        optimizer_step_s = (total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM
-                            / optimizer_shards / (device.memory_gb_per_s * 1e9))
+        layers.append(_layer(f"block{i}", block.fwd_s, block.bwd_input_s, block.bwd_weight_s,
+                             block_params, block.activation_bytes, boundary_bytes, t=t,
+                             optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes,
+                             comm_s=tp_comm_s, workspace=block.workspace_bytes))
+    layers.append(_head(shape, optimizer_shards, dtype_bytes))
     return Profile(
         layers=tuple(layers),
-        optimizer_step_s=optimizer_step_s,
-        tokens_per_sample=s,
+        optimizer_step_s=_optimizer_step_s(layers, device, optimizer_shards, dtype_bytes[0]),
+        tokens_per_sample=model.seq_len,
         micro_batch=micro_batch,
         source="analytic",
         meta={"model": model.name, "device": device.name, "tp": tp, "recompute": recompute,

@@ -38,9 +38,11 @@ import math
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.plan import sharing_stages
 from chameleon_ft.recovery.restorer import (
     assign_workers,
     fatal_nodes,
@@ -269,7 +271,8 @@ def _allocated(templates: Templates, lengths: tuple[int, ...],
     key = ("allocate", lengths, num_microbatches)
     found = templates.memo.get(key)
     if found is None:
-        step_s, counts = allocate(list(lengths), num_microbatches, templates.length_step_s)
+        step_s, counts = allocate(list(lengths), num_microbatches, templates.length_step_s,
+                                  known=templates.priced_steps)
         found = templates.memo[key] = (step_s, tuple(counts))
     return found[0], list(found[1])
 
@@ -284,6 +287,156 @@ def max_length(state: RecoveryState) -> int:
     return longest
 
 
+class _Split(NamedTuple):
+    """One shortlisted partition with its exact micro-batch split (:func:`allocate`)."""
+
+    step_s: float
+    rebuilt: int
+    """Pipelines it cannot take over intact (:func:`_rebuilt`)."""
+    num_lengths: int
+    busy: int
+    """Workers it keeps busy."""
+    lengths: tuple[int, ...]
+    counts: list[int]
+
+    def rank(self) -> tuple[float, int, int, int]:
+        """Ties (common: micro-batches are whole) go to the partition that rebuilds the
+        fewest pipelines (least migration), then fewer distinct lengths (fewer all-reduce
+        buckets), then fewer busy workers."""
+        return (_rounded(self.step_s), self.rebuilt, self.num_lengths, self.busy)
+
+
+def _shortlist(state: RecoveryState, lengths: list[int],
+               intact: dict[int, int]) -> tuple[list[tuple[int, ...]], int]:
+    """The partitions of the survivors into pipeline lengths to split exactly, and how
+    many partitions the search considered (module docstring, step 2)."""
+    num_alive = len(state.alive)
+    num_microbatches = state.plan.num_microbatches
+    if num_alive <= state.config.recovery.search_exhaustive_workers:
+        pool = list(partitions_all(num_alive, lengths))
+        return pool, len(pool)
+    ranked, num_partitions = _ranked_partitions(state.templates, num_alive, tuple(lengths),
+                                                num_microbatches)
+    # The relaxation ignores that micro-batches are whole, so near-ties abound; the
+    # partitions that keep the intact pipelines (Oobleck's re-instantiation) and the
+    # homogeneous ones are always priced exactly as well.
+    shortlisted = list(dict.fromkeys(
+        [*ranked, *_anchored(intact, num_alive, lengths),
+         *(tuple([n] * (num_alive // n)) for n in lengths)]))
+    return [p for p in shortlisted if 0 < len(p) <= num_microbatches], num_partitions
+
+
+def _exact_splits(templates: Templates, shortlisted: Sequence[tuple[int, ...]],
+                  num_microbatches: int, intact: dict[int, int]) -> list[_Split]:
+    """Each shortlisted partition with its exact micro-batch split (:func:`_allocated`),
+    in shortlist order; partitions that cannot split the micro-batches are left out."""
+    out = []
+    for lengths in shortlisted:
+        step_s, counts = _allocated(templates, lengths, num_microbatches)
+        if counts:
+            out.append(_Split(step_s, _rebuilt(intact, lengths), len(set(lengths)),
+                              sum(lengths), lengths, counts))
+    return out
+
+
+def _to_price(exact: list[_Split]) -> list[_Split]:
+    """The splits priced as whole plans: the ``_FULL_ESTIMATES`` best and the best uniform
+    ones.
+
+    One-pipeline templates do not see the gradient all-reduce that couples pipelines,
+    which grows with the number of pipelines and of distinct layer splits; so the best
+    uniform partitions by the same ranking restart uses (the layouts a restart picks
+    from) are priced as whole plans too, and a dynamic plan is not slower than
+    restarting on the same survivors.
+    """
+    ranked = sorted(exact, key=_Split.rank)
+    priced = ranked[:_FULL_ESTIMATES]
+    uniform = [split for split in ranked if split.num_lengths == 1][:_FULL_ESTIMATES]
+    return priced + [split for split in uniform if split not in priced]
+
+
+def _shapes(state: RecoveryState, split: _Split) -> list[ExecutionPlan]:
+    """The plans with placeholder workers a split is priced as: its best layouts, and for
+    small searches other combinations of equally fast layer splits."""
+    templates, plan = state.templates, state.plan
+    shapes = [skeleton(templates, split.lengths, split.counts, plan.micro_batch,
+                       plan.schedule)]
+    if len(state.alive) <= state.config.recovery.search_exhaustive_workers and (
+            templates.exhaustive):
+        shapes.extend(_alternatives(templates, split.step_s, split.lengths, split.counts,
+                                    plan.micro_batch, plan.schedule))
+    return shapes
+
+
+def _placements(state: RecoveryState, shape: ExecutionPlan,
+                held: Mapping[int, Collection[int]],
+                layer_bytes: Sequence[float]) -> list[tuple[ExecutionPlan, float]]:
+    """Survivors put into ``shape``: the fewest bytes moved, and for a shape whose pipelines
+    share one layout also stage-major.
+
+    The fewest bytes moved can scatter a stage's replicas over nodes; the stage-major
+    packing keeps each stage's all-reduce on as few nodes as it can, at the price of a
+    larger migration: both are priced, the packing only when it leaves no more nodes
+    whose loss would be fatal (a node holding every replica of a stage can only be
+    followed by a restart).
+    """
+    placements = [assign_workers(shape, held, layer_bytes)]
+    if len({tuple((st.first_layer, st.end_layer) for st in pipe.stages)
+            for pipe in shape.pipelines}) == 1:
+        packed = pack_stage_major(shape, held, layer_bytes)
+        if (len(fatal_nodes(packed[0], state.topology))
+                <= len(fatal_nodes(placements[0][0], state.topology))):
+            placements.append(packed)
+    return placements
+
+
+_Best = tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]]
+"""(step seconds, bytes moved, plan, its estimate, its pipeline lengths)."""
+
+
+def _fastest_plan(state: RecoveryState, priced: list[_Split],
+                  held: Mapping[int, Collection[int]],
+                  layer_bytes: Sequence[float]) -> _Best | None:
+    """The fastest whole plan over the priced splits' shapes that fits memory (ties: fewer
+    bytes moved); ``None`` when none fits.
+
+    Placement matters to an estimate only through which links a transfer crosses; with
+    one worker per node, one node, or free links, every filling of a shape prices the
+    same, so the Hungarian matching runs only for the shapes that win.
+    """
+    topology = state.topology
+    placement_free = topology.placement_free
+    best: _Best | None = None
+    unmatched: list[tuple[float, ExecutionPlan, tuple[int, ...]]] = []
+    for split in priced:
+        for shape in _shapes(state, split):
+            if placement_free:
+                # The estimate cannot depend on who fills which slot: price the shape with
+                # survivors in id order and match workers only for the fastest (below).
+                est = state.estimate(_in_id_order(shape, held))
+                if est.memory_fits:
+                    unmatched.append((_rounded(est.step_s), shape, split.lengths))
+                continue
+            for new_plan, moved in _placements(state, shape, held, layer_bytes):
+                new_plan.validate()
+                est = state.estimate(new_plan)
+                if not est.memory_fits:
+                    continue
+                key = (_rounded(est.step_s), moved)
+                if best is None or key < (_rounded(best[0]), best[1]):
+                    best = (est.step_s, moved, new_plan, est, split.lengths)
+    if unmatched:
+        fastest = min(step for step, _, _ in unmatched)
+        for step, shape, lengths in unmatched:
+            if step != fastest:
+                continue
+            new_plan, moved = assign_workers(shape, held, layer_bytes)
+            new_plan.validate()
+            if best is None or moved < best[1]:
+                best = (step, moved, new_plan, state.estimate(new_plan), lengths)
+    return best
+
+
 def search(state: RecoveryState) -> SearchResult | None:
     """The best dynamic plan over ``state.alive``; ``None`` when nothing fits.
 
@@ -291,107 +444,23 @@ def search(state: RecoveryState) -> SearchResult | None:
     """
     start = time.perf_counter()
     templates = state.templates
-    spec = state.config.recovery
-    plan = state.plan
-    num_alive = len(state.alive)
-    num_microbatches = plan.num_microbatches
-    exhaustive = num_alive <= spec.search_exhaustive_workers
     lengths = templates.feasible_lengths(max_length(state))
     if not lengths:
         return None
     intact = _intact_lengths(state)
-    if exhaustive:
-        pool = list(partitions_all(num_alive, lengths))
-        shortlisted = pool
-        num_partitions = len(pool)
-    else:
-        pool, num_partitions = _ranked_partitions(templates, num_alive, tuple(lengths),
-                                                  num_microbatches)
-        # The relaxation ignores that micro-batches are whole, so near-ties abound; the
-        # partitions that keep the intact pipelines (Oobleck's re-instantiation) and the
-        # homogeneous ones are always priced exactly as well.
-        shortlisted = list(dict.fromkeys(
-            [*pool, *_anchored(intact, num_alive, lengths),
-             *(tuple([n] * (num_alive // n)) for n in lengths)]))
-        shortlisted = [p for p in shortlisted if 0 < len(p) <= num_microbatches]
-    exact: list[tuple[float, int, int, int, tuple[int, ...], list[int]]] = []
-    for lengths_of_plan in shortlisted:
-        step_s, counts = _allocated(templates, lengths_of_plan, num_microbatches)
-        if counts:
-            # Ties (common: micro-batches are whole) go to the partition that rebuilds the
-            # fewest pipelines (least migration), then fewer distinct lengths (fewer
-            # all-reduce buckets), then fewer busy workers.
-            exact.append((step_s, _rebuilt(intact, lengths_of_plan),
-                          len(set(lengths_of_plan)), sum(lengths_of_plan), lengths_of_plan,
-                          counts))
+    shortlisted, num_partitions = _shortlist(state, lengths, intact)
+    exact = _exact_splits(templates, shortlisted, state.plan.num_microbatches, intact)
     if not exact:
         return None
-    exact.sort(key=lambda item: (_rounded(item[0]), item[1], item[2], item[3]))
     held = {w: state.plan.layers_by_worker.get(w, range(0)) for w in state.alive}
     layer_bytes = [layer.state_bytes for layer in state.profile.layers]
-    best: tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]] | None = None
-    # One-pipeline templates do not see the gradient all-reduce that couples pipelines,
-    # which grows with the number of pipelines and of distinct layer splits; so the best
-    # uniform partitions by the same ranking restart uses (the layouts a restart picks
-    # from) are priced as whole plans too, and a dynamic plan is not slower than
-    # restarting on the same survivors.
-    priced = exact[:_FULL_ESTIMATES]
-    uniform = [item for item in exact if len(set(item[4])) == 1][:_FULL_ESTIMATES]
-    priced += [item for item in uniform if item not in priced]
-    # Placement matters to an estimate only through which links a transfer crosses; with
-    # one worker per node, one node, or free links, every filling of a shape prices the
-    # same, so the Hungarian matching runs only for the shapes that win.
-    topology = state.topology
-    placement_free = (topology.workers_per_node == 1 or topology.cluster.num_nodes == 1
-                      or topology.cluster.ideal_network)
-    unmatched: list[tuple[float, ExecutionPlan, tuple[int, ...]]] = []
-    for tau, *_, lengths_of_plan, counts in priced:
-        shapes = [skeleton(templates, lengths_of_plan, counts, plan.micro_batch, plan.schedule)]
-        if exhaustive and templates.exhaustive:
-            shapes.extend(_alternatives(templates, tau, lengths_of_plan, counts,
-                                        plan.micro_batch, plan.schedule))
-        for shape in shapes:
-            if placement_free:
-                # The estimate cannot depend on who fills which slot: price the shape with
-                # survivors in id order and match workers only for the fastest (below).
-                est = state.estimate(_in_id_order(shape, held))
-                if est.memory_fits:
-                    unmatched.append((_rounded(est.step_s), shape, lengths_of_plan))
-                continue
-            placements = [assign_workers(shape, held, layer_bytes)]
-            if len({tuple((st.first_layer, st.end_layer) for st in pipe.stages)
-                    for pipe in shape.pipelines}) == 1:
-                # The fewest bytes moved can scatter a stage's replicas over nodes; the
-                # stage-major packing keeps each stage's all-reduce on as few nodes as it
-                # can, at the price of a larger migration: both are priced, the packing
-                # only when it leaves no more nodes whose loss would be fatal (a node
-                # holding every replica of a stage can only be followed by a restart).
-                packed = pack_stage_major(shape, held, layer_bytes)
-                if (len(fatal_nodes(packed[0], topology))
-                        <= len(fatal_nodes(placements[0][0], topology))):
-                    placements.append(packed)
-            for new_plan, moved in placements:
-                new_plan.validate()
-                est = state.estimate(new_plan)
-                if not est.memory_fits:
-                    continue
-                key = (_rounded(est.step_s), moved)
-                if best is None or key < (_rounded(best[0]), best[1]):
-                    best = (est.step_s, moved, new_plan, est, lengths_of_plan)
-    if unmatched:
-        fastest = min(step for step, _, _ in unmatched)
-        for step, shape, lengths_of_plan in unmatched:
-            if step != fastest:
-                continue
-            new_plan, moved = assign_workers(shape, held, layer_bytes)
-            new_plan.validate()
-            if best is None or moved < best[1]:
-                best = (step, moved, new_plan, state.estimate(new_plan), lengths_of_plan)
+    best = _fastest_plan(state, _to_price(exact), held, layer_bytes)
     if best is None:
         return None
     _, _, new_plan, est, lengths_of_plan = best
+    new_plan = sharing_stages(new_plan, state.plan)
     migration = schedule_migration(new_plan, held, state.profile, state.topology,
-                                   max_parts=spec.migration_max_parts)
+                                   max_parts=state.config.recovery.migration_max_parts)
     return SearchResult(plan=new_plan, estimate=est, migration=migration,
                         lengths=lengths_of_plan, num_partitions=num_partitions,
                         search_s=time.perf_counter() - start)

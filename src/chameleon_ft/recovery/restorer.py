@@ -17,9 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
-from scipy.optimize import linear_sum_assignment
+from typing import Any
 
 from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
@@ -50,6 +48,20 @@ class Matching:
 def _missing_bytes(have: Collection[int], want: Collection[int],
                    layer_bytes: Sequence[float]) -> float:
     return float(sum(layer_bytes[layer] for layer in want if layer not in have))
+
+
+def load_matching() -> tuple[Any, Any]:
+    """``numpy`` and ``scipy.optimize.linear_sum_assignment``, imported on first use.
+
+    They take about as long to load as a cold decision on 2,048 workers takes, and a
+    decision whose survivors keep their stages (most single failures of a large job) never
+    needs them; a job where placement matters loads them with its planner
+    (``Planner.__init__``), so that no decision pays for it.
+    """
+    import numpy
+    from scipy.optimize import linear_sum_assignment
+
+    return numpy, linear_sum_assignment
 
 
 def match_workers(held: list[set[int]], wanted: list[set[int]],
@@ -95,6 +107,7 @@ def match_workers(held: list[set[int]], wanted: list[set[int]],
             rest_cols.append(j)
     moved = 0.0
     if rest_cols:
+        np, linear_sum_assignment = load_matching()
         rest_rows = sorted(i for pool in free_by_set.values() for i in pool)
         sizes = np.asarray(layer_bytes, dtype=float)
         have = np.zeros((len(rest_rows), num_layers))
@@ -147,32 +160,8 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
 
 def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
     """Nodes whose loss leaves some layer of ``plan`` without a live replica (the single
-    node holding every replica of a layer)."""
-    # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
-    # ranges, so this stays cheap on thousands of workers and on freshly renamed plans).
-    node_of = topology.node_of
-    dead = plan.reroute_map
-    by_range: dict[tuple[int, int], int] = {}
-    for p, pipe in enumerate(plan.pipelines):
-        for s, st in enumerate(pipe.stages):
-            if dead and (p, s) in dead:
-                continue
-            key = (st.first_layer, st.end_layer)
-            seen = by_range.get(key)
-            if seen is None:
-                by_range[key] = node_of(st.worker)
-            elif seen >= 0 and seen != node_of(st.worker):
-                by_range[key] = -1
-    if all(node < 0 for node in by_range.values()):
-        return frozenset()  # every range spans two nodes: nothing can be fatal
-    out = set()
-    for layer in range(plan.num_layers):
-        nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
-        if len(nodes) == 1:
-            (node,) = nodes
-            if node >= 0:
-                out.add(node)
-    return frozenset(out)
+    node holding every replica of a layer; :meth:`ExecutionPlan.fatal_nodes`)."""
+    return plan.fatal_nodes(topology.workers_per_node)
 
 
 def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],

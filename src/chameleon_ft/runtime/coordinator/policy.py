@@ -7,8 +7,6 @@ The control plane asks (``Decide`` / ``DecideRejoin`` effects); the shell calls 
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
 
 from chameleon_ft.plan import ExecutionPlan
@@ -24,39 +22,38 @@ Decide = Callable[[ExecutionPlan, frozenset[int], frozenset[int], float, float |
 
 
 class PlannerDecide:
-    """The project's policy (``chameleon_ft.policy.Planner``) as a :data:`Decide`.
+    """The project's policy (``chameleon_ft.policy``) as a :data:`Decide`.
 
-    :meth:`precompute` prepares the candidates of likely failures of a plan on a background
-    thread while training is healthy, so a decision at failure time is a cache look-up.
+    Decisions never wait: after each publish the likely failures of the new plan are
+    prepared in the background within ``[policy] precompute_budget_s``
+    (:class:`~chameleon_ft.policy.prepared.PreparedPlanner`), and a real failure stops
+    that preparation and is decided at once, a cache hit when it was prepared.
     """
 
     def __init__(self, config: Config, profile: Profile, policy: str) -> None:
         from chameleon_ft.policy import Planner  # pure core: imported only when training
+        from chameleon_ft.policy.prepared import PreparedPlanner
 
-        self.planner = Planner(config, profile=profile, policy=policy)
-        self.lock = threading.Lock()
+        self.prepared = PreparedPlanner(Planner(config, profile=profile, policy=policy))
 
     def __call__(self, plan: ExecutionPlan, failed: frozenset[int], alive: frozenset[int],
                  now_s: float, since_checkpoint_s: float | None) -> DecisionLike:
-        with self.lock:
-            decision: DecisionLike = self.planner.decide(
-                plan, sorted(failed), alive=sorted(alive), now_s=now_s,
-                since_checkpoint_s=since_checkpoint_s)
-            return decision
+        decision: DecisionLike = self.prepared.decide(
+            plan, sorted(failed), alive=sorted(alive), now_s=now_s,
+            since_checkpoint_s=since_checkpoint_s)
+        return decision
 
     def rejoin(self, plan: ExecutionPlan, returned: frozenset[int], alive: frozenset[int],
                now_s: float) -> DecisionLike:
         """The policy's answer to repaired workers coming back."""
-        with self.lock:
-            decision: DecisionLike = self.planner.decide_rejoin(
-                plan, sorted(returned), alive=sorted(alive), now_s=now_s)
-            return decision
+        decision: DecisionLike = self.prepared.decide_rejoin(
+            plan, sorted(returned), alive=sorted(alive), now_s=now_s)
+        return decision
 
     def precompute(self, plan: ExecutionPlan) -> None:
-        """Start filling the planner's cache for ``plan`` in the background."""
+        """Prepare the likely failures of ``plan`` in the background (returns at once)."""
+        self.prepared.prepare(plan)
 
-        def work() -> None:
-            with self.lock, contextlib.suppress(Exception):
-                self.planner.precompute(plan)
-
-        threading.Thread(target=work, daemon=True, name="chameleon-precompute").start()
+    def close(self) -> None:
+        """Stop the preparation and join its thread."""
+        self.prepared.close()

@@ -313,6 +313,10 @@ class Coordinator:
             return finish(self, self.stopped)
         finally:
             self._restore_signal_handlers(old_handlers)
+            close = getattr(self.decide, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
             self.launcher.reap()
             with contextlib.suppress(Exception):
                 self.bulk.close()
