@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,9 @@ from chameleon_ft.runtime.storage.checkpoint import (
 )
 from chameleon_ft.runtime.storage.packing import pack, pack_to
 from chameleon_ft.runtime.workload.optim import LayerTrainState
+
+LOWEST_PRIORITY = 19
+"""The niceness of a checkpoint's writing (after its copy): training keeps its cores."""
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -71,7 +75,17 @@ def tree_bytes(tree: Any) -> int:
     return 0
 
 
-def snapshot(state: LayerTrainState) -> dict[str, Any]:
+class _Copied:
+    """A layer state already copied (its snapshot is itself)."""
+
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self.tree = tree
+
+    def state_tree(self) -> dict[str, Any]:
+        return self.tree
+
+
+def snapshot(state: LayerTrainState | _Copied) -> dict[str, Any]:
     """A copy of a layer's state in host memory, safe to write while training goes on."""
 
     def copy(value: Any) -> Any:
@@ -103,6 +117,8 @@ class CheckpointIO:
         self._store_of = store
         self._store: Any = None
         self.thread: threading.Thread | None = None
+        self.copied = threading.Event()
+        self.copied.set()
         self.pending_bytes = 0
         """Bytes of the checkpoint being written in the background."""
         self.manifests: dict[int, Manifest] = {}
@@ -119,20 +135,48 @@ class CheckpointIO:
         """Wait for the checkpoint being written, as long as its bytes allow."""
         return self.wait(deadline.for_bytes(self.pending_bytes))
 
-    def write_async(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
+    def snapshot_taken(self, timeout_s: float) -> bool:
+        """Wait until the checkpoint being written has copied its layers (before the
+        training thread changes them: the next optimizer step)."""
+        return self.copied.wait(timeout_s)
+
+    def write_async(self, step: int, gen: int, states: dict[int, LayerTrainState],
                     inject: OSError | None, deadline: Deadline) -> None:
-        """Write ``layers`` (snapshots) of the checkpoint after ``step`` steps in the
-        background, once the previous checkpoint is written (waiting as long as its bytes
-        allow: a write still running then is reported as this one's failure)."""
+        """Write ``states`` (the layers as committed after ``step`` steps) in the background,
+        once the previous checkpoint is written (waiting as long as its bytes allow: a write
+        still running then is reported as this one's failure).
+
+        The writer thread first copies the layers into host memory (at normal priority,
+        while the next step's forward and backward run: they do not change the state; the
+        next optimizer step waits for the copy, :meth:`snapshot_taken`), then streams them
+        to disk at the lowest CPU priority, so writing takes the cycles training leaves.
+        """
         limit_s = deadline.for_bytes(self.pending_bytes)
         if not self.wait(limit_s):
             self._fail(gen, step, f"worker {self.worker}: the previous checkpoint was still "
                        f"being written after {limit_s:.0f} s")
             return
-        self.pending_bytes = tree_bytes(layers)
-        self.thread = threading.Thread(target=self.write, args=(step, gen, layers, inject),
+        self.copied = threading.Event()
+        if any(True for state in states.values() for _ in state.module.buffers()):
+            # a forward may change buffers (batch norm's running statistics): copy now
+            copies = {i: snapshot(state) for i, state in states.items()}
+            states = {i: _Copied(tree) for i, tree in copies.items()}
+        self.thread = threading.Thread(target=self._background,
+                                       args=(step, gen, states, inject, self.copied),
                                        daemon=True, name=f"checkpoint-{step}")
         self.thread.start()
+
+    def _background(self, step: int, gen: int, states: dict[int, Any],
+                    inject: OSError | None, copied: threading.Event) -> None:
+        try:
+            layers = {i: state.tree if isinstance(state, _Copied) else snapshot(state)
+                      for i, state in states.items()}
+        finally:
+            copied.set()
+        self.pending_bytes = tree_bytes(layers)
+        with contextlib.suppress(OSError, AttributeError):  # Linux: per-thread niceness
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        self.write(step, gen, layers, inject)
 
     def write(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
               inject: OSError | None = None) -> bool:

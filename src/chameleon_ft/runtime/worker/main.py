@@ -45,7 +45,6 @@ from chameleon_ft.runtime.worker.checkpoints import (
     CheckpointIO,
     CorruptCheckpoint,
     shared_folder,
-    snapshot,
     wait_final,
 )
 from chameleon_ft.runtime.worker.comm import Comm, CommError
@@ -442,6 +441,9 @@ class Worker:
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
         self.faults.maybe_fire(step, "optimizer", gen)
+        if not self.ckpt.snapshot_taken(self.storage.for_bytes(self.ckpt.pending_bytes)):
+            raise RuntimeError(f"worker {self.id}: the checkpoint's copy of its layers did "
+                               "not finish")
         t0 = time.perf_counter()
         for state in self.layers.values():
             state.step(step)
@@ -469,7 +471,7 @@ class Worker:
         every = self.job.checkpoint_every
         if every <= 0 or num_steps % every:
             return
-        mine = {i: snapshot(state) for i, state in self.layers.items()
+        mine = {i: state for i, state in self.layers.items()
                 if writer_of(plan.holders(i), i) == self.id}
         inject = self.faults.maybe_fire(num_steps - 1, "checkpoint", gen)
         if mine or inject is not None:
