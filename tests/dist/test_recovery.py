@@ -82,8 +82,12 @@ def test_no_replica_left_restarts_from_checkpoint(tmp_path: Path, reference: Any
     _check_steps(report)
     restarts = [e for e in report["events"] if e["strategy"] == "restart"]
     assert restarts, report["events"]
-    # checkpoints every 2 steps: a failure in step 3 redoes step 2 at most
-    assert all(0 <= e["lost_steps"] <= 2 for e in restarts)
+    # checkpoints every 2 steps, written in the background: the one after 2 steps is
+    # complete or still being written when its only holders die in step 3 (then it is
+    # dropped and the restart starts over from the start), so 1 or 3 steps are redone
+    assert all(e["lost_steps"] in (1, 3) for e in restarts), restarts
+    dropped = report["dropped_checkpoints"]
+    assert all(e["lost_steps"] == 1 for e in restarts) or dropped, (restarts, dropped)
     assert (tmp_path / "checkpoints" / "step00000002" / "manifest.json").exists()
     assert max_abs_diff(params, ref_params) < 1e-9
 
