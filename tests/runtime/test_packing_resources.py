@@ -117,3 +117,25 @@ def test_the_memory_check_counts_the_runs_numerics() -> None:
     assert needs["float32", "full"] < needs["float32", "none"]
     assert needs["bfloat16", "full"] < needs["bfloat16", "none"]
     assert needs["bfloat16", "none"] < needs["float32", "none"]  # half the activations
+
+
+def test_the_memory_check_counts_the_checkpoint_copies() -> None:
+    """A worker keeps a host copy of the master weights and optimizer state of the layers
+    it writes into checkpoints; replicas share the layers, so with dp 2 each writes half."""
+    from chameleon_ft.runtime.coordinator.resources import checkpoint_copy_bytes
+
+    config: Any = _llama_job(checkpoint_every=0)
+    profile = build_profile(config, runtime=True)
+    plan = initial_plan(config, profile)
+    params = layer_parameters(config, profile)
+    assert checkpoint_copy_bytes(config, plan, params) == {}
+    config = _llama_job(checkpoint_every=10)
+    copies = checkpoint_copy_bytes(config, plan, params)
+    assert sorted(copies) == [0, 1, 2, 3]
+    assert sum(copies.values()) == sum(params) * 12  # fp32 weights and two moments
+    # the copies can be what does not fit: the job without them fits in exactly its need
+    need = sum(worker_bytes(config, plan, profile, params).values())
+    assert check_memory(_llama_job(checkpoint_every=0), plan, profile, 4, backend="gloo",
+                        available=int(need) + 1) == []
+    with pytest.raises(ValueError, match="checkpoint's copy"):
+        check_memory(config, plan, profile, 4, backend="gloo", available=int(need) + 1)

@@ -114,6 +114,28 @@ def worker_bytes(config: Config, plan: ExecutionPlan, profile: Profile,
     return out
 
 
+def checkpoint_copy_bytes(config: Config, plan: ExecutionPlan,
+                          params: list[int]) -> dict[int, float]:
+    """Host memory each worker of ``plan`` keeps for its checkpoint copies: the master
+    weights and optimizer state of the layers it writes (replicas take turns by layer),
+    kept from one checkpoint to the next. None without periodic checkpoints (the final
+    one is written from the live state)."""
+    from chameleon_ft.runtime.storage.checkpoint import writer_of
+
+    if config.train.checkpoint_every <= 0:
+        return {}
+    per_param = _MASTER_BYTES[config.train.dtype] * (1 + OPTIMIZER_COPIES)
+    holders: dict[int, list[int]] = {}
+    for _, _, stage in plan.iter_stages():
+        for layer in stage.layers:
+            holders.setdefault(layer, []).append(stage.worker)
+    out: dict[int, float] = {}
+    for layer, workers in holders.items():
+        writer = writer_of(workers, layer)
+        out[writer] = out.get(writer, 0.0) + params[layer] * per_param
+    return out
+
+
 def available_bytes() -> int | None:
     """This host's available memory (``MemAvailable``), or None when unknown."""
     try:
@@ -178,7 +200,8 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
     notes: list[str] = []
     if num_local == 0:
         return notes
-    need = worker_bytes(config, plan, profile, layer_parameters(config, profile, build_layer))
+    params = layer_parameters(config, profile, build_layer)
+    need = worker_bytes(config, plan, profile, params)
     local = [need.get(w, float(PROCESS_BYTES)) for w in range(num_local)]
     backend = backend or _backend(config)
     device = config.cluster.device
@@ -194,6 +217,8 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
     if backend == "nccl":  # pragma: no cover - needs GPUs
         _check_gpus(local, gpu_bytes, dtype)
         return notes
+    copies = checkpoint_copy_bytes(config, plan, params)
+    local = [n + copies.get(w, 0.0) for w, n in enumerate(local)]  # host memory on gloo
     have = available_bytes() if available is None else available
     total = sum(local)
     if have is not None and total > have:
@@ -201,7 +226,7 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         raise ValueError(
             f"memory: {num_local} local workers need {_fmt(total)} (up to {_fmt(largest)} "
             f"each: {dtype} parameters, gradients and optimizer state of the stage, "
-            f"activations, and the process itself), this host has {_fmt(have)} available"
+            f"activations, the checkpoint's copy, and the process itself), this host has {_fmt(have)} available"
             f"{mismatch}; use a smaller model, fewer local workers (--remote-workers), or "
             "more hosts")
     return notes

@@ -85,20 +85,44 @@ class _Copied:
         return self.tree
 
 
-def snapshot(state: LayerTrainState | _Copied) -> dict[str, Any]:
-    """A copy of a layer's state in host memory, safe to write while training goes on."""
+class HostBuffers:
+    """Host memory for the snapshots, kept from one checkpoint to the next.
 
-    def copy(value: Any) -> Any:
+    A fresh copy of a layer's state touches every page of new memory (page faults and
+    zeroing on the step path's cores); the next checkpoint of the same layers copies into
+    the same buffers instead. A buffer is reused only when the tensor it copies has its
+    shape and dtype; layers the worker no longer writes are released. On a GPU the buffers
+    are pinned, so the device-to-host copy runs at the link's speed. Only one checkpoint
+    uses them at a time (the next one waits for the previous one's writing).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, tuple[Any, ...]], torch.Tensor] = {}
+
+    def snapshot(self, layer: int, state: LayerTrainState | _Copied) -> dict[str, Any]:
+        """A copy of ``state`` (layer ``layer``) in host memory, in reused buffers."""
+        tree: dict[str, Any] = self._copy(layer, (), state.state_tree())
+        return tree
+
+    def keep_only(self, layers: set[int]) -> None:
+        """Release the buffers of layers not in ``layers``."""
+        self.buffers = {k: v for k, v in self.buffers.items() if k[0] in layers}
+
+    def _copy(self, layer: int, path: tuple[Any, ...], value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value.detach().to("cpu", copy=True)
+            key = (layer, path)
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                buf = torch.empty(value.shape, dtype=value.dtype, device="cpu",
+                                  pin_memory=value.device.type == "cuda")
+                self.buffers[key] = buf
+            buf.copy_(value.detach())
+            return buf
         if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
+            return {k: self._copy(layer, (*path, k), v) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            return type(value)(copy(v) for v in value)
+            return type(value)(self._copy(layer, (*path, i), v) for i, v in enumerate(value))
         return value
-
-    tree: dict[str, Any] = copy(state.state_tree())
-    return tree
 
 
 class CheckpointIO:
@@ -122,6 +146,7 @@ class CheckpointIO:
         self.pending_bytes = 0
         """Bytes of the checkpoint being written in the background."""
         self.manifests: dict[int, Manifest] = {}
+        self.host = HostBuffers()
 
     # ------------------------------------------------------------------ writing
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -157,9 +182,10 @@ class CheckpointIO:
                        f"being written after {limit_s:.0f} s")
             return
         self.copied = threading.Event()
+        self.host.keep_only(set(states))
         if any(True for state in states.values() for _ in state.module.buffers()):
             # a forward may change buffers (batch norm's running statistics): copy now
-            copies = {i: snapshot(state) for i, state in states.items()}
+            copies = {i: self.host.snapshot(i, state) for i, state in states.items()}
             states = {i: _Copied(tree) for i, tree in copies.items()}
         self.thread = threading.Thread(target=self._background,
                                        args=(step, gen, states, inject, self.copied),
@@ -169,8 +195,8 @@ class CheckpointIO:
     def _background(self, step: int, gen: int, states: dict[int, Any],
                     inject: OSError | None, copied: threading.Event) -> None:
         try:
-            layers = {i: state.tree if isinstance(state, _Copied) else snapshot(state)
-                      for i, state in states.items()}
+            layers = {i: state.tree if isinstance(state, _Copied)
+                      else self.host.snapshot(i, state) for i, state in states.items()}
         finally:
             copied.set()
         self.pending_bytes = tree_bytes(layers)

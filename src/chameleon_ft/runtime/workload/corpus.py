@@ -69,7 +69,9 @@ class ByteCorpus:
         raw = corpus_bytes(max_bytes)
         if len(raw) <= seq_len + 1:
             raise ValueError(f"data: the corpus ({len(raw)} bytes) is shorter than one sample")
-        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+        # one byte per token (eight as int64 would be 40 MB in every process, the
+        # coordinator's included); samples are widened when they are cut
+        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self.seq_len = seq_len
         self.seed = seed
         self.num_windows = len(raw) - seq_len - 1
@@ -93,6 +95,11 @@ class ByteCorpus:
         """
         starts = [self.offset(step, global_microbatch * micro_batch + i)
                   for i in range(micro_batch)]
+        return self.windows(starts)
+
+    def windows(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of the samples starting at ``starts``: (len, seq_len)
+        int64 each, the targets one byte later."""
         x = torch.stack([self.tokens[s:s + self.seq_len] for s in starts])  # (b, T)
         y = torch.stack([self.tokens[s + 1:s + 1 + self.seq_len] for s in starts])  # (b, T)
-        return x, y
+        return x.to(torch.int64), y.to(torch.int64)

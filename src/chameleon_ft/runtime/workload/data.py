@@ -120,11 +120,8 @@ class ByteData:
     def microbatch(self, step: int, first_sample: int,
                    size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, both (size, seq_len) int64; targets are the next bytes."""
-        starts = [self.corpus.offset(step, first_sample + i) for i in range(size)]
-        tokens = self.corpus.tokens
-        x = torch.stack([tokens[s:s + self.seq_len] for s in starts])  # (size, T)
-        y = torch.stack([tokens[s + 1:s + 1 + self.seq_len] for s in starts])  # (size, T)
-        return x, y
+        return self.corpus.windows([self.corpus.offset(step, first_sample + i)
+                                    for i in range(size)])
 
     def digest(self) -> str:
         """The corpus's hash and the sampling settings."""

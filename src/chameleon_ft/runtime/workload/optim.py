@@ -118,12 +118,31 @@ def optimizer_from_config(config: Config) -> TorchOptimizer:
                              "weight_decay; remove it or set it to 0")
     factory = TorchOptimizer(spec.name, tuple(sorted(kwargs.items())))
     try:
-        factory([nn.Parameter(torch.zeros(2, 2))])
+        _light(cls)([nn.Parameter(torch.zeros(2, 2))], **kwargs)
     except Exception as exc:  # torch raises ValueError, TypeError or RuntimeError
         raise ValueError(f"optimizer: torch.optim.{spec.name} rejects the arguments "
                          f"{dict(kwargs)}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
                          ) from None
     return factory
+
+
+def _light(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` with the same checks, built without importing torch's compiler stack.
+
+    ``Optimizer.add_param_group`` is wrapped so that its first call imports
+    ``torch._dynamo`` (about 70 MB of resident memory); the coordinator only validates the
+    arguments, so this subclass calls the unwrapped checks. Every argument check of the
+    class's ``__init__`` still runs. Without the unwrapped function (another torch), the
+    class itself.
+    """
+    raw = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if raw is None:
+        return cls
+
+    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        raw(self, param_group)
+
+    return type(f"Checked{cls.__name__}", (cls,), {"add_param_group": add_param_group})
 
 
 @dataclass(frozen=True)

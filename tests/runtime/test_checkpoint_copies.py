@@ -1,0 +1,44 @@
+"""The host copies a worker writes its checkpoints from."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_checkpoint_copies_reuse_their_host_buffers() -> None:
+    """The snapshot a checkpoint writes from is a copy (later training does not change it),
+    made into the same host buffers at the next checkpoint of the same layers."""
+    from chameleon_ft.runtime.worker.checkpoints import HostBuffers
+    from chameleon_ft.runtime.workload.optim import LayerTrainState
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    state = LayerTrainState.create(layer, lambda p: torch.optim.AdamW(p, lr=0.1), None)
+    layer(torch.randn(2, 4)).sum().backward()
+    state.optimizer.step()
+    host = HostBuffers()
+    first = host.snapshot(5, state)
+    ptrs = sorted(t.data_ptr() for t in _tensors(first))
+    saved = [t.clone() for t in _tensors(first)]
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # training goes on: the copy keeps the committed values
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(first), saved, strict=True))
+    second = host.snapshot(5, state)
+    assert sorted(t.data_ptr() for t in _tensors(second)) == ptrs  # the same buffers
+    assert any(not torch.equal(a, b) for a, b in zip(_tensors(second), saved, strict=True))
+    host.keep_only({6})
+    assert host.buffers == {}
+    other = torch.nn.Linear(4, 5)  # another shape under the same layer index: new buffers
+    third = host.snapshot(5, LayerTrainState.create(
+        other, lambda p: torch.optim.AdamW(p, lr=0.1), None))
+    assert not set(t.data_ptr() for t in _tensors(third)) & set(ptrs)
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in _tensors(v)]
+    return []
