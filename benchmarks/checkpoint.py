@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -64,10 +65,21 @@ def child(doc_json: str, out: str) -> None:
     coord = Coordinator(config_from_mapping(json.loads(doc_json)), out_dir=out,
                         check_resources=False)
     report = coord.run()
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     print(json.dumps({"rss_mb": rss_mb, "step_s": report["step_s"],
                       "checkpoint_writes": report["checkpoint_writes"],
                       "checkpoints": report["checkpoints"]}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB: ``VmHWM``, the high-water mark of its
+    own address space. (``ru_maxrss`` is not: Linux carries the parent's peak into a child
+    across ``exec``, so every child of this benchmark would report at least its parent's.)"""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_job(model: dict[str, Any], steps: int, every: int, out: Path) -> dict[str, Any]:

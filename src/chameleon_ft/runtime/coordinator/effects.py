@@ -18,6 +18,7 @@ from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.coordinator.admission import JoinDesk
+from chameleon_ft.runtime.coordinator.launcher import ChildError, run_in_child
 from chameleon_ft.runtime.report.records import Event, StepRecord, step_metrics
 from chameleon_ft.runtime.step_sync import extra_groups, step_reductions
 from chameleon_ft.runtime.storage.checkpoint import CheckpointError, writer_of
@@ -42,7 +43,7 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
     job, train = coord.job, coord.train
     x, y = job.data.microbatch(0, 0, coord.config.job.micro_batch)
     boundaries = [[list(shape), str(out_dtype).removeprefix("torch.")]
-                  for shape, out_dtype in probe_outputs(job.model, x, torch_dtype(train.dtype))]
+                  for shape, out_dtype in _boundaries(coord, x)]
     return proto.JobInfo(
         job_name=job.job_name, job_id=job.job_id, nonce=job.nonce,
         num_workers=job.num_workers, num_layers=job.num_layers, dtype=train.dtype,
@@ -55,6 +56,24 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
         workload=seal_workload(job.workload, job.secret),
         checkpoint_dir=str(job.ckpt.root), device=coord.device,
         storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s)
+
+
+PROBE_S = 600.0
+"""How long the child learning the stage boundaries' shapes may take (a model that
+cannot be built on meta is built on the CPU, layer by layer)."""
+
+
+def _boundaries(coord: Coordinator, x: Any) -> list[tuple[tuple[int, ...], Any]]:
+    """Every layer's output shape and dtype (:func:`probe_outputs`), learnt by a child
+    process: building layers, even on meta, imports much of torch (about 80 MB the
+    coordinator would keep for the whole run). A model the child cannot take (it does not
+    pickle) is probed here."""
+    job, dtype = coord.job, torch_dtype(coord.train.dtype)
+    try:
+        return run_in_child(probe_outputs, (job.model, x, dtype), limit_s=PROBE_S,
+                            name="chameleon-probe", preload=coord.launcher.preload)
+    except ChildError:
+        return probe_outputs(job.model, x, dtype)
 
 
 STORE_VALUE_BYTES = 8 << 20

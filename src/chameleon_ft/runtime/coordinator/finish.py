@@ -6,13 +6,14 @@ on, the reason."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chameleon_ft.runtime.control import messages as m
-from chameleon_ft.runtime.coordinator.launcher import forkserver_context
+from chameleon_ft.runtime.coordinator.launcher import ChildError, run_in_child
 from chameleon_ft.runtime.report.records import Event
 from chameleon_ft.runtime.storage.checkpoint import step_dir_name, writer_of
-from chameleon_ft.runtime.storage.export import export_main
+from chameleon_ft.runtime.storage.export import export_workload
 
 if TYPE_CHECKING:
     from chameleon_ft.runtime.coordinator.shell import Coordinator
@@ -176,30 +177,15 @@ def _ask_more(coord: Coordinator, stop: m.Stop, have: set[int], asked: dict[int,
 def _export(coord: Coordinator, folder: Any) -> tuple[str | None, bool]:
     """``params.pt`` and the model's own format, from the final checkpoint, by a child
     process (its memory, not the coordinator's, holds the parameters)."""
-    ctx = forkserver_context()
-    here, there = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=export_main, args=(str(folder), coord.job.workload,
-                                                 str(coord.job.out_dir), coord.train.dtype,
-                                                 there),
-                       name="chameleon-export")
-    proc.start()
-    there.close()
-    limit_s = 60.0 + 4 * coord.job.checkpoint_deadline_s()
-    answer: Any = ("error", f"the export did not answer within {limit_s:.0f} s")
     try:
-        if here.poll(limit_s):
-            answer = here.recv()
-    except EOFError:
-        answer = ("error", f"the export process died (status {proc.exitcode})")
-    finally:
-        proc.join(5.0)
-        if proc.exitcode is None:  # never left behind
-            proc.kill()
-            proc.join(5.0)
-    if answer[0] != "ok":
-        coord.log(f"params.pt not written: {answer[1]}")
+        digest, exported = run_in_child(
+            export_workload, (Path(folder), coord.job.workload, Path(coord.job.out_dir),
+                     coord.train.dtype),
+            limit_s=60.0 + 4 * coord.job.checkpoint_deadline_s(), name="chameleon-export")
+    except ChildError as exc:
+        coord.log(f"params.pt not written: {exc}")
         return None, False
-    return str(answer[1]), bool(answer[2])
+    return str(digest), bool(exported)
 
 
 def _wait_exits(coord: Coordinator) -> None:

@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,59 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker.main",
                                 *preload])
     return ctx
+
+
+class ChildError(RuntimeError):
+    """A function run by :func:`run_in_child` raised, died or did not answer in time."""
+
+
+def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Any) -> None:
+    """Entry point of :func:`run_in_child`'s process: ``("ok", value)`` or
+    ``("error", one line)`` on ``conn``."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        conn.send(("ok", fn(*args)))
+    except Exception as exc:  # reported to the caller in one line
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def run_in_child(fn: Callable[..., Any], args: tuple[Any, ...], *, limit_s: float,
+                 name: str, preload: Iterable[str] = ()) -> Any:
+    """``fn(*args)`` in a process forked from the workers' server, and its value.
+
+    The coordinator keeps its memory to itself: what it asks of a model (building layers
+    to learn the stage boundaries' shapes, exporting the parameters) or of matplotlib
+    (the report's plot) is done by a child, whose imports and allocations end with it.
+    The child is never left behind: killed after ``limit_s`` without an answer.
+
+    Raises:
+        ChildError: ``fn`` raised (its one-line message), the child died, or it did not
+            answer within ``limit_s``.
+    """
+    ctx = forkserver_context(preload)
+    here, there = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(fn, args, there), name=name)
+    proc.start()
+    there.close()
+    answer: Any = ("error", f"{name} did not answer within {limit_s:.0f} s")
+    try:
+        if here.poll(limit_s):
+            answer = here.recv()
+    except EOFError:
+        answer = ("error", f"{name} died (status {proc.exitcode})")
+    finally:
+        here.close()
+        proc.join(REAP_S)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(REAP_S)
+    if answer[0] != "ok":
+        raise ChildError(answer[1])
+    return answer[1]
 
 
 def adapter_modules(model: Any) -> tuple[str, ...]:

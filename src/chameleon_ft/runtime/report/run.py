@@ -19,6 +19,9 @@ from chameleon_ft.runtime.storage.checkpoint import write_atomic
 
 Log = Callable[[str], None]
 
+PLOT_S = 120.0
+"""How long drawing ``report.png`` may take."""
+
 
 class RunReport:
     """Records of one run, and their files under the run directory."""
@@ -133,10 +136,12 @@ class RunReport:
         write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
         lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())
         write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())
-        try:
+        try:  # matplotlib's ~40 MB live and die with a child, not the coordinator
+            from chameleon_ft.runtime.coordinator.launcher import run_in_child
             from chameleon_ft.runtime.report.plots import write_report_png
 
-            write_report_png(report, self.out_dir / "report.png")
+            run_in_child(write_report_png, (report, self.out_dir / "report.png"),
+                         limit_s=PLOT_S, name="chameleon-plot")
         except Exception as exc:  # a plot must never lose a finished run
             self.log(f"report.png not written: {exc}")
         return report

@@ -2,7 +2,7 @@
 runtime name, one tensor per tied pair) and the model's own format (``hf/`` for a Hugging
 Face model), written by a process of their own.
 
-The coordinator never holds the model: at the end of a run it starts :func:`export_main`
+The coordinator never holds the model: at the end of a run it runs :func:`export_workload`
 in a child process that reads the final checkpoint layer by layer (each verified against
 the manifest), writes the files atomically, and sends back the parameters' digest. The
 same function re-exports any complete checkpoint of a run directory.
@@ -78,14 +78,8 @@ def export(folder: Path, model: Any, out_dir: Path, dtype: str) -> tuple[str, bo
     return param_hash(params), exported
 
 
-def export_main(folder: str, workload: Any, out_dir: str, dtype: str, conn: Any) -> None:
-    """Entry point of the export process: send back ``("ok", digest, exported)`` or
-    ``("error", message)`` on ``conn``."""
-    torch.set_num_threads(1)
-    try:
-        digest, exported = export(Path(folder), workload.model(), Path(out_dir), dtype)
-        conn.send(("ok", digest, exported))
-    except Exception as exc:  # reported to the coordinator in one line
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        conn.close()
+def export_workload(folder: Path, workload: Any, out_dir: Path,
+                    dtype: str) -> tuple[str, bool]:
+    """:func:`export` of the model ``workload`` builds: what the coordinator's export
+    process runs."""
+    return export(folder, workload.model(), out_dir, dtype)
