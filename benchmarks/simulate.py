@@ -59,7 +59,7 @@ def at_scale(scenario: Scenario, gpus: int) -> Scenario:
 def bounded_trace(scenario: Scenario, events: int, seed: int | None) -> tuple[Trace, int]:
     """The first ``events`` events of the first seed's trace, and how many it has."""
     config, sim = scenario.config, scenario.simulation
-    whole = generate_trace(scenario.failures, num_nodes=config.cluster.num_nodes,
+    whole = generate_trace(scenario.failures, num_nodes=config.cluster.total_nodes,
                            workers_per_node=config.workers_per_node, duration_s=sim.duration_s,
                            seed=seed if seed is not None else sim.seed)
     n = min(events, len(whole.events))
