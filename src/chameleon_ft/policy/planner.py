@@ -669,8 +669,8 @@ class Planner:
             candidates = (*raw, combine(state, first, by_strategy[Strategy.DYNAMIC]))
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
-                            num_idle=len(alive_set) - len(plan.workers) + len(
-                                failed_set & frozenset(plan.stage_of_worker)),
+                            num_idle=len(alive_set) - len(plan.workers) + sum(
+                                1 for w in failed_set if w in plan.stage_of_worker),
                             cache_hit=found.hit, back=back)
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Iterable[int], *,
