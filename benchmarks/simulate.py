@@ -94,7 +94,8 @@ def bounded_trace(scenario: Scenario, events: int, seed: int | None) -> tuple[Tr
     config, sim = scenario.config, scenario.simulation
     whole = generate_trace(scenario.failures, num_nodes=config.cluster.total_nodes,
                            workers_per_node=config.workers_per_node, duration_s=sim.duration_s,
-                           seed=seed if seed is not None else sim.seed)
+                           seed=seed if seed is not None else sim.seed,
+                           job_nodes=config.cluster.num_nodes)
     n = min(events, len(whole.events))
     end_s = whole.events[n].time_s if n < len(whole.events) else whole.duration_s
     return Trace(whole.events[:n], end_s), len(whole.events)

@@ -374,7 +374,8 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
             traces.append([(first_seed, trace)])
             continue
         traces.append([(s, generate_trace(failures, num_nodes=num_nodes, workers_per_node=per_node,
-                                          duration_s=sim.duration_s, seed=s))
+                                          duration_s=sim.duration_s, seed=s,
+                                          job_nodes=config.cluster.num_nodes))
                        for s in range(first_seed, first_seed + num_seeds)])
     total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
     failure_free = estimate(initial_plan(config, profile), profile, Topology.from_config(config))

@@ -3,7 +3,10 @@
 A generated trace is a superposition over the live nodes: while ``n`` nodes are up the next
 interruption comes after an exponential (or Weibull, same mean) time of mean
 ``node_mtbf / n``; its kind is drawn from the mix, its target uniformly among what is
-alive, and each failed node gets a repair time. Everything is drawn from one
+alive, and each failed node gets a repair time. Warm spare nodes are part of the fleet and
+fail like the others, but a job-level software fault comes from the job's nodes only: with
+more nodes up than the job has, the software faults keep the rate of ``job_nodes`` nodes
+(``n (1 - s) + job_nodes s`` nodes' worth of interruptions, ``s`` the software share). Everything is drawn from one
 ``numpy.random.Generator`` seeded by the caller, so a seed fixes the trace.
 
 The trace format itself (events, CSV, validation) is :mod:`chameleon_ft.failures`.
@@ -16,6 +19,7 @@ import heapq
 import math
 
 import numpy as np
+import numpy.typing as npt
 
 from chameleon_ft.failures import EventKind, Trace, TraceEvent, validate_trace
 from chameleon_ft.spec.scenario import FailureSpec, Interarrival, RepairKind
@@ -25,15 +29,17 @@ _KINDS = (EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL, Even
 
 
 def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: int,
-                   duration_s: float, seed: int) -> Trace:
+                   duration_s: float, seed: int, job_nodes: int | None = None) -> Trace:
     """Draw a failure trace.
 
     Args:
         failures: rates, mix and repair distribution.
-        num_nodes: nodes of the cluster.
+        num_nodes: nodes of the cluster, spare nodes included.
         workers_per_node: workers (tensor-parallel groups) per node.
         duration_s: simulated time; no event at or after it.
         seed: the random seed; equal seeds give equal traces.
+        job_nodes: the nodes the job's layout fills (default ``num_nodes``: no spares);
+            software faults come at their rate.
 
     Returns:
         The trace, validated.
@@ -45,7 +51,8 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
         raise ValueError(f"simulation.days: the duration must be positive, got {duration_s} s")
     if num_nodes < 1 or workers_per_node < 1:
         raise ValueError("cluster: needs at least one node and one worker per node")
-    fleet = _Fleet(failures, num_nodes, workers_per_node, np.random.default_rng(seed))
+    fleet = _Fleet(failures, num_nodes, workers_per_node, np.random.default_rng(seed),
+                   num_nodes if job_nodes is None else job_nodes)
     now = 0.0
     while True:
         next_fail = now + fleet.gap_s()
@@ -68,9 +75,10 @@ class _Fleet:
     :func:`generate_trace`. The order of the draws is part of a seed's trace."""
 
     def __init__(self, failures: FailureSpec, num_nodes: int, workers_per_node: int,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, job_nodes: int) -> None:
         self.failures = failures
         self.num_nodes = num_nodes
+        self.job_nodes = job_nodes
         self.per_node = workers_per_node
         self.rng = rng
         self.mtbf_s = failures.node_mtbf_hours * 3600.0
@@ -92,11 +100,31 @@ class _Fleet:
         """Seconds to the next failure while the live nodes stay up (inf: none is up)."""
         if not self.up:
             return math.inf
-        mean_s = self.mtbf_s / len(self.up)
+        mean_s = self.mtbf_s / self._nodes_worth()
         if self.failures.interarrival == Interarrival.WEIBULL:
             return mean_s * float(self.rng.weibull(self.failures.weibull_shape)) \
                 / self.weibull_mean
         return float(self.rng.exponential(mean_s))
+
+    def _nodes_worth(self) -> float:
+        """Up nodes, counting the software faults of the job's nodes only."""
+        up = len(self.up)
+        if up <= self.job_nodes:
+            return up
+        software = float(self.weights[3])
+        return up * (1.0 - software) + self.job_nodes * software
+
+    def _mix(self) -> npt.NDArray[np.float64]:
+        """The kinds' probabilities now: the mix, with the software faults scaled to the
+        job's nodes when spares are up too."""
+        up = len(self.up)
+        weights: npt.NDArray[np.float64] = self.weights
+        if up <= self.job_nodes:
+            return weights
+        scaled: npt.NDArray[np.float64] = weights * up
+        scaled[3] = weights[3] * self.job_nodes
+        out: npt.NDArray[np.float64] = scaled / scaled.sum()
+        return out
 
     def repair_next(self) -> float:
         """Bring the node of the earliest repair back; returns the repair's time."""
@@ -109,7 +137,7 @@ class _Fleet:
 
     def fail(self, now: float) -> None:
         """One interruption at ``now``: its kind from the mix, its target among the live."""
-        kind = _KINDS[int(self.rng.choice(len(_KINDS), p=self.weights))]
+        kind = _KINDS[int(self.rng.choice(len(_KINDS), p=self._mix()))]
         if kind == EventKind.SOFTWARE:
             self.events.append(TraceEvent(now, kind))
             return
