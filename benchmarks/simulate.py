@@ -92,10 +92,10 @@ def bounded_trace(scenario: Scenario, events: int, seed: int | None) -> tuple[Tr
     """The first ``events`` events of the first seed's trace (over every node of the fleet,
     spares included), and how many it has."""
     config, sim = scenario.config, scenario.simulation
-    whole = generate_trace(scenario.failures, num_nodes=config.cluster.total_nodes,
+    whole = generate_trace(scenario.failures, num_nodes=config.cluster.num_nodes,
                            workers_per_node=config.workers_per_node, duration_s=sim.duration_s,
                            seed=seed if seed is not None else sim.seed,
-                           job_nodes=config.cluster.num_nodes)
+                           spare_nodes=config.cluster.spare_nodes)
     n = min(events, len(whole.events))
     end_s = whole.events[n].time_s if n < len(whole.events) else whole.duration_s
     return Trace(whole.events[:n], end_s), len(whole.events)

@@ -366,7 +366,7 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
     cells_in = _cell_specs(scenario)
     if trace is not None and len(cells_in) != 1:
         raise ValueError("--trace: a replayed trace cannot drive a sweep")
-    num_nodes = config.cluster.total_nodes  # spare nodes are part of the fleet
+    num_nodes = config.cluster.num_nodes
     per_node = config.workers_per_node
     traces: list[list[tuple[int, Trace]]] = []
     for failures, _ in cells_in:
@@ -375,7 +375,7 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
             continue
         traces.append([(s, generate_trace(failures, num_nodes=num_nodes, workers_per_node=per_node,
                                           duration_s=sim.duration_s, seed=s,
-                                          job_nodes=config.cluster.num_nodes))
+                                          spare_nodes=config.cluster.spare_nodes))
                        for s in range(first_seed, first_seed + num_seeds)])
     total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
     failure_free = estimate(initial_plan(config, profile), profile, Topology.from_config(config))

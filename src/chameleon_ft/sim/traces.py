@@ -3,11 +3,15 @@
 A generated trace is a superposition over the live nodes: while ``n`` nodes are up the next
 interruption comes after an exponential (or Weibull, same mean) time of mean
 ``node_mtbf / n``; its kind is drawn from the mix, its target uniformly among what is
-alive, and each failed node gets a repair time. Warm spare nodes are part of the fleet and
-fail like the others, but a job-level software fault comes from the job's nodes only: with
-more nodes up than the job has, the software faults keep the rate of ``job_nodes`` nodes
-(``n (1 - s) + job_nodes s`` nodes' worth of interruptions, ``s`` the software share). Everything is drawn from one
+alive, and each failed node gets a repair time. Everything is drawn from one
 ``numpy.random.Generator`` seeded by the caller, so a seed fixes the trace.
+
+Warm spare nodes (``[cluster] spare_nodes``) are part of the fleet and fail like the job's
+nodes: their failures are a second, independent stream over nodes ``num_nodes ..`` (their
+own generator, seeded from the same seed), merged by time. The job's nodes keep exactly the
+trace they have without spares, so a job with spares and one without meet the same
+failures on the same nodes (a paired comparison), and job-level software faults come from
+the job's stream only (an idle spare raises none).
 
 The trace format itself (events, CSV, validation) is :mod:`chameleon_ft.failures`.
 """
@@ -17,9 +21,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from dataclasses import replace
 
 import numpy as np
-import numpy.typing as npt
 
 from chameleon_ft.failures import EventKind, Trace, TraceEvent, validate_trace
 from chameleon_ft.spec.scenario import FailureSpec, Interarrival, RepairKind
@@ -29,20 +33,19 @@ _KINDS = (EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL, Even
 
 
 def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: int,
-                   duration_s: float, seed: int, job_nodes: int | None = None) -> Trace:
+                   duration_s: float, seed: int, spare_nodes: int = 0) -> Trace:
     """Draw a failure trace.
 
     Args:
         failures: rates, mix and repair distribution.
-        num_nodes: nodes of the cluster, spare nodes included.
+        num_nodes: nodes of the job's layout.
         workers_per_node: workers (tensor-parallel groups) per node.
         duration_s: simulated time; no event at or after it.
         seed: the random seed; equal seeds give equal traces.
-        job_nodes: the nodes the job's layout fills (default ``num_nodes``: no spares);
-            software faults come at their rate.
+        spare_nodes: warm spare nodes after the job's (module docstring).
 
     Returns:
-        The trace, validated.
+        The trace over ``num_nodes + spare_nodes`` nodes, validated.
 
     Raises:
         ValueError: for a non-positive duration or cluster size.
@@ -51,8 +54,42 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
         raise ValueError(f"simulation.days: the duration must be positive, got {duration_s} s")
     if num_nodes < 1 or workers_per_node < 1:
         raise ValueError("cluster: needs at least one node and one worker per node")
-    fleet = _Fleet(failures, num_nodes, workers_per_node, np.random.default_rng(seed),
-                   num_nodes if job_nodes is None else job_nodes)
+    events = _draw(failures, num_nodes, workers_per_node, duration_s,
+                   np.random.default_rng(seed))
+    hardware = _hardware_only(failures)
+    if spare_nodes and hardware is not None:
+        spares = _draw(hardware, spare_nodes, workers_per_node, duration_s,
+                       np.random.default_rng((seed, 1)))
+        shift = num_nodes * workers_per_node
+        moved = [TraceEvent(e.time_s, e.kind,
+                            tuple(t + (shift if e.kind == EventKind.WORKER_FAIL else num_nodes)
+                                  for t in e.target))
+                 for e in spares]
+        # a stable merge: at equal times the job's event comes first
+        events = sorted(events + moved, key=lambda e: e.time_s)
+    trace = Trace(events=tuple(events), duration_s=float(duration_s))
+    validate_trace(trace, num_nodes=num_nodes + spare_nodes, workers_per_node=workers_per_node)
+    return trace
+
+
+def _hardware_only(failures: FailureSpec) -> FailureSpec | None:
+    """``failures`` without job-level software faults: each node's hardware failures at
+    their rate (the MTBF over the hardware share), the hardware mix rescaled; ``None``
+    when every failure is a software fault."""
+    hardware = failures.single_worker + failures.single_node + failures.multi_node
+    if hardware <= 0:
+        return None
+    return replace(failures, node_mtbf_hours=failures.node_mtbf_hours / hardware,
+                   single_worker=failures.single_worker / hardware,
+                   single_node=failures.single_node / hardware,
+                   multi_node=1.0 - (failures.single_worker + failures.single_node) / hardware,
+                   software=0.0)
+
+
+def _draw(failures: FailureSpec, num_nodes: int, workers_per_node: int, duration_s: float,
+          rng: np.random.Generator) -> list[TraceEvent]:
+    """The events of one fleet of ``num_nodes`` nodes, in time order."""
+    fleet = _Fleet(failures, num_nodes, workers_per_node, rng)
     now = 0.0
     while True:
         next_fail = now + fleet.gap_s()
@@ -65,9 +102,7 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
             break
         now = next_fail
         fleet.fail(now)
-    trace = Trace(events=tuple(fleet.events), duration_s=float(duration_s))
-    validate_trace(trace, num_nodes=num_nodes, workers_per_node=workers_per_node)
-    return trace
+    return fleet.events
 
 
 class _Fleet:
@@ -75,10 +110,9 @@ class _Fleet:
     :func:`generate_trace`. The order of the draws is part of a seed's trace."""
 
     def __init__(self, failures: FailureSpec, num_nodes: int, workers_per_node: int,
-                 rng: np.random.Generator, job_nodes: int) -> None:
+                 rng: np.random.Generator) -> None:
         self.failures = failures
         self.num_nodes = num_nodes
-        self.job_nodes = job_nodes
         self.per_node = workers_per_node
         self.rng = rng
         self.mtbf_s = failures.node_mtbf_hours * 3600.0
@@ -100,31 +134,11 @@ class _Fleet:
         """Seconds to the next failure while the live nodes stay up (inf: none is up)."""
         if not self.up:
             return math.inf
-        mean_s = self.mtbf_s / self._nodes_worth()
+        mean_s = self.mtbf_s / len(self.up)
         if self.failures.interarrival == Interarrival.WEIBULL:
             return mean_s * float(self.rng.weibull(self.failures.weibull_shape)) \
                 / self.weibull_mean
         return float(self.rng.exponential(mean_s))
-
-    def _nodes_worth(self) -> float:
-        """Up nodes, counting the software faults of the job's nodes only."""
-        up = len(self.up)
-        if up <= self.job_nodes:
-            return up
-        software = float(self.weights[3])
-        return up * (1.0 - software) + self.job_nodes * software
-
-    def _mix(self) -> npt.NDArray[np.float64]:
-        """The kinds' probabilities now: the mix, with the software faults scaled to the
-        job's nodes when spares are up too."""
-        up = len(self.up)
-        weights: npt.NDArray[np.float64] = self.weights
-        if up <= self.job_nodes:
-            return weights
-        scaled: npt.NDArray[np.float64] = weights * up
-        scaled[3] = weights[3] * self.job_nodes
-        out: npt.NDArray[np.float64] = scaled / scaled.sum()
-        return out
 
     def repair_next(self) -> float:
         """Bring the node of the earliest repair back; returns the repair's time."""
@@ -137,7 +151,7 @@ class _Fleet:
 
     def fail(self, now: float) -> None:
         """One interruption at ``now``: its kind from the mix, its target among the live."""
-        kind = _KINDS[int(self.rng.choice(len(_KINDS), p=self._mix()))]
+        kind = _KINDS[int(self.rng.choice(len(_KINDS), p=self.weights))]
         if kind == EventKind.SOFTWARE:
             self.events.append(TraceEvent(now, kind))
             return
