@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/simulate.py --scenario paper32 --seeds 5
     .venv/bin/python benchmarks/simulate.py --gpus 2048           # llama3-16k's job at 2k GPUs
     .venv/bin/python benchmarks/simulate.py --scenario llama3-64k --events 400
+    .venv/bin/python benchmarks/simulate.py --variants configured     # the speed target
 
 Prints the wall time, the CPU time of this process and of its children, the peak resident
 memory of every process that ran policies (each unit of policies runs in a forked process
@@ -11,7 +12,10 @@ of its own; with ``--jobs 1`` in this one), the trace size, and each policy's me
 throughput and effective training time; for a single-cell scenario the effective-training
 table of RESULTS.md. ``--gpus`` runs the Llama 3 job (llama3-16k) at another scale: dp =
 GPUs / 128 with 16 micro-batches per pipeline, as many 8-GPU nodes, the same per-node
-failure rate (so 2,048 GPUs: 256 nodes, dp 16). The issue's targets (19): ``llama3-16k``,
+failure rate (so 2,048 GPUs: 256 nodes, dp 16). Each variant of :data:`VARIANTS` (the
+scenario as configured, with warm spare nodes, with checkpoints in memory, with both) is
+one run and one column pair of the table; ``--variants`` picks some. The issue's targets
+(19): ``llama3-16k``,
 every policy, one seed, under 20 s on 2 cores; ``llama3-64k`` under 60 s; every simulation
 process under 2 GB at 65k GPUs.
 """
@@ -31,13 +35,41 @@ from chameleon_ft.sim.report import ProgressBar, effective_training_table, polic
 from chameleon_ft.sim.runner import ScenarioRun, default_jobs, run_scenario
 from chameleon_ft.sim.scenarios import Scenario, preset_scenario
 from chameleon_ft.sim.traces import generate_trace
+from chameleon_ft.spec.scenario import POLICY_NAMES
 
-VARIANTS: tuple[tuple[str, Callable[[Scenario], Scenario]], ...] = (
-    ("as configured", lambda scenario: scenario),
+
+def default_spare_nodes(scenario: Scenario) -> int:
+    """Spare nodes of the ``spares`` variants: one per 256 of the job's nodes (8 for the
+    16,384-GPU job, 0.4% of its nodes; its ~0.3 nodes down on average and 4-node switch
+    failures fit), at least one."""
+    return max(1, scenario.config.cluster.num_nodes // 256)
+
+
+def with_spares(scenario: Scenario, spare_nodes: int | None = None) -> Scenario:
+    """``scenario`` with warm spare nodes (``[cluster] spare_nodes``)."""
+    k = default_spare_nodes(scenario) if spare_nodes is None else spare_nodes
+    config = scenario.config
+    return replace(scenario, config=replace(config, cluster=replace(config.cluster,
+                                                                    spare_nodes=k)))
+
+
+def with_memory_checkpoints(scenario: Scenario) -> Scenario:
+    """``scenario`` with checkpoints in memory (``[recovery] memory_checkpoint``)."""
+    config = scenario.config
+    return replace(scenario, config=replace(config, recovery=replace(
+        config.recovery, memory_checkpoint=True)))
+
+
+VARIANTS: tuple[tuple[str, str, Callable[[Scenario], Scenario]], ...] = (
+    ("configured", "as configured", lambda scenario: scenario),
+    ("spares", "spare nodes", with_spares),
+    ("memory", "checkpoints in memory", with_memory_checkpoints),
+    ("both", "spare nodes and checkpoints in memory",
+     lambda scenario: with_memory_checkpoints(with_spares(scenario))),
 )
-"""The columns of the effective-training table: the scenario as configured, then one entry
-per means of recovery a later change adds (spare nodes, checkpoints in memory), each a
-function from the scenario to its variant."""
+"""The columns of the effective-training table: ``(name, label, scenario -> variant)``, the
+scenario as configured, then one entry per means of recovery (warm spare nodes,
+checkpoints in memory, both)."""
 
 
 def at_scale(scenario: Scenario, gpus: int) -> Scenario:
@@ -57,11 +89,13 @@ def at_scale(scenario: Scenario, gpus: int) -> Scenario:
 
 
 def bounded_trace(scenario: Scenario, events: int, seed: int | None) -> tuple[Trace, int]:
-    """The first ``events`` events of the first seed's trace, and how many it has."""
+    """The first ``events`` events of the first seed's trace (over every node of the fleet,
+    spares included), and how many it has."""
     config, sim = scenario.config, scenario.simulation
     whole = generate_trace(scenario.failures, num_nodes=config.cluster.num_nodes,
                            workers_per_node=config.workers_per_node, duration_s=sim.duration_s,
-                           seed=seed if seed is not None else sim.seed)
+                           seed=seed if seed is not None else sim.seed,
+                           spare_nodes=config.cluster.spare_nodes)
     n = min(events, len(whole.events))
     end_s = whole.events[n].time_s if n < len(whole.events) else whole.duration_s
     return Trace(whole.events[:n], end_s), len(whole.events)
@@ -89,6 +123,12 @@ def main() -> int:
     parser.add_argument("--policies", default=None, help="comma-separated (default: all)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes (default: every core, as `chameleon simulate`)")
+    parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
+                        help="comma-separated variants to run: "
+                             + ", ".join(f"{name} ({label})" for name, label, _ in VARIANTS))
+    parser.add_argument("--spare-nodes", type=int, default=None,
+                        help="spare nodes of the spares variants (default: one per 256 "
+                             "of the job's nodes, at least one)")
     parser.add_argument("--events", type=int, default=None,
                         help="replay only the first N events of the first seed's trace (a "
                              "bounded measurement) and extrapolate to the whole trace")
@@ -96,16 +136,31 @@ def main() -> int:
     scenario = preset_scenario(args.scenario)
     if args.gpus is not None:
         scenario = at_scale(scenario, args.gpus)
+    # every variant runs every policy (swap too), so that the table's rows line up
     policies = (sim_policies.policy_names(args.policies.split(","))
-                if args.policies else None)
-    trace, full_events = (bounded_trace(scenario, args.events, args.seed)
-                          if args.events is not None else (None, 0))
+                if args.policies else POLICY_NAMES)
+    known = {name: (label, make) for name, label, make in VARIANTS}
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for name in chosen:
+        if name not in known:
+            parser.error(f"--variants: unknown variant {name!r}; choose from "
+                         f"{', '.join(known)}")
     jobs = args.jobs or default_jobs()
     runs = []
-    for label, variant in VARIANTS:
+    for name in chosen:
+        label, make = known[name]
+        variant = make(scenario)
+        if name in ("spares", "both") and args.spare_nodes is not None:
+            variant = with_spares(variant, args.spare_nodes)
+        spares = variant.config.cluster.spare_nodes
+        if spares:
+            label = f"{spares} {label}" if name == "spares" else label.replace(
+                "spare nodes", f"{spares} spare nodes")
+        trace, full_events = (bounded_trace(variant, args.events, args.seed)
+                              if args.events is not None else (None, 0))
         bar = ProgressBar(f"benchmark {scenario.name} ({label})")
         start, cpu = time.perf_counter(), os.times()
-        run = run_scenario(variant(scenario), policies=policies, seeds=args.seeds,
+        run = run_scenario(variant, policies=policies, seeds=args.seeds,
                            seed=args.seed, trace=trace, progress=bar, jobs=jobs)
         wall_s, after = time.perf_counter() - start, os.times()
         bar.close()

@@ -28,6 +28,21 @@ def test_estimate_json_with_a_failure() -> None:
     assert doc["rerouted"]["step_s"] > doc["step_s"]
 
 
+def test_estimate_with_spare_nodes_prices_the_swapped_plan(tmp_path: Path) -> None:
+    job = tmp_path / "spares.toml"
+    job.write_text((ROOT / "examples/paper32.toml").read_text().replace(
+        "num_nodes = 4", "num_nodes = 4\nspare_nodes = 1"))
+    result = chameleon("estimate", "--config", str(job), "--fail", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    swapped = doc["swapped"]
+    assert swapped["feasible"] and swapped["spares"] == [32]
+    # the same layout: a swap is faster than rerouting, at most the failure-free speed
+    assert doc["rerouted"]["gap"] > swapped["gap"] >= 0
+    table = chameleon("estimate", "--config", str(job), "--fail", "5")
+    assert "swapped (spares 32)" in table.stdout and "+ 1 spare node(s)" in table.stdout
+
+
 def test_estimate_table() -> None:
     result = chameleon("estimate", "--config", "examples/llama3-405b-16k.toml")
     assert result.returncode == 0, result.stderr

@@ -73,6 +73,22 @@ def test_job_with_flags_writes_reports_and_trace_that_replays(tmp_path: Path) ->
     assert replay.stdout == first.stdout
 
 
+def test_spare_nodes_and_memory_checkpoints_from_the_flags(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(JOB)
+    result = chameleon("--job", str(job), "--days", "0.25", "--node-mtbf-hours", "3",
+                       "--repair-hours", "1", "--seed", "3", "--spare-nodes", "1",
+                       "--memory-checkpoint", "--policies", "chameleon,swap,restart", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["job"]["spare_nodes"] == 1 and doc["job"]["memory_checkpoint"] is True
+    by = {p["name"]: p for p in doc["policies"]}
+    assert set(by) == {"chameleon", "swap", "restart"}
+    assert by["swap"]["decisions"].get("swap", 0) > 0
+    assert by["chameleon"]["relative_to_failure_free"] >= by["swap"][
+        "relative_to_failure_free"] - 0.005
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
     job.write_text(JOB)
@@ -85,6 +101,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
          "unknown policy 'magic'"),
         (("--job", str(job), "--trace", str(bad_trace)), "node 7 is outside the cluster"),
         (("--job", str(job)), "--days"),
+        (("--job", str(job), "--days", "1", "--spare-nodes", "-1"), "--spare-nodes"),
     ]
     for args, message in cases:
         result = chameleon(*args, "--out", str(out))

@@ -10,8 +10,8 @@ from chameleon_ft.cli import COMMANDS, build_parser
 FLAGS = {
     "estimate": {"--config", "--fail", "--json"},
     "plan": {"--config", "--fail", "--horizon-s", "--json", "--node-mtbf-hours", "--policy"},
-    "simulate": {"--config", "--days", "--job", "--jobs", "--json", "--no-repair",
-                 "--node-mtbf-hours",
+    "simulate": {"--config", "--days", "--job", "--jobs", "--json", "--memory-checkpoint",
+                 "--no-repair", "--node-mtbf-hours", "--spare-nodes",
                  "--out", "--policies", "--repair-hours", "--save-trace", "--scenario", "--seed",
                  "--seeds", "--trace"},
     "train": {"--config", "--dtype", "--fault", "--host", "--job-name", "--json",

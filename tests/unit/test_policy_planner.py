@@ -220,7 +220,7 @@ def test_decision_is_json_ready(paper32: Planner) -> None:
     decision = paper32.decide(paper32.initial_plan, [5], horizon_s=7200.0)
     doc = json.loads(json.dumps(decision.to_dict()))
     assert doc["strategy"] == decision.strategy
-    assert len(doc["candidates"]) == 5
+    assert len(doc["candidates"]) == 6
     for c in doc["candidates"]:
         assert {"strategy", "feasible", "step_s", "throughput_samples_s", "transition_s",
                 "score", "peak_memory_bytes", "terms", "reason"} <= set(c)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,20 @@ def test_likely_failures_meet_every_stage_first(config: Config) -> None:
     assert len(sets) == len(set(sets)) == len(plan.workers) + config.cluster.num_nodes
     first = [plan.stage_of_worker[w] for ws in sets[:config.job.pp] for w in ws]
     assert sorted(s for _, s in first) == list(range(config.job.pp))
+
+
+def test_spares_are_prepared_alive(config: Config) -> None:
+    spared = replace(config, cluster=replace(config.cluster, spare_nodes=1))
+    prepared = PreparedPlanner(Planner(spared))
+    plan = prepared.planner.initial_plan
+    spares = range(32, 40)
+    try:
+        prepared.prepare(plan, failures=[[5], list(range(8, 16))], idle=spares)
+        assert prepared.wait(60)
+        for failed in ([5], list(range(8, 16))):
+            alive = sorted((set(plan.workers) | set(spares)) - set(failed))
+            decision = prepared.decide(plan, failed, alive=alive)
+            assert decision.cache_hit
+            assert any(c.strategy == "swap" and c.feasible for c in decision.candidates)
+    finally:
+        prepared.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -271,3 +272,76 @@ def test_no_checkpoints_restart_from_the_start_whatever_the_cadence():
 def test_negative_checkpoint_cadence_is_refused():
     with pytest.raises(ValueError, match="checkpoint_every"):
         run([], 10.0, checkpoint_every_steps=-1)
+
+
+# ------------------------------------------------------------------ checkpoints in memory
+MEMORY = replace(RECOVERY, memory_checkpoint=True, memory_checkpoint_every=7)
+
+
+class ReloadPolicy(FakePolicy):
+    """Any failure: reload on one pipeline (4 s steps, 2 samples/s) after a 60 s stall,
+    from memory or from storage as ``sources`` says, one per failure in turn."""
+
+    def __init__(self, *sources: bool) -> None:
+        super().__init__(restart=True)
+        self.sources = list(sources)
+        self.since_memory: list[float] = []
+
+    def on_failure(self, base: Choice, failed: frozenset[int], ctx: EventContext) -> Choice:
+        self.since_memory.append(ctx.since_memory_checkpoint_s)
+        choice = super().on_failure(base, failed, ctx)
+        return replace(choice, from_memory=self.sources.pop(0))
+
+
+def test_a_reload_from_memory_loses_only_the_work_since_the_last_copy():
+    # Copies every 7 steps: at t=1301, 650 steps are done and the last copy holds 644
+    # (t=1288); the checkpoint on storage holds 500 (t=1000).
+    policy = ReloadPolicy(True)
+    result, _ = run([TraceEvent(1301.0, EventKind.WORKER_FAIL, (0,))], 2000.0, policy,
+                    recovery=MEMORY)
+    assert policy.since_memory == [pytest.approx(12.0)]
+    assert policy.calls[0][3] == pytest.approx(300.0)  # since the checkpoint on storage
+    assert result.samples == pytest.approx(644 * BATCH + (2000.0 - 1361.0) * 2.0)
+    lost = dict(result.time_lost_s)
+    assert lost["lost_work_s"] == pytest.approx(12.0)
+    assert lost["partial_step_s"] == pytest.approx(1.0)
+    # the same reload from storage loses everything since t=1000
+    storage, _ = run([TraceEvent(1301.0, EventKind.WORKER_FAIL, (0,))], 2000.0,
+                     ReloadPolicy(False), recovery=MEMORY)
+    assert dict(storage.time_lost_s)["lost_work_s"] == pytest.approx(300.0)
+
+
+def test_a_reload_from_storage_starts_the_copies_in_memory_over():
+    # The first reload reads storage (back to step 500); the one-pipeline plan then runs
+    # 4 s steps from t=1361 and copies at step 504 (t=1377); at t=1391 (507 steps) a
+    # reload from memory goes back to 504, not to a copy from before the first failure.
+    events = [TraceEvent(1301.0, EventKind.WORKER_FAIL, (0,)),
+              TraceEvent(1391.0, EventKind.WORKER_FAIL, (1,))]
+    policy = ReloadPolicy(False, True)
+    result, _ = run(events, 2000.0, policy, recovery=MEMORY)
+    assert policy.since_memory[1] == pytest.approx(12.0)
+    assert result.samples == pytest.approx(500 * BATCH + 4 * 2 * 4.0 + (2000.0 - 1451.0) * 2.0)
+    assert lost_total(result) == pytest.approx(2000.0 - result.samples / FF)
+
+
+def test_a_software_fault_reloads_from_memory():
+    policy = FakePolicy()
+    result = simulate(Trace((TraceEvent(1501.0, EventKind.SOFTWARE),), 3000.0), policy,
+                      failure_free_samples_s=FF, recovery=replace(MEMORY, memory_checkpoint_every=1),
+                      num_workers=NUM_WORKERS, workers_per_node=PER_NODE,
+                      memory_load_s=lambda plan: 0.5)
+    stall = RECOVERY.detect_s + RECOVERY.restart_s + 0.5
+    # a copy at every step: only the step in flight (1 s) is lost
+    assert result.samples == pytest.approx(750 * BATCH + (3000.0 - 1501.0 - stall) * FF)
+    lost = dict(result.time_lost_s)
+    assert lost["load_s"] == pytest.approx(0.5) and "lost_work_s" not in lost
+    assert lost_total(result) == pytest.approx(3000.0 - result.samples / FF)
+
+
+def test_an_idle_spare_failing_changes_nothing():
+    # a third node of spares (workers 4, 5) idle from the start
+    policy = FakePolicy()
+    result = simulate(Trace((TraceEvent(100.0, EventKind.NODE_FAIL, (2,)),), 300.0), policy,
+                      failure_free_samples_s=FF, recovery=RECOVERY, num_workers=6,
+                      workers_per_node=PER_NODE)
+    assert policy.calls == [] and result.samples == pytest.approx(300.0 * FF)

@@ -160,3 +160,45 @@ def test_time_lost_adds_up_for_every_policy():
         lost = sum(v for _, v in result.time_lost_s)
         assert lost == pytest.approx(result.duration_s - result.samples
                                      / result.failure_free_samples_s, rel=1e-9, abs=1e-6)
+
+
+def spare_scenario(spare_nodes: int, days: float = 0.5):
+    tables = {k: dict(v) for k, v in TABLES.items()}
+    tables["cluster"]["spare_nodes"] = spare_nodes
+    tables["simulation"] = {"days": days, "seeds": 1, "seed": 3}
+    tables["failures"] = {"node_mtbf_hours": 3.0, "repair": "fixed", "repair_hours": 1.0}
+    return scenario_from_config("tiny-spares", config_from_mapping(tables))
+
+
+def test_spare_nodes_are_part_of_the_fleet_and_swap_joins_the_defaults():
+    run = run_scenario(spare_scenario(1))
+    assert "swap" in run.policies and set(run.policies) == set(POLICY_NAMES)
+    assert "swap" not in run_scenario(spare_scenario(0), policies=None, seeds=1,
+                                      seed=3).policies
+    trace = run.cells[0].runs[0].trace
+    # failures strike the spare node (node 2, workers 8..11) too
+    assert any(set(event.workers(4)) & {8, 9, 10, 11} for event in trace.events
+               if event.kind != EventKind.REPAIR)
+    for result in run.cells[0].runs[0].results:
+        lost = sum(v for _, v in result.time_lost_s)
+        assert lost == pytest.approx(result.duration_s - result.samples
+                                     / result.failure_free_samples_s, rel=1e-9, abs=1e-6)
+    swap = run.cells[0].runs[0].result("swap")
+    assert swap is not None and dict(swap.decisions).get("swap", 0) > 0
+
+
+def test_swap_policy_swaps_with_a_spare_and_restarts_without_one(planner):
+    config = spare_scenario(1).config
+    spared = Planner(config, profile=planner.profile)
+    trace = Trace((TraceEvent(100.0, EventKind.WORKER_FAIL, (1,)),), 3600.0)
+    policy = make_policy("swap", spared, config, bamboo_tax=0.24)
+    result = simulate(trace, policy, failure_free_samples_s=planner.failure_free
+                      .throughput_samples_s, recovery=config.recovery,
+                      num_workers=config.total_workers, workers_per_node=config.workers_per_node)
+    assert dict(result.decisions) == {"swap": 1}
+    # the plan keeps its layout; a stage's all-reduce now crosses to the spare node
+    ff = planner.failure_free.throughput_samples_s
+    assert 0.9 * ff < result.timeline[-1][1] <= ff
+    alone = run_one("swap", trace, planner)  # no spare node: a restart
+    assert dict(alone.decisions) == {"restart": 1}
+    assert alone.samples < result.samples

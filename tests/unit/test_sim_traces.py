@@ -83,6 +83,32 @@ def test_rate_and_mix_match_the_spec():
     assert hardware - 8 <= counts[EventKind.REPAIR] <= hardware + 3 * counts[EventKind.GROUP_FAIL]
 
 
+def test_spare_nodes_fail_like_the_others_but_raise_no_software_fault():
+    # 8 job nodes and 8 spares
+    failures = FailureSpec(node_mtbf_hours=100.0, repair="fixed", repair_hours=0.1)
+    job_hits = spare_hits = software = 0
+    for seed in range(4):
+        alone = generate_trace(failures, num_nodes=8, workers_per_node=PER_NODE,
+                               duration_s=60 * DAY_S, seed=seed)
+        trace = generate_trace(failures, num_nodes=8, workers_per_node=PER_NODE,
+                               duration_s=60 * DAY_S, seed=seed, spare_nodes=8)
+        # the job's nodes meet exactly the failures they meet without spares
+        assert tuple(e for e in trace.events if not e.target or
+                     min(e.workers(PER_NODE)) < 8 * PER_NODE) == alone.events
+        for e in trace.events:
+            if e.kind == EventKind.SOFTWARE:
+                software += 1
+            elif e.kind != EventKind.REPAIR:
+                if min(e.workers(PER_NODE)) >= 8 * PER_NODE:
+                    spare_hits += 1
+                else:
+                    job_hits += 1
+    # the spares' hardware fails at the job nodes' hardware rate, and raises no software
+    # fault
+    assert spare_hits == pytest.approx(job_hits, rel=0.15)
+    assert software == pytest.approx(job_hits * 0.15 / 0.85, rel=0.25)
+
+
 def test_group_failures_take_the_aligned_switch_group():
     failures = FailureSpec(node_mtbf_hours=50.0, single_worker=0.0, single_node=0.0,
                            multi_node=1.0, software=0.0, group_nodes=4, repair="none")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from chameleon_ft.perf import Topology
 from chameleon_ft.spec import (
     DEVICE_PRESETS,
     MODEL_PRESETS,
@@ -62,6 +64,11 @@ def test_loads_a_valid_config() -> None:
         (with_("job", schedule="zigzag"), "job.schedule"),
         (with_("job", tp=3), "job.tp"),
         ({**BASE, "extras": {}}, "extras"),
+        (with_("cluster", spare_nodes=-1), "cluster.spare_nodes"),
+        (with_("cluster", spare_nodes=1.5), "cluster.spare_nodes"),
+        (with_("recovery", memory_checkpoint_every=0), "recovery.memory_checkpoint_every"),
+        (with_("recovery", memory_checkpoint=True, checkpoint=False),
+         "recovery.memory_checkpoint"),
     ],
 )
 def test_bad_input_names_the_field(doc: dict[str, object], field: str) -> None:
@@ -136,3 +143,22 @@ def test_worker_numbering() -> None:
     assert job.worker_id(pipeline=3, stage=2) == 2 * 8 + 3
     cluster = ClusterSpec(num_nodes=4, devices_per_node=8)
     assert cluster.link(True)[1] > cluster.link(False)[1]
+
+
+def test_spare_nodes_follow_the_jobs_and_count_in_the_topology() -> None:
+    config = config_from_mapping(with_("cluster", spare_nodes=2))
+    assert config.num_workers == 32  # the layout's workers
+    assert config.num_spare_workers == 16
+    assert config.total_workers == 48
+    assert config.cluster.num_devices == 32 and config.cluster.total_nodes == 6
+    topology = Topology.from_config(config)
+    assert topology.num_workers == 48 and topology.num_nodes == 6
+    assert topology.node_of(40) == 5
+    # a one-node job with a spare node: which worker runs where matters again
+    one = config_from_mapping({"cluster": {"num_nodes": 1, "devices_per_node": 8,
+                                           "spare_nodes": 1},
+                               "job": {"pp": 2, "dp": 4, "global_batch": 8},
+                               "profile": {"kind": "uniform", "num_layers": 4, "fwd_s": 1.0}})
+    assert not Topology.from_config(one).placement_free
+    assert Topology.from_config(replace(one, cluster=replace(one.cluster, spare_nodes=0))
+                                ).placement_free

@@ -1,5 +1,6 @@
 """``chameleon estimate``: the failure-free estimate of a job and, with ``--fail``, the
-rerouted plan's estimate and the gap between them."""
+rerouted plan's estimate and the gap between them; with spare nodes (``[cluster]
+spare_nodes``) also the swapped plan's (spare workers in the failed workers' places)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from chameleon_ft.perf import Estimate, Topology, estimate
 from chameleon_ft.plan import initial_plan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import build_profile
+from chameleon_ft.recovery.swap import swap_plan
 from chameleon_ft.spec import load_config
 
 
@@ -25,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``chameleon estimate``."""
     parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
     parser.add_argument("--fail", metavar="W[,W...]",
-                        help="failed worker ids: also estimate the rerouted plan")
+                        help="failed worker ids: also estimate the rerouted plan (and, with "
+                             "spare nodes, the swapped one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -62,13 +65,31 @@ def run(args: argparse.Namespace) -> int:
         doc["rerouted"] = rerouted.to_dict()
         doc["rerouted"]["failed"] = failed
         doc["rerouted"]["gap"] = 1 - rerouted.throughput_samples_s / base.throughput_samples_s
+    swapped = None
+    if failed and config.cluster.spare_nodes:
+        alive = set(range(config.total_workers)) - set(failed)
+        swapped_plan = swap_plan(plan, alive, topology)
+        if swapped_plan is None:
+            doc["swapped"] = {"failed": failed, "feasible": False,
+                              "reason": f"{len(failed)} failed, {config.num_spare_workers} "
+                                        "spare workers"}
+        else:
+            swapped = estimate(swapped_plan, profile, topology)
+            doc["swapped"] = swapped.to_dict()
+            doc["swapped"].update(
+                failed=failed, feasible=True,
+                spares=[st.worker for _, _, st in swapped_plan.iter_stages()
+                        if st.worker >= config.num_workers],
+                gap=1 - swapped.throughput_samples_s / base.throughput_samples_s)
     if args.json:
         print(dumps(doc))
         return 0
     job = config.job
     model = config.model.name if config.model else f"{profile.num_layers} uniform layers"
     print(f"{model} on {config.cluster.num_nodes} x {config.cluster.devices_per_node} "
-          f"{config.cluster.device.name if config.cluster.device else 'devices'}: "
+          f"{config.cluster.device.name if config.cluster.device else 'devices'}"
+          + (f" + {config.cluster.spare_nodes} spare node(s)" if config.cluster.spare_nodes
+             else "") + ": "
           f"tp {job.tp} x pp {job.pp} x dp {job.dp}, global batch {job.global_batch}, "
           f"micro-batch {job.micro_batch}, {job.schedule}"
           + (f" ({job.virtual_stages} chunks per worker)" if job.virtual_stages > 1 else ""))
@@ -77,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
     rows = [_rows("failure-free", base)]
     if rerouted is not None:
         rows.append(_rows(f"rerouted (fail {','.join(map(str, failed))})", rerouted))
+    if swapped is not None:
+        rows.append(_rows(f"swapped (spares {','.join(map(str, doc['swapped']['spares']))})",
+                          swapped))
     print(table(rows, header))
     if rerouted is not None:
         print(f"gap: rerouted throughput is {doc['rerouted']['gap']:.2%} below failure-free")
+    if swapped is not None:
+        print(f"gap: swapped throughput is {doc['swapped']['gap']:.2%} below failure-free")
+    elif "swapped" in doc:
+        print(f"swap: not possible, {doc['swapped']['reason']}")
     return 0

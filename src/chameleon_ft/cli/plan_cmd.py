@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
     failed = parse_workers(args.fail)
     check_workers(failed, config.num_workers)
     planner = Planner(config, policy=args.policy)
-    decision = planner.decide(planner.initial_plan, failed, horizon_s=args.horizon_s)
+    # the spare nodes' workers are alive and idle: swap can put them in the failed places
+    alive = [w for w in range(config.total_workers) if w not in set(failed)]
+    decision = planner.decide(planner.initial_plan, failed, alive=alive,
+                              horizon_s=args.horizon_s)
     base = planner.failure_free
     if args.json:
         doc: dict[str, Any] = {
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             "failure_free": {"step_s": base.step_s,
                              "throughput_samples_s": base.throughput_samples_s},
             "failed": failed,
+            "spare_workers": list(range(config.num_workers, config.total_workers)),
             "policy": planner.policy,
             "search_s": decision.search_s,
             "setup_s": planner.setup_s,
@@ -86,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         print(dumps(doc))
         return 0
     job = config.job
-    print(f"failure-free: tp {job.tp} x pp {job.pp} x dp {job.dp}, step "
+    spares = (f", {config.cluster.spare_nodes} spare node(s) ({config.num_spare_workers} "
+              "idle workers)" if config.cluster.spare_nodes else "")
+    print(f"failure-free: tp {job.tp} x pp {job.pp} x dp {job.dp}{spares}, step "
           f"{human_seconds(base.step_s)}, {base.throughput_samples_s:.4g} samples/s")
     horizon = ("expected " if decision.horizon_expected else "") + human_seconds(
         decision.horizon_s)

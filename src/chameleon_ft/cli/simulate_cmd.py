@@ -7,6 +7,9 @@ Three ways to say what to simulate::
     chameleon simulate --job examples/paper32.toml --days 7 --node-mtbf-hours 12 \\
         --repair-hours 3 [--trace trace.csv]
 
+``--spare-nodes K`` adds K warm spare nodes to the fleet (the ``swap`` policy joins the
+default policies) and ``--memory-checkpoint`` keeps checkpoints in host memory too.
+
 With ``--out`` the JSON and Markdown reports and the PNG plots are written there, only
 once every run has finished (a simulation process that died is one line on stderr and in
 the reports; the other results are kept). ``--save-trace`` writes the (first) generated
@@ -56,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay this trace (time_s,event,target) instead of generating one")
     parser.add_argument("--save-trace", metavar="FILE.csv",
                         help="also write the first generated trace as CSV")
+    parser.add_argument("--spare-nodes", type=int, metavar="K",
+                        help="warm spares: K more nodes whose workers start idle ([cluster] "
+                             "spare_nodes); they are part of the fleet and fail too")
+    parser.add_argument("--memory-checkpoint", action="store_true",
+                        help="keep checkpoints in other hosts' memory too ([recovery] "
+                             "memory_checkpoint)")
     parser.add_argument("--jobs", type=int, metavar="N",
                         help="processes running policies and seeds at once (default: every "
                              "core); the results do not depend on it")
@@ -88,6 +97,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         raise ValueError(f"--seed: must be >= 0, got {args.seed}")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
+    if args.spare_nodes is not None and args.spare_nodes < 0:
+        raise ValueError(f"--spare-nodes: must be >= 0, got {args.spare_nodes}")
     simulation, failures = scenario.simulation, scenario.failures
     policy = scenario.config.policy
     if args.days is not None:
@@ -104,6 +115,10 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     if args.policies is not None:
         simulation = replace(simulation, policies=policy_names(args.policies.split(",")))
     config = replace(scenario.config, policy=policy)
+    if args.spare_nodes is not None:
+        config = replace(config, cluster=replace(config.cluster, spare_nodes=args.spare_nodes))
+    if args.memory_checkpoint:
+        config = replace(config, recovery=replace(config.recovery, memory_checkpoint=True))
     if simulation.is_sweep and (args.node_mtbf_hours is not None or args.repair_hours is not None
                                 or args.no_repair or args.trace is not None):
         raise ValueError("--scenario: a sweep sets the failure rate and repair time itself; "
@@ -122,7 +137,7 @@ def _trace(args: argparse.Namespace, scenario: Scenario) -> Trace | None:
         raise ValueError(f"--trace: cannot read {str(p)!r}: {exc.strerror}") from None
     duration = scenario.simulation.duration_s if args.days is not None else None
     config = scenario.config
-    return trace_from_csv(text, num_nodes=config.cluster.num_nodes,
+    return trace_from_csv(text, num_nodes=config.cluster.total_nodes,
                           workers_per_node=config.workers_per_node, duration_s=duration)
 
 

@@ -15,7 +15,8 @@ from chameleon_ft.spec.config import Config
 class Topology:
     """Workers placed on nodes, with the cluster's two link types.
 
-    Worker ``w`` lives on node ``w // workers_per_node``. A worker of ``tp`` devices moves a
+    Worker ``w`` lives on node ``w // workers_per_node``; the spare nodes
+    (``[cluster] spare_nodes``) follow the job's. A worker of ``tp`` devices moves a
     tensor as ``tp`` per-device shares over ``tp`` links in parallel, so the time of a
     transfer of ``per_device_bytes`` is that of one device link.
     """
@@ -32,8 +33,13 @@ class Topology:
 
     @property
     def num_workers(self) -> int:
-        """Workers in the cluster."""
-        return self.cluster.num_nodes * self.workers_per_node
+        """Workers of the whole fleet, spare nodes included (``[cluster] spare_nodes``)."""
+        return self.cluster.total_nodes * self.workers_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the whole fleet, spare nodes included."""
+        return self.cluster.total_nodes
 
     @property
     def memory_capacity_bytes(self) -> float:
@@ -45,7 +51,7 @@ class Topology:
     def placement_free(self) -> bool:
         """Whether which worker runs which stage cannot change an estimate: one worker per
         node, one node, or free links (every transfer crosses the same kind of link)."""
-        return (self.workers_per_node == 1 or self.cluster.num_nodes == 1
+        return (self.workers_per_node == 1 or self.cluster.total_nodes == 1
                 or self.cluster.ideal_network)
 
     def node_of(self, worker: int) -> int:

@@ -11,7 +11,12 @@ one with the policy:
   the expected work over an exponential horizon whose mean comes from the failure-rate
   estimate (``horizon.py``), divided by that mean.
 - ``reroute`` / ``recycle`` / ``dynamic`` / ``restart`` / ``shrink`` /
-  ``reroute-then-dynamic``: that strategy; ``restart`` only when it is infeasible.
+  ``reroute-then-dynamic`` / ``swap``: that strategy; ``restart`` only when it is
+  infeasible.
+
+Idle live workers (warm spares, ``[cluster] spare_nodes``; repaired or left-over workers)
+are passed in ``alive``: ``swap`` puts them in the failed workers' places, and a re-formed
+plan may use them, never more workers than the job's layout has.
 
 Expedient search: ``precompute(plan)`` fills the cache for every single-worker and
 single-node failure while training is healthy; a decision that hits the cache only
@@ -22,6 +27,7 @@ the background, within a budget, with a second planner sharing the cache
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -40,13 +46,18 @@ from chameleon_ft.policy.symmetry import (
     rename_candidate,
 )
 from chameleon_ft.profile import Profile, build_profile
-from chameleon_ft.recovery import dynamic, reroute, restart, shrink
+from chameleon_ft.recovery import dynamic, reroute, restart, shrink, swap
 from chameleon_ft.recovery.reroute_then_dynamic import combine
 from chameleon_ft.recovery.restorer import copy_in, fatal_nodes, load_matching
 from chameleon_ft.recovery.templates import Templates
-from chameleon_ft.recovery.transition import lost_progress_s, restart_terms
+from chameleon_ft.recovery.transition import (
+    lost_progress_s,
+    memory_load_s,
+    memory_lost_progress_s,
+)
 from chameleon_ft.recovery.types import (
     Candidate,
+    CheckpointSource,
     Migration,
     RecoveryState,
     Strategy,
@@ -57,17 +68,18 @@ from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.recovery import POLICY_NAMES
 
 _ORDER = {s: i for i, s in enumerate(
-    (Strategy.KEEP, Strategy.REROUTE, Strategy.RECYCLE, Strategy.REROUTE_THEN_DYNAMIC,
-     Strategy.DYNAMIC, Strategy.SHRINK, Strategy.RESTART))}
+    (Strategy.KEEP, Strategy.REROUTE, Strategy.RECYCLE, Strategy.SWAP,
+     Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC, Strategy.SHRINK, Strategy.RESTART))}
 """Final tie-break between equal scores: cheaper, less disruptive strategies first."""
 
 _FAILURE_BUILDERS = {Strategy.REROUTE: reroute.candidates,
                      Strategy.RECYCLE: reroute.recycle_candidates,
                      Strategy.DYNAMIC: dynamic.candidates,
-                     Strategy.RESTART: restart.candidates, Strategy.SHRINK: shrink.candidates}
+                     Strategy.RESTART: restart.candidates, Strategy.SHRINK: shrink.candidates,
+                     Strategy.SWAP: swap.candidates}
 _OWN = {Strategy.REROUTE: (Strategy.REROUTE,), Strategy.RECYCLE: (Strategy.RECYCLE,),
         Strategy.DYNAMIC: (Strategy.DYNAMIC,), Strategy.RESTART: (Strategy.RESTART,),
-        Strategy.SHRINK: (Strategy.SHRINK,)}
+        Strategy.SHRINK: (Strategy.SHRINK,), Strategy.SWAP: (Strategy.SWAP,)}
 """The candidates a fixed-strategy policy needs when it does not compare
 (reroute-then-dynamic: the job's rerouting and dynamic, see ``Planner._own``)."""
 _REJOIN: dict[str, tuple[Strategy, ...]] = {
@@ -95,6 +107,13 @@ class Decision:
     migration: Migration | None
     horizon_expected: bool = False
     """True when ``horizon_s`` is an estimated mean (expected-work rule), not given."""
+
+    @property
+    def rollback(self) -> CheckpointSource | None:
+        """Where every worker of :attr:`plan` reloads the last checkpoint from (a restart,
+        a swap whose slot lost every replica), ``None`` when training goes on from the
+        live state (``Candidate.rollback``)."""
+        return self.chosen.rollback
 
     @property
     def chosen(self) -> Candidate:
@@ -234,7 +253,7 @@ class Planner:
         self.templates = Templates(
             self._profile, capacity_bytes=self._topology.memory_capacity_bytes,
             micro_batch=config.job.micro_batch, schedule=config.job.schedule,
-            num_workers=self._topology.num_workers,
+            num_workers=self.config.num_workers,
             workers_per_node=self._topology.workers_per_node,
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
@@ -352,7 +371,8 @@ class Planner:
 
     def _failure_strategies(self) -> tuple[Strategy, ...]:
         """What Chameleon answers a failure with, in the order decisions list them."""
-        return (self.rerouting, Strategy.DYNAMIC, Strategy.RESTART, Strategy.SHRINK)
+        return (self.rerouting, Strategy.DYNAMIC, Strategy.RESTART, Strategy.SHRINK,
+                Strategy.SWAP)
 
     def _own(self, policy: str) -> tuple[Strategy, ...]:
         """The strategies a fixed policy takes."""
@@ -380,7 +400,8 @@ class Planner:
         return RecoveryState(config=self.config, profile=self._profile,
                              topology=self._topology, plan=plan, alive=alive,
                              templates=self.templates, estimate=self._checked_estimate,
-                             since_checkpoint_s=since_checkpoint_s)
+                             since_checkpoint_s=since_checkpoint_s,
+                             max_workers=self.config.num_workers)
 
     # ------------------------------------------------------------------ candidates
     def _build(self, kind: str, strategy: Strategy, state: RecoveryState,
@@ -488,7 +509,8 @@ class Planner:
                    failures: Iterable[Iterable[int]] | None = None,
                    budget_s: float | None = None,
                    stop: Callable[[], bool] | None = None,
-                   on_prepared: Callable[[frozenset[int]], None] | None = None) -> float:
+                   on_prepared: Callable[[frozenset[int]], None] | None = None,
+                   idle: Iterable[int] = ()) -> float:
         """Fill the cache for likely failures of ``plan`` while training is healthy.
 
         Every failure set costs one cold search (tens of milliseconds on 32 workers, a few
@@ -506,6 +528,8 @@ class Planner:
                 prepared: True stops at once, the set under way left unprepared (a real
                 failure wants the machine, ``prepared.py``).
             on_prepared: called with each failure set once it is prepared.
+            idle: live workers ``plan`` does not run (warm spares): alive in every prepared
+                failure, as the decision will be told (``decide``'s ``alive``).
 
         Returns:
             Seconds spent.
@@ -520,7 +544,7 @@ class Planner:
             sets = self.likely_failures(plan)
         else:
             sets = [self._workers("failures", ws) for ws in failures]
-        base_alive = frozenset(plan.workers)
+        base_alive = frozenset(plan.workers) | self._workers("idle", idle)
         added = 0
         self._stop = stop
         try:
@@ -551,7 +575,7 @@ class Planner:
         """The failure-rate estimate of one worker at ``now_s`` (``horizon.py``)."""
         return worker_rate_per_s(self.config.policy,
                                  workers_per_node=self._topology.workers_per_node,
-                                 num_workers=self._topology.num_workers,
+                                 num_workers=self.config.num_workers,
                                  num_failures=len(self._failure_events), now_s=now_s)
 
     def horizon(self, *, num_live: int, now_s: float) -> float:
@@ -563,7 +587,8 @@ class Planner:
                alive: Iterable[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
                since_checkpoint_s: float | None = None, compare: bool = True,
-               detail: bool = True, hide_search: bool = False) -> Decision:
+               detail: bool = True, hide_search: bool = False,
+               since_memory_checkpoint_s: float | None = None) -> Decision:
         """Choose how to recover from ``failed`` starting from the CURRENT ``plan``.
 
         Args:
@@ -575,8 +600,8 @@ class Planner:
             now_s: seconds since the job began (updates the failure-rate estimate).
             horizon_s: the window for Eq. 8; default ``policy.horizon_s``, else estimated.
             policy: overrides the planner's policy for this decision.
-            since_checkpoint_s: exact progress since the last checkpoint (restart's lost
-                work); default: half the checkpoint interval.
+            since_checkpoint_s: exact progress since the last checkpoint on storage (the
+                work a reload from it loses); default: half the checkpoint interval.
             compare: price every strategy, so the decision lists them all (reports, the
                 CLI). False lets a fixed-strategy policy price only its own strategy (and
                 the rest only when its own is infeasible): the simulator's fast path.
@@ -587,6 +612,9 @@ class Planner:
             hide_search: price a dynamic plan's search as hidden (0 s), as if computed
                 while training was healthy (``precompute``); the simulator does, so its
                 results do not depend on how fast this machine searches.
+            since_memory_checkpoint_s: exact progress since the last copy of the state in
+                memory (``[recovery] memory_checkpoint``: the work a reload from memory
+                loses); default: half the interval between copies.
 
         Returns:
             The decision with every candidate.
@@ -599,6 +627,8 @@ class Planner:
         horizon = self._horizon(horizon_s)
         if since_checkpoint_s is not None:
             lost_progress_s(self.config.recovery, since_checkpoint_s)  # validates
+        if since_memory_checkpoint_s is not None:
+            memory_lost_progress_s(self.config.recovery, 0.0, since_memory_checkpoint_s)
         if now_s < 0 or math.isnan(now_s):
             raise ValueError(f"now_s: must be >= 0, got {now_s}")
         chosen_policy = _check_policy(policy if policy is not None else self.policy)
@@ -626,9 +656,12 @@ class Planner:
             more = self._lookup("fail", state, failed_set, tuple(dict.fromkeys((*every, *own))))
             found = replace(more, search_s=found.search_s + more.search_s)
         raw, back = _detail(found, detail, hide_search)
-        if since_checkpoint_s is not None:
-            raw = tuple(_restart_with(c, restart_terms(self.config.recovery, since_checkpoint_s))
-                        if c.strategy == Strategy.RESTART and c.feasible else c for c in raw)
+        lost = {CheckpointSource.STORAGE: since_checkpoint_s,
+                CheckpointSource.MEMORY: since_memory_checkpoint_s}
+        if since_checkpoint_s is not None or since_memory_checkpoint_s is not None:
+            # a reload loses exactly the work since the checkpoint it reads
+            raw = tuple(_with_lost(c, lost[c.rollback])
+                        if c.rollback is not None and c.feasible else c for c in raw)
         by_strategy = {c.strategy: c for c in raw}
         candidates = raw
         first = by_strategy.get(self.rerouting)
@@ -636,6 +669,8 @@ class Planner:
             candidates = (*raw, combine(state, first, by_strategy[Strategy.DYNAMIC]))
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
+                            num_idle=len(alive_set) - len(plan.workers) + sum(
+                                1 for w in failed_set if w in plan.stage_of_worker),
                             cache_hit=found.hit, back=back)
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Iterable[int], *,
@@ -710,6 +745,7 @@ class Planner:
             chosen_policy = "keep"
         return self._choose(tuple(candidates), plan=plan, policy=chosen_policy,
                             horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
+                            num_idle=len(alive_set) - len(plan.workers),
                             search_s=search_s, cache_hit=found.hit, back=back)
 
     def _reroute_back(self, state: RecoveryState, returned: frozenset[int],
@@ -730,7 +766,8 @@ class Planner:
                        f"returned workers take their stages back ({len(new_plan.reroutes)} "
                        "stage(s) still rerouted)")
 
-    def _fragility_exposure_s(self, num_live: int, window_s: float, now_s: float) -> float:
+    def _fragility_exposure_s(self, num_live: int, window_s: float, now_s: float,
+                              num_idle: int = 0) -> float:
         """Seconds of training a plan expects to lose in the window per node whose loss
         would be fatal to it.
 
@@ -742,6 +779,12 @@ class Planner:
         node-level failures in the window (at most 1: ``policy.node_failure_share`` of all
         failures). 0 without checkpoints (no restart to price). A survivable recovery's own
         rebuild is small next to ``extra_s`` and depends on the plan; it is left out.
+
+        With checkpoints in memory the reload reads the failure-free plan's state from
+        another host's memory and loses half the interval between copies (the copies of a
+        node's layers live on the next node, so one node's loss leaves them); with a whole
+        node's worth of idle workers on a job launched with spares, a swap from the
+        checkpoint follows instead of a restart, without ``restart_s``.
         """
         spec = self.config.recovery
         if not spec.checkpoint:
@@ -749,9 +792,29 @@ class Planner:
         live_nodes = max(1, -(-num_live // self._topology.workers_per_node))
         p_fail = min(1.0, num_live * self._worker_rate_per_s(now_s) * window_s
                      * self.config.policy.node_failure_share)
-        extra_s = max(0.0, spec.restart_s + spec.checkpoint_load_s
-                      + spec.checkpoint_interval_s / 2 - spec.detect_s)
+        restart_s = spec.restart_s
+        if (self.config.cluster.spare_nodes > 0
+                and num_idle >= self._topology.workers_per_node):
+            restart_s = 0.0
+        if spec.memory_checkpoint:
+            reload_s = self._memory_reload_s
+        else:
+            reload_s = spec.checkpoint_load_s + spec.checkpoint_interval_s / 2
+        extra_s = max(0.0, restart_s + reload_s - spec.detect_s)
         return p_fail * extra_s / live_nodes
+
+    @functools.cached_property
+    def _memory_reload_s(self) -> float:
+        """A reload of the failure-free plan from memory: its read and half the interval
+        between copies of the state (``memory_checkpoint``)."""
+        spec = self.config.recovery
+        return (self.memory_load_s(self._initial_plan)
+                + memory_lost_progress_s(spec, self._failure_free.step_s))
+
+    def memory_load_s(self, plan: ExecutionPlan) -> float:
+        """Seconds every worker of ``plan`` takes to read its checkpointed state from
+        another host's memory (``transition.memory_load_s``): a reload from memory."""
+        return memory_load_s(plan, self._profile, self._topology, self.config.recovery)
 
     def _with_fragility(self, candidate: Candidate, batch: int, window_s: float,
                         exposure_s: float) -> Candidate:
@@ -770,8 +833,11 @@ class Planner:
 
     def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
                 horizon_s: float | None, num_live: int, now_s: float, search_s: float,
-                cache_hit: bool,
-                back: Callable[[Candidate], Candidate] | None = None) -> Decision:
+                cache_hit: bool, back: Callable[[Candidate], Candidate] | None = None,
+                num_idle: int = 0) -> Decision:
+        # The next change of plan is a failure of a worker in use: idle workers beyond the
+        # job's layout (warm spares) fail without changing it.
+        num_live = min(num_live, self.config.num_workers)
         if horizon_s is None:
             horizon_s = self.config.policy.horizon_s
         expected = horizon_s is None
@@ -781,7 +847,7 @@ class Planner:
                                                         expected=expected))
                        for c in candidates)
         if expected and math.isfinite(window):
-            exposure_s = self._fragility_exposure_s(num_live, window, now_s)
+            exposure_s = self._fragility_exposure_s(num_live, window, now_s, num_idle)
             scored = tuple(self._with_fragility(c, batch, window, exposure_s) for c in scored)
         feasible = [c for c in scored if c.feasible]
         if not feasible:
@@ -869,7 +935,13 @@ def _priced_only(candidate: Candidate) -> Candidate:
     return replace(candidate, plan=None, estimate=None, migration=None, interim_plan=None)
 
 
-def _restart_with(candidate: Candidate, terms: dict[str, float]) -> Candidate:
+def _with_lost(candidate: Candidate, lost_s: float | None) -> Candidate:
+    """A reload's candidate with its ``lost_s`` term set to ``lost_s`` (unchanged when
+    ``None``: the default, half an interval)."""
+    if lost_s is None:
+        return candidate
+    terms = dict(candidate.terms)
+    terms["lost_s"] = float(lost_s)
     return replace(candidate, terms=terms, transition_s=sum(terms.values()))
 
 

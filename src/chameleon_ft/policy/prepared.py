@@ -16,7 +16,7 @@ so a decision never waits for the preparation:
 The runtime wraps it in four calls::
 
     prepared = PreparedPlanner(Planner(config, profile=profile, policy=policy))
-    prepared.prepare(plan)     # after each change of plan; returns at once
+    prepared.prepare(plan, idle=spares)  # after each change of plan; returns at once
     decision = prepared.decide(plan, failed, alive=alive, now_s=now_s,
                                since_checkpoint_s=since_checkpoint_s)
     decision = prepared.decide_rejoin(plan, returned, alive=alive, now_s=now_s)
@@ -71,6 +71,7 @@ class _Request:
     plan: ExecutionPlan
     failures: list[frozenset[int]] | None
     cancel: threading.Event
+    idle: frozenset[int] = frozenset()
 
 
 class PreparedPlanner:
@@ -112,7 +113,8 @@ class PreparedPlanner:
 
     # ---------------------------------------------------------------- preparation
     def prepare(self, plan: ExecutionPlan,
-                failures: Iterable[Iterable[int]] | None = None) -> None:
+                failures: Iterable[Iterable[int]] | None = None,
+                idle: Iterable[int] = ()) -> None:
         """Prepare the decisions of likely failures of ``plan`` in the background; returns
         at once. A preparation still running (for an older plan) stops before its next
         estimate.
@@ -121,13 +123,15 @@ class PreparedPlanner:
             plan: the plan now running.
             failures: failure sets to prepare; default: every single worker and every
                 node's workers (:meth:`Planner.precompute`).
+            idle: live workers ``plan`` does not run (warm spares), alive in every
+                prepared failure as the decisions will be told.
         """
         sets = None if failures is None else [frozenset(ws) for ws in failures]
         with self._lock:
             if self._closing:
                 raise RuntimeError("prepare: the planner is closed")
             self._stop_locked()
-            self._pending = _Request(plan, sets, threading.Event())
+            self._pending = _Request(plan, sets, threading.Event(), frozenset(idle))
             self._status = PrepareStatus("preparing", plan, 0, 0, 0.0)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -217,7 +221,8 @@ class PreparedPlanner:
                                              time.perf_counter() - start)
 
         preparer.precompute(plan, failures=sets, budget_s=self._budget_s,
-                            stop=request.cancel.is_set, on_prepared=prepared)
+                            stop=request.cancel.is_set, on_prepared=prepared,
+                            idle=request.idle)
         elapsed = time.perf_counter() - start
         if done >= len(sets):
             state = "done"

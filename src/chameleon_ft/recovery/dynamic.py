@@ -1,6 +1,9 @@
 """``dynamic``: re-form the survivors into pipelines of possibly different lengths.
 
-The search (paper Algorithm 1 and Oobleck's templates, generalised):
+The survivors are every live worker, idle ones included, but a plan uses at most the job's
+layout's workers (``RecoveryState.num_usable``: warm spares replace lost workers, they add
+no pipelines); the restorer's matching picks which of them fill the slots. The search
+(paper Algorithm 1 and Oobleck's templates, generalised):
 
 1. **Lengths.** A pipeline of ``l`` stages uses the job's template for ``l`` (a min-max
    balanced layer split over the profile's per-layer costs, memory-checked; for jobs of
@@ -280,8 +283,8 @@ def _allocated(templates: Templates, lengths: tuple[int, ...],
 def max_length(state: RecoveryState) -> int:
     """The longest pipeline the searches consider over ``state.alive`` (module docstring)."""
     spec = state.config.recovery
-    longest = min(len(state.alive), state.templates.num_layers)
-    if len(state.alive) > spec.search_exhaustive_workers:
+    longest = min(state.num_usable, state.templates.num_layers)
+    if state.num_usable > spec.search_exhaustive_workers:
         current = max(p.num_stages for p in state.plan.pipelines)
         longest = min(longest, max(state.config.job.pp, current) + spec.search_extra_stages)
     return longest
@@ -310,7 +313,7 @@ def _shortlist(state: RecoveryState, lengths: list[int],
                intact: dict[int, int]) -> tuple[list[tuple[int, ...]], int]:
     """The partitions of the survivors into pipeline lengths to split exactly, and how
     many partitions the search considered (module docstring, step 2)."""
-    num_alive = len(state.alive)
+    num_alive = state.num_usable
     num_microbatches = state.plan.num_microbatches
     if num_alive <= state.config.recovery.search_exhaustive_workers:
         pool = list(partitions_all(num_alive, lengths))
@@ -361,7 +364,7 @@ def _shapes(state: RecoveryState, split: _Split) -> list[ExecutionPlan]:
     templates, plan = state.templates, state.plan
     shapes = [skeleton(templates, split.lengths, split.counts, plan.micro_batch,
                        plan.schedule)]
-    if len(state.alive) <= state.config.recovery.search_exhaustive_workers and (
+    if state.num_usable <= state.config.recovery.search_exhaustive_workers and (
             templates.exhaustive):
         shapes.extend(_alternatives(templates, split.step_s, split.lengths, split.counts,
                                     plan.micro_batch, plan.schedule))

@@ -224,6 +224,10 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     plan = state.plan
     lists = _pipeline_ranks(plan)
     waiting = sorted(set(state.alive) - set(plan.workers) - plan.dead_workers)
+    if state.max_workers is not None:
+        # warm spares replace lost workers: no more workers than the job's layout has
+        room = state.max_workers - len(set(plan.workers) & state.alive)
+        waiting = waiting[:max(0, room)]
     step = spec.job_length
     for start in range(0, len(waiting), step):
         lists.append(waiting[start:start + step])

@@ -6,7 +6,10 @@ range, and the global batch is split as evenly as
 the pipelines allow. The length with the smallest estimated step wins. The only option
 when some layer has no live replica; impossible without checkpoints. Workers are placed
 as the job's ``placement`` says, over the survivors in id order (all state is reloaded, so
-who held what before does not matter).
+who held what before does not matter), at most the job's layout's workers (warm spares
+replace lost workers, they add no pipelines). The checkpoint is read from storage, or
+from other hosts' memory with ``memory_checkpoint`` when every layer kept a copy there
+(``transition.reload_terms``).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.recovery.dynamic import max_length
 from chameleon_ft.recovery.templates import allocate
-from chameleon_ft.recovery.transition import restart_terms
+from chameleon_ft.recovery.transition import reload_terms, restart_terms
 from chameleon_ft.recovery.types import (
     Candidate,
+    CheckpointSource,
     RecoveryState,
     Strategy,
     candidate_from_estimate,
@@ -45,10 +49,11 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     templates = state.templates
     plan = state.plan
     workers = sorted(state.alive)
+    usable = state.num_usable
     num_microbatches = plan.num_microbatches
     ranked = []
     for length in templates.feasible_lengths(max_length(state)):
-        num_pipelines = min(len(workers) // length, num_microbatches)
+        num_pipelines = min(usable // length, num_microbatches)
         step_s, counts = allocate([length] * num_pipelines, num_microbatches,
                                   templates.length_step_s)
         if counts:
@@ -59,6 +64,7 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
     ranked.sort(key=lambda item: (item[0], item[1]))
     best: Candidate | None = None
     terms = restart_terms(spec, state.since_checkpoint_s)
+    source = CheckpointSource.STORAGE
     for _, length, counts in ranked[:_FULL_ESTIMATES]:
         dp = len(counts)
         stage_major = state.config.job.placement == Placement.STAGE_MAJOR
@@ -76,10 +82,15 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
         new_plan.validate()
         est = state.estimate(new_plan)
         idle = len(workers) - dp * length
+        if spec.memory_checkpoint:
+            reload, source = reload_terms(state, new_plan)
+            terms = {**terms, **reload}
+        where = " in memory" if source == CheckpointSource.MEMORY else ""
         candidate = candidate_from_estimate(
             Strategy.RESTART, new_plan, est, terms,
-            f"restart from the checkpoint as {dp}x{length} stages, {idle} idle",
-            extra={"pipeline_lengths": [length] * dp, "idle_workers": idle})
+            f"restart from the checkpoint{where} as {dp}x{length} stages, {idle} idle",
+            extra={"pipeline_lengths": [length] * dp, "idle_workers": idle},
+            rollback=source)
         if candidate.feasible and (best is None or candidate.step_s < best.step_s):
             best = candidate
     if best is None:

@@ -77,6 +77,9 @@ def grow(state: RecoveryState) -> Candidate:
     length = len(layout)
     room = plan.num_microbatches - plan.num_pipelines
     count = min(len(idle) // length, room)
+    if state.max_workers is not None:
+        # warm spares replace lost workers; they add no replica beyond the job's layout
+        count = min(count, max(0, state.max_workers - len(plan.workers)) // length)
     if count < 1:
         return infeasible(Strategy.SHRINK, f"{len(idle)} idle worker(s) make no whole "
                                            f"{length}-stage pipeline")

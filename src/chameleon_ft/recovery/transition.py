@@ -21,7 +21,11 @@ Every term is named; the constants come from :class:`~chameleon_ft.spec.recovery
 - ``lost_step_s``: the step in flight when the failure hit, half the failed plan's step on
   average (the simulator charges the exact partial step instead);
 - restart: ``restart_s + load_s + lost_s`` (``lost_s`` the progress since the last
-  checkpoint, which includes the step in flight).
+  checkpoint, which includes the step in flight). With checkpoints in memory
+  (``memory_checkpoint``) a reload reads every worker's state from another host's memory
+  (:func:`memory_load_s`) and loses the work since the last copy there, unless some layer
+  had every copy on hosts that died too (:func:`layers_lost_from_memory`): then it reads
+  storage (:func:`reload_terms`).
 
 Rerouting touches only the groups of the damaged stage and of the pipeline whose work
 moves; re-forming pipelines creates the groups of every pipeline it changes, builds the
@@ -38,9 +42,11 @@ from typing import TYPE_CHECKING
 
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
+from chameleon_ft.recovery.types import CheckpointSource
 from chameleon_ft.spec.recovery import RecoverySpec
 
 if TYPE_CHECKING:
+    from chameleon_ft.perf.network import Topology
     from chameleon_ft.recovery.types import RecoveryState
 
 Group = frozenset[int]
@@ -288,3 +294,116 @@ def migration_s(time_at_full_bandwidth_s: float, spec: RecoverySpec, *,
     """
     share = spec.migration_efficiency * (spec.background_share if background else 1.0)
     return time_at_full_bandwidth_s / share
+
+
+@functools.lru_cache(maxsize=16)
+def _state_prefix(profile: Profile) -> tuple[float, ...]:
+    """Prefix sums of each layer's checkpointed bytes (parameters and optimizer state)."""
+    out = [0.0]
+    for layer in profile.layers:
+        out.append(out[-1] + layer.state_bytes)
+    return tuple(out)
+
+
+def memory_load_s(plan: ExecutionPlan, profile: Profile, topology: Topology,
+                  spec: RecoverySpec) -> float:
+    """Seconds until every worker of ``plan`` has read its layers' checkpointed state
+    (parameters and optimizer state) from the memory of a host on another node.
+
+    Each worker reads its own stage's bytes over one inter-node link at
+    ``migration_efficiency``, all workers at once; the busiest one decides. Contention at
+    a host serving several readers is not modelled (the copies are spread over the nodes).
+
+    Args:
+        plan: the plan every worker reloads (its rerouted stages read nothing).
+        profile: each layer's bytes.
+        topology: the inter-node link.
+        spec: ``migration_efficiency``.
+
+    Returns:
+        The busiest worker's read time; 0 for free links.
+    """
+    if topology.cluster.ideal_network:
+        return 0.0
+    prefix = _state_prefix(profile)
+    largest = max((prefix[r.stop] - prefix[r.start]
+                   for r in set(plan.layers_by_worker.values())), default=0.0)
+    latency_s, bandwidth = topology.cluster.link(False)
+    return latency_s + largest / (bandwidth * spec.migration_efficiency)
+
+
+def layers_lost_from_memory(state: RecoveryState) -> list[int]:
+    """Layers of ``state.plan`` with no copy in memory left (``memory_checkpoint``).
+
+    Each worker of the plan keeps its copy in its own host's memory and in that of the
+    next node (in id order, cyclic) that was up when the failure struck (a node with a
+    live worker or a worker of the plan), as Gemini keeps local and peer copies; a copy is
+    lost when both hosts are down now (a host is up while one of its workers is alive). A
+    layer is lost when every worker holding it lost its copies: then a reload reads
+    storage.
+
+    Args:
+        state: the plan that ran and who is alive after the failure.
+
+    Returns:
+        The lost layers, ascending (empty when everything can come from memory).
+    """
+    topology = state.topology
+    node_of = topology.node_of
+    plan = state.plan
+    up_now = {node_of(w) for w in state.alive}
+    up_before = sorted(up_now | {node_of(w) for w in plan.stage_of_worker})
+    following = {n: up_before[(i + 1) % len(up_before)] for i, n in enumerate(up_before)}
+    kept: dict[tuple[int, int], bool] = {}
+    for worker, layers in plan.layers_by_worker.items():
+        key = (layers.start, layers.stop)
+        if kept.get(key):
+            continue
+        node = node_of(worker)
+        kept[key] = node in up_now or following[node] in up_now
+    covered = [False] * plan.num_layers
+    for (lo, hi), ok in kept.items():
+        if ok:
+            for layer in range(lo, hi):
+                covered[layer] = True
+    return [layer for layer, ok in enumerate(covered) if not ok]
+
+
+def memory_lost_progress_s(spec: RecoverySpec, failed_plan_step_s: float,
+                           since_memory_checkpoint_s: float | None = None) -> float:
+    """Work lost by a reload from memory: the exact time since the last copy, or half the
+    interval between copies (``memory_checkpoint_every`` steps of the failed plan).
+
+    Raises:
+        ValueError: for a negative ``since_memory_checkpoint_s``.
+    """
+    if since_memory_checkpoint_s is None:
+        return 0.5 * spec.memory_checkpoint_every * failed_plan_step_s
+    if since_memory_checkpoint_s < 0:
+        raise ValueError(f"since_memory_checkpoint_s: must be >= 0, got "
+                         f"{since_memory_checkpoint_s}")
+    return float(since_memory_checkpoint_s)
+
+
+def reload_terms(state: RecoveryState, new: ExecutionPlan
+                 ) -> tuple[dict[str, float], CheckpointSource]:
+    """``load_s`` and ``lost_s`` of reloading the last checkpoint onto ``new``, and where it
+    is read from: memory when ``memory_checkpoint`` is on and every layer kept a copy
+    there (:func:`layers_lost_from_memory`), else storage.
+
+    Args:
+        state: the plan that ran, who is alive, the exact time since the last checkpoint
+            on storage when known (``since_checkpoint_s``).
+        new: the plan every worker reloads.
+
+    Returns:
+        ``{"load_s": ..., "lost_s": ...}`` and the source.
+    """
+    spec = state.config.recovery
+    if spec.memory_checkpoint and not layers_lost_from_memory(state):
+        step_s = state.estimate(state.plan).step_s
+        return ({"load_s": memory_load_s(new, state.profile, state.topology, spec),
+                 "lost_s": memory_lost_progress_s(spec, step_s)}, CheckpointSource.MEMORY)
+    return ({"load_s": spec.checkpoint_load_s,
+             "lost_s": lost_progress_s(spec, state.since_checkpoint_s)},
+            CheckpointSource.STORAGE)

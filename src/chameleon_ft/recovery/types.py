@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 class Strategy(StrEnum):
     """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin;
-    ``recycle`` is ``reroute`` with ReCycle's decoupled backward."""
+    ``recycle`` is ``reroute`` with ReCycle's decoupled backward; ``swap`` puts idle (spare)
+    workers in the failed workers' places of the same plan."""
 
     REROUTE = "reroute"
     RECYCLE = "recycle"
@@ -34,7 +35,17 @@ class Strategy(StrEnum):
     RESTART = "restart"
     SHRINK = "shrink"
     REROUTE_THEN_DYNAMIC = "reroute-then-dynamic"
+    SWAP = "swap"
     KEEP = "keep"
+
+
+class CheckpointSource(StrEnum):
+    """Where a recovery that rolls back to the last checkpoint reads it from."""
+
+    STORAGE = "storage"
+    """The periodic checkpoint on storage (``checkpoint_load_s``)."""
+    MEMORY = "memory"
+    """The copies in other hosts' memory (``[recovery] memory_checkpoint``)."""
 
 
 EstimateFn = Callable[[ExecutionPlan], Estimate]
@@ -128,6 +139,10 @@ class Candidate:
     """Two-phase only: the switch's terms (communicators the final plan adds, warm-up)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form details for reports (e.g. the pipeline lengths of a dynamic plan)."""
+    rollback: CheckpointSource | None = None
+    """Set when every worker of the plan reloads the last checkpoint (a restart, a swap
+    whose slot lost every replica): from where; the work since that checkpoint is lost
+    (the ``lost_s`` term). ``None``: training goes on from the live state."""
 
     def to_dict(self, *, with_plan: bool = False) -> dict[str, Any]:
         """A JSON-ready form (infinities become null)."""
@@ -142,6 +157,8 @@ class Candidate:
             "peak_memory_bytes": _num(self.peak_memory_bytes),
             "reason": self.reason,
         }
+        if self.rollback is not None:
+            out["rollback"] = str(self.rollback)
         if self.interim_step_s is not None:
             out["interim_step_s"] = _num(self.interim_step_s)
             out["interim_s"] = _num(self.interim_s)
@@ -178,6 +195,22 @@ class RecoveryState:
     estimate: EstimateFn
     since_checkpoint_s: float | None = None
     """Exact progress since the last checkpoint, when the caller knows it."""
+    max_workers: int | None = None
+    """The most workers a plan may use (the job's layout, ``Config.num_workers``): idle
+    workers beyond it (warm spares) replace lost workers, they never add pipelines.
+    ``None``: every live worker."""
+
+    @property
+    def num_usable(self) -> int:
+        """Live workers a re-formed plan may use: ``alive``, at most ``max_workers``."""
+        n = len(self.alive)
+        return n if self.max_workers is None else min(n, self.max_workers)
+
+    def idle_workers(self) -> list[int]:
+        """Live workers the current plan does not run (spares, returned or left-over
+        workers), in id order."""
+        used = self.plan.stage_of_worker
+        return sorted(w for w in self.alive if w not in used)
 
     @property
     def global_batch(self) -> int:
@@ -206,7 +239,8 @@ class RecoveryState:
 def candidate_from_estimate(strategy: Strategy, plan: ExecutionPlan, est: Estimate,
                             terms: Mapping[str, float], reason: str,
                             migration: Migration | None = None,
-                            extra: Mapping[str, Any] | None = None) -> Candidate:
+                            extra: Mapping[str, Any] | None = None,
+                            rollback: CheckpointSource | None = None) -> Candidate:
     """A feasible candidate, or an infeasible one when the plan does not fit memory."""
     if not est.memory_fits:
         return Candidate(strategy=strategy, feasible=False, plan=plan, estimate=est,
@@ -215,9 +249,9 @@ def candidate_from_estimate(strategy: Strategy, plan: ExecutionPlan, est: Estima
                          peak_memory_bytes=est.max_memory_bytes,
                          reason=f"does not fit device memory ({est.max_memory_bytes / 2**30:.1f} "
                                 f"GiB peak); {reason}", migration=migration,
-                         extra=dict(extra or {}))
+                         extra=dict(extra or {}), rollback=rollback)
     return Candidate(strategy=strategy, feasible=True, plan=plan, estimate=est,
                      step_s=est.step_s, throughput_samples_s=est.throughput_samples_s,
                      transition_s=sum(terms.values()), terms=dict(terms),
                      peak_memory_bytes=est.max_memory_bytes, reason=reason,
-                     migration=migration, extra=dict(extra or {}))
+                     migration=migration, extra=dict(extra or {}), rollback=rollback)

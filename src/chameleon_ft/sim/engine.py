@@ -12,7 +12,11 @@ Semantics (docs/design.md section 6, issue 4):
   runtime takes them, every ``checkpoint_every`` committed steps (``[train]``; a step
   redone after a restart counts once), so a slower plan checkpoints less often in wall
   time; without it, at every multiple of ``checkpoint_interval_s`` of wall time, holding
-  the last completed step.
+  the last completed step. With checkpoints in memory (``[recovery] memory_checkpoint``)
+  a copy is also taken every ``memory_checkpoint_every`` committed steps; a reload the
+  policy reads from memory (``Choice.from_memory``; every software fault, all hosts being
+  up) rolls back to the newer of that copy and the checkpoint, one from storage rolls
+  back to the checkpoint and the copies in memory restart from it.
 - A repair brings a node's workers back and asks the policy whether to use them (a rejoin
   during a transition waits for it to end). A job-level software fault restarts every
   process on the same plan from the checkpoint.
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chameleon_ft.failures import EventKind, Trace, TraceEvent
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.sim.events import Commit, Switch
 from chameleon_ft.sim.policies import DOWN, Choice, EventContext, SimPolicy, software_restart
 from chameleon_ft.spec.recovery import RecoverySpec
@@ -94,7 +99,8 @@ class _Run:
 
     def __init__(self, trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
                  recovery: RecoverySpec, workers_per_node: int, num_workers: int,
-                 checkpoint_every_steps: int) -> None:
+                 checkpoint_every_steps: int,
+                 memory_load_s: Callable[[ExecutionPlan], float] | None) -> None:
         self.trace = trace
         self.policy = policy
         self.ff = failure_free_samples_s
@@ -120,6 +126,15 @@ class _Run:
         # Wall seconds training kept work, now and at the last checkpoint.
         self.training_s = 0.0
         self.checkpoint_training_s = 0.0
+        # Copies in memory every ``memory_every`` committed steps (0: none), the newest
+        # one's samples, steps and training seconds, and the training since it.
+        self.memory_every = (recovery.memory_checkpoint_every
+                             if recovery.memory_checkpoint and recovery.checkpoint else 0)
+        self.memory_load_s = memory_load_s
+        self.memory_samples = 0.0
+        self.memory_steps = 0
+        self.memory_training_s = 0.0
+        self.since_memory_s = 0.0
         self.lost: dict[str, float] = {}
         self.decisions: dict[str, int] = {}
         self.num_software = 0
@@ -178,12 +193,15 @@ class _Run:
                 self.checkpoint_samples = self.samples
                 self.since_checkpoint_s = 0.0
                 self.checkpoint_training_s = self.training_s
+                self.checkpoint_steps = self.steps
         else:
             rate = self._train(dt)
             if crosses:
                 # The checkpoint holds the last step completed before it.
                 self.checkpoint_samples = self._completed_samples(checkpoint_s)
+                self.checkpoint_steps = self.run_start_steps + self._steps_in_run(checkpoint_s)
                 self._checkpointed_in_run(rate)
+            self._copy_to_memory(to_s, rate)
         self.now = to_s
 
     def _stalled(self, dt: float) -> None:
@@ -203,8 +221,24 @@ class _Run:
         self.samples += rate * dt
         self._book("degraded_s", dt * (self.ff - rate) / self.ff)
         self.since_checkpoint_s += dt
+        self.since_memory_s += dt
         self.training_s += dt
         return rate
+
+    def _copy_to_memory(self, to_s: float, rate: float) -> None:
+        """The copies in memory after the running plan trained up to ``to_s``: the newest
+        was taken when the last multiple of ``memory_every`` committed steps committed."""
+        if not self.memory_every:
+            return
+        done = self.run_start_steps + self._steps_in_run(to_s)
+        last = done - done % self.memory_every
+        if last > self.memory_steps:
+            choice = self.committed
+            self.memory_steps = last
+            self.memory_samples = self.run_start_samples + (
+                (last - self.run_start_steps) * choice.step_s * choice.throughput_samples_s)
+            self.since_memory_s = (self.samples - self.memory_samples) / rate
+            self.memory_training_s = self.training_s - self.since_memory_s
 
     def _checkpointed_in_run(self, rate: float) -> None:
         """A checkpoint of the running plan now holds ``checkpoint_samples``."""
@@ -220,6 +254,7 @@ class _Run:
         rate = self._train(dt)
         if not self.recovery.checkpoint:
             return
+        self._copy_to_memory(to_s, rate)
         done = self.run_start_steps + self._steps_in_run(to_s)
         last = done - done % self.checkpoint_every
         if last > self.checkpoint_steps:
@@ -242,25 +277,21 @@ class _Run:
             self._book("partial_step_s", lost / self.ff)
             lost_s = lost / self.committed.throughput_samples_s
             self.since_checkpoint_s = max(0.0, self.since_checkpoint_s - lost_s)
+            self.since_memory_s = max(0.0, self.since_memory_s - lost_s)
             self.training_s -= lost_s
 
     def context(self, next_event_s: float) -> EventContext:
         return EventContext(alive=frozenset(self.alive), now_s=self.now,
                             next_event_in_s=next_event_s - self.now,
-                            since_checkpoint_s=self.since_checkpoint_s)
+                            since_checkpoint_s=self.since_checkpoint_s,
+                            since_memory_checkpoint_s=self.since_memory_s)
 
     def apply(self, choice: Choice, *, decided: bool = True) -> None:
         """Start the transition to ``choice`` (or go down); count it if a policy decided it."""
         if decided:
             self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
         if choice.rollback:
-            lost = self.samples - self.checkpoint_samples
-            if lost > 0:
-                self._book("lost_work_s", lost / self.ff)
-                self.samples = self.checkpoint_samples
-            self.since_checkpoint_s = 0.0
-            self.training_s = self.checkpoint_training_s
-            self.steps = self.checkpoint_steps
+            self._roll_back(choice.from_memory)
         self.token += 1
         if choice.plan is None:
             self.committed = Choice(strategy=DOWN, plan=None)
@@ -272,6 +303,32 @@ class _Run:
             self.commit()
         else:
             self.push(self.now + choice.stall_s, Commit(self.now + choice.stall_s, self.token))
+
+    def _roll_back(self, from_memory: bool) -> None:
+        """Discard the work since the checkpoint the reload reads: the newer of the copy in
+        memory and the checkpoint when ``from_memory``, else the checkpoint (the copies in
+        memory then start over from it)."""
+        if from_memory and self.memory_every and self.memory_samples >= self.checkpoint_samples:
+            lost = self.samples - self.memory_samples
+            if lost > 0:
+                self._book("lost_work_s", lost / self.ff)
+                self.samples = self.memory_samples
+            self.training_s = self.memory_training_s
+            self.steps = self.memory_steps
+            self.since_memory_s = 0.0
+            self.since_checkpoint_s = self.training_s - self.checkpoint_training_s
+            return
+        lost = self.samples - self.checkpoint_samples
+        if lost > 0:
+            self._book("lost_work_s", lost / self.ff)
+            self.samples = self.checkpoint_samples
+        self.since_checkpoint_s = 0.0
+        self.training_s = self.checkpoint_training_s
+        self.steps = self.checkpoint_steps
+        self.memory_samples = self.checkpoint_samples
+        self.memory_training_s = self.checkpoint_training_s
+        self.memory_steps = self.checkpoint_steps
+        self.since_memory_s = 0.0
 
     def commit(self) -> None:
         """The pending transition ends; its plan runs from now."""
@@ -351,7 +408,10 @@ class _Run:
             base = Choice(strategy="restart", plan=running.plan, step_s=running.step_s,
                           throughput_samples_s=running.throughput_samples_s,
                           state=running.state)
-        self.apply(software_restart(base, self.recovery), decided=False)
+        reload_s = None
+        if self.memory_every and self.memory_load_s is not None and base.plan is not None:
+            reload_s = self.memory_load_s(base.plan)  # every host is up: read from memory
+        self.apply(software_restart(base, self.recovery, memory_load_s=reload_s), decided=False)
         if self.pending is not None:
             self.pending_failed = failed
 
@@ -398,7 +458,8 @@ class _Run:
 def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
              recovery: RecoverySpec, num_workers: int, workers_per_node: int,
              progress: Callable[[int], None] | None = None,
-             checkpoint_every_steps: int = 0) -> RunResult:
+             checkpoint_every_steps: int = 0,
+             memory_load_s: Callable[[ExecutionPlan], float] | None = None) -> RunResult:
     """Replay ``trace`` against ``policy``.
 
     Args:
@@ -412,6 +473,8 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
         checkpoint_every_steps: checkpoint every this many committed steps, as the runtime
             does (``[train] checkpoint_every``); 0: every ``recovery.checkpoint_interval_s``
             of wall time.
+        memory_load_s: with ``recovery.memory_checkpoint``, a plan's read of its state
+            from memory (a software fault's reload); ``None``: from storage.
 
     Returns:
         The policy's result.
@@ -426,7 +489,7 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
                          f"{checkpoint_every_steps!r}")
     run = _Run(trace, policy, failure_free_samples_s=failure_free_samples_s, recovery=recovery,
                workers_per_node=workers_per_node, num_workers=num_workers,
-               checkpoint_every_steps=checkpoint_every_steps)
+               checkpoint_every_steps=checkpoint_every_steps, memory_load_s=memory_load_s)
     events = trace.events
     for event in events:
         run.push(event.time_s, event)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import unfold_profile
 from chameleon_ft.recovery.oobleck import OobleckSpec, instantiate, oobleck_spec, reconfigure
@@ -73,6 +74,10 @@ class OobleckPolicy:
             planner.templates, num_workers=len(initial.workers),
             job_length=max(p.num_stages for p in initial.pipelines),
             fault_threshold=max(0, min(fault_threshold, initial.num_pipelines - 1)))
+
+    def memory_load_s(self, plan: ExecutionPlan) -> float:
+        """A reload of ``plan`` (on Oobleck's own layers) from other hosts' memory."""
+        return self._planner.memory_load_s(plan)
 
     def start(self) -> Choice:
         """The job's pipelines as Oobleck instantiates them (consecutive workers)."""

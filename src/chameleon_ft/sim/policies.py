@@ -5,9 +5,10 @@ A policy turns an event (failure or repair) and the last committed plan into a
 the job rolls back to its last checkpoint. The engine owns time and accounting; policies
 own only the decision.
 
-- ``chameleon``, ``reroute``, ``recycle``, ``dynamic``, ``restart``, ``shrink``: the
-  planner's decision under that policy (Eq. 8 with an estimated horizon for
-  ``chameleon``); ``oobleck`` is in ``peers.py``.
+- ``chameleon``, ``reroute``, ``recycle``, ``dynamic``, ``restart``, ``shrink``,
+  ``swap``: the planner's decision under that policy (Eq. 8 with an estimated horizon for
+  ``chameleon``; ``swap`` puts idle workers, the warm spares, in the failed workers'
+  places and restarts when too few are idle); ``oobleck`` is in ``peers.py``.
 - ``oracle``: the planner's candidates scored by Eq. 8 with the TRUE time to the next
   event of the trace, an upper bound on what any choice among the same candidates does
   over that window.
@@ -50,6 +51,9 @@ class Choice:
     """The stall by cause (``detect_s``, ``comm_s``, ``restart_s``...), summing to ``stall_s``."""
     rollback: bool = False
     """Restart from the last checkpoint: the engine discards the work done since it."""
+    from_memory: bool = False
+    """With ``rollback``: the checkpoint is read from other hosts' memory (``[recovery]
+    memory_checkpoint``), so only the work since the last copy there is discarded."""
     state: Any = field(default=None, compare=False)
     """Policy-private data carried to the next decision (Bamboo's covered stages)."""
     then: Choice | None = None
@@ -76,6 +80,9 @@ class EventContext:
     """True time until the next trace event (or the end); only the oracle may look."""
     since_checkpoint_s: float
     """Training time done since the last checkpoint (what a restart would redo)."""
+    since_memory_checkpoint_s: float = 0.0
+    """Training time done since the last copy of the state in memory (what a reload from
+    memory would redo; ``[recovery] memory_checkpoint``)."""
 
 
 class SimPolicy(Protocol):
@@ -98,7 +105,7 @@ class SimPolicy(Protocol):
 
 def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
                  throughput_samples_s: float, transition_s: float, terms: Mapping[str, float],
-                 rollback: bool, state: Any = None) -> Choice:
+                 rollback: bool, state: Any = None, from_memory: bool = False) -> Choice:
     """Build a :class:`Choice` from a priced candidate.
 
     With ``rollback`` the candidate's ``lost_s`` term (its estimate of the work lost since
@@ -115,6 +122,7 @@ def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
         terms: the transition by cause.
         rollback: whether the job restarts from its checkpoint.
         state: policy-private data.
+        from_memory: with ``rollback``, the checkpoint is read from memory.
 
     Returns:
         The choice, with a ``transition_other_s`` term for any part the terms do not name.
@@ -129,25 +137,32 @@ def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
         named["transition_other_s"] = rest
     return Choice(strategy=strategy, plan=plan, step_s=float(step_s),
                   throughput_samples_s=float(throughput_samples_s), stall_s=stall_s,
-                  terms=tuple(sorted(named.items())), rollback=rollback, state=state)
+                  terms=tuple(sorted(named.items())), rollback=rollback, state=state,
+                  from_memory=rollback and from_memory)
 
 
-def software_restart(base: Choice, recovery: RecoverySpec) -> Choice:
+def software_restart(base: Choice, recovery: RecoverySpec, *,
+                     memory_load_s: float | None = None) -> Choice:
     """A job-level software fault: every process restarts from the checkpoint, same plan.
 
     Args:
         base: the running (or pending) choice.
         recovery: detection, restart and load times.
+        memory_load_s: the plan's read of its state from other hosts' memory, when the
+            job keeps copies there (every host is up after a software fault); ``None``:
+            the checkpoint is read from storage (``checkpoint_load_s``).
 
     Returns:
         ``base`` with a restart stall in front and a rollback.
     """
+    load_s = recovery.checkpoint_load_s if memory_load_s is None else memory_load_s
     terms = dict(base.terms)
     for name, value in (("detect_s", recovery.detect_s), ("restart_s", recovery.restart_s),
-                        ("load_s", recovery.checkpoint_load_s)):
+                        ("load_s", load_s)):
         terms[name] = terms.get(name, 0.0) + value
-    stall_s = base.stall_s + recovery.detect_s + recovery.restart_s + recovery.checkpoint_load_s
-    return replace(base, stall_s=stall_s, terms=tuple(sorted(terms.items())), rollback=True)
+    stall_s = base.stall_s + recovery.detect_s + recovery.restart_s + load_s
+    return replace(base, stall_s=stall_s, terms=tuple(sorted(terms.items())), rollback=True,
+                   from_memory=memory_load_s is not None)
 
 
 # ----------------------------------------------------------------------- planner policies
@@ -164,7 +179,8 @@ class PlannerLike(Protocol):
                alive: Collection[int] | None = None, now_s: float = 0.0,
                horizon_s: float | None = None, policy: str | None = None,
                since_checkpoint_s: float | None = None, compare: bool = True,
-               detail: bool = True, hide_search: bool = False) -> Any: ...
+               detail: bool = True, hide_search: bool = False,
+               since_memory_checkpoint_s: float | None = None) -> Any: ...
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Collection[int], *,
                       alive: Collection[int] | None = None, now_s: float = 0.0,
@@ -191,12 +207,13 @@ def decision_choice(decision: Any, recovery: RecoverySpec) -> Choice:
     strategy = str(chosen.strategy)
     if strategy == KEEP:
         return Choice(strategy=KEEP, plan=None)
-    rollback = strategy == "restart"
+    rollback = chosen.rollback is not None
+    from_memory = str(chosen.rollback) == "memory"
     if chosen.interim_step_s is None:
         return terms_choice(strategy, chosen.plan, step_s=chosen.step_s,
                             throughput_samples_s=chosen.throughput_samples_s,
                             transition_s=chosen.transition_s, terms=chosen.terms,
-                            rollback=rollback)
+                            rollback=rollback, from_memory=from_memory)
     # Two phases: the interim (rerouted) plan runs while state migrates in the background,
     # then a short switch to the final plan.
     final = terms_choice(strategy, chosen.plan, step_s=chosen.step_s,
@@ -246,7 +263,7 @@ class PlannerPolicy:
                 base.plan, tuple(sorted(failed)), alive=tuple(sorted(ctx.alive)),
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
                 since_checkpoint_s=ctx.since_checkpoint_s, compare=False, detail=False,
-                hide_search=True)
+                hide_search=True, since_memory_checkpoint_s=ctx.since_memory_checkpoint_s)
         except ValueError:
             # No feasible recovery (too few workers, or a layer lost without checkpoints):
             # the job waits for hardware to come back.
@@ -330,7 +347,8 @@ class BambooPolicy:
       (``checkpoint_load_s``, standing for Bamboo's 76-450 s local restart), no lost work.
       The new layout is ``floor(alive / S)`` uniform pipelines of the original ``S``
       stages and layer bounds (Bamboo keeps its pipeline depth), stage-major over the
-      sorted live workers.
+      sorted live workers, never more workers than the job's layout (idle warm spares
+      replace lost workers, they add no pipelines).
     - Memory for the successor's weights is not checked: optimistic for Bamboo.
     """
 
@@ -374,7 +392,8 @@ class BambooPolicy:
         """The clean layout Bamboo rebuilds on ``alive`` workers, or ``None`` if none fits."""
         num_stages = self._num_stages
         num_microbatches = self._initial.num_microbatches
-        num_pipelines = min(len(alive) // num_stages, num_microbatches)
+        usable = min(len(alive), len(self._initial.workers))
+        num_pipelines = min(usable // num_stages, num_microbatches)
         if num_pipelines < 1:
             return None
         workers = sorted(alive)[: num_pipelines * num_stages]
@@ -446,7 +465,8 @@ class BambooPolicy:
         if base.plan is None:
             return self._rebuild("restart", ctx.alive, self._restart_terms(False), True)
         state: BambooState = base.state if base.state is not None else BambooState()
-        more = min(len(ctx.alive) // self._num_stages,
+        usable = min(len(ctx.alive), len(self._initial.workers))
+        more = min(usable // self._num_stages,
                    self._initial.num_microbatches) > base.plan.num_pipelines
         if state.covered or more:
             return self._rebuild("reconfigure", ctx.alive, self._reconfigure_terms(False), False)

@@ -159,6 +159,8 @@ def report_doc(run: ScenarioRun) -> dict[str, Any]:
         "job": {
             "model": config.model.name if config.model is not None else None,
             "num_nodes": config.cluster.num_nodes,
+            "spare_nodes": config.cluster.spare_nodes,
+            "memory_checkpoint": config.recovery.memory_checkpoint,
             "devices_per_node": config.cluster.devices_per_node,
             "tp": config.job.tp, "pp": config.job.pp, "dp": config.job.dp,
             "global_batch": config.job.global_batch,
@@ -198,9 +200,14 @@ def report_markdown(run: ScenarioRun) -> str:
     """
     scenario = run.scenario
     seeds = len(run.cells[0].runs)
+    config = scenario.config
+    means = "".join(
+        [f"; {config.cluster.spare_nodes} spare node(s)" if config.cluster.spare_nodes else "",
+         "; checkpoints in memory" if config.recovery.memory_checkpoint else ""])
     lines = [f"# Scenario `{scenario.name}`", "",
-             f"{scenario.simulation.days:g} days, {seeds} seed(s); failure-free throughput "
-             f"{run.failure_free_samples_s:.4g} samples/s (step {run.failure_free_step_s:.4g} s).",
+             f"{scenario.simulation.days:g} days, {seeds} seed(s){means}; failure-free "
+             f"throughput {run.failure_free_samples_s:.4g} samples/s (step "
+             f"{run.failure_free_step_s:.4g} s).",
              ""]
     sweep = scenario.simulation.is_sweep
     if sweep:

@@ -28,7 +28,7 @@ from chameleon_ft.sim.policies import BambooPolicy, PlannerPolicy, SimPolicy
 from chameleon_ft.sim.scenarios import Scenario
 from chameleon_ft.sim.traces import generate_trace
 from chameleon_ft.spec.config import Config
-from chameleon_ft.spec.scenario import FailureSpec, RepairKind
+from chameleon_ft.spec.scenario import FailureSpec, RepairKind, default_policies
 
 
 @dataclass(frozen=True)
@@ -233,12 +233,16 @@ def _run_unit(unit: _Unit, tick: Callable[[int], None],
                 tick(n - last[0])
                 last[0] = n
 
+            # a policy planning on layers of its own (oobleck) reads them back itself
+            reload: Callable[[ExecutionPlan], float] = getattr(
+                policy, "memory_load_s", planner.memory_load_s)
             yield name, simulate(unit.trace, policy,
                                  failure_free_samples_s=unit.failure_free_samples_s,
                                  recovery=unit.config.recovery,
-                                 num_workers=unit.config.num_workers,
+                                 num_workers=unit.config.total_workers,
                                  workers_per_node=unit.config.workers_per_node, progress=handled,
-                                 checkpoint_every_steps=unit.config.train.checkpoint_every)
+                                 checkpoint_every_steps=unit.config.train.checkpoint_every,
+                                 memory_load_s=reload)
 
 
 @dataclass
@@ -353,7 +357,8 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
         ValueError: for a job the planner cannot plan, or a trace with a sweep.
     """
     sim = scenario.simulation
-    names = tuple(policies) if policies is not None else sim.policies
+    names = (tuple(policies) if policies is not None
+             else sim.policies or default_policies(scenario.config.cluster.spare_nodes))
     num_seeds = seeds if seeds is not None else sim.seeds
     first_seed = seed if seed is not None else sim.seed
     config = scenario.config
@@ -369,7 +374,8 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
             traces.append([(first_seed, trace)])
             continue
         traces.append([(s, generate_trace(failures, num_nodes=num_nodes, workers_per_node=per_node,
-                                          duration_s=sim.duration_s, seed=s))
+                                          duration_s=sim.duration_s, seed=s,
+                                          spare_nodes=config.cluster.spare_nodes))
                        for s in range(first_seed, first_seed + num_seeds)])
     total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
     failure_free = estimate(initial_plan(config, profile), profile, Topology.from_config(config))

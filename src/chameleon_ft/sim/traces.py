@@ -6,6 +6,13 @@ interruption comes after an exponential (or Weibull, same mean) time of mean
 alive, and each failed node gets a repair time. Everything is drawn from one
 ``numpy.random.Generator`` seeded by the caller, so a seed fixes the trace.
 
+Warm spare nodes (``[cluster] spare_nodes``) are part of the fleet and fail like the job's
+nodes: their failures are a second, independent stream over nodes ``num_nodes ..`` (their
+own generator, seeded from the same seed), merged by time. The job's nodes keep exactly the
+trace they have without spares, so a job with spares and one without meet the same
+failures on the same nodes (a paired comparison), and job-level software faults come from
+the job's stream only (an idle spare raises none).
+
 The trace format itself (events, CSV, validation) is :mod:`chameleon_ft.failures`.
 """
 
@@ -14,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,18 +33,19 @@ _KINDS = (EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL, Even
 
 
 def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: int,
-                   duration_s: float, seed: int) -> Trace:
+                   duration_s: float, seed: int, spare_nodes: int = 0) -> Trace:
     """Draw a failure trace.
 
     Args:
         failures: rates, mix and repair distribution.
-        num_nodes: nodes of the cluster.
+        num_nodes: nodes of the job's layout.
         workers_per_node: workers (tensor-parallel groups) per node.
         duration_s: simulated time; no event at or after it.
         seed: the random seed; equal seeds give equal traces.
+        spare_nodes: warm spare nodes after the job's (module docstring).
 
     Returns:
-        The trace, validated.
+        The trace over ``num_nodes + spare_nodes`` nodes, validated.
 
     Raises:
         ValueError: for a non-positive duration or cluster size.
@@ -45,7 +54,42 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
         raise ValueError(f"simulation.days: the duration must be positive, got {duration_s} s")
     if num_nodes < 1 or workers_per_node < 1:
         raise ValueError("cluster: needs at least one node and one worker per node")
-    fleet = _Fleet(failures, num_nodes, workers_per_node, np.random.default_rng(seed))
+    events = _draw(failures, num_nodes, workers_per_node, duration_s,
+                   np.random.default_rng(seed))
+    hardware = _hardware_only(failures)
+    if spare_nodes and hardware is not None:
+        spares = _draw(hardware, spare_nodes, workers_per_node, duration_s,
+                       np.random.default_rng((seed, 1)))
+        shift = num_nodes * workers_per_node
+        moved = [TraceEvent(e.time_s, e.kind,
+                            tuple(t + (shift if e.kind == EventKind.WORKER_FAIL else num_nodes)
+                                  for t in e.target))
+                 for e in spares]
+        # a stable merge: at equal times the job's event comes first
+        events = sorted(events + moved, key=lambda e: e.time_s)
+    trace = Trace(events=tuple(events), duration_s=float(duration_s))
+    validate_trace(trace, num_nodes=num_nodes + spare_nodes, workers_per_node=workers_per_node)
+    return trace
+
+
+def _hardware_only(failures: FailureSpec) -> FailureSpec | None:
+    """``failures`` without job-level software faults: each node's hardware failures at
+    their rate (the MTBF over the hardware share), the hardware mix rescaled; ``None``
+    when every failure is a software fault."""
+    hardware = failures.single_worker + failures.single_node + failures.multi_node
+    if hardware <= 0:
+        return None
+    return replace(failures, node_mtbf_hours=failures.node_mtbf_hours / hardware,
+                   single_worker=failures.single_worker / hardware,
+                   single_node=failures.single_node / hardware,
+                   multi_node=1.0 - (failures.single_worker + failures.single_node) / hardware,
+                   software=0.0)
+
+
+def _draw(failures: FailureSpec, num_nodes: int, workers_per_node: int, duration_s: float,
+          rng: np.random.Generator) -> list[TraceEvent]:
+    """The events of one fleet of ``num_nodes`` nodes, in time order."""
+    fleet = _Fleet(failures, num_nodes, workers_per_node, rng)
     now = 0.0
     while True:
         next_fail = now + fleet.gap_s()
@@ -58,9 +102,7 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
             break
         now = next_fail
         fleet.fail(now)
-    trace = Trace(events=tuple(fleet.events), duration_s=float(duration_s))
-    validate_trace(trace, num_nodes=num_nodes, workers_per_node=workers_per_node)
-    return trace
+    return fleet.events
 
 
 class _Fleet:

@@ -17,7 +17,14 @@ class ClusterSpec:
     """
 
     num_nodes: int
-    """Hosts in the job."""
+    """Hosts in the job: the job's layout (``dp x pp x tp`` devices) fills them."""
+    spare_nodes: int = 0
+    """Warm spares: hosts beyond ``num_nodes`` whose workers start idle, launched and ready
+    to take a failed worker's place in the running plan (the ``swap`` strategy; TrainMover,
+    DeadPool and ByteRobust keep such standby machines). They are part of the fleet: they
+    fail like the others, and a repaired node the policy does not fold in is a spare
+    again. A plan never uses more workers than the job's layout has: spares replace
+    workers, they do not add pipelines. Their workers are numbered after the job's."""
     devices_per_node: int
     """Accelerators per host."""
     device: DeviceSpec | None = None
@@ -35,6 +42,7 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         check_int("num_nodes", self.num_nodes)
+        check_int("spare_nodes", self.spare_nodes, minimum=0)
         check_int("devices_per_node", self.devices_per_node)
         check_positive("intra_node_gb_per_s", self.intra_node_gb_per_s)
         check_positive("inter_node_gb_per_s", self.inter_node_gb_per_s)
@@ -43,8 +51,13 @@ class ClusterSpec:
 
     @property
     def num_devices(self) -> int:
-        """All devices of the cluster."""
+        """The devices of the job's layout (the spare nodes' not counted)."""
         return self.num_nodes * self.devices_per_node
+
+    @property
+    def total_nodes(self) -> int:
+        """Every host of the fleet: the job's and the spares."""
+        return self.num_nodes + self.spare_nodes
 
     def link(self, same_node: bool) -> tuple[float, float]:
         """Return ``(latency_s, bandwidth_bytes_s)`` of one device's link."""

@@ -102,8 +102,19 @@ class Config:
 
     @property
     def num_workers(self) -> int:
-        """Workers in the cluster."""
+        """Workers of the job's layout (``dp x pp``): the most any plan uses."""
         return self.cluster.num_nodes * self.workers_per_node
+
+    @property
+    def num_spare_workers(self) -> int:
+        """Workers of the spare nodes (``[cluster] spare_nodes``), idle at the start; they
+        are numbered ``num_workers .. total_workers - 1``."""
+        return self.cluster.spare_nodes * self.workers_per_node
+
+    @property
+    def total_workers(self) -> int:
+        """Every worker of the fleet: the job's and the spares'."""
+        return self.num_workers + self.num_spare_workers
 
     @property
     def num_layers(self) -> int | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
 
 POLICY_NAMES = ("chameleon", "reroute", "recycle", "dynamic", "restart", "shrink",
-                "reroute-then-dynamic")
+                "reroute-then-dynamic", "swap")
 """Accepted values of ``policy.name``."""
 
 LLAMA3_NODE_MTBF_HOURS = 2048 * 54 * 24 / 419
@@ -73,6 +73,19 @@ class RecoverySpec:
     """Time between periodic checkpoints; restart loses half of it on average."""
     checkpoint: bool = True
     """Whether periodic checkpoints exist; without them restart is impossible."""
+    memory_checkpoint: bool = False
+    """Checkpoints in memory (Gemini, SOSP 2023): each worker's checkpointed state (its
+    layers' parameters and optimizer state) is also kept in host memory, its own host's
+    and the next live node's, so a reload (a restart, a swap from the checkpoint, a
+    software fault) reads it over the network in seconds instead of ``checkpoint_load_s``
+    from storage, and loses only the work since the last copy in memory; a layer whose
+    every copy sat on hosts that died comes from storage (docs/design.md 3.3)."""
+    memory_checkpoint_every: int = 1
+    """Committed steps between two copies of the state in memory (with
+    ``memory_checkpoint``). Gemini copies to memory at every iteration, its traffic
+    scheduled into the network's idle time, with no throughput loss (a figure known from
+    secondary sources); the copies to storage keep their own cadence
+    (``checkpoint_interval_s``, ``[train] checkpoint_every``)."""
     migration_efficiency: float = 0.8
     """Fraction of the link bandwidth state migration achieves."""
     background_share: float = 0.5
@@ -101,6 +114,10 @@ class RecoverySpec:
         check_int("search_extra_stages", self.search_extra_stages, minimum=0)
         check_int("search_exhaustive_workers", self.search_exhaustive_workers, minimum=1)
         check_int("migration_max_parts", self.migration_max_parts)
+        check_int("memory_checkpoint_every", self.memory_checkpoint_every)
+        if self.memory_checkpoint and not self.checkpoint:
+            fail("memory_checkpoint", "needs checkpoints (recovery.checkpoint = true): the "
+                 "copies in memory are of the checkpointed state")
         for name in ("detect_s", "restart_s", "checkpoint_load_s", "comm_init_s",
                      "comm_per_rank_s", "layer_build_s", "warmup_steps"):
             check_positive(name, getattr(self, name), allow_zero=True)
@@ -120,7 +137,9 @@ class PolicySpec:
     """How a decision is taken (section ``[policy]``)."""
 
     name: str = "chameleon"
-    """``chameleon`` (adaptive) or a fixed strategy: reroute, dynamic, restart, shrink."""
+    """``chameleon`` (adaptive) or a fixed strategy: reroute, recycle, dynamic, restart,
+    shrink, reroute-then-dynamic, swap (spare workers take the failed ones' places; a
+    restart when too few are idle)."""
     horizon_s: float | None = None
     """Fixed time until the plan next changes; unset means estimate it."""
     node_mtbf_hours: float = LLAMA3_NODE_MTBF_HOURS

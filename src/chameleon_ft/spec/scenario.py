@@ -25,8 +25,14 @@ from chameleon_ft.spec._fields import (
 from chameleon_ft.spec.recovery import LLAMA3_NODE_MTBF_HOURS
 
 POLICY_NAMES = ("chameleon", "oobleck", "recycle", "reroute", "dynamic", "restart", "shrink",
-                "bamboo", "oracle")
+                "bamboo", "oracle", "swap")
 """Every policy the simulator compares, in report order."""
+
+
+def default_policies(spare_nodes: int) -> tuple[str, ...]:
+    """The policies a scenario runs when it names none: every one, ``swap`` only when the
+    cluster has warm spares (without them it can only restart)."""
+    return tuple(n for n in POLICY_NAMES if n != "swap" or spare_nodes > 0)
 
 
 class Interarrival(StrEnum):
@@ -105,8 +111,9 @@ class SimulationSpec:
 
     days: float = 7.0
     """Simulated training time, days."""
-    policies: tuple[str, ...] = POLICY_NAMES
-    """Policies to run on the same traces."""
+    policies: tuple[str, ...] = ()
+    """Policies to run on the same traces; empty: every policy (``swap`` only when the
+    cluster has spare nodes, :func:`default_policies`)."""
     seeds: int = 1
     """Independent traces; reports give the mean and spread over them."""
     seed: int = 0
@@ -124,8 +131,6 @@ class SimulationSpec:
 
     def __post_init__(self) -> None:
         check_positive("days", self.days)
-        if not self.policies:
-            fail("policies", "name at least one policy")
         for i, name in enumerate(self.policies):
             check_choice(f"policies[{i}]", name, POLICY_NAMES)
         if len(set(self.policies)) != len(self.policies):
