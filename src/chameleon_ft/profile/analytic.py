@@ -248,7 +248,8 @@ def _head(shape: _Shape, optimizer_shards: int,
     """The final norm, the logits product and a softmax cross-entropy over fp32 logits.
 
     A tied head still keeps its own copy on the last stage (Megatron does the same and
-    all-reduces the two copies' gradients), so its bytes count there.
+    all-reduces the two copies' gradients), so its bytes count there, as the embedding's
+    count on the first; the profile's ``tied_bytes`` prices the copies' reduction.
     """
     device, tokens, t = shape.device, shape.tokens, shape.t
     h, v = shape.model.hidden_size, shape.model.vocab_size
@@ -308,7 +309,9 @@ def analytic_profile(
             (32, four times). Timings are unchanged.
 
     Returns:
-        A profile with ``model.num_layers`` layers, figures per device.
+        A profile with ``model.num_layers`` layers, figures per device; for a tied head,
+        ``tied_bytes`` is the shared ``V x h`` weight's bytes per device (the embedding
+        and the head each count their own copy in their layer's bytes).
 
     Raises:
         ValueError: for an unknown recomputation or a non-positive shard count.
@@ -339,6 +342,8 @@ def analytic_profile(
     layers.append(_head(shape, optimizer_shards, dtype_bytes))
     return Profile(
         layers=tuple(layers),
+        # a tied head: the V x h weight whose two copies' gradients every step sums
+        tied_bytes=dtype_bytes[0] * v * h / t if model.tied_embeddings else 0.0,
         optimizer_step_s=_optimizer_step_s(layers, device, optimizer_shards, dtype_bytes[0]),
         tokens_per_sample=model.seq_len,
         micro_batch=micro_batch,
