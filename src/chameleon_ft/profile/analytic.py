@@ -243,7 +243,15 @@ def _layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float, par
     )
 
 
-def _head(shape: _Shape, optimizer_shards: int,
+def layer_parameters(model: ModelSpec) -> list[int]:
+    """Parameters of each planner layer: the embedding (``V h``), each block
+    (:meth:`~chameleon_ft.spec.model.ModelSpec.block_params`) and the head (its ``V h``
+    matrix, its own copy when tied, and the final norm's ``h``)."""
+    v, h = model.vocab_size, model.hidden_size
+    return [v * h, *[model.block_params()] * model.num_blocks, v * h + h]
+
+
+def _head(shape: _Shape, params: int, optimizer_shards: int,
           dtype_bytes: tuple[int, int, int] = MIXED_BYTES) -> LayerCost:
     """The final norm, the logits product and a softmax cross-entropy over fp32 logits.
 
@@ -259,7 +267,7 @@ def _head(shape: _Shape, optimizer_shards: int,
     head_fwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + norm_s
     head_bwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + 2 * norm_s
     head_act = BF16_BYTES * tokens * h / t + 4 * tokens * v / t  # input + fp32 logits
-    return _layer("head", head_fwd_s, head_bwd_s, logits_s, v * h + h, head_act, 0.0, t=t,
+    return _layer("head", head_fwd_s, head_bwd_s, logits_s, params, head_act, 0.0, t=t,
                   optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)
 
 
@@ -329,17 +337,17 @@ def analytic_profile(
     boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
     # Embedding: a gather forward, a scatter-add into its gradient backward.
     lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
-    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, v * h, BF16_BYTES * tokens * h / t,
-                     boundary_bytes, t=t, optimizer_shards=optimizer_shards,
-                     dtype_bytes=dtype_bytes)]
-    block_params = model.block_params()
+    params = layer_parameters(model)
+    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, params[0],
+                     BF16_BYTES * tokens * h / t, boundary_bytes, t=t,
+                     optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)]
     tp_comm_s = _tp_comm_s(shape, cluster)
     for i in range(model.num_blocks):
         layers.append(_layer(f"block{i}", block.fwd_s, block.bwd_input_s, block.bwd_weight_s,
-                             block_params, block.activation_bytes, boundary_bytes, t=t,
+                             params[1 + i], block.activation_bytes, boundary_bytes, t=t,
                              optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes,
                              comm_s=tp_comm_s, workspace=block.workspace_bytes))
-    layers.append(_head(shape, optimizer_shards, dtype_bytes))
+    layers.append(_head(shape, params[-1], optimizer_shards, dtype_bytes))
     return Profile(
         layers=tuple(layers),
         # a tied head: the V x h weight whose two copies' gradients every step sums
