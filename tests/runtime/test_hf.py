@@ -21,6 +21,7 @@ from chameleon_ft.runtime.workload.models import (
     initial_params,
     load_model,
     split_param_name,
+    tied_end_elements,
     with_tied_copies,
 )
 from chameleon_ft.runtime.workload.models.hf import HFCausalLM, llama_config
@@ -116,6 +117,10 @@ def test_the_planner_counts_what_the_layers_hold(family: str,
     for i, cost in enumerate(profile.layers):  # bf16 bytes per parameter, the copy counted
         count = sum(p.numel() for p in model.build_layer(i).parameters())
         assert cost.param_bytes == pytest.approx(2 * count), (family, i)
+    # the copies' sum the estimator prices is the tied pair the workers reduce
+    shared = tied_end_elements(model)
+    assert shared == (VOCAB * 32 if model.tied else 0)  # type: ignore[attr-defined]
+    assert profile.tied_bytes == 2 * shared
 
 
 def test_sliding_windows_limit_what_a_position_sees(family_dirs: dict[str, Path]) -> None:

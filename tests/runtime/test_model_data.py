@@ -97,3 +97,37 @@ def test_layer_build_of_a_python_model_is_measured_per_layer() -> None:
     build = measure_model_layer_build(config, repeats=3)
     assert len(build["times_s"]) == 8 and all(t > 0 for t in build["times_s"])
     assert build["layer_build_s"] >= 0 and build["layer_build_gb_per_s"] > 0
+
+
+@pytest.mark.parametrize(("tied", "dtype", "elem"), [(True, "float32", 4), (True, "float64", 8),
+                                                     (False, "float32", 4)])
+def test_the_declared_profile_of_a_tied_model_prices_the_copies_sum(
+        tied: bool, dtype: str, elem: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with a declared [profile] (here a random Llama from the architecture keys)
+    gets its tied weight's bytes from its tied pair, in the run's dtype; the measurements
+    of the host are stubbed (they need processes)."""
+    from chameleon_ft.profile import Profile
+    from chameleon_ft.runtime import profiler
+    from chameleon_ft.spec.config import config_from_mapping
+
+    monkeypatch.setattr(profiler, "measure_p2p", lambda: {
+        "latency_s": 1e-5, "bandwidth_bytes_s": 1e9, "times_s": {}})
+    monkeypatch.setattr(profiler, "measure_groups", lambda: {
+        "comm_init_s": 0.01, "comm_per_rank_s": 0.001, "times_s": {}})
+    monkeypatch.setattr(profiler, "measure_model_layer_build", lambda config: {
+        "layer_build_s": 0.0, "layer_build_gb_per_s": 1.0, "times_s": []})
+    monkeypatch.setattr(profiler, "measure_control", lambda: 1e-4)
+    config = config_from_mapping({
+        "model": {"source": "hf", "num_blocks": 2, "hidden_size": 32, "num_heads": 4,
+                  "num_kv_heads": 2, "ffn_size": 48, "vocab_size": 97, "seq_len": 12,
+                  "tied_embeddings": tied},
+        "cluster": {"num_nodes": 1, "devices_per_node": 2, "device": "cpu"},
+        "job": {"pp": 2, "dp": 1, "global_batch": 4, "micro_batch": 1},
+        "profile": {"kind": "uniform", "num_layers": 4, "fwd_s": 0.01, "param_bytes": 1e5},
+        "train": {"dtype": dtype}})
+    profile = profiler.declared_profile(config)
+    assert profile.source == "measured"
+    assert profile.tied_bytes == (97 * 32 * elem if tied else 0.0)
+    assert Profile.from_json(profile.to_json()).tied_bytes == profile.tied_bytes
+    # a calibration from a run keeps it
+    assert profiler.calibrate_from_run(profile, []).tied_bytes == profile.tied_bytes

@@ -101,22 +101,52 @@ def _llama_job(**train: object) -> object:
 def test_the_memory_check_counts_the_runs_numerics() -> None:
     """bf16 holds a bf16 copy beside fp32 masters, gradients and moments (18 bytes a
     parameter against float32's 16) and bf16 activations; activation checkpointing keeps
-    each layer's input only, plus one layer's recompute."""
-    from chameleon_ft.runtime.coordinator.resources import state_bytes_per_param
+    each layer's input only, plus one layer's recompute. The parameters are the model's
+    whatever the dtype (the runtime's profile prices the dtype's bytes: they are not
+    divided back as bf16 ones)."""
+    from chameleon_ft.profile.analytic import layer_parameters as model_parameters
+    from chameleon_ft.runtime.coordinator.resources import PROCESS_BYTES, state_bytes_per_param
 
     assert [state_bytes_per_param(d) for d in ("float32", "float64", "bfloat16")] == \
         [16, 32, 18]
-    needs = {}
-    for dtype in ("float32", "bfloat16"):
+    activations = {}
+    for dtype in ("float32", "bfloat16", "float64"):
         for ckpt in ("none", "full"):
             config: Any = _llama_job(dtype=dtype, activation_checkpointing=ckpt)
             profile = build_profile(config, runtime=True)
             plan = initial_plan(config, profile)
-            needs[dtype, ckpt] = worker_bytes(config, plan, profile,
-                                              layer_parameters(config, profile))[0]
-    assert needs["float32", "full"] < needs["float32", "none"]
-    assert needs["bfloat16", "full"] < needs["bfloat16", "none"]
-    assert needs["bfloat16", "none"] < needs["float32", "none"]  # half the activations
+            params = layer_parameters(config, profile)
+            assert params == model_parameters(config.model), dtype
+            state = sum(params[i] for i in plan.pipelines[0].stages[0].layers) * \
+                state_bytes_per_param(dtype)
+            activations[dtype, ckpt] = worker_bytes(config, plan, profile, params)[0] - \
+                state - PROCESS_BYTES
+    for dtype in ("float32", "bfloat16"):
+        assert 0 < activations[dtype, "full"] < activations[dtype, "none"]
+    for ckpt in ("none", "full"):  # 2, 4 and 8 bytes an element
+        assert activations["bfloat16", ckpt] == pytest.approx(activations["float32", ckpt] / 2)
+        assert activations["float64", ckpt] == pytest.approx(activations["float32", ckpt] * 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_holder_of_a_tied_pair_is_charged_its_own_copy(dtype: str) -> None:
+    """A head tied to the embedding: the worker holding the embedding and the one holding
+    the head each keep the V x h matrix with its gradient and optimizer state, as untied."""
+    needs = {}
+    for tied in (True, False):
+        config: Any = config_from_mapping({
+            "model": {"preset": "llama2-7b", "num_blocks": 4, "seq_len": 256,
+                      "tied_embeddings": tied},
+            "cluster": {"num_nodes": 2, "devices_per_node": 2, "device": "cpu"},
+            "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2},
+            "train": {"dtype": dtype}})
+        profile = build_profile(config, runtime=True)
+        plan = initial_plan(config, profile)
+        params = layer_parameters(config, profile)
+        v, h = config.model.vocab_size, config.model.hidden_size
+        assert params[0] == v * h and params[-1] == v * h + h
+        needs[tied] = worker_bytes(config, plan, profile, params)
+    assert needs[True] == needs[False]
 
 
 def test_the_memory_check_counts_the_checkpoint_copies() -> None:

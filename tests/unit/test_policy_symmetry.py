@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,26 @@ def test_renaming_only_where_the_node_structure_allows() -> None:
     assert renaming == {2: 0, 5: 3, 0: 2, 3: 5}
     # idle workers or reroutes: no renaming
     assert canonical_renaming(plan, frozenset({3}), frozenset({0, 1}), topo) is None
+
+
+def test_a_renamed_answer_names_the_tied_sum_s_workers_as_a_direct_one() -> None:
+    """A tied head: each cached estimate's all-reduce group of the copies is renamed with
+    its plan, so it never names the failed worker and matches a direct computation."""
+    base = load_config(ROOT / "examples/paper32.toml")
+    assert base.model is not None
+    config = dataclasses.replace(base, model=dataclasses.replace(base.model,
+                                                                 tied_embeddings=True))
+    planner = Planner(config)
+    plan = planner.initial_plan
+    planner.decide(plan, [5])
+    second = planner.decide(plan, [6])
+    direct = Planner(config).decide(plan, [6])
+    assert second.cache_hit and not direct.cache_hit
+    tied = [(a.estimate, b.estimate) for a, b in zip(second.candidates, direct.candidates,
+                                                     strict=True)
+            if a.estimate is not None and b.estimate is not None]
+    assert tied and all(a.tie_workers for a, _ in tied)
+    for renamed, computed in tied:
+        assert 6 not in renamed.tie_workers
+        assert renamed.tie_workers == computed.tie_workers
+        assert renamed.step_s == pytest.approx(computed.step_s)

@@ -11,6 +11,7 @@ from chameleon_ft.perf.estimator import (
     estimate,
     estimator_for,
     sync_rounds,
+    tie_members,
 )
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.perf.schedule import Bucket, Op, OpKind, Schedule
@@ -34,4 +35,5 @@ def build_schedule(plan: ExecutionPlan, profile: Profile, topology: Topology,
 
 
 __all__ = ["Breakdown", "Bucket", "Estimate", "Estimator", "Op", "OpKind", "Schedule",
-           "Topology", "build_schedule", "estimate", "estimator_for", "sync_rounds"]
+           "Topology", "build_schedule", "estimate", "estimator_for", "sync_rounds",
+           "tie_members"]

@@ -10,7 +10,8 @@ with one ruler (docs/design.md section 3):
    set of workers (a layer's gradient is reduced over every live worker holding it);
    buckets sharing a worker cannot run together, so they are grouped into rounds by DSATUR
    colouring; a bucket starts when all its workers are done with compute and with their
-   earlier rounds;
+   earlier rounds; for a model whose head is tied to its embedding, one more all-reduce
+   after the rounds sums the two copies' gradients over the holders of either layer;
 3. the step commit (every worker has reduced: a barrier plus the profile's measured
    control time), then the optimizer step of each worker, in proportion to the
    parameters it holds.
@@ -93,6 +94,9 @@ class Estimate:
     breakdown: Breakdown
     sync_rounds: tuple[tuple[Bucket, ...], ...] = field(repr=False, default=())
     """The gradient all-reduce rounds."""
+    tie_workers: tuple[int, ...] = ()
+    """The workers of the tied copies' all-reduce after the rounds (:func:`tie_members`);
+    empty when the model is untied or the sum is local."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (memory capacity ``null`` when unknown)."""
@@ -126,10 +130,33 @@ def sync_buckets(plan: ExecutionPlan, profile: Profile) -> list[tuple[Bucket, fl
 
 
 def sync_rounds(plan: ExecutionPlan, profile: Profile) -> tuple[tuple[Bucket, ...], ...]:
-    """The gradient all-reduce rounds of ``plan`` (buckets with more than one worker)."""
+    """The gradient all-reduce rounds of ``plan`` (buckets with more than one worker).
+
+    Each bucket's members hold its layers, as the runtime's all-reduce needs; the tied
+    copies' sum, over workers that hold one of the two layers only, is not a bucket: it
+    follows the rounds (:func:`tie_members`).
+    """
     buckets = [b for b, _ in sync_buckets(plan, profile) if len(b.workers) > 1]
     groups = rounds([b.workers for b in buckets])
     return tuple(tuple(buckets[i] for i in group) for group in groups)
+
+
+def tie_members(plan: ExecutionPlan, profile: Profile) -> tuple[int, ...]:
+    """The workers that all-reduce the tied copies' gradients: the holders of either tied
+    layer (:attr:`Profile.tied_layers`), sorted, as the runtime's
+    ``step_sync.tie_reductions`` forms the group.
+
+    Returns:
+        Empty when the profile has no tie, or when every holder of one layer holds the
+        other and only they do (each then sums its two copies locally).
+    """
+    if profile.tied_bytes <= 0:
+        return ()
+    first, last = profile.tied_layers
+    a, b = plan.holders(first), plan.holders(last)
+    if a == b:
+        return ()
+    return tuple(sorted({*a, *b}))
 
 
 def _bucket_conflicts(plan: ExecutionPlan, buckets: list[tuple[Bucket, float]]
@@ -430,6 +457,15 @@ class Estimator:
                 for w in bucket.workers:
                     ready[w] = start + t
                     sync_s[w] += t
+        # A tied model sums the copies after every round of its members (the runtime's
+        # order), so it waits for, and delays, any bucket sharing a worker with it.
+        tie = tie_members(plan, profile)
+        if tie:
+            t = topo.allreduce_s(tie, profile.tied_bytes)
+            start = max(ready[w] for w in tie)
+            for w in tie:
+                ready[w] = start + t
+                sync_s[w] += t
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
         commit_s = max(ready.values()) + profile.control_s
@@ -467,6 +503,7 @@ class Estimator:
                                 allreduce_s=allreduce, control_s=profile.control_s,
                                 optimizer_s=optimizer, idle_s=idle_s),
             sync_rounds=tuple(tuple(buckets[i][0] for i in group) for group in groups),
+            tie_workers=tie,
         )
 
 

@@ -108,15 +108,20 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
 def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
     get = renaming.get
 
+    def workers(ws: tuple[int, ...]) -> tuple[int, ...]:
+        if not any(x in renaming for x in ws):
+            return ws
+        return tuple(sorted([get(x, x) for x in ws]))
+
     def bucket(b: Bucket) -> Bucket:
-        if not any(x in renaming for x in b.workers):
-            return b
-        return Bucket(tuple(sorted([get(x, x) for x in b.workers])), b.layers)
+        renamed = workers(b.workers)
+        return b if renamed is b.workers else Bucket(renamed, b.layers)
 
     return replace(
         est,
         peak_memory_bytes={get(k, k): v for k, v in est.peak_memory_bytes.items()},
         sync_rounds=tuple(tuple(bucket(b) for b in group) for group in est.sync_rounds),
+        tie_workers=workers(est.tie_workers),
     )
 
 

@@ -243,12 +243,21 @@ def _layer(name: str, fwd_s: float, bwd_input_s: float, bwd_weight_s: float, par
     )
 
 
-def _head(shape: _Shape, optimizer_shards: int,
+def layer_parameters(model: ModelSpec) -> list[int]:
+    """Parameters of each planner layer: the embedding (``V h``), each block
+    (:meth:`~chameleon_ft.spec.model.ModelSpec.block_params`) and the head (its ``V h``
+    matrix, its own copy when tied, and the final norm's ``h``)."""
+    v, h = model.vocab_size, model.hidden_size
+    return [v * h, *[model.block_params()] * model.num_blocks, v * h + h]
+
+
+def _head(shape: _Shape, params: int, optimizer_shards: int,
           dtype_bytes: tuple[int, int, int] = MIXED_BYTES) -> LayerCost:
     """The final norm, the logits product and a softmax cross-entropy over fp32 logits.
 
     A tied head still keeps its own copy on the last stage (Megatron does the same and
-    all-reduces the two copies' gradients), so its bytes count there.
+    all-reduces the two copies' gradients), so its bytes count there, as the embedding's
+    count on the first; the profile's ``tied_bytes`` prices the copies' reduction.
     """
     device, tokens, t = shape.device, shape.tokens, shape.t
     h, v = shape.model.hidden_size, shape.model.vocab_size
@@ -258,7 +267,7 @@ def _head(shape: _Shape, optimizer_shards: int,
     head_fwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + norm_s
     head_bwd_s = logits_s + device.op_seconds(0.0, loss_bytes) + 2 * norm_s
     head_act = BF16_BYTES * tokens * h / t + 4 * tokens * v / t  # input + fp32 logits
-    return _layer("head", head_fwd_s, head_bwd_s, logits_s, v * h + h, head_act, 0.0, t=t,
+    return _layer("head", head_fwd_s, head_bwd_s, logits_s, params, head_act, 0.0, t=t,
                   optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)
 
 
@@ -308,7 +317,9 @@ def analytic_profile(
             (32, four times). Timings are unchanged.
 
     Returns:
-        A profile with ``model.num_layers`` layers, figures per device.
+        A profile with ``model.num_layers`` layers, figures per device; for a tied head,
+        ``tied_bytes`` is the shared ``V x h`` weight's bytes per device (the embedding
+        and the head each count their own copy in their layer's bytes).
 
     Raises:
         ValueError: for an unknown recomputation or a non-positive shard count.
@@ -326,19 +337,21 @@ def analytic_profile(
     boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
     # Embedding: a gather forward, a scatter-add into its gradient backward.
     lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
-    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, v * h, BF16_BYTES * tokens * h / t,
-                     boundary_bytes, t=t, optimizer_shards=optimizer_shards,
-                     dtype_bytes=dtype_bytes)]
-    block_params = model.block_params()
+    params = layer_parameters(model)
+    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, params[0],
+                     BF16_BYTES * tokens * h / t, boundary_bytes, t=t,
+                     optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)]
     tp_comm_s = _tp_comm_s(shape, cluster)
     for i in range(model.num_blocks):
         layers.append(_layer(f"block{i}", block.fwd_s, block.bwd_input_s, block.bwd_weight_s,
-                             block_params, block.activation_bytes, boundary_bytes, t=t,
+                             params[1 + i], block.activation_bytes, boundary_bytes, t=t,
                              optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes,
                              comm_s=tp_comm_s, workspace=block.workspace_bytes))
-    layers.append(_head(shape, optimizer_shards, dtype_bytes))
+    layers.append(_head(shape, params[-1], optimizer_shards, dtype_bytes))
     return Profile(
         layers=tuple(layers),
+        # a tied head: the V x h weight whose two copies' gradients every step sums
+        tied_bytes=dtype_bytes[0] * v * h / t if model.tied_embeddings else 0.0,
         optimizer_step_s=_optimizer_step_s(layers, device, optimizer_shards, dtype_bytes[0]),
         tokens_per_sample=model.seq_len,
         micro_batch=micro_batch,

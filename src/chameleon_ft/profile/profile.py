@@ -107,6 +107,12 @@ class Profile:
     ``virtual_stages`` consecutive *rounds* (model chunks of a pipeline pass). ``layers``
     then holds the *columns*: column ``c`` is the ``c``-th layer of every round, summed.
     Empty for a plain profile (one round: ``layers`` itself)."""
+    tied_bytes: float = 0.0
+    """For a model whose head is tied to its embedding (``[model] tied_embeddings``), the
+    bytes per device of the shared weight, counted as the all-reduce buckets count a
+    layer's gradient (its parameter bytes); 0 when untied. Both layers keep their own copy
+    (their ``LayerCost`` bytes include it) and every step sums the copies' gradients: one
+    all-reduce of these bytes over the holders of either layer (:attr:`tied_layers`)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -115,6 +121,7 @@ class Profile:
             raise ValueError("profile.rounds: every round needs 1..len(layers) layers")
         _check("profile.optimizer_step_s", self.optimizer_step_s)
         _check("profile.control_s", self.control_s)
+        _check("profile.tied_bytes", self.tied_bytes)
         if self.micro_batch < 1:
             raise ValueError(f"profile.micro_batch: must be >= 1, got {self.micro_batch}")
 
@@ -127,6 +134,15 @@ class Profile:
     def virtual_stages(self) -> int:
         """Model chunks per stage: the rounds of an interleaved profile, else 1."""
         return max(1, len(self.rounds))
+
+    @property
+    def tied_layers(self) -> tuple[int, int]:
+        """The planner layers (columns) holding the embedding and the head, whose copies
+        of a tied weight are summed: the first and the last, or for a folded profile the
+        column of the last round's last layer (rounds are cut longer first, so it need not
+        be the last column)."""
+        last = len(self.rounds[-1]) - 1 if self.rounds else self.num_layers - 1
+        return 0, last
 
     @cached_property
     def total_param_bytes(self) -> float:
@@ -153,6 +169,7 @@ class Profile:
             "tokens_per_sample": self.tokens_per_sample,
             "optimizer_step_s": self.optimizer_step_s,
             "control_s": self.control_s,
+            "tied_bytes": self.tied_bytes,
             "meta": self.meta,
             "layers": [asdict(layer) for layer in self.layers],
         }
@@ -189,6 +206,8 @@ class Profile:
             rounds=rounds,
             optimizer_step_s=float(doc.get("optimizer_step_s", 0.0)),
             control_s=float(doc.get("control_s", 0.0)),
+            # absent from files written before ties were priced: untied
+            tied_bytes=doc.get("tied_bytes", 0.0),
             tokens_per_sample=int(doc.get("tokens_per_sample", 0)),
             micro_batch=int(doc.get("micro_batch", 1)),
             source=str(doc.get("source", "measured")),
@@ -273,7 +292,9 @@ def fold_profile(profile: Profile, virtual_stages: int, *, attach_ends: bool = F
     ``[a, b)`` of every round: ``virtual_stages`` non-contiguous chunks, the interleaved
     layout of Narayanan et al. (2021) with the same split in every round. Everything that
     plans by layer (templates, reroutes, migrations, all-reduce buckets) then works on
-    columns unchanged; the estimator reads the rounds to time each chunk.
+    columns unchanged; the estimator reads the rounds to time each chunk. A tie keeps its
+    bytes: the embedding is in column 0 and the head in the last round's last column
+    (:attr:`Profile.tied_layers`).
 
     With ``attach_ends`` the first layer (the embedding) joins the second and the last
     (the head) joins the one before it before the rounds are cut, as Megatron places them

@@ -410,14 +410,20 @@ def measure_model_layer_build(config: Any, repeats: int = 10) -> dict[str, Any]:
 def declared_profile(config: Any) -> Profile:
     """The job's own ``[profile]`` (bytes and time ratios of a model that is not the built-in
     GPT) with this host's gloo point-to-point, store round-trip, group formation and layer
-    re-instantiation times measured.
+    re-instantiation times measured, and the bytes of the weight its head shares with its
+    embedding, if it does (``Profile.tied_bytes``, from the model's tied pair).
 
     Args:
         config: a job whose ``[profile]`` is ``uniform`` or ``file``.
     """
     from chameleon_ft.profile import build_profile
+    from chameleon_ft.runtime.workload.models import load_model, tied_end_elements
 
     base = build_profile(config)
+    # a head tied to the embedding: the copies' sum, in the run's dtype (as the layers'
+    # bytes the profiler measures)
+    elem = torch.tensor([], dtype=torch_dtype(config.train.dtype)).element_size()
+    tied_bytes = float(tied_end_elements(load_model(config)) * elem)
     p2p = measure_p2p()
     groups = measure_groups()
     build = measure_model_layer_build(config)
@@ -433,7 +439,7 @@ def declared_profile(config: Any) -> Profile:
                               "layer_build_gb_per_s": build["layer_build_gb_per_s"]},
                  "group_times_s": groups["times_s"], "layer_build_times_s": build["times_s"],
                  "layers_from": "the job's [profile]"})
-    return replace(base, meta=meta, source="measured")
+    return replace(base, meta=meta, source="measured", tied_bytes=tied_bytes)
 
 
 def control_overhead_s(op_times: list[dict[str, Any]], *, skip_steps: int = 3) -> float:

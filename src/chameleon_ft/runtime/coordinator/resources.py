@@ -37,16 +37,23 @@ GIB = 2**30
 
 
 BF16_BYTES = 2
-"""The analytic profile counts parameters in bf16 bytes."""
+"""A uniform or file profile's parameter bytes are read as bf16 bytes when no layer can
+be built to count them."""
 
 
 def layer_parameters(config: Config, profile: Profile,
                      build_layer: Callable[[int], Any] | None = None) -> list[int]:
-    """Parameters of each layer: from the analytic profile (the same architecture the
-    runtime builds), else by building each layer once (one at a time)."""
+    """Parameters of each layer: from the model's shape when the profile is analytic (the
+    same count the analytic profile prices, and the same architecture the runtime
+    builds: a tied head's copy included), else by building each layer once (one at a
+    time)."""
+    from chameleon_ft.profile.analytic import layer_parameters as model_parameters
     from chameleon_ft.spec.profile_source import ProfileKind
 
-    if config.profile.kind == ProfileKind.ANALYTIC or build_layer is None:
+    if config.profile.kind == ProfileKind.ANALYTIC and config.model is not None:
+        # not from the profile's bytes: the runtime's own profile prices [train] dtype
+        return model_parameters(config.model)
+    if build_layer is None:
         return [round(layer.param_bytes * config.job.tp / BF16_BYTES)
                 for layer in profile.layers]
     counts = []

@@ -126,6 +126,22 @@ def tied_copies(model: Any) -> dict[str, str]:
     return {param_name(j, b): param_name(i, a) for (i, a), (j, b) in tied_parameters(model)}
 
 
+def tied_end_elements(model: Any) -> int:
+    """Elements of the parameter the model's first and last layers share (a head tied to
+    the embedding): what the planner prices as the profile's ``tied_bytes``. 0 when they
+    share none, or when it is frozen (its copies are never summed). Pairs between other
+    layers are not priced.
+    """
+    last = model.num_layers - 1
+    for (i, a), (j, _) in tied_parameters(model):
+        if {i, j} == {0, last}:
+            param = dict(model.build_layer(i).named_parameters()).get(a)
+            if param is None or not param.requires_grad:
+                return 0
+            return int(param.numel())
+    return 0
+
+
 def drop_tied_copies(model: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``params`` without the tied copies: one tensor per model parameter, as
     ``params.pt``, the reference trainer and the exports name them."""
