@@ -33,10 +33,13 @@ TINY: dict[str, Any] = {
 """4 workers (dp 2 x pp 2) of a 2-block GPT: about 20 ms of compute per step."""
 
 
-def tiny_config(model_override: dict[str, Any] | None = None, **train: Any) -> Any:
-    """The tiny job with ``[train]`` overrides (and optionally another ``[model]``)."""
+def tiny_config(model_override: dict[str, Any] | None = None,
+                cluster: dict[str, Any] | None = None, **train: Any) -> Any:
+    """The tiny job with ``[train]`` overrides (optionally another ``[model]``, and
+    ``[cluster]`` overrides such as ``spare_nodes``)."""
     doc = copy.deepcopy(TINY)
     doc["train"].update(train)
+    doc["cluster"].update(cluster or {})
     if model_override is not None:
         doc["model"] = dict(model_override)
     return config_from_mapping(doc)
@@ -46,6 +49,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
             on_log: Callable[[Coordinator, str], None] | None = None,
             coordinator: dict[str, Any] | None = None,
             model_override: dict[str, Any] | None = None,
+            cluster: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -58,9 +62,10 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         faults: injected faults.
         on_log: called with each log line.
         coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
+        cluster: ``[cluster]`` overrides (``spare_nodes``).
         train: ``[train]`` overrides.
     """
-    config = tiny_config(model_override, **train)
+    config = tiny_config(model_override, cluster, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 

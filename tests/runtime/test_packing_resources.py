@@ -90,6 +90,35 @@ def test_tiny_fits_and_the_device_mismatch_is_noted() -> None:
         check_memory(config, plan, build_profile(config), 4, backend="gloo", available=2**20)
 
 
+def test_a_spare_workers_memory_is_the_largest_workers() -> None:
+    """A spare node's worker may take any stage's place: the check charges it the
+    largest worker's need, so 4 workers and 2 spares need 6 times the largest at most
+    and more than the 4 alone."""
+    config = config_from_mapping({
+        "model": {"num_blocks": 2, "hidden_size": 32, "num_heads": 2, "vocab_size": 256,
+                  "seq_len": 32},
+        "cluster": {"num_nodes": 2, "devices_per_node": 2, "device": "cpu", "spare_nodes": 1},
+        "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2}})
+    assert (config.num_workers, config.total_workers) == (4, 6)
+    profile = build_profile(config)
+    plan = initial_plan(config, profile)
+
+    def needed(local: int) -> int:  # the smallest memory the check accepts, by bisection
+        lo, hi = 0, 2**40
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                check_memory(config, plan, profile, local, backend="gloo", available=mid)
+                hi = mid
+            except ValueError:
+                lo = mid
+        return hi
+
+    four, six = needed(4), needed(6)
+    assert six > four and (six - four) == pytest.approx(2 * max(
+        needed(n) - needed(n - 1) for n in range(1, 5)), abs=2)
+
+
 def _llama_job(**train: object) -> object:
     return config_from_mapping({
         "model": {"preset": "llama2-7b", "num_blocks": 4, "seq_len": 256},

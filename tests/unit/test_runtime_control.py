@@ -316,6 +316,29 @@ def test_no_replica_left_restarts_from_the_checkpoint() -> None:
     assert of(out, m.Resolved)[0].lost_steps == 1
 
 
+@dataclass(frozen=True)
+class RollingBack(Chosen):
+    """A decision that reloads the checkpoint without being a restart (a swap onto a
+    stage that lost every replica)."""
+
+    rollback: str | None = "storage"
+
+
+def test_a_swap_onto_a_wiped_stage_reloads_in_place_on_its_plan() -> None:
+    spares = replace(PARAMS, num_workers=6, num_local=6)
+    run = Run(spares, workers=6).start()
+    assert run.c.run.idle == {4, 5}  # the spare node's workers start idle
+    run.commit(5)
+    run.feed(m.CheckpointDone(run.at(), 4, 0))
+    run.kill(1, 3)  # both replicas of stage 1
+    swapped = two_stage((0, 4), (2, 5))
+    out = run.answer(RollingBack("swap", swapped))
+    state = run.c.run
+    assert state.plan == swapped and state.load == st.Load("restore", 4)
+    assert state.next_step == 4 and state.from_checkpoint and state.idle == frozenset()
+    assert of(out, m.Resolved)[0].lost_steps == 1
+
+
 def test_a_hang_is_a_death_after_the_deadline() -> None:
     run = Run().start()
     run.commit()

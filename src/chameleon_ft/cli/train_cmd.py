@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the final report as JSON on stdout (progress on stderr)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="worker processes to launch on this host (default: every worker "
-                             "the layout needs, minus --remote-workers)")
+                             "the layout and its spare nodes need, minus --remote-workers)")
     parser.add_argument("--remote-workers", type=int, default=0, metavar="N",
                         help="workers that join from other hosts with `chameleon worker`")
     parser.add_argument("--host", default="127.0.0.1",
@@ -136,10 +136,13 @@ def run(args: argparse.Namespace) -> int:
     token = auth.resolve_token(args.token)
     if args.remote_workers < 0:
         raise ValueError("--remote-workers: must be >= 0")
-    local = config.num_workers - args.remote_workers if args.workers is None else args.workers
-    if local < 0 or local + args.remote_workers != config.num_workers:
+    fleet = config.total_workers
+    local = fleet - args.remote_workers if args.workers is None else args.workers
+    if local < 0 or local + args.remote_workers != fleet:
+        spares = (f" and {config.num_spare_workers} spare workers ([cluster] spare_nodes)"
+                  if config.num_spare_workers else "")
         raise ValueError(f"workers: the layout dp x pp = {config.job.dp} x {config.job.pp} needs "
-                         f"{config.num_workers} workers, but {local} local + "
+                         f"{config.num_workers} workers{spares}, but {local} local + "
                          f"{args.remote_workers} remote were requested")
     out = sys.stderr if args.json else sys.stdout
 
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         from chameleon_ft.runtime.replay import TraceDriver, load_trace
 
-        trace = TraceDriver(load_trace(args.trace, num_nodes=config.cluster.num_nodes,
+        trace = TraceDriver(load_trace(args.trace, num_nodes=config.cluster.total_nodes,
                                        workers_per_node=config.workers_per_node),
                             config.workers_per_node, path=args.trace)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

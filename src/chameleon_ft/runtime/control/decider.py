@@ -105,9 +105,17 @@ class Stop:
     reason: str
 
 
+def reloads(decision: DecisionLike) -> bool:
+    """Whether the decision reloads the checkpoint: a restart, or a candidate that rolls
+    back (``rollback`` set: a swap onto a wiped stage reloads on the same plan, the
+    spare in the slot, without restarting the survivors)."""
+    return str(decision.strategy) == "restart" or \
+        getattr(decision, "rollback", None) is not None
+
+
 def restart_candidate(decision: DecisionLike) -> DecisionLike | None:
-    """The decision itself if it restarts, else its feasible restart candidate."""
-    if str(decision.strategy) == "restart":
+    """The decision itself if it reloads, else its feasible restart candidate."""
+    if reloads(decision):
         return decision
     for c in getattr(decision, "candidates", ()):
         if str(c.strategy) == "restart" and c.feasible and c.plan is not None:
@@ -139,7 +147,7 @@ def recovery(state: st.RunState, ask: Ask | None,
     if plan is None:
         return Stop(f"no recovery possible: {decision.reason}")
     strategy = str(decision.strategy)
-    if strategy == "restart":
+    if reloads(decision):  # every worker of the plan loads the checkpoint in place
         return decision, st.Recovery("restart", plan, restored_step=state.latest_checkpoint())
     chosen: Any = getattr(decision, "chosen", None)
     interim = getattr(chosen, "interim_plan", None)

@@ -164,7 +164,7 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> None:
     coord.cs.publish(s.gen, directive, groups)
     precompute = getattr(coord.decide_fn(), "precompute", None)
     if precompute is not None:
-        precompute(s.plan)
+        precompute(s.plan, idle=s.idle)
 
 
 def _do_commit(coord: Coordinator, e: m.Commit) -> None:

@@ -50,9 +50,10 @@ class PlannerDecide:
             plan, sorted(returned), alive=sorted(alive), now_s=now_s)
         return decision
 
-    def precompute(self, plan: ExecutionPlan) -> None:
-        """Prepare the likely failures of ``plan`` in the background (returns at once)."""
-        self.prepared.prepare(plan)
+    def precompute(self, plan: ExecutionPlan, idle: frozenset[int] = frozenset()) -> None:
+        """Prepare the likely failures of ``plan`` in the background (returns at once);
+        ``idle`` workers (warm spares) are alive in each, as the decision will be told."""
+        self.prepared.prepare(plan, idle=idle)
 
     def close(self) -> None:
         """Stop the preparation and join its thread."""

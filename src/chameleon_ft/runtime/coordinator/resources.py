@@ -184,6 +184,14 @@ def _check_gpus(local: list[float], gpu_bytes: list[int] | None,
                              "pipeline (job.pp) or a smaller model")
 
 
+def _local_needs(config: Config, need: dict[int, float], num_local: int) -> list[float]:
+    """Each local worker's bytes: its stage's; a spare node's worker the largest (it may
+    take any stage's place); a worker the plan leaves idle the process alone."""
+    spare = max(need.values(), default=float(PROCESS_BYTES))
+    return [need.get(w, spare if w >= config.num_workers else float(PROCESS_BYTES))
+            for w in range(num_local)]
+
+
 def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_local: int, *,
                  backend: str | None = None, available: int | None = None,
                  gpu_bytes: list[int] | None = None,
@@ -194,7 +202,8 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         config: the job.
         plan: the initial plan.
         profile: per-layer costs (unused for the need, which is the runtime's own).
-        num_local: workers launched on this host (ids ``0..num_local-1``).
+        num_local: workers launched on this host (ids ``0..num_local-1``; a spare
+            node's worker is charged the largest worker's need, its place once swapped in).
         backend: ``gloo``/``nccl`` (default: ``[train] backend`` resolved on this host).
         available: bytes of host memory available (default: read from the system).
         gpu_bytes: memory of each local GPU (default: asked of torch when NCCL runs).
@@ -209,7 +218,7 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         return notes
     params = layer_parameters(config, profile, build_layer)
     need = worker_bytes(config, plan, profile, params)
-    local = [need.get(w, float(PROCESS_BYTES)) for w in range(num_local)]
+    local = _local_needs(config, need, num_local)
     backend = backend or _backend(config)
     device = config.cluster.device
     device_name = device.name if device is not None else "custom"
@@ -224,8 +233,9 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
     if backend == "nccl":  # pragma: no cover - needs GPUs
         _check_gpus(local, gpu_bytes, dtype)
         return notes
-    copies = checkpoint_copy_bytes(config, plan, params)
-    local = [n + copies.get(w, 0.0) for w, n in enumerate(local)]  # host memory on gloo
+    copies = checkpoint_copy_bytes(config, plan, params)  # host memory on gloo
+    local = _local_needs(config, {w: n + copies.get(w, 0.0) for w, n in need.items()},
+                         num_local)
     have = available_bytes() if available is None else available
     total = sum(local)
     if have is not None and total > have:

@@ -25,7 +25,7 @@ from chameleon_ft.spec.recovery import POLICY_NAMES
 from chameleon_ft.spec.train import Fault, check_faults
 
 RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
-                    "reroute-then-dynamic")
+                    "reroute-then-dynamic", "swap")
 """Policies the runtime executes (``recycle`` needs split backwards, a simulator baseline)."""
 COLLECTIVE_FLOOR_S = 3.0
 """Smallest collective deadline derived from a plan (gloo's first transfers on a loaded
@@ -97,8 +97,9 @@ class Job:
 
     @property
     def num_workers(self) -> int:
-        """Workers of the layout."""
-        return self.config.num_workers
+        """Every worker the run launches or admits: the layout's, then the spare nodes'
+        (``[cluster] spare_nodes``, idle until a decision uses them)."""
+        return self.config.total_workers
 
     @property
     def num_layers(self) -> int:
@@ -158,9 +159,12 @@ def _checked_config(config: Config, num_local: int | None, policy: str | None,
     if config.job.tp != 1:
         raise ValueError(f"job.tp: the runtime runs one process per worker without tensor "
                          f"parallelism; set tp = 1 (got {config.job.tp})")
-    local = config.num_workers if num_local is None else num_local
-    if not 0 <= local <= config.num_workers:
-        raise ValueError(f"workers: {local} local workers for a layout of {config.num_workers}")
+    fleet = config.total_workers
+    local = fleet if num_local is None else num_local
+    if not 0 <= local <= fleet:
+        raise ValueError(f"workers: {local} local workers for a fleet of {fleet} "
+                         f"({config.num_workers} in the layout, {config.num_spare_workers} "
+                         "spares)")
     name = policy or config.policy.name
     if not custom_decide and name not in RUNTIME_POLICIES:
         what = "a simulator baseline" if name in POLICY_NAMES else "an unknown policy"
@@ -177,6 +181,12 @@ def _checked_config(config: Config, num_local: int | None, policy: str | None,
         config = replace(config, recovery=replace(config.recovery, decoupled_backward=False))
         notes.append("note: recovery.decoupled_backward is a simulator setting; the runtime "
                      "runs fused backward passes and plans for them")
+    if config.recovery.memory_checkpoint:
+        # the runtime reloads from storage: its planner must not price memory reloads
+        config = replace(config, recovery=replace(config.recovery, memory_checkpoint=False))
+        notes.append("note: recovery.memory_checkpoint is priced by the simulator and the "
+                     "planner only; the runtime reloads checkpoints from storage and plans "
+                     "for that")
     return config, local, name, notes
 
 
@@ -205,14 +215,14 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     config, num_local, policy_name, notes = _checked_config(config, num_local_workers,
                                                             policy, custom_decide)
     prof = profile if profile is not None else build_profile(config, runtime=True)
-    check_faults(tuple(faults), config.num_workers, config.train.steps)
+    check_faults(tuple(faults), config.total_workers, config.train.steps)
     plan0 = initial_plan(config, prof)
     if prof.num_layers != built_model.num_layers:
         raise ValueError(f"profile: {prof.num_layers} layers, the model has "
                          f"{built_model.num_layers}; make them agree ([profile] or the model)")
     if log_every is not None and log_every < 1:
         raise ValueError(f"--log-every: must be >= 1, got {log_every}")
-    remote_possible = num_local < config.num_workers or not auth.is_loopback(host)
+    remote_possible = num_local < config.total_workers or not auth.is_loopback(host)
     secret_token = _token(token)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir()
     job = Job(config=config, workload=workload, model=built_model, data=built_data,
@@ -231,9 +241,9 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     if resume:
         _prepare_resume(job)
     if trace is not None:
-        trace.check_job(num_nodes=config.cluster.num_nodes,
+        trace.check_job(num_nodes=config.cluster.total_nodes,
                         workers_per_node=config.workers_per_node,
-                        num_workers=config.num_workers, num_local=num_local, resume=resume)
+                        num_workers=config.total_workers, num_local=num_local, resume=resume)
     _check_collective_timeout(job)
     if check_resources:
         for line in check_memory(config, plan0, prof, num_local,
