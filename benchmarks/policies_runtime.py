@@ -36,7 +36,8 @@ restarts).
 Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/policies_runtime.py --repeats 3 \\
-        --out out/policies_runtime [--traces 1,2,3] [--policies chameleon,reroute,...]
+        --out out/policies_runtime [--traces 1,2,3] [--policies chameleon,reroute,...] \\
+        [--spare-nodes 1 --policies chameleon,swap]
     .venv/bin/python benchmarks/policies_runtime.py --out out/policies_runtime --summarize
 """
 
@@ -61,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTBED = ROOT / "examples" / "testbed8.toml"
 TRACES = Path(__file__).resolve().parent / "traces"
 POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink")
-"""The runtime's policies the simulator also has."""
+"""The runtime's policies the simulator also has (``swap`` too, on a testbed with spare
+nodes: ``--spare-nodes``)."""
 TOLERANCE = 0.15
 """The largest relative gap between prediction and measurement that the check accepts."""
 
@@ -174,10 +176,13 @@ def write_toml(doc: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
-def testbed_doc(workers: int = 8) -> dict[str, Any]:
+def testbed_doc(workers: int = 8, spare_nodes: int = 0) -> dict[str, Any]:
     """The testbed's job file as a dict (``workers=4``: the suite's smaller variant, 2 nodes,
-    pp 2 x dp 2, room for 5 layers per worker)."""
+    pp 2 x dp 2, room for 5 layers per worker; ``spare_nodes``: warm spare nodes of 2
+    workers after the layout's, idle at the start)."""
     doc = tomllib.loads(TESTBED.read_text())
+    if spare_nodes:
+        doc["cluster"]["spare_nodes"] = spare_nodes
     if workers == 4:
         doc["cluster"].update(num_nodes=2, device={"preset": "cpu", "memory_bytes": 6_000_000})
         doc["job"].update(pp=2, dp=2, global_batch=16)
@@ -423,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", default="1,2,3,4,5", help="which testbed8-N.csv traces")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--workers", type=int, default=8, choices=(4, 8))
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                        help="warm spare nodes beside the layout (the traces never fail them; "
+                             "add swap to --policies to compare it)")
     parser.add_argument("--make-traces", action="store_true",
                         help="draw the committed traces again and exit")
     parser.add_argument("--summarize", action="store_true",
@@ -447,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                 run.update(figures(json.loads(report.read_text())))
         runs = [r for r in runs if r["trace"] in names and r["policy"] in policies]
     else:
-        doc = testbed_doc(args.workers)
+        doc = testbed_doc(args.workers, args.spare_nodes)
         print(f"profiling the testbed (load {load_average():.1f})", flush=True)
         config = measured_testbed(doc, profile_testbed(doc, out), out)
     predictions = {p.stem: predict(config, p, policies) for p in trace_paths}
