@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -444,28 +444,7 @@ class Estimator:
                 makespan = tl.makespan_s
                 critical_compute, critical_p2p = tl.critical_compute_s, tl.critical_p2p_s
 
-        # Gradient synchronisation, round by round.
-        buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
-        groups = rounds([b.workers for b, _ in buckets], edges=_bucket_conflicts(plan, buckets))
-        ready = dict(finish)
-        sync_s = {w: 0.0 for w in finish}
-        for group in groups:
-            for i in group:
-                bucket, num_bytes = buckets[i]
-                t = topo.allreduce_s(bucket.workers, num_bytes)
-                start = max(ready[w] for w in bucket.workers)
-                for w in bucket.workers:
-                    ready[w] = start + t
-                    sync_s[w] += t
-        # A tied model sums the copies after every round of its members (the runtime's
-        # order), so it waits for, and delays, any bucket sharing a worker with it.
-        tie = tie_members(plan, profile)
-        if tie:
-            t = topo.allreduce_s(tie, profile.tied_bytes)
-            start = max(ready[w] for w in tie)
-            for w in tie:
-                ready[w] = start + t
-                sync_s[w] += t
+        ready, sync_s, sync_rounds, tie = self._synchronise(plan, finish)
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
         commit_s = max(ready.values()) + profile.control_s
@@ -502,9 +481,41 @@ class Estimator:
             breakdown=Breakdown(compute_s=critical_compute, p2p_s=critical_p2p,
                                 allreduce_s=allreduce, control_s=profile.control_s,
                                 optimizer_s=optimizer, idle_s=idle_s),
-            sync_rounds=tuple(tuple(buckets[i][0] for i in group) for group in groups),
+            sync_rounds=sync_rounds,
             tie_workers=tie,
         )
+
+    def _synchronise(self, plan: ExecutionPlan, finish: Mapping[int, float],
+                     ) -> tuple[dict[int, float], dict[int, float],
+                                tuple[tuple[Bucket, ...], ...], tuple[int, ...]]:
+        """Gradient synchronisation after each worker's backward ends (``finish``):
+        all-reduce rounds of the buckets with more than one member, then a tied pair's
+        sum. Returns when each worker is done reducing, its time spent reducing, the
+        rounds' buckets and the tied pair's group."""
+        profile, topo = self.profile, self.topology
+        buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
+        groups = rounds([b.workers for b, _ in buckets], edges=_bucket_conflicts(plan, buckets))
+        ready = dict(finish)
+        sync_s = {w: 0.0 for w in finish}
+
+        def reduce(members: Iterable[int], num_bytes: float) -> None:
+            members = tuple(members)
+            t = topo.allreduce_s(members, num_bytes)
+            start = max(ready[w] for w in members)
+            for w in members:
+                ready[w] = start + t
+                sync_s[w] += t
+
+        for group in groups:
+            for i in group:
+                reduce(buckets[i][0].workers, buckets[i][1])
+        # A tied model sums the copies after every round of its members (the runtime's
+        # order), so it waits for, and delays, any bucket sharing a worker with it.
+        tie = tie_members(plan, profile)
+        if tie:
+            reduce(tie, profile.tied_bytes)
+        return (ready, sync_s, tuple(tuple(buckets[i][0] for i in group) for group in groups),
+                tie)
 
 
 def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None,

@@ -623,19 +623,11 @@ class Planner:
             ValueError: for a worker outside the cluster, a negative horizon, an unknown
                 policy, or a layer left without replicas when checkpoints are off.
         """
-        failed_set = self._workers("failed", failed)
+        failed_set, alive_set = self._failure_inputs(plan, failed, alive, now_s,
+                                                     since_checkpoint_s,
+                                                     since_memory_checkpoint_s)
         horizon = self._horizon(horizon_s)
-        if since_checkpoint_s is not None:
-            lost_progress_s(self.config.recovery, since_checkpoint_s)  # validates
-        if since_memory_checkpoint_s is not None:
-            memory_lost_progress_s(self.config.recovery, 0.0, since_memory_checkpoint_s)
-        if now_s < 0 or math.isnan(now_s):
-            raise ValueError(f"now_s: must be >= 0, got {now_s}")
         chosen_policy = _check_policy(policy if policy is not None else self.policy)
-        alive_set = (frozenset(plan.workers) if alive is None
-                     else self._workers("alive", alive)) - failed_set
-        if not alive_set:
-            raise ValueError("failed: no worker is left alive")
         if failed_set:
             self._failure_events.add((float(now_s), failed_set))
         # Cached candidates must not depend on this call's checkpoint age: restart's lost
@@ -656,12 +648,8 @@ class Planner:
             more = self._lookup("fail", state, failed_set, tuple(dict.fromkeys((*every, *own))))
             found = replace(more, search_s=found.search_s + more.search_s)
         raw, back = _detail(found, detail, hide_search)
-        lost = {CheckpointSource.STORAGE: since_checkpoint_s,
-                CheckpointSource.MEMORY: since_memory_checkpoint_s}
-        if since_checkpoint_s is not None or since_memory_checkpoint_s is not None:
-            # a reload loses exactly the work since the checkpoint it reads
-            raw = tuple(_with_lost(c, lost[c.rollback])
-                        if c.rollback is not None and c.feasible else c for c in raw)
+        raw = _reloads_lose(raw, {CheckpointSource.STORAGE: since_checkpoint_s,
+                                  CheckpointSource.MEMORY: since_memory_checkpoint_s})
         by_strategy = {c.strategy: c for c in raw}
         candidates = raw
         first = by_strategy.get(self.rerouting)
@@ -672,6 +660,29 @@ class Planner:
                             num_idle=len(alive_set) - len(plan.workers) + sum(
                                 1 for w in failed_set if w in plan.stage_of_worker),
                             cache_hit=found.hit, back=back)
+
+    def _failure_inputs(self, plan: ExecutionPlan, failed: Iterable[int],
+                        alive: Iterable[int] | None, now_s: float,
+                        since_checkpoint_s: float | None,
+                        since_memory_checkpoint_s: float | None,
+                        ) -> tuple[frozenset[int], frozenset[int]]:
+        """:meth:`decide`'s arguments checked: the failed workers and the live ones.
+
+        Raises:
+            ValueError: naming the argument that is out of range.
+        """
+        failed_set = self._workers("failed", failed)
+        if since_checkpoint_s is not None:
+            lost_progress_s(self.config.recovery, since_checkpoint_s)  # validates
+        if since_memory_checkpoint_s is not None:
+            memory_lost_progress_s(self.config.recovery, 0.0, since_memory_checkpoint_s)
+        if now_s < 0 or math.isnan(now_s):
+            raise ValueError(f"now_s: must be >= 0, got {now_s}")
+        alive_set = (frozenset(plan.workers) if alive is None
+                     else self._workers("alive", alive)) - failed_set
+        if not alive_set:
+            raise ValueError("failed: no worker is left alive")
+        return failed_set, alive_set
 
     def decide_rejoin(self, plan: ExecutionPlan, returned: Iterable[int], *,
                       alive: Iterable[int] | None = None, now_s: float = 0.0,
@@ -933,6 +944,14 @@ def _without_search(candidate: Candidate) -> Candidate:
 def _priced_only(candidate: Candidate) -> Candidate:
     """``candidate`` without its plans, estimate and migration (prices and reason kept)."""
     return replace(candidate, plan=None, estimate=None, migration=None, interim_plan=None)
+
+
+def _reloads_lose(candidates: tuple[Candidate, ...],
+                  lost: dict[CheckpointSource, float | None]) -> tuple[Candidate, ...]:
+    """A reload loses exactly the work since the checkpoint it reads, where the caller
+    knows it (``lost[source]`` not None); other candidates are unchanged."""
+    return tuple(_with_lost(c, lost[c.rollback])
+                 if c.rollback is not None and c.feasible else c for c in candidates)
 
 
 def _with_lost(candidate: Candidate, lost_s: float | None) -> Candidate:
