@@ -35,8 +35,10 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = multiprocessing.get_context("forkserver")
     # Workers fork from a server that already imported torch: ~0.3 s per worker, not 5-10 s.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "chameleon_ft.runtime.worker.main",
-                                *preload])
+    # torch._dynamo too: every worker imports it when it builds its optimizer, and the
+    # coordinator's shape probe (layers on meta) in its child.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                "chameleon_ft.runtime.worker.main", *preload])
     return ctx
 
 
