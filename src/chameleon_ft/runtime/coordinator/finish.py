@@ -179,8 +179,8 @@ def _export(coord: Coordinator, folder: Any) -> tuple[str | None, bool]:
     process (its memory, not the coordinator's, holds the parameters)."""
     try:
         digest, exported = run_in_child(
-            export_workload, (Path(folder), coord.job.workload, Path(coord.job.out_dir),
-                     coord.train.dtype),
+            export_workload,
+            (Path(folder), coord.job.workload, Path(coord.job.out_dir), coord.train.dtype),
             limit_s=60.0 + 4 * coord.job.checkpoint_deadline_s(), name="chameleon-export")
     except ChildError as exc:
         coord.log(f"params.pt not written: {exc}")
