@@ -24,6 +24,7 @@ def _plan_workers(report: dict[str, Any]) -> set[int]:
 
 def _check(report: dict[str, Any], params: Any, pids: list[int], reference: Any) -> None:
     assert len(pids) == 6, pids  # four workers and two spares, none launched again
+    assert (report["num_workers"], report["spare_workers"]) == (4, 2)
     assert not [pid for pid in pids if alive(pid)]
     assert [s["step"] for s in report["steps"]] == list(range(6))
     _, ref_params = reference("float64")
