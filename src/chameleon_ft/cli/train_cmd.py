@@ -113,7 +113,8 @@ def _summary(report: dict[str, Any]) -> list[str]:
                      f"{detect}, {e['strategy']}, transition {trans}"
                      + (f", {e['lost_steps']} steps redone" if e["lost_steps"] else ""))
     for r in report.get("rejoins", []):
-        lines.append(f"repaired worker(s) {r['workers']} at step {r['step']}: {r['strategy']}")
+        lines.append(f"idle worker(s) {r['workers']} (repaired or spare) at step {r['step']}: "
+                     f"{r['strategy']}")
     if "trace" in report:
         t = report["trace"]
         lines.append(f"trace replayed: {t['committed_steps']} steps committed in "
