@@ -83,13 +83,15 @@ def run_in_child(fn: Callable[..., Any], args: tuple[Any, ...], *, limit_s: floa
         if here.poll(limit_s):
             answer = here.recv()
     except EOFError:
-        answer = ("error", f"{name} died (status {proc.exitcode})")
+        answer = None  # it died without answering: its status once reaped
     finally:
         here.close()
         proc.join(REAP_S)
         if proc.exitcode is None:
             proc.kill()
             proc.join(REAP_S)
+    if answer is None:
+        raise ChildError(f"{name} died (status {proc.exitcode})")
     if answer[0] != "ok":
         raise ChildError(answer[1])
     return answer[1]
