@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYOUT = """
 [cluster]
@@ -39,3 +43,18 @@ def cmd(*args: str) -> list[str]:
 def env(**extra: str) -> dict[str, str]:
     """The environment of a CLI run: one thread per process."""
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def chameleon(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``chameleon ARGS`` from the repository root; its output as text."""
+    return subprocess.run(cmd(*args), capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          check=False)
+
+
+def paper32_with_spares(folder: Path, spare_nodes: int = 1) -> Path:
+    """``examples/paper32.toml`` with ``spare_nodes`` warm spare nodes, written in
+    ``folder``; returns the job file."""
+    job = folder / "spares.toml"
+    job.write_text((ROOT / "examples/paper32.toml").read_text().replace(
+        "num_nodes = 4", f"num_nodes = 4\nspare_nodes = {spare_nodes}"))
+    return job

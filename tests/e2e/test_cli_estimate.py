@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def chameleon(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "chameleon_ft", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, check=False)
+from cli_helpers import ROOT, chameleon, paper32_with_spares
 
 
 def test_estimate_json_with_a_failure() -> None:
@@ -29,9 +22,7 @@ def test_estimate_json_with_a_failure() -> None:
 
 
 def test_estimate_with_spare_nodes_prices_the_swapped_plan(tmp_path: Path) -> None:
-    job = tmp_path / "spares.toml"
-    job.write_text((ROOT / "examples/paper32.toml").read_text().replace(
-        "num_nodes = 4", "num_nodes = 4\nspare_nodes = 1"))
+    job = paper32_with_spares(tmp_path)
     result = chameleon("estimate", "--config", str(job), "--fail", "5", "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def chameleon(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "chameleon_ft", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, check=False)
+from cli_helpers import chameleon, paper32_with_spares
 
 
 def test_plan_json() -> None:
@@ -75,9 +68,7 @@ def test_plan_bad_input_is_one_line_exit_2() -> None:
 
 
 def test_plan_with_spare_nodes_swaps(tmp_path: Path) -> None:
-    job = tmp_path / "spares.toml"
-    job.write_text((ROOT / "examples/paper32.toml").read_text().replace(
-        "num_nodes = 4", "num_nodes = 4\nspare_nodes = 1"))
+    job = paper32_with_spares(tmp_path)
     # a whole node: stage 0 loses every replica; the spare node takes its place and every
     # worker reloads the checkpoint, without restarting the job's processes
     result = chameleon("plan", "--config", str(job), "--fail", "0,1,2,3,4,5,6,7", "--json")
