@@ -170,9 +170,18 @@ class _Run:
 
     def _completed_samples(self, at_s: float) -> float:
         """Samples at ``at_s`` counting only whole steps of the running plan."""
+        return self._samples_at_step(self.run_start_steps + self._steps_in_run(at_s))
+
+    def _samples_at_step(self, step: int) -> float:
+        """Samples once the running plan committed ``step`` steps of the job."""
         choice = self.committed
-        steps = self._steps_in_run(at_s)
-        return self.run_start_samples + steps * choice.step_s * choice.throughput_samples_s
+        return self.run_start_samples + (
+            (step - self.run_start_steps) * choice.step_s * choice.throughput_samples_s)
+
+    def _last_multiple(self, to_s: float, every: int) -> int:
+        """The newest committed-step count by ``to_s`` that is a multiple of ``every``."""
+        done = self.run_start_steps + self._steps_in_run(to_s)
+        return done - done % every
 
     def advance(self, to_s: float) -> None:
         """Let time run to ``to_s`` in the current state."""
@@ -230,13 +239,10 @@ class _Run:
         was taken when the last multiple of ``memory_every`` committed steps committed."""
         if not self.memory_every:
             return
-        done = self.run_start_steps + self._steps_in_run(to_s)
-        last = done - done % self.memory_every
+        last = self._last_multiple(to_s, self.memory_every)
         if last > self.memory_steps:
-            choice = self.committed
             self.memory_steps = last
-            self.memory_samples = self.run_start_samples + (
-                (last - self.run_start_steps) * choice.step_s * choice.throughput_samples_s)
+            self.memory_samples = self._samples_at_step(last)
             self.since_memory_s = (self.samples - self.memory_samples) / rate
             self.memory_training_s = self.training_s - self.since_memory_s
 
@@ -255,14 +261,11 @@ class _Run:
         if not self.recovery.checkpoint:
             return
         self._copy_to_memory(to_s, rate)
-        done = self.run_start_steps + self._steps_in_run(to_s)
-        last = done - done % self.checkpoint_every
+        last = self._last_multiple(to_s, self.checkpoint_every)
         if last > self.checkpoint_steps:
             # The newest checkpoint was written when step ``last`` committed.
-            choice = self.committed
             self.checkpoint_steps = last
-            self.checkpoint_samples = self.run_start_samples + (
-                (last - self.run_start_steps) * choice.step_s * choice.throughput_samples_s)
+            self.checkpoint_samples = self._samples_at_step(last)
             self._checkpointed_in_run(rate)
 
     def interrupt(self) -> None:
