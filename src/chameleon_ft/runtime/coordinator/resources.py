@@ -218,7 +218,6 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
         return notes
     params = layer_parameters(config, profile, build_layer)
     need = worker_bytes(config, plan, profile, params)
-    local = _local_needs(config, need, num_local)
     backend = backend or _backend(config)
     device = config.cluster.device
     device_name = device.name if device is not None else "custom"
@@ -231,7 +230,7 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
                      "not for this machine")
     dtype = config.train.dtype
     if backend == "nccl":  # pragma: no cover - needs GPUs
-        _check_gpus(local, gpu_bytes, dtype)
+        _check_gpus(_local_needs(config, need, num_local), gpu_bytes, dtype)
         return notes
     copies = checkpoint_copy_bytes(config, plan, params)  # host memory on gloo
     local = _local_needs(config, {w: n + copies.get(w, 0.0) for w, n in need.items()},
