@@ -42,12 +42,8 @@ from chameleon_ft.runtime.storage.checkpoint import (
 from chameleon_ft.runtime.storage.packing import pack, pack_to
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
-WRITER_NICENESS = 10
-"""The niceness of a checkpoint's writing (after its copy): training keeps most of its
-cores. Not 19: the writer is a Python thread, and when it holds the GIL while the kernel
-leaves it off the CPU (at 19 it gets a slice about every 0.2 s beside busy threads),
-every thread of the worker waits for it, the heartbeat included (a 0.20 s silence was
-declared a hang in a test with a 0.25 s deadline); at 10 it runs every few tens of ms."""
+LOWEST_PRIORITY = 19
+"""The niceness of a checkpoint's writing (after its copy): training keeps its cores."""
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -178,7 +174,7 @@ class CheckpointIO:
         The writer thread first copies the layers into host memory (at normal priority,
         while the next step's forward and backward run: they do not change the state; the
         next optimizer step waits for the copy, :meth:`snapshot_taken`), then streams them
-        to disk at a low CPU priority, so writing takes the cycles training leaves.
+        to disk at the lowest CPU priority, so writing takes the cycles training leaves.
         """
         limit_s = deadline.for_bytes(self.pending_bytes)
         if not self.wait(limit_s):
@@ -205,7 +201,7 @@ class CheckpointIO:
             copied.set()
         self.pending_bytes = tree_bytes(layers)
         with contextlib.suppress(OSError, AttributeError):  # Linux: per-thread niceness
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
         self.write(step, gen, layers, inject)
 
     def write(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
