@@ -27,7 +27,7 @@ def test_checkpoint_copies_reuse_their_host_buffers() -> None:
     assert sorted(t.data_ptr() for t in _tensors(second)) == ptrs  # the same buffers
     assert any(not torch.equal(a, b) for a, b in zip(_tensors(second), saved, strict=True))
     host.keep_only({6})
-    assert host.buffers == {}
+    assert host.arenas == {}
     other = torch.nn.Linear(4, 5)  # another shape under the same layer index: new buffers
     third = host.snapshot(5, LayerTrainState.create(
         other, lambda p: torch.optim.AdamW(p, lr=0.1), None))

@@ -51,8 +51,10 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
     raise PackError(f"cannot pack a value of type {type(value).__name__}")
 
 
-def _prepare(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """The header (magic, length and JSON) and the flat CPU tensors of ``tree``."""
+def pack_parts(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header (magic, length and JSON) and the flat CPU tensors of ``tree``: the packed
+    bytes are the header then each tensor's bytes. A contiguous CPU tensor's flat form is a
+    view of its own memory (no copy)."""
     tensors: list[torch.Tensor] = []
     encoded = _encode(tree, tensors)
     specs, flats, offset = [], [], 0
@@ -83,7 +85,7 @@ def pack(tree: Any) -> bytes:
     Raises:
         PackError: for values other than tensors, containers and JSON scalars.
     """
-    head, flats = _prepare(tree)
+    head, flats = pack_parts(tree)
     return b"".join([head, *(_raw(f) for f in flats)])
 
 
@@ -97,7 +99,7 @@ def pack_to(tree: Any, write: Callable[[memoryview | bytes], Any]) -> int:
     Raises:
         PackError: for values other than tensors, containers and JSON scalars.
     """
-    head, flats = _prepare(tree)
+    head, flats = pack_parts(tree)
     write(head)
     size = len(head)
     for flat in flats:

@@ -2,10 +2,11 @@
 only the layers it restores, verifying each against the manifest.
 
 At a checkpoint the worker takes a snapshot of the layers it writes (a copy in host
-memory, taken at the commit, so training goes on at once), and a writer thread streams
-each into the checkpoint's folder (``storage.checkpoint.write_layer``: a temporary name,
-fsync, rename, the sha256 computed on the way) and reports the file, its size and digest
-through the store; the coordinator writes the manifest when every layer is reported. The
+memory the worker shares with its checkpoint writer process, taken at the commit, so
+training goes on at once); the writer process streams each into the checkpoint's folder
+at the lowest CPU priority (``storage.diskwriter``; ``storage.checkpoint.write_layer``: a
+temporary name, fsync, rename, the sha256 computed on the way) and a thread of the worker
+reports the file, its size and digest through the store; the coordinator writes the manifest when every layer is reported. The
 next checkpoint waits for the previous one. A disk that refuses (full, read-only, failing)
 is reported as that checkpoint's failure: the coordinator drops it and training goes on.
 
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ import torch
 
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.storage import diskwriter
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import (
     JOB_MARKER,
@@ -39,12 +44,8 @@ from chameleon_ft.runtime.storage.checkpoint import (
     step_dir_name,
     write_layer,
 )
-from chameleon_ft.runtime.storage.packing import pack, pack_to
+from chameleon_ft.runtime.storage.packing import pack, pack_parts, pack_to
 from chameleon_ft.runtime.workload.optim import LayerTrainState
-
-LOWEST_PRIORITY = 19
-"""The niceness of a checkpoint's writing (after its copy): training keeps its cores."""
-
 
 class CorruptCheckpoint(RuntimeError):
     """A layer file of the checkpoint being loaded does not match its manifest."""
@@ -85,44 +86,118 @@ class _Copied:
         return self.tree
 
 
+class _Arena:
+    """One layer's snapshot memory: an anonymous memory file the writer process maps too
+    (where the platform has one), else ordinary host memory written from the worker."""
+
+    ALIGN = 64
+
+    def __init__(self, ident: int, layout: tuple[tuple[Any, ...], ...], pinned: bool) -> None:
+        self.id, self.layout = ident, layout
+        offsets, size = [], 0
+        for _, shape, dtype in layout:
+            offsets.append(size)
+            nbytes = math.prod(shape) * _itemsize(dtype)
+            size += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.nbytes = size
+        self.fd: int | None = None
+        if diskwriter.supported():
+            self.fd = os.memfd_create(f"chameleon-checkpoint-{ident}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, max(size, 1))
+            memory = mmap.mmap(self.fd, max(size, 1))
+            self.base = torch.frombuffer(memory, dtype=torch.uint8)[:size]
+            weakref.finalize(self, os.close, self.fd)
+            if pinned:
+                _pin(self, self.base)
+        else:
+            self.base = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        self.views = {
+            path: self.base[o:o + math.prod(shape) * _itemsize(dtype)].view(dtype).view(shape)
+            for (path, shape, dtype), o in zip(layout, offsets, strict=True)}
+
+    def span(self, flat: torch.Tensor) -> tuple[int, int, int] | None:
+        """(id, offset, length) of ``flat``'s bytes in this memory, None if elsewhere."""
+        length = flat.numel() * flat.element_size()
+        if not length:
+            return (self.id, 0, 0)
+        offset = flat.data_ptr() - self.base.data_ptr()
+        if offset < 0 or offset + length > self.nbytes:
+            return None
+        return (self.id, offset, length)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _pin(owner: object, base: torch.Tensor) -> None:
+    """Page-lock shared host memory for the GPU's copies (best effort: unpinned memory is
+    only slower); unpinned when ``owner`` goes."""
+    with contextlib.suppress(Exception):
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(base.data_ptr(), base.numel(), 1)) == 0:
+            weakref.finalize(owner, cudart.cudaHostUnregister, base.data_ptr())
+
+
+def _tensor_paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _tensor_paths(v, (*path, k))]
+    if isinstance(value, list | tuple):
+        return [x for i, v in enumerate(value) for x in _tensor_paths(v, (*path, i))]
+    return []
+
+
 class HostBuffers:
     """Host memory for the snapshots, kept from one checkpoint to the next.
 
     A fresh copy of a layer's state touches every page of new memory (page faults and
     zeroing on the step path's cores); the next checkpoint of the same layers copies into
-    the same buffers instead. A buffer is reused only when the tensor it copies has its
-    shape and dtype; layers the worker no longer writes are released. On a GPU the buffers
-    are pinned, so the device-to-host copy runs at the link's speed. Only one checkpoint
-    uses them at a time (the next one waits for the previous one's writing).
+    the same memory instead. Each layer's snapshot lives in one block (:class:`_Arena`),
+    shared with the checkpoint writer process, reused while the layer's tensors keep their
+    paths, shapes and dtypes; layers the worker no longer writes are released. On a GPU the
+    memory is page-locked, so the device-to-host copy runs at the link's speed. Only one
+    checkpoint uses it at a time (the next one waits for the previous one's writing).
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, tuple[Any, ...]], torch.Tensor] = {}
+        self.arenas: dict[int, _Arena] = {}
+        self.released: set[int] = set()
+        """Ids of memory dropped since the writer last heard (it unmaps them)."""
+        self._next_id = 0
 
     def snapshot(self, layer: int, state: LayerTrainState | _Copied) -> dict[str, Any]:
         """A copy of ``state`` (layer ``layer``) in host memory, in reused buffers."""
-        tree: dict[str, Any] = self._copy(layer, (), state.state_tree())
-        return tree
+        tree = state.state_tree()
+        tensors = _tensor_paths(tree)
+        layout = tuple((path, tuple(t.shape), t.dtype) for path, t in tensors)
+        arena = self.arenas.get(layer)
+        if arena is None or arena.layout != layout:
+            if arena is not None:
+                self.released.add(arena.id)
+            pinned = any(t.device.type == "cuda" for _, t in tensors)
+            arena = self.arenas[layer] = _Arena(self._next_id, layout, pinned)
+            self._next_id += 1
+        for path, t in tensors:
+            arena.views[path].copy_(t.detach())
+        copied: dict[str, Any] = _replace(tree, (), arena.views)
+        return copied
 
     def keep_only(self, layers: set[int]) -> None:
-        """Release the buffers of layers not in ``layers``."""
-        self.buffers = {k: v for k, v in self.buffers.items() if k[0] in layers}
+        """Release the memory of layers not in ``layers``."""
+        self.released.update(a.id for i, a in self.arenas.items() if i not in layers)
+        self.arenas = {i: a for i, a in self.arenas.items() if i in layers}
 
-    def _copy(self, layer: int, path: tuple[Any, ...], value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            key = (layer, path)
-            buf = self.buffers.get(key)
-            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                buf = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                  pin_memory=value.device.type == "cuda")
-                self.buffers[key] = buf
-            buf.copy_(value.detach())
-            return buf
-        if isinstance(value, dict):
-            return {k: self._copy(layer, (*path, k), v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return type(value)(self._copy(layer, (*path, i), v) for i, v in enumerate(value))
-        return value
+
+def _replace(value: Any, path: tuple[Any, ...], views: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return views[path]
+    if isinstance(value, dict):
+        return {k: _replace(v, (*path, k), views) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_replace(v, (*path, i), views) for i, v in enumerate(value))
+    return value
 
 
 class CheckpointIO:
@@ -147,6 +222,8 @@ class CheckpointIO:
         """Bytes of the checkpoint being written in the background."""
         self.manifests: dict[int, Manifest] = {}
         self.host = HostBuffers()
+        self.disk = diskwriter.DiskWriter() if diskwriter.supported() else None
+        """The checkpoint writer process (Linux), started at the first checkpoint."""
 
     # ------------------------------------------------------------------ writing
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -173,16 +250,23 @@ class CheckpointIO:
 
         The writer thread first copies the layers into host memory (at normal priority,
         while the next step's forward and backward run: they do not change the state; the
-        next optimizer step waits for the copy, :meth:`snapshot_taken`), then streams them
-        to disk at the lowest CPU priority, so writing takes the cycles training leaves.
+        next optimizer step waits for the copy, :meth:`snapshot_taken`), then has the
+        writer process stream them to disk at the lowest CPU priority, so writing takes the
+        cycles training leaves (module ``storage.diskwriter``). A writer still busy with the
+        previous checkpoint past its deadline is killed.
         """
         limit_s = deadline.for_bytes(self.pending_bytes)
         if not self.wait(limit_s):
+            if self.disk is not None:
+                self.disk.kill()
             self._fail(gen, step, f"worker {self.worker}: the previous checkpoint was still "
                        f"being written after {limit_s:.0f} s")
             return
         self.copied = threading.Event()
         self.host.keep_only(set(states))
+        if self.disk is not None and self.host.released:
+            self.disk.forget(self.host.released)
+        self.host.released = set()
         if any(True for state in states.values() for _ in state.module.buffers()):
             # a forward may change buffers (batch norm's running statistics): copy now
             copies = {i: self.host.snapshot(i, state) for i, state in states.items()}
@@ -200,8 +284,6 @@ class CheckpointIO:
         finally:
             copied.set()
         self.pending_bytes = tree_bytes(layers)
-        with contextlib.suppress(OSError, AttributeError):  # Linux: per-thread niceness
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
         self.write(step, gen, layers, inject)
 
     def write(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
@@ -213,7 +295,7 @@ class CheckpointIO:
                     raise inject
                 self._write_one(step, gen, layer, tree)
         except (OSError, BlobError) as exc:
-            self._fail(gen, step, f"worker {self.worker}: {_describe(exc)}")
+            self._fail(gen, step, f"worker {self.worker}: {diskwriter.describe(exc)}")
             return False
         return True
 
@@ -223,9 +305,30 @@ class CheckpointIO:
                                 "worker": self.worker, "step": step, "gen": gen}, pack(tree))
             return
         start = time.perf_counter()
-        file = write_layer(partial_dir(self.folder, step, gen), f"layer{layer}.bin",
-                           lambda write: pack_to(tree, write))
+        folder, name = partial_dir(self.folder, step, gen), f"layer{layer}.bin"
+        file = self._write_elsewhere(folder, name, layer, tree)
+        if file is None:  # not a snapshot in shared memory (the final checkpoint): from here
+            file = write_layer(folder, name, lambda write: pack_to(tree, write))
         self._report(gen, step, layer, file, time.perf_counter() - start)
+
+    def _write_elsewhere(self, folder: Path, name: str, layer: int,
+                         tree: dict[str, Any]) -> LayerFile | None:
+        """Have the writer process write ``tree``, a snapshot of layer ``layer`` in the
+        memory it shares; None when there is no writer process or the tree lies elsewhere.
+
+        Raises:
+            OSError: the disk refused, or the writer process died.
+        """
+        arena = self.host.arenas.get(layer)
+        if self.disk is None or arena is None or arena.fd is None:
+            return None
+        head, flats = pack_parts(tree)
+        spans = [arena.span(flat) for flat in flats]
+        if any(span is None for span in spans):
+            return None
+        size, sha256 = self.disk.write(folder, name, head, spans,  # type: ignore[arg-type]
+                                       {arena.id: arena.fd})
+        return LayerFile(name, size, sha256)
 
     def _client(self) -> Any:
         if self._store is None:
@@ -268,13 +371,6 @@ class CheckpointIO:
         except CheckpointError as exc:
             self.manifests.pop(step, None)
             raise CorruptCheckpoint(step, str(exc)) from None
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return f"{exc.strerror}{where}"
-    return str(exc) or type(exc).__name__
 
 
 def wait_final(store: Any, gen: int, worker: int, write: Callable[[list[int]], None],
