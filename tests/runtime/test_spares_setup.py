@@ -36,8 +36,23 @@ def test_the_fleet_is_the_layout_and_its_spares(tmp_path: Path) -> None:
     assert [f.rank for f in job.faults] == [5]
 
 
-def test_memory_checkpoints_are_planned_as_the_runtime_reloads(tmp_path: Path) -> None:
-    """The runtime reloads from storage: its planner must not price reloads from memory."""
+def test_memory_checkpoints_are_planned_at_the_runtime_cadence(tmp_path: Path) -> None:
+    """The runtime copies each checkpoint into a peer's memory as it writes it: its planner
+    prices reloads from memory at the checkpoints' cadence, and none at all where there
+    is nothing to copy (no periodic checkpoints) or nowhere to hold it (one node)."""
     job = prepare(_config(memory_checkpoint=True), out_dir=tmp_path, check_resources=False)
+    assert job.config.recovery.memory_checkpoint is True
+    assert job.config.recovery.memory_checkpoint_every == 2  # TINY's checkpoint_every
+    assert any("every 2 steps" in note for note in job.notes)
+    doc = copy.deepcopy(TINY)
+    doc["recovery"]["memory_checkpoint"] = True
+    doc["train"]["checkpoint_every"] = 0
+    job = prepare(config_from_mapping(doc), out_dir=tmp_path, check_resources=False)
     assert job.config.recovery.memory_checkpoint is False
-    assert any("memory_checkpoint" in note and "storage" in note for note in job.notes)
+    assert any("checkpoint_every = 0" in note for note in job.notes)
+    doc = copy.deepcopy(TINY)
+    doc["recovery"]["memory_checkpoint"] = True
+    doc["cluster"].update(num_nodes=1, devices_per_node=4)
+    job = prepare(config_from_mapping(doc), out_dir=tmp_path, check_resources=False)
+    assert job.config.recovery.memory_checkpoint is False
+    assert any("single node" in note for note in job.notes)

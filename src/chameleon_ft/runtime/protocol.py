@@ -138,6 +138,17 @@ def checkpoint_failed_key(gen: int, step: int) -> str:
     return f"gen{gen}/ckpt/{step}/failed"
 
 
+def memory_copies_key(worker: int) -> str:
+    """JSON ``[address, port]``: where worker ``worker`` serves the checkpoint copies it
+    holds in memory (``worker/memcopies.py``)."""
+    return f"memcopies/{worker}"
+
+
+def memory_fetched_key(gen: int) -> str:
+    """Counter: layers generation ``gen``'s workers reloaded from peers' memory."""
+    return f"gen{gen}/memcopies/fetched"
+
+
 def final_more_key(gen: int, worker: int) -> str:
     """JSON list: more layers ``worker`` writes for the final checkpoint (their first
     writer is gone)."""
@@ -226,6 +237,11 @@ class JobInfo:
     """Checkpoint folder bandwidth: write and read deadlines are sized by it."""
     bulk_gb_per_s: float = 0.1
     """Bulk channel bandwidth: transfer deadlines are sized by it."""
+    memory_copies: bool = False
+    """Checkpoints in memory (``[recovery] memory_checkpoint``): each written layer is
+    also copied into a worker's memory on another node."""
+    workers_per_node: int = 1
+    """Workers per node (``worker // workers_per_node`` is a worker's node)."""
 
     def to_json(self) -> str:
         """Serialise."""
@@ -438,7 +454,8 @@ class ControlStore:
 
     def retire(self, gen: int, first_step: int, last_step: int, world: list[int]) -> None:
         """Delete every key of a generation whose members all moved on."""
-        keys = [directive_key(gen), abort_key(gen), ready_key(gen), error_slot_key(gen)]
+        keys = [directive_key(gen), abort_key(gen), ready_key(gen), error_slot_key(gen),
+                memory_fetched_key(gen)]
         try:
             slots = int(self.store.add(error_slot_key(gen), 0))
         except Exception:
@@ -465,6 +482,10 @@ class ControlStore:
             if self.has(key):
                 out[layer] = json.loads(self.store.get(key))
         return out
+
+    def memory_fetched(self, gen: int) -> int:
+        """Layers generation ``gen``'s workers reloaded from peers' memory so far."""
+        return int(self.store.add(memory_fetched_key(gen), 0))
 
     def checkpoint_failure(self, gen: int, step: int) -> str | None:
         """Why a worker could not write its share, or None."""

@@ -123,8 +123,10 @@ class BulkState:
                 for layer, doc in store.checkpoint_files(gen, step, self.num_layers).items():
                     if layer in entry.assembly.layers:
                         continue
+                    held = doc.get("memory")
                     entry.assembly.report(layer, LayerFile(str(doc["file"]), int(doc["size"]),
-                                                           str(doc["sha256"])))
+                                                           str(doc["sha256"])),
+                                          None if held is None else int(held))
                     share = entry.writers.setdefault(int(doc.get("worker", -1)), [0.0, 0.0])
                     share[0] += int(doc["size"])
                     share[1] += float(doc.get("write_s", 0.0))

@@ -55,7 +55,9 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
         targets_per_sample=targets_per_sample(y),
         workload=seal_workload(job.workload, job.secret),
         checkpoint_dir=str(job.ckpt.root), device=coord.device,
-        storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s)
+        storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s,
+        memory_copies=coord.config.recovery.memory_checkpoint,
+        workers_per_node=coord.config.workers_per_node)
 
 
 PROBE_S = 600.0

@@ -181,13 +181,30 @@ def _checked_config(config: Config, num_local: int | None, policy: str | None,
         config = replace(config, recovery=replace(config.recovery, decoupled_backward=False))
         notes.append("note: recovery.decoupled_backward is a simulator setting; the runtime "
                      "runs fused backward passes and plans for them")
-    if config.recovery.memory_checkpoint:
-        # the runtime reloads from storage: its planner must not price memory reloads
-        config = replace(config, recovery=replace(config.recovery, memory_checkpoint=False))
-        notes.append("note: recovery.memory_checkpoint is priced by the simulator and the "
-                     "planner only; the runtime reloads checkpoints from storage and plans "
-                     "for that")
+    config, note = _memory_checkpoints(config)
+    notes.extend([note] if note else [])
     return config, local, name, notes
+
+
+def _memory_checkpoints(config: Config) -> tuple[Config, str | None]:
+    """The runtime copies each checkpoint into peers' memory (``worker/memcopies.py``), at
+    the checkpoints' cadence: its planner prices that cadence, or no memory copies at all
+    when there are no periodic checkpoints or a single node (no other node to hold them)."""
+    rec, every = config.recovery, config.train.checkpoint_every
+    if not rec.memory_checkpoint:
+        return config, None
+    if every <= 0 or config.cluster.total_nodes < 2:
+        why = "no periodic checkpoints ([train] checkpoint_every = 0)" if every <= 0 else \
+            "a single node (the copies live on another node)"
+        return replace(config, recovery=replace(rec, memory_checkpoint=False)), (
+            f"note: recovery.memory_checkpoint is off for this run: {why}")
+    if rec.memory_checkpoint_every != every:
+        return replace(config, recovery=replace(rec, memory_checkpoint_every=every)), (
+            f"note: the runtime copies checkpoints into memory as it writes them, every "
+            f"{every} steps ([train] checkpoint_every), and plans for that "
+            f"(recovery.memory_checkpoint_every {rec.memory_checkpoint_every} is the "
+            "simulator's)")
+    return config, None
 
 
 def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bool = False,

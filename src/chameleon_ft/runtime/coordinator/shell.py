@@ -421,12 +421,22 @@ class Coordinator:
             self.feed(m.Beats(now, self.cs.beats(alive)))
         run = self.state
         if self.ready_s is None and self.cs.ready(run.gen) >= len(run.world):
+            self._note_memory_reload(run.gen)
             self.feed(m.Ready(self.now(), run.gen))
         run = self.state
         if run.phase in (st.Phase.TRAINING, st.Phase.DRAINING) and \
                 self.cs.reduced(run.gen, run.next_step) >= len(run.plan.workers):
             self.feed(m.Reduced(self.now(), run.gen, run.next_step))
         return beats_due
+
+    def _note_memory_reload(self, gen: int) -> None:
+        """With checkpoints in memory: how many layers the recovery that made ``gen`` read
+        from peers' memory, on its event."""
+        if not self.config.recovery.memory_checkpoint or not self.report.events:
+            return
+        event = self.report.events[-1]
+        if not event.idle and event.gen < gen:
+            event.from_memory_layers = self.cs.memory_fetched(gen)
 
     def feed(self, obs: m.Observation) -> None:
         """One observation through the control plane, then its effects."""

@@ -63,6 +63,9 @@ class Event:
     """Committed steps thrown away by a checkpoint restart."""
     idle: bool = False
     """Only idle workers died: nothing was aborted or recovered."""
+    from_memory_layers: int = 0
+    """Layers the recovery reloaded from peers' memory instead of storage (checkpoints in
+    memory), counted over the workers that loaded them."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""

@@ -30,7 +30,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,13 +169,16 @@ class Manifest:
     meta: dict[str, Any]
     """Run facts (job name, config digest, dtype...) checked before resuming."""
     folder: Path
+    memory: dict[int, int] = field(default_factory=dict)
+    """Layer -> the worker that holds a copy of it in memory (checkpoints in memory)."""
 
     def to_json(self) -> str:
         """The manifest file's text."""
         return json.dumps({
             "format": FORMAT, "step": self.step, "gen": self.gen,
             "num_layers": self.num_layers,
-            "layers": {str(i): {"file": f, "bytes": n, "sha256": h}
+            "layers": {str(i): {"file": f, "bytes": n, "sha256": h,
+                                **({"memory": self.memory[i]} if i in self.memory else {})}
                        for i, (f, n, h) in sorted(self.layers.items())},
             "plan": self.plan, "meta": self.meta}, indent=1, sort_keys=True)
 
@@ -192,9 +195,12 @@ class Manifest:
                 raise CheckpointError(f"{folder}: unknown checkpoint format {doc.get('format')}")
             layers = {int(i): (str(v["file"]), int(v["bytes"]), str(v["sha256"]))
                       for i, v in doc["layers"].items()}
+            memory = {int(i): int(v["memory"]) for i, v in doc["layers"].items()
+                      if v.get("memory") is not None}
             manifest = cls(step=int(doc["step"]), gen=int(doc["gen"]),
                            num_layers=int(doc["num_layers"]), layers=layers,
-                           plan=dict(doc["plan"]), meta=dict(doc["meta"]), folder=folder)
+                           plan=dict(doc["plan"]), meta=dict(doc["meta"]), folder=folder,
+                           memory=memory)
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -226,10 +232,13 @@ class Assembly:
         self.step, self.gen, self.num_layers = step, gen, num_layers
         self.folder = partial_dir(root, step, gen)
         self.layers: dict[int, tuple[str, int, str]] = {}
+        self.memory: dict[int, int] = {}
+        """Layer -> the worker holding a copy in memory."""
         self.lock = threading.Lock()
 
-    def report(self, layer: int, file: LayerFile) -> bool:
-        """A layer's file was written (a repeated report of a layer is ignored).
+    def report(self, layer: int, file: LayerFile, memory: int | None = None) -> bool:
+        """A layer's file was written, a copy held in ``memory``'s memory if not None (a
+        repeated report of a layer is ignored).
 
         Returns:
             Whether every layer is now present.
@@ -240,6 +249,8 @@ class Assembly:
         if not 0 <= layer < self.num_layers:
             raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
         with self.lock:
+            if layer not in self.layers and memory is not None:
+                self.memory[layer] = memory
             self.layers.setdefault(layer, (file.name, file.size, file.sha256))
             return len(self.layers) == self.num_layers
 
@@ -301,7 +312,8 @@ class CheckpointStore:
                                   "missing")
         manifest = Manifest(step=assembly.step, gen=assembly.gen,
                             num_layers=assembly.num_layers, layers=dict(assembly.layers),
-                            plan=plan, meta=meta, folder=assembly.folder)
+                            plan=plan, meta=meta, folder=assembly.folder,
+                            memory=dict(assembly.memory))
         write_atomic(assembly.folder / MANIFEST, manifest.to_json().encode())
         final = self.root / step_dir_name(assembly.step)
         if final.exists():  # the same step again (a redo after a restart): replace it

@@ -45,6 +45,7 @@ from chameleon_ft.runtime.storage.checkpoint import (
     write_layer,
 )
 from chameleon_ft.runtime.storage.packing import pack, pack_parts, pack_to
+from chameleon_ft.runtime.worker.memcopies import MemoryCopies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
 class CorruptCheckpoint(RuntimeError):
@@ -208,11 +209,13 @@ class CheckpointIO:
         folder: the shared checkpoint folder, or None (send bytes over ``blobs``).
         blobs: the bulk channel to the coordinator.
         store: a store connection of its own for the writer thread.
+        memory: checkpoints in memory (``worker/memcopies.py``), or None.
     """
 
     def __init__(self, worker: int, folder: Path | None, blobs: BlobClient,
-                 store: Callable[[], Any]) -> None:
+                 store: Callable[[], Any], memory: MemoryCopies | None = None) -> None:
         self.worker, self.folder, self.blobs = worker, folder, blobs
+        self.memory = memory
         self._store_of = store
         self._store: Any = None
         self.thread: threading.Thread | None = None
@@ -243,10 +246,12 @@ class CheckpointIO:
         return self.copied.wait(timeout_s)
 
     def write_async(self, step: int, gen: int, states: dict[int, LayerTrainState],
-                    inject: OSError | None, deadline: Deadline) -> None:
+                    inject: OSError | None, deadline: Deadline,
+                    peer: int | None = None) -> None:
         """Write ``states`` (the layers as committed after ``step`` steps) in the background,
         once the previous checkpoint is written (waiting as long as its bytes allow: a write
-        still running then is reported as this one's failure).
+        still running then is reported as this one's failure); with checkpoints in memory,
+        also give ``peer`` a copy of each.
 
         The writer thread first copies the layers into host memory (at normal priority,
         while the next step's forward and backward run: they do not change the state; the
@@ -272,34 +277,37 @@ class CheckpointIO:
             copies = {i: self.host.snapshot(i, state) for i, state in states.items()}
             states = {i: _Copied(tree) for i, tree in copies.items()}
         self.thread = threading.Thread(target=self._background,
-                                       args=(step, gen, states, inject, self.copied),
+                                       args=(step, gen, states, inject, self.copied, peer),
                                        daemon=True, name=f"checkpoint-{step}")
         self.thread.start()
 
     def _background(self, step: int, gen: int, states: dict[int, Any],
-                    inject: OSError | None, copied: threading.Event) -> None:
+                    inject: OSError | None, copied: threading.Event,
+                    peer: int | None) -> None:
         try:
             layers = {i: state.tree if isinstance(state, _Copied)
                       else self.host.snapshot(i, state) for i, state in states.items()}
         finally:
             copied.set()
         self.pending_bytes = tree_bytes(layers)
-        self.write(step, gen, layers, inject)
+        self.write(step, gen, layers, inject, peer)
 
     def write(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
-              inject: OSError | None = None) -> bool:
-        """Write ``layers`` now and report each; returns whether all were written."""
+              inject: OSError | None = None, peer: int | None = None) -> bool:
+        """Write ``layers`` now and report each (a copy in ``peer``'s memory first, with
+        checkpoints in memory); returns whether all were written."""
         try:
             for layer, tree in sorted(layers.items()):
                 if inject is not None:
                     raise inject
-                self._write_one(step, gen, layer, tree)
+                self._write_one(step, gen, layer, tree, peer)
         except (OSError, BlobError) as exc:
             self._fail(gen, step, f"worker {self.worker}: {diskwriter.describe(exc)}")
             return False
         return True
 
-    def _write_one(self, step: int, gen: int, layer: int, tree: dict[str, Any]) -> None:
+    def _write_one(self, step: int, gen: int, layer: int, tree: dict[str, Any],
+                   peer: int | None) -> None:
         if self.folder is None:  # no shared folder: the coordinator writes the bytes
             self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
                                 "worker": self.worker, "step": step, "gen": gen}, pack(tree))
@@ -309,7 +317,11 @@ class CheckpointIO:
         file = self._write_elsewhere(folder, name, layer, tree)
         if file is None:  # not a snapshot in shared memory (the final checkpoint): from here
             file = write_layer(folder, name, lambda write: pack_to(tree, write))
-        self._report(gen, step, layer, file, time.perf_counter() - start)
+        held = None
+        if self.memory is not None and peer is not None and \
+                self.memory.send(peer, step, layer, pack(tree)):
+            held = peer
+        self._report(gen, step, layer, file, time.perf_counter() - start, held)
 
     def _write_elsewhere(self, folder: Path, name: str, layer: int,
                          tree: dict[str, Any]) -> LayerFile | None:
@@ -336,11 +348,11 @@ class CheckpointIO:
         return self._store
 
     def _report(self, gen: int, step: int, layer: int, file: LayerFile,
-                write_s: float) -> None:
+                write_s: float, held: int | None = None) -> None:
         store = self._client()
         store.set(proto.checkpoint_layer_key(gen, step, layer), json.dumps(
             {"file": file.name, "size": file.size, "sha256": file.sha256,
-             "worker": self.worker, "write_s": write_s}))
+             "worker": self.worker, "write_s": write_s, "memory": held}))
         store.add(proto.checkpoint_count_key(gen, step), 1)
 
     def _fail(self, gen: int, step: int, why: str) -> None:
@@ -349,7 +361,9 @@ class CheckpointIO:
 
     # ------------------------------------------------------------------ reading
     def read(self, step: int, layer: int, gen: int) -> bytes:
-        """Layer ``layer`` of the checkpoint after ``step`` steps, verified.
+        """Layer ``layer`` of the checkpoint after ``step`` steps, verified: from the
+        memory of the worker holding a copy when it still has it (checkpoints in memory),
+        else from storage.
 
         Raises:
             CorruptCheckpoint: when the file does not match the manifest.
@@ -367,7 +381,14 @@ class CheckpointIO:
         try:
             if step not in self.manifests:
                 self.manifests[step] = Manifest.read(self.folder / step_dir_name(step))
-            return self.manifests[step].read_layer(layer)
+            manifest = self.manifests[step]
+            holder = manifest.memory.get(layer)
+            if self.memory is not None and holder is not None:
+                _, size, sha256 = manifest.layers[layer]
+                data = self.memory.fetch(holder, step, layer, size, sha256)
+                if data is not None:
+                    return data
+            return manifest.read_layer(layer)
         except CheckpointError as exc:
             self.manifests.pop(step, None)
             raise CorruptCheckpoint(step, str(exc)) from None

@@ -20,6 +20,7 @@ and the watcher of abort keys.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ from chameleon_ft.runtime.worker.liveness import (
     client,
     exit_now,
 )
+from chameleon_ft.runtime.worker.memcopies import MemoryCopies, peer_of
 from chameleon_ft.runtime.worker.memory import peak_resident_bytes, reset_peak, resident_bytes
 from chameleon_ft.runtime.worker.migration import Migration
 from chameleon_ft.runtime.workload.bundle import Workload, open_workload
@@ -167,9 +169,15 @@ class Worker:
         if self.device.type == "cuda":  # pragma: no cover - needs GPUs
             torch.cuda.set_device(self.device)
         self.storage = Deadline(self.hang_s, self.job.storage_gb_per_s)
+        own_store = functools.partial(client, self.host, self.port, max(5.0, self.hang_s))
+        self.memory = MemoryCopies(self.id, self.address, secret, own_store,
+                                   Deadline(self.hang_s, self.job.bulk_gb_per_s),
+                                   self.job.control_timeout_s) if self.job.memory_copies else None
+        if self.memory is not None:
+            self.memory.start()
         self.ckpt = CheckpointIO(self.id, shared_folder(self.job.checkpoint_dir,
                                                         self.job.job_id), self.blobs,
-                                 lambda: client(self.host, self.port, max(5.0, self.hang_s)))
+                                 own_store, self.memory)
 
     # ------------------------------------------------------------------ the stage
     def microbatch(self, step: int, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +392,7 @@ class Worker:
         against the manifest before it is decoded (a corrupt file is reported, never
         loaded)."""
         layers = {}
+        fetched = self.memory.fetched if self.memory is not None else 0
         for i in wanted:
             try:
                 blob = self.ckpt.read(step, i, gen)
@@ -391,6 +400,8 @@ class Worker:
                 raise CommError(f"worker {self.id}: reading layer {i} of the checkpoint "
                                 f"after {step} steps failed: {exc}", None) from None
             layers[i] = self.layer_from_bytes(i, blob)
+        if self.memory is not None and self.memory.fetched > fetched:
+            self.store.add(proto.memory_fetched_key(gen), self.memory.fetched - fetched)
         return layers
 
     def _load_state(self, gen: int, d: dict[str, Any], plan: ExecutionPlan,
@@ -474,8 +485,10 @@ class Worker:
         mine = {i: state for i, state in self.layers.items()
                 if writer_of(plan.holders(i), i) == self.id}
         inject = self.faults.maybe_fire(num_steps - 1, "checkpoint", gen)
+        peer = None if self.memory is None else \
+            peer_of(self.id, plan.workers, self.job.workers_per_node)
         if mine or inject is not None:
-            self.ckpt.write_async(num_steps, gen, mine, inject, self.storage)
+            self.ckpt.write_async(num_steps, gen, mine, inject, self.storage, peer)
 
     def _stop(self, directive: dict[str, Any]) -> None:
         """The run ended: finish the checkpoint being written, write this worker's share of
