@@ -4,6 +4,7 @@ at the lowest CPU priority, with the same bytes as packing it in the worker."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import threading
@@ -126,3 +127,37 @@ def test_the_writer_exits_when_the_worker_closes_its_end(tmp_path) -> None:
     assert proc is not None
     writer.close()
     assert proc.returncode == 0
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.keys: dict[str, object] = {}
+
+    def set(self, key: str, value: object) -> None:
+        self.keys[key] = value
+
+    def add(self, key: str, n: int) -> int:
+        self.keys[key] = int(self.keys.get(key, 0)) + n  # type: ignore[arg-type]
+        return int(self.keys[key])  # type: ignore[arg-type]
+
+
+def test_without_shared_memory_the_worker_writes_the_same_file(tmp_path, monkeypatch) -> None:
+    """Where the system refuses anonymous memory files, the snapshot is ordinary memory
+    and the worker writes the file itself: the same bytes, reported the same way."""
+    from chameleon_ft.runtime.worker.checkpoints import CheckpointIO
+
+    def refuse(*_args: object) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(os, "memfd_create", refuse)
+    host, tree = _snapshot()
+    assert host.arenas[3].fd is None
+    store = _Store()
+    io = CheckpointIO(0, tmp_path, None, lambda: store)  # type: ignore[arg-type]
+    io.host = host
+    assert io.write(4, 1, {3: tree})
+    assert io.disk is None or io.disk.pid is None  # no writer process was needed
+    written = next(tmp_path.glob(".partial-*/layer3.bin")).read_bytes()
+    assert written == pack(tree)
+    doc = json.loads(store.keys["gen1/ckpt/4/layer/3"])  # type: ignore[arg-type]
+    assert doc["sha256"] == hashlib.sha256(written).hexdigest()

@@ -101,16 +101,14 @@ class _Arena:
             nbytes = math.prod(shape) * _itemsize(dtype)
             size += -(-nbytes // self.ALIGN) * self.ALIGN
         self.nbytes = size
-        self.fd: int | None = None
-        if diskwriter.supported():
-            self.fd = os.memfd_create(f"chameleon-checkpoint-{ident}", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, max(size, 1))
+        self.fd = _shared_memory(ident, size) if diskwriter.supported() else None
+        if self.fd is not None:
             memory = mmap.mmap(self.fd, max(size, 1))
             self.base = torch.frombuffer(memory, dtype=torch.uint8)[:size]
             weakref.finalize(self, os.close, self.fd)
             if pinned:
                 _pin(self, self.base)
-        else:
+        else:  # no shared memory here: the worker writes the files itself
             self.base = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         self.views = {
             path: self.base[o:o + math.prod(shape) * _itemsize(dtype)].view(dtype).view(shape)
@@ -125,6 +123,22 @@ class _Arena:
         if offset < 0 or offset + length > self.nbytes:
             return None
         return (self.id, offset, length)
+
+
+def _shared_memory(ident: int, size: int) -> int | None:
+    """An anonymous memory file of ``size`` bytes, its pages allocated at once (one call
+    instead of a fault per page during the copy); None when the system refuses it."""
+    fd = None
+    try:
+        fd = os.memfd_create(f"chameleon-checkpoint-{ident}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, max(size, 1))
+        if size:
+            os.posix_fallocate(fd, 0, size)
+        return fd
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        return None
 
 
 def _itemsize(dtype: torch.dtype) -> int:
