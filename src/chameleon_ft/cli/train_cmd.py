@@ -111,7 +111,9 @@ def _summary(report: dict[str, Any]) -> list[str]:
         trans = "-" if e["transition_s"] is None else f"{e['transition_s']:.3f} s"
         lines.append(f"failure of worker(s) {e['workers']} at step {e['step']}: detected after "
                      f"{detect}, {e['strategy']}, transition {trans}"
-                     + (f", {e['lost_steps']} steps redone" if e["lost_steps"] else ""))
+                     + (f", {e['lost_steps']} steps redone" if e["lost_steps"] else "")
+                     + (f", {e['from_memory_layers']} layer loads from peers' memory"
+                        if e.get("from_memory_layers") else ""))
     for r in report.get("rejoins", []):
         lines.append(f"idle worker(s) {r['workers']} (repaired or spare) at step {r['step']}: "
                      f"{r['strategy']}")
