@@ -86,7 +86,7 @@ def test_a_writer_dying_mid_write_fails_that_write_and_the_next_starts_another(
         def write() -> None:
             try:
                 _write(writer, host, tree, tmp_path / "b")
-            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            except BaseException as exc:
                 failed.append(exc)
 
         thread = threading.Thread(target=write)

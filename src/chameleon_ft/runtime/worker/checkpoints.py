@@ -48,6 +48,7 @@ from chameleon_ft.runtime.storage.packing import pack, pack_parts, pack_to
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
+
 class CorruptCheckpoint(RuntimeError):
     """A layer file of the checkpoint being loaded does not match its manifest."""
 

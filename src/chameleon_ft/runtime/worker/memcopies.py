@@ -116,7 +116,7 @@ class MemoryCopies:
         it (a failure only leaves the layer on storage)."""
         try:
             self._channel(holder).request({"op": "put", "layer": layer, "step": step}, data)
-        except Exception:  # noqa: BLE001 - the copy is an extra: the checkpoint stands
+        except Exception:  # the copy is an extra: the checkpoint stands without it
             return False
         return True
 
@@ -127,7 +127,7 @@ class MemoryCopies:
         try:
             _, data = self._channel(holder).request(
                 {"op": "get", "layer": layer, "step": step}, max_reply_bytes=size)
-        except Exception:  # noqa: BLE001 - gone, never had it, unreachable: read storage
+        except Exception:  # gone, never had it, unreachable: storage has the layer
             return None
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
             return None
