@@ -41,8 +41,10 @@ def test_a_holder_keeps_two_checkpoints_and_a_reload_checks_the_bytes() -> None:
     holder, writer = copies(2), copies(0)
     holder.start()
     try:
-        for step in (2, 4, 6):
+        for step in (2, 4):
             assert writer.send(2, step, 7, f"layer 7 after {step}".encode())
+        pieces = [b"layer 7", memoryview(b" after 6")]  # sent piece by piece, held whole
+        assert writer.send(2, 6, 7, pieces)
         assert sorted(holder.copies[7]) == [4, 6] and KEEP_STEPS == 2
         data = b"layer 7 after 6"
         digest = hashlib.sha256(data).hexdigest()

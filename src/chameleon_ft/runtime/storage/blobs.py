@@ -28,7 +28,7 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from chameleon_ft.runtime.deadlines import Deadline
@@ -71,18 +71,29 @@ def _recv_exact(sock: socket.socket, size: int, limit_s: float) -> bytes:
     return bytes(buf)
 
 
+Payload = bytes | Sequence[bytes | memoryview]
+"""A message's payload: bytes, or pieces sent one after the other (never joined, so a
+large payload is sent from its own memory)."""
+
+
 def send_message(sock: socket.socket, secret: bytes, header: dict[str, Any],
-                 payload: bytes = b"", deadline: Deadline | None = None) -> None:
+                 payload: Payload = b"", deadline: Deadline | None = None) -> None:
     """Send one framed, authenticated message (within ``deadline`` for its bytes, when
     given; otherwise under the socket's own timeout)."""
-    header = dict(header, size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    parts = [payload] if isinstance(payload, bytes) else list(payload)
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    size = sum(len(part) for part in parts)
+    header = dict(header, size=size, sha256=digest.hexdigest())
     header["mac"] = _mac(secret, header)
     body = json.dumps(header).encode()
     if deadline is not None:
-        sock.settimeout(deadline.for_bytes(len(body) + len(payload)))
+        sock.settimeout(deadline.for_bytes(len(body) + size))
     sock.sendall(MAGIC + struct.pack(">I", len(body)) + body)
-    if payload:
-        sock.sendall(payload)
+    for part in parts:
+        if len(part):
+            sock.sendall(part)
 
 
 def recv_message(sock: socket.socket, secret: bytes, limit_s: float,
@@ -210,7 +221,7 @@ class BlobClient:
         self.timeout_s, self.attempts = timeout_s, attempts
         self.deadline = deadline
 
-    def request(self, header: dict[str, Any], payload: bytes = b"",
+    def request(self, header: dict[str, Any], payload: Payload = b"",
                 max_reply_bytes: int = 1 << 40) -> tuple[dict[str, Any], bytes]:
         """Send one request and return the reply.
 

@@ -85,8 +85,18 @@ def pack(tree: Any) -> bytes:
     Raises:
         PackError: for values other than tensors, containers and JSON scalars.
     """
+    return b"".join(pack_pieces(tree))
+
+
+def pack_pieces(tree: Any) -> list[bytes | memoryview]:
+    """The bytes of :func:`pack` in pieces: the header, then each tensor's bytes viewed in
+    its own memory (for a CPU tree, no copy: keep the tree unchanged while they are used).
+
+    Raises:
+        PackError: for values other than tensors, containers and JSON scalars.
+    """
     head, flats = pack_parts(tree)
-    return b"".join([head, *(_raw(f) for f in flats)])
+    return [head, *(_raw(f) for f in flats)]
 
 
 def pack_to(tree: Any, write: Callable[[memoryview | bytes], Any]) -> int:

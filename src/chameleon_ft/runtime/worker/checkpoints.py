@@ -44,7 +44,7 @@ from chameleon_ft.runtime.storage.checkpoint import (
     step_dir_name,
     write_layer,
 )
-from chameleon_ft.runtime.storage.packing import pack, pack_parts, pack_to
+from chameleon_ft.runtime.storage.packing import pack_parts, pack_pieces, pack_to
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
@@ -325,7 +325,8 @@ class CheckpointIO:
                    peer: int | None) -> None:
         if self.folder is None:  # no shared folder: the coordinator writes the bytes
             self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
-                                "worker": self.worker, "step": step, "gen": gen}, pack(tree))
+                                "worker": self.worker, "step": step, "gen": gen},
+                               pack_pieces(tree))
             return
         start = time.perf_counter()
         folder, name = partial_dir(self.folder, step, gen), f"layer{layer}.bin"
@@ -334,7 +335,7 @@ class CheckpointIO:
             file = write_layer(folder, name, lambda write: pack_to(tree, write))
         held = None
         if self.memory is not None and peer is not None and \
-                self.memory.send(peer, step, layer, pack(tree)):
+                self.memory.send(peer, step, layer, pack_pieces(tree)):
             held = peer
         self._report(gen, step, layer, file, time.perf_counter() - start, held)
 

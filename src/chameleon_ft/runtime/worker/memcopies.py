@@ -25,7 +25,7 @@ from typing import Any
 
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
-from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError, BlobServer
+from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError, BlobServer, Payload
 
 KEEP_STEPS = 2
 """Checkpoints of each layer a holder keeps: the newest and the one before."""
@@ -111,9 +111,10 @@ class MemoryCopies:
         return BlobClient(str(host), int(port), self.secret, timeout_s=self.timeout_s,
                           attempts=1, deadline=self.deadline)
 
-    def send(self, holder: int, step: int, layer: int, data: bytes) -> bool:
-        """Give ``holder`` a copy of layer ``layer`` after ``step`` steps; whether it took
-        it (a failure only leaves the layer on storage)."""
+    def send(self, holder: int, step: int, layer: int, data: Payload) -> bool:
+        """Give ``holder`` a copy of layer ``layer`` after ``step`` steps (its packed bytes,
+        whole or in pieces); whether it took it (a failure only leaves the layer on
+        storage)."""
         try:
             self._channel(holder).request({"op": "put", "layer": layer, "step": step}, data)
         except Exception:  # the copy is an extra: the checkpoint stands without it
