@@ -188,7 +188,10 @@ def test_default_run_dir_restart_from_disk_and_retention(tmp_path: Path,
     assert report["run_dir"] == str(run_dir)
     assert any(m.startswith("run directory:") for m in report["log"])
     restart = [e for e in report["events"] if e["strategy"] == "restart"]
-    assert restart and restart[0]["lost_steps"] == 1  # from the checkpoint after 4 steps
+    # from the checkpoint after 4 steps, or after 2 when the one after 4 (begun a step
+    # before the kill, written in the background) was not complete yet: then it is dropped
+    # and the redone steps write it again, so the two kept are the same either way
+    assert restart and restart[0]["lost_steps"] in (1, 3), report["events"]
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir()
                   if not p.name.startswith("."))  # .job: the job marker
     assert kept == ["step00000004", "step00000006"]  # the last two (6: the final state)

@@ -120,6 +120,12 @@ class DiskWriter:
             raise OSError(answer.get("error", "the checkpoint writer failed"))
         return int(answer["size"]), str(answer["sha256"])
 
+    def start(self) -> None:
+        """Start the writer process now (it takes a moment to start: a worker that will
+        checkpoint starts it while it sets up, not at its first checkpoint)."""
+        with self._lock:
+            self._started()
+
     def forget(self, ids: set[int]) -> None:
         """Tell the writer to release the memory of ``ids`` (layers no longer written)."""
         with self._lock:

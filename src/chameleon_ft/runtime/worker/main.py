@@ -178,6 +178,9 @@ class Worker:
         self.ckpt = CheckpointIO(self.id, shared_folder(self.job.checkpoint_dir,
                                                         self.job.job_id), self.blobs,
                                  own_store, self.memory)
+        if self.job.checkpoint_every > 0 and self.ckpt.folder is not None and \
+                self.ckpt.disk is not None:
+            self.ckpt.disk.start()
 
     # ------------------------------------------------------------------ the stage
     def microbatch(self, step: int, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
