@@ -21,10 +21,22 @@ _SCHEDULE_CODES = {s.value: i for i, s in enumerate(Schedule)}
 _POSITIONS: dict[tuple[int, int], tuple[int, int]] = {}
 """One ``(pipeline, stage)`` tuple per position, shared by every plan's table."""
 
+_POSITION_ROWS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+"""The shared positions of stages ``0..n-1`` of one pipeline, by ``(pipeline, n)``."""
+
 
 def _position(pipeline: int, stage: int) -> tuple[int, int]:
     key = (pipeline, stage)
     return _POSITIONS.setdefault(key, key)
+
+
+def _position_row(pipeline: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """:func:`_position` of every stage of a pipeline of ``num_stages`` stages."""
+    key = (pipeline, num_stages)
+    row = _POSITION_ROWS.get(key)
+    if row is None:
+        row = _POSITION_ROWS[key] = tuple(_position(pipeline, s) for s in range(num_stages))
+    return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +248,18 @@ class ExecutionPlan:
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live worker."""
-        return {st.worker: _position(p, s) for p, s, st in self._live_stages()}
+        dead = self.reroute_map
+        rerouted = {p for p, _ in dead}
+        out: dict[int, tuple[int, int]] = {}
+        for p, pipe in enumerate(self.pipelines):
+            if p in rerouted:
+                out.update((st.worker, _position(p, s)) for s, st in enumerate(pipe.stages)
+                           if (p, s) not in dead)
+            else:
+                # one row of shared positions per pipeline, set at C speed
+                out.update(zip([st.worker for st in pipe.stages],
+                               _position_row(p, len(pipe.stages)), strict=True))
+        return out
 
     def _live_stages(self) -> Iterator[tuple[int, int, Stage]]:
         """``(pipeline, stage, Stage)`` of every stage that is not rerouted (not kept: each
