@@ -511,9 +511,9 @@ class Estimator:
         def reduce(members: Iterable[int], num_bytes: float) -> None:
             members = tuple(members)
             t = topo.allreduce_s(members, num_bytes)
-            start = max(ready[w] for w in members)
+            done = max(map(ready.__getitem__, members)) + t
             for w in members:
-                ready[w] = start + t
+                ready[w] = done
                 sync_s[w] += t
 
         for group in groups:
