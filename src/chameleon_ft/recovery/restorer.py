@@ -198,6 +198,27 @@ def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]
     return plan, moved
 
 
+def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
+    """Each layer's live holders, in worker order (workers holding the same layers are
+    gathered first: few distinct holdings on thousands of workers)."""
+    holders: dict[int, list[int]] = defaultdict(list)
+    try:
+        by_holding: dict[Collection[int], list[int]] = defaultdict(list)
+        for worker, layers in held.items():
+            by_holding[layers].append(worker)  # TypeError for an unhashable holding
+    except TypeError:  # unhashable layer collections: one worker at a time
+        for worker in sorted(held):
+            for layer in held[worker]:
+                holders[layer].append(worker)
+        return holders
+    for layers, workers in by_holding.items():
+        for layer in layers:
+            holders[layer].extend(workers)
+    for workers in holders.values():
+        workers.sort()
+    return holders
+
+
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                        profile: Profile, topology: Topology, *,
                        max_parts: int = 4, first_source: bool = False,
@@ -225,10 +246,7 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     Raises:
         ValueError: when a needed layer has no live replica.
     """
-    holders: dict[int, list[int]] = defaultdict(list)
-    for worker in sorted(held):
-        for layer in held[worker]:
-            holders[layer].append(worker)
+    holders = _holders_of_layers(held)
     sent_bytes: dict[int, float] = defaultdict(float)
     transfers: list[Transfer] = []
     moved = 0.0
@@ -238,6 +256,9 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
             continue  # a rerouted stage's worker is dead: nothing moves to it
         slots.append((st.worker, p, s))
         have = held.get(st.worker, ())
+        if (isinstance(have, range) and have.step == 1 and have.start <= st.first_layer
+                and st.end_layer <= have.stop):
+            continue  # the worker holds every layer of its stage already
         dst_node = topology.node_of(st.worker)
         for layer in st.layers:
             if layer in have:
