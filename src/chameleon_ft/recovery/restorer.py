@@ -91,9 +91,9 @@ def match_workers(held: list[set[int]], wanted: list[set[int]],
     num_layers = len(layer_bytes)
     for name, sets in (("held", held), ("wanted", wanted)):
         for i, layers in enumerate(sets):
-            for layer in layers:
-                if not 0 <= layer < num_layers:
-                    raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
+            if layers and (min(layers) < 0 or max(layers) >= num_layers):
+                layer = next(x for x in layers if not 0 <= x < num_layers)
+                raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
     assignment: dict[int, int] = {}
     free_by_set: dict[frozenset[int], list[int]] = defaultdict(list)
     for i in reversed(range(len(held))):
