@@ -36,10 +36,11 @@ no pipelines); the restorer's matching picks which of them fill the slots. The s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -375,6 +376,13 @@ def _shape(state: RecoveryState, split: _Split,
                     plan.schedule, layouts=layouts)
 
 
+def _filled_in_id_order(state: RecoveryState, split: _Split,
+                        layouts: tuple[Layout, ...] | None,
+                        held: Mapping[int, Collection[int]]) -> ExecutionPlan:
+    """The shape of ``split`` with ``layouts`` filled with the live workers in id order."""
+    return _in_id_order(_shape(state, split, layouts), held)
+
+
 def _runs(lengths: Sequence[int], counts: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
     """``(length, micro-batches, how many in a row)`` of consecutive equal pipelines: a
     split's pipelines in order, compactly (a cache key)."""
@@ -387,23 +395,25 @@ def _runs(lengths: Sequence[int], counts: Sequence[int]) -> tuple[tuple[int, int
     return tuple(out)
 
 
-def _placement_free_price(state: RecoveryState, split: _Split,
-                          layouts: tuple[Layout, ...] | None,
-                          held: Mapping[int, Collection[int]]) -> tuple[float, bool]:
-    """Step seconds and memory verdict of ``split`` with ``layouts`` on a topology where
-    placement cannot change an estimate, remembered per templates.
+def placement_free_price(state: RecoveryState, lengths: Sequence[int],
+                         counts: Sequence[int], layouts: tuple[Layout, ...] | None,
+                         filled: Callable[[], ExecutionPlan]) -> tuple[float, bool]:
+    """Step seconds and memory verdict of a plan of pipelines of ``lengths`` stages with
+    ``counts`` micro-batches and ``layouts`` (``None``: each pipeline's best template,
+    :func:`skeleton`), no reroutes, on a topology where placement cannot change an
+    estimate; remembered per templates.
 
-    The shape is priced filled with the live workers in id order; any other filling of
-    it, by any survivors, is the same plan up to renaming the workers, which changes
-    neither the step time nor the memory verdict there (one link type, no speeds), so
-    every search that meets the same shape again reads the price back.
+    ``filled`` builds the shape with live workers, priced when the shape is new; any other
+    filling of it, by any survivors, is the same plan up to renaming the workers, which
+    changes neither the step time nor the memory verdict there (one link type, no
+    speeds), so every search that meets the same shape again reads the price back.
     """
     plan = state.plan
-    key = ("placement-free-price", plan.micro_batch, plan.schedule,
-           _runs(split.lengths, split.counts), layouts)
+    key = ("placement-free-price", plan.micro_batch, plan.schedule, _runs(lengths, counts),
+           layouts)
     found = state.templates.memo.get(key)
     if found is None:
-        est = state.estimate(_in_id_order(_shape(state, split, layouts), held))
+        est = state.estimate(filled())
         found = state.templates.memo[key] = (est.step_s, est.memory_fits)
     return found
 
@@ -442,7 +452,7 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
 
     Placement matters to an estimate only through which links a transfer crosses; with
     one worker per node, one node, or free links, every filling of a shape prices the
-    same (:func:`_placement_free_price`), so the Hungarian matching runs only for the
+    same (:func:`placement_free_price`), so the Hungarian matching runs only for the
     shapes that win.
     """
     placement_free = state.topology.placement_free
@@ -451,7 +461,9 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
     for split in priced:
         for layouts in _shape_layouts(state, split):
             if placement_free:
-                step_s, fits = _placement_free_price(state, split, layouts, held)
+                step_s, fits = placement_free_price(
+                    state, split.lengths, split.counts, layouts,
+                    functools.partial(_filled_in_id_order, state, split, layouts, held))
                 if fits:
                     unmatched.append((_rounded(step_s), split, layouts))
                 continue
