@@ -449,11 +449,11 @@ class Estimator:
             if lone:
                 # A lone pipeline: read its shared timeline by stage, without relabelling.
                 tl = self._canonical_pipeline(plan, group[0], speeds, brute_force)
-                for s, st in enumerate(plan.pipelines[group[0]].stages):
-                    w = st.worker
-                    finish[w] = tl.finish_s[s]
-                    busy[w] = tl.busy_s[s]
-                    act_peak[w] = tl.peak_activation_bytes[s]
+                workers = [st.worker for st in plan.pipelines[group[0]].stages]
+                stages = range(len(workers))
+                for into, by_stage in ((finish, tl.finish_s), (busy, tl.busy_s),
+                                       (act_peak, tl.peak_activation_bytes)):
+                    into.update(zip(workers, map(by_stage.__getitem__, stages), strict=True))
             else:
                 tl = self._component(plan, group, speeds, brute_force, with_ops=False)
                 finish.update(tl.finish_s)
@@ -475,8 +475,9 @@ class Estimator:
         max_memory = max(peak_memory.values(), default=0.0)
 
         workers = list(plan.layers_by_worker)
-        idle = sum(step_s - busy.get(w, 0.0) - sync_s.get(w, 0.0) - opt_s[w] - profile.control_s
-                   for w in workers)
+        busy_of, sync_of, control_s = busy.get, sync_s.get, profile.control_s
+        idle = sum([step_s - busy_of(w, 0.0) - sync_of(w, 0.0) - opt_s[w] - control_s
+                    for w in workers])
         idle_s = max(0.0, idle / len(workers))
         samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
         return Estimate(
