@@ -100,6 +100,16 @@ class Pipeline:
     num_microbatches: int
     _layout: tuple[tuple[int, int], ...] | None = field(
         init=False, default=None, repr=False, compare=False)
+    _hash: int | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # The dataclass's own hash (of the compared fields), kept: plans share pipeline
+        # objects, and every new plan that keys a cache hashes all of them.
+        cached = self._hash
+        if cached is None:
+            cached = hash((self.stages, self.num_microbatches))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def layout(self) -> tuple[tuple[int, int], ...]:
