@@ -857,24 +857,29 @@ class _ListRun:
                 self.try_start(w, 0.0)
         self.touched.clear()
         events = self.events
+        op_wi, running, busy_until, last_op, wake_at = (self.op_wi, self.running,
+                                                        self.busy_until, self.last_op,
+                                                        self.wake_at)
+        stack, touched, try_start = self.stack, self.touched, self.try_start
         while events:
             t, _, event, payload = heapq.heappop(events)
             if event == 1:
-                if self.wake_at[payload] == t:
-                    self.wake_at[payload] = math.inf
-                self.try_start(payload, t)
+                if wake_at[payload] == t:
+                    wake_at[payload] = math.inf
+                try_start(payload, t)
                 continue
             op_id = payload
-            w = self.op_wi[op_id]
-            self.running[w] = False
-            self.busy_until[w] = t
-            self.last_op[w] = op_id
+            w = op_wi[op_id]
+            running[w] = False
+            busy_until[w] = t
+            last_op[w] = op_id
             # Release the successors first, so the worker's next choice sees all of them.
             self.release(op_id, t)
-            self.drain()
-            self.try_start(w, t)
-            while self.touched:
-                self.try_start(self.touched.pop(), t)
+            if stack:
+                self.drain()
+            try_start(w, t)
+            while touched:
+                try_start(touched.pop(), t)
         if min(self.end) < 0.0:
             # A fixed per-stage order that waits on an op queued behind it on another
             # worker; the orders of stage_order never do (tests cover random shapes).
