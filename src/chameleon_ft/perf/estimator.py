@@ -237,23 +237,42 @@ class Estimator:
         self._pipeline_keys: dict[int, tuple[Any, str, tuple[Any, ...]]] = {}
         self._components: OrderedDict[tuple[Any, ...], Timeline] = OrderedDict()
         self._stage: dict[tuple[int, int], Any] = {}
-        self._opt: dict[tuple[int, int], float] = {}
-        self._static: dict[tuple[int, int], float] = {}
+        self._ranges: dict[tuple[int, int], tuple[float, float, float]] = {}
         self._cache_size = cache_size
 
-    def _optimizer_s(self, layers: range) -> float:
+    def _range_cost(self, layers: range) -> tuple[float, float, float]:
+        """What a worker holding ``layers`` costs besides its operations: its optimizer
+        step's seconds (at unit speed), its resident bytes (parameters, gradients,
+        optimizer state) and one layer's backward workspace (the largest)."""
         key = (layers.start, layers.stop)
-        value = self._opt.get(key)
+        value = self._ranges.get(key)
         if value is None:
-            value = self._opt[key] = self.profile.optimizer_s(layers)
+            profile = self.profile
+            value = self._ranges[key] = (
+                profile.optimizer_s(layers),
+                sum(profile.layers[i].static_bytes for i in layers),
+                max((profile.layers[i].workspace_bytes for i in layers), default=0.0))
         return value
 
-    def _static_bytes(self, layers: range) -> float:
-        key = (layers.start, layers.stop)
-        value = self._static.get(key)
-        if value is None:
-            value = self._static[key] = sum(self.profile.layers[i].static_bytes for i in layers)
-        return value
+    def _worker_costs(self, plan: ExecutionPlan, speeds: Mapping[int, float],
+                      act_peak: Mapping[int, float]) -> tuple[dict[int, float],
+                                                              dict[int, float]]:
+        """Each live worker's optimizer step (seconds, at its speed) and peak bytes per
+        device: parameters, gradients and optimizer state of the layers held, plus the
+        activations of the micro-batches in flight at the worst moment, plus one layer's
+        backward workspace (recomputed activations)."""
+        opt_s: dict[int, float] = {}
+        peak_memory: dict[int, float] = {}
+        # The plan shares one range object per distinct layer range: price each once.
+        by_range: dict[int, tuple[float, float, float]] = {}
+        for w, layers in plan.layers_by_worker.items():
+            cost = by_range.get(id(layers))
+            if cost is None:
+                cost = by_range[id(layers)] = self._range_cost(layers)
+            opt, static, workspace = cost
+            opt_s[w] = opt / speeds[w] if w in speeds else opt
+            peak_memory[w] = static + act_peak.get(w, 0.0) + workspace
+        return opt_s, peak_memory
 
     def _stage_cost(self, lo: int, hi: int) -> Any:
         """The per-chunk costs of a stage holding layers (columns) ``[lo, hi)``."""
@@ -430,11 +449,11 @@ class Estimator:
             if lone:
                 # A lone pipeline: read its shared timeline by stage, without relabelling.
                 tl = self._canonical_pipeline(plan, group[0], speeds, brute_force)
-                for s, st in enumerate(plan.pipelines[group[0]].stages):
-                    w = st.worker
-                    finish[w] = tl.finish_s[s]
-                    busy[w] = tl.busy_s[s]
-                    act_peak[w] = tl.peak_activation_bytes[s]
+                workers = [st.worker for st in plan.pipelines[group[0]].stages]
+                stages = range(len(workers))
+                for into, by_stage in ((finish, tl.finish_s), (busy, tl.busy_s),
+                                       (act_peak, tl.peak_activation_bytes)):
+                    into.update(zip(workers, map(by_stage.__getitem__, stages), strict=True))
             else:
                 tl = self._component(plan, group, speeds, brute_force, with_ops=False)
                 finish.update(tl.finish_s)
@@ -448,25 +467,17 @@ class Estimator:
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
         commit_s = max(ready.values()) + profile.control_s
-        opt_s = {w: self._optimizer_s(layers) / speeds.get(w, 1.0)
-                 for w, layers in plan.layers_by_worker.items()}
+        opt_s, peak_memory = self._worker_costs(plan, speeds, act_peak)
         optimizer = max(opt_s.values())
         step_s = commit_s + optimizer
         allreduce = commit_s - profile.control_s - makespan
-
-        # Memory per device: parameters, gradients and optimizer state of the layers held,
-        # plus the activations of the micro-batches in flight at the worst moment, plus one
-        # layer's backward workspace (recomputed activations).
-        peak_memory: dict[int, float] = {}
-        for w, layers in plan.layers_by_worker.items():
-            workspace = max((profile.layers[i].workspace_bytes for i in layers), default=0.0)
-            peak_memory[w] = self._static_bytes(layers) + act_peak.get(w, 0.0) + workspace
         capacity = topo.memory_capacity_bytes
         max_memory = max(peak_memory.values(), default=0.0)
 
         workers = list(plan.layers_by_worker)
-        idle = sum(step_s - busy.get(w, 0.0) - sync_s.get(w, 0.0) - opt_s[w] - profile.control_s
-                   for w in workers)
+        busy_of, sync_of, control_s = busy.get, sync_s.get, profile.control_s
+        idle = sum([step_s - busy_of(w, 0.0) - sync_of(w, 0.0) - opt_s[w] - control_s
+                    for w in workers])
         idle_s = max(0.0, idle / len(workers))
         samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
         return Estimate(
@@ -501,9 +512,9 @@ class Estimator:
         def reduce(members: Iterable[int], num_bytes: float) -> None:
             members = tuple(members)
             t = topo.allreduce_s(members, num_bytes)
-            start = max(ready[w] for w in members)
+            done = max(map(ready.__getitem__, members)) + t
             for w in members:
-                ready[w] = start + t
+                ready[w] = done
                 sync_s[w] += t
 
         for group in groups:

@@ -82,6 +82,7 @@ class Topology:
         k = len(workers)
         if k <= 1 or num_bytes <= 0 or self.cluster.ideal_network:
             return 0.0
-        nodes = {self.node_of(w) for w in workers}
+        per_node = self.workers_per_node
+        nodes = {w // per_node for w in workers}  # node_of, inline
         latency_s, bw = self.cluster.link(len(nodes) == 1)
         return 2 * (k - 1) / k * num_bytes / bw + 2 * (k - 1) * latency_s

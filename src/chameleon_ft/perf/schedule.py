@@ -383,10 +383,12 @@ class _Graph:
         return Op(_KINDS[kind], p, s, j, r)
 
     @functools.cached_property
-    def layout(self) -> tuple[list[int], list[int], list[list[int]], list[int], list[int]]:
+    def layout(self) -> tuple[list[int], list[int], list[list[int]], list[int], list[int],
+                              list[int]]:
         """What every rule's run needs and none changes, computed once per graph: the
         workers in order, each op's dense worker index, each worker's streams, each op's
-        stream and the op after it in its stream (-1 at the end)."""
+        stream, the op after it in its stream (-1 at the end) and the op before it (the
+        number of ops at the start: :class:`_ListRun` keeps a zero there)."""
         workers = list(self.stream_of_worker)
         index = {w: i for i, w in enumerate(workers)}
         op_wi = [index[w] for w in self.op_worker]
@@ -394,18 +396,33 @@ class _Graph:
         num_ops = len(self.op_meta)
         stream_id = [0] * num_ops
         next_in_stream = [-1] * num_ops
+        prev_in_stream = [num_ops] * num_ops
         for sid, ids in enumerate(self.streams):
             first, last = ids[0], ids[-1]
             if last - first == len(ids) - 1:
                 # a whole stage's stream: consecutive ids, set in bulk
                 stream_id[first:last + 1] = [sid] * len(ids)
                 next_in_stream[first:last] = range(first + 1, last + 1)
+                prev_in_stream[first + 1:last + 1] = range(first, last)
                 continue
             for op_id in ids:
                 stream_id[op_id] = sid
             for a, b in itertools.pairwise(ids):
                 next_in_stream[a] = b
-        return workers, op_wi, wi_streams, stream_id, next_in_stream
+                prev_in_stream[b] = a
+        return workers, op_wi, wi_streams, stream_id, next_in_stream, prev_in_stream
+
+    @functools.cached_property
+    def stream_totals(self) -> tuple[list[float], list[float]]:
+        """Per stream, run alone in its order: the seconds of its ops and the most
+        activation bytes held at once (what a worker running one stream accounts, in
+        the same order of additions)."""
+        op_dur, op_act = self.op_dur, self.op_act
+        busy = [functools.reduce(operator.add, [op_dur[i] for i in ids], 0.0)
+                for ids in self.streams]
+        peak = [max(itertools.accumulate([op_act[i] for i in ids], initial=0.0))
+                for ids in self.streams]
+        return busy, peak
 
 
 @functools.lru_cache(maxsize=8192)
@@ -670,19 +687,26 @@ class _ListRun:
     peers) go through the event queue, where the priority rule picks among the ops ready
     "now" (:meth:`try_start`). Eager ops release their successors early, but with their
     true ready times, so a merging worker sees exactly the ops ready at its decision time.
+
+    A one-stream worker runs its stream in order, so what it accounts (its ops, busy
+    seconds and activation peak) is the stream's own (:attr:`_Graph.stream_totals`), and
+    it is free when the op before in the stream ends: the eager loop only times ops.
+    ``end`` is -1 until an op starts; its extra last slot, 0, is where every stream's
+    first op finds its worker free.
     """
 
     def __init__(self, graph: _Graph, rule: str, with_ops: bool) -> None:
         self.graph = graph
         self.priority = PRIORITIES[rule]
         self.with_ops = with_ops
-        self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream = (
-            graph.layout)
+        (self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream,
+         self.prev_in_stream) = graph.layout
         num_ops, num_workers = len(graph.op_meta), len(self.workers)
         self.pending = list(graph.pending)
         self.ready = [0.0] * num_ops
         self.head = [ids[0] for ids in graph.streams]
-        self.end = [0.0] * num_ops
+        """Each stream's next op to start (-1: done); kept for merging workers' streams."""
+        self.end = [-1.0] * num_ops + [0.0]
         # Why each op started when it did: the predecessor that released it last, with the
         # transfer delay, or the previous op on the same worker (the critical path's walk).
         self.cause_op = [-1] * num_ops
@@ -705,6 +729,7 @@ class _ListRun:
         """``op_id`` ended at ``t1``: its successors' ready times and counts."""
         ready, ready_cause, pending, op_wi = (self.ready, self.ready_cause, self.pending,
                                               self.op_wi)
+        end, prev_in_stream = self.end, self.prev_in_stream
         for dst, delay in self.graph.succs[op_id]:
             arrival = t1 + delay
             if arrival >= ready[dst]:
@@ -715,41 +740,31 @@ class _ListRun:
                 u = op_wi[dst]
                 if not self.single[u]:
                     self.touched.append(u)
-                elif self.head[self.stream_id[dst]] == dst:
+                elif end[prev_in_stream[dst]] >= 0.0:  # the head of its stream
                     self.stack.append(dst)
 
     def drain(self) -> None:
         """Time every eager op that can run now, and what they release (the hot loop:
-        the bookkeeping of :meth:`release` and :meth:`_account` written out)."""
+        the bookkeeping of :meth:`release` written out)."""
         stack, touched, single = self.stack, self.touched, self.single
-        op_wi, op_dur, op_act = self.op_wi, self.graph.op_dur, self.graph.op_act
+        op_wi, op_dur = self.op_wi, self.graph.op_dur
         succs, pending, ready, ready_cause = (self.graph.succs, self.pending, self.ready,
                                               self.ready_cause)
-        busy_until, last_op, cause_op, end = (self.busy_until, self.last_op, self.cause_op,
-                                              self.end)
-        busy_s, act_now, act_peak, order = self.busy_s, self.act_now, self.act_peak, self.order
-        head, stream_id, next_in_stream = self.head, self.stream_id, self.next_in_stream
-        with_ops = self.with_ops
+        cause_op, end = self.cause_op, self.end
+        next_in_stream, prev_in_stream = self.next_in_stream, self.prev_in_stream
         while stack:
             op_id = stack.pop()
-            w = op_wi[op_id]
-            free = busy_until[w]
+            before = prev_in_stream[op_id]
+            free = end[before]  # the worker is free when its stream's previous op ends
             r = ready[op_id]
-            rc = ready_cause[op_id]
-            cause_op[op_id] = rc if (rc >= 0 and r >= free) else last_op[w]
-            dur = op_dur[op_id]
-            t1 = (r if r > free else free) + dur
-            end[op_id] = t1
-            busy_until[w] = t1
-            last_op[w] = op_id
-            if with_ops:
-                order[w].append(op_id)
-            busy_s[w] += dur
-            act = act_now[w] + op_act[op_id]
-            act_now[w] = act
-            if act > act_peak[w]:
-                act_peak[w] = act
-            # Release before moving the head: the stream's own next op is pushed below.
+            if r >= free:
+                t1 = r + op_dur[op_id]
+                rc = ready_cause[op_id]
+                cause_op[op_id] = rc if rc >= 0 else before
+            else:
+                t1 = free + op_dur[op_id]
+                cause_op[op_id] = before
+            # Release before ending the op: the stream's own next op is pushed below.
             for dst, delay in succs[op_id]:
                 arrival = t1 + delay
                 if arrival >= ready[dst]:
@@ -761,10 +776,10 @@ class _ListRun:
                     u = op_wi[dst]
                     if not single[u]:
                         touched.append(u)
-                    elif head[stream_id[dst]] == dst:
+                    elif end[prev_in_stream[dst]] >= 0.0:
                         stack.append(dst)
+            end[op_id] = t1
             nxt = next_in_stream[op_id]
-            head[stream_id[op_id]] = nxt
             if nxt >= 0 and pending[nxt] == 0:
                 stack.append(nxt)
 
@@ -842,25 +857,30 @@ class _ListRun:
                 self.try_start(w, 0.0)
         self.touched.clear()
         events = self.events
+        op_wi, running, busy_until, last_op, wake_at = (self.op_wi, self.running,
+                                                        self.busy_until, self.last_op,
+                                                        self.wake_at)
+        stack, touched, try_start = self.stack, self.touched, self.try_start
         while events:
             t, _, event, payload = heapq.heappop(events)
             if event == 1:
-                if self.wake_at[payload] == t:
-                    self.wake_at[payload] = math.inf
-                self.try_start(payload, t)
+                if wake_at[payload] == t:
+                    wake_at[payload] = math.inf
+                try_start(payload, t)
                 continue
             op_id = payload
-            w = self.op_wi[op_id]
-            self.running[w] = False
-            self.busy_until[w] = t
-            self.last_op[w] = op_id
+            w = op_wi[op_id]
+            running[w] = False
+            busy_until[w] = t
+            last_op[w] = op_id
             # Release the successors first, so the worker's next choice sees all of them.
             self.release(op_id, t)
-            self.drain()
-            self.try_start(w, t)
-            while self.touched:
-                self.try_start(self.touched.pop(), t)
-        if any(h != -1 for h in self.head):
+            if stack:
+                self.drain()
+            try_start(w, t)
+            while touched:
+                try_start(touched.pop(), t)
+        if min(self.end) < 0.0:
             # A fixed per-stage order that waits on an op queued behind it on another
             # worker; the orders of stage_order never do (tests cover random shapes).
             raise RuntimeError("schedule deadlocked")
@@ -868,19 +888,30 @@ class _ListRun:
     def timeline(self) -> Timeline:
         """The timed schedule, with the critical path split into compute and transfers."""
         timeline = Timeline()
+        num_ops = len(self.graph.op_meta)
+        end = self.end[:num_ops]
+        streams = self.graph.streams
+        stream_busy, stream_peak = self.graph.stream_totals
         for i, w in enumerate(self.workers):
+            if self.single[i]:
+                (sid,) = self.wi_streams[i]
+                order = streams[sid]
+                timeline.finish_s[w] = end[order[-1]]
+                timeline.busy_s[w] = stream_busy[sid]
+                timeline.peak_activation_bytes[w] = stream_peak[sid]
+            else:
+                order = self.order[i]
+                timeline.finish_s[w] = self.busy_until[i]
+                timeline.busy_s[w] = self.busy_s[i]
+                timeline.peak_activation_bytes[w] = self.act_peak[i]
             if self.with_ops:
-                timeline.ops[w] = [self.graph.op(op_id) for op_id in self.order[i]]
-            timeline.finish_s[w] = self.busy_until[i]
-            timeline.busy_s[w] = self.busy_s[i]
-            timeline.peak_activation_bytes[w] = self.act_peak[i]
-        end = self.end
+                timeline.ops[w] = [self.graph.op(op_id) for op_id in order]
         if end:
             makespan = max(end)
             node = end.index(makespan)  # the first op ending last
             timeline.makespan_s = makespan
             compute = 0.0
-            while node >= 0:
+            while 0 <= node < num_ops:  # a stream's first op may name the slot past the end
                 compute += self.graph.op_dur[node]
                 node = self.cause_op[node]
             timeline.critical_compute_s = compute

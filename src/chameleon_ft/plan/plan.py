@@ -9,10 +9,10 @@ layers in other pipelines.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 from chameleon_ft.spec.job import Schedule
 
@@ -21,10 +21,56 @@ _SCHEDULE_CODES = {s.value: i for i, s in enumerate(Schedule)}
 _POSITIONS: dict[tuple[int, int], tuple[int, int]] = {}
 """One ``(pipeline, stage)`` tuple per position, shared by every plan's table."""
 
+_POSITION_ROWS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+"""The shared positions of stages ``0..n-1`` of one pipeline, by ``(pipeline, n)``."""
+
 
 def _position(pipeline: int, stage: int) -> tuple[int, int]:
     key = (pipeline, stage)
     return _POSITIONS.setdefault(key, key)
+
+
+_LAYER_RANGES: dict[tuple[int, int], range] = {}
+"""One range object per ``(first, end)`` layer range, shared by every plan's table."""
+
+_PIPELINE_TABLES: dict[int, tuple[Any, tuple[int, ...], tuple[range, ...]]] = {}
+"""Each pipeline's stage workers and layer ranges, by the pipeline object's id (with the
+object, so that a reused id is never mistaken for it): plans share pipeline objects, so
+most of a new plan's tables come from rows already built."""
+
+_PIPELINE_TABLES_KEPT = 4096
+"""Rows kept before they are all forgotten (each holds its pipeline alive)."""
+
+_V = TypeVar("_V")
+
+
+def _pipeline_table(pipe: Pipeline) -> tuple[tuple[int, ...], tuple[range, ...]]:
+    """The workers of ``pipe``'s stages and their layer ranges (shared range objects)."""
+    known = _PIPELINE_TABLES.get(id(pipe))
+    if known is not None and known[0] is pipe:
+        return known[1], known[2]
+    workers = tuple([st.worker for st in pipe.stages])
+    ranges = []
+    for st in pipe.stages:
+        bounds = (st.first_layer, st.end_layer)
+        layers = _LAYER_RANGES.get(bounds)
+        if layers is None:
+            layers = _LAYER_RANGES.setdefault(bounds, range(st.first_layer, st.end_layer))
+        ranges.append(layers)
+    row = tuple(ranges)
+    if len(_PIPELINE_TABLES) >= _PIPELINE_TABLES_KEPT:
+        _PIPELINE_TABLES.clear()
+    _PIPELINE_TABLES[id(pipe)] = (pipe, workers, row)
+    return workers, row
+
+
+def _position_row(pipeline: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """:func:`_position` of every stage of a pipeline of ``num_stages`` stages."""
+    key = (pipeline, num_stages)
+    row = _POSITION_ROWS.get(key)
+    if row is None:
+        row = _POSITION_ROWS[key] = tuple(_position(pipeline, s) for s in range(num_stages))
+    return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +100,16 @@ class Pipeline:
     num_microbatches: int
     _layout: tuple[tuple[int, int], ...] | None = field(
         init=False, default=None, repr=False, compare=False)
+    _hash: int | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # The dataclass's own hash (of the compared fields), kept: plans share pipeline
+        # objects, and every new plan that keys a cache hashes all of them.
+        cached = self._hash
+        if cached is None:
+            cached = hash((self.stages, self.num_microbatches))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def layout(self) -> tuple[tuple[int, int], ...]:
@@ -223,39 +279,47 @@ class ExecutionPlan:
     @cached_property
     def layers_by_worker(self) -> dict[int, range]:
         """The layer range each live worker holds."""
-        ranges: dict[tuple[int, int], range] = {}
-        out: dict[int, range] = {}
-        for _, _, st in self._live_stages():
-            bounds = (st.first_layer, st.end_layer)
-            layers = ranges.get(bounds)
-            if layers is None:
-                layers = ranges[bounds] = range(st.first_layer, st.end_layer)
-            out[st.worker] = layers
-        return out
+        return self._live_table(lambda p, pipe: _pipeline_table(pipe)[1])
 
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live worker."""
-        return {st.worker: _position(p, s) for p, s, st in self._live_stages()}
+        return self._live_table(lambda p, pipe: _position_row(p, len(pipe.stages)))
 
-    def _live_stages(self) -> Iterator[tuple[int, int, Stage]]:
-        """``(pipeline, stage, Stage)`` of every stage that is not rerouted (not kept: each
-        table above walks it once)."""
-        if not self.reroutes:
-            return self.iter_stages()
+    def _live_table(self, row: Callable[[int, Pipeline], Sequence[_V]]) -> dict[int, _V]:
+        """``worker -> row(p, pipeline)[s]`` for every live stage ``s`` of every pipeline
+        ``p``, in stage order; a pipeline without a rerouted stage is set whole, at C
+        speed, from its shared worker row (:func:`_pipeline_table`)."""
         dead = self.reroute_map
-        return ((p, s, st) for p, s, st in self.iter_stages() if (p, s) not in dead)
+        rerouted = {p for p, _ in dead}
+        out: dict[int, _V] = {}
+        for p, pipe in enumerate(self.pipelines):
+            workers, values = _pipeline_table(pipe)[0], row(p, pipe)
+            if p in rerouted:
+                out.update((w, v) for s, (w, v) in enumerate(zip(workers, values, strict=True))
+                           if (p, s) not in dead)
+            else:
+                out.update(zip(workers, values, strict=True))
+        return out
 
     @cached_property
     def holders_by_layer(self) -> tuple[tuple[int, ...], ...]:
         """For each layer, the live workers holding it, sorted."""
         # Few distinct layer ranges: gather workers per range, then per layer.
-        by_range: dict[tuple[int, int], list[int]] = {}
-        for _, _, st in self._live_stages():
-            by_range.setdefault((st.first_layer, st.end_layer), []).append(st.worker)
+        by_range: dict[range, list[int]] = {}
+        dead = self.reroute_map
+        for p, pipe in enumerate(self.pipelines):
+            for s, (worker, layers) in enumerate(zip(*_pipeline_table(pipe), strict=True)):
+                if dead and (p, s) in dead:
+                    continue
+                found = by_range.get(layers)
+                if found is None:
+                    by_range[layers] = [worker]
+                else:
+                    found.append(worker)
         out: list[list[int]] = [[] for _ in range(self.num_layers)]
-        for (lo, hi), ws in by_range.items():
-            for layer in range(lo, hi):
+        for layers, ws in by_range.items():
+            for layer in layers:
                 out[layer].extend(ws)
         return tuple(tuple(sorted(ws)) for ws in out)
 

@@ -36,10 +36,11 @@ no pipelines); the restorer's matching picks which of them fill the slots. The s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -201,8 +202,7 @@ def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int]
 
 
 def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
-                  counts: Sequence[int], micro_batch: int,
-                  schedule: str) -> list[ExecutionPlan]:
+                  counts: Sequence[int]) -> list[tuple[Layout, ...]]:
     """Small searches: other layer splits that keep every pipeline within ``tau``.
 
     Alone, a pipeline's best split is the fastest one; in a whole plan the per-layer
@@ -210,7 +210,8 @@ def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
     a worker with the slowest pipeline's workers (and how long their optimizer steps are)
     can make another split of equal isolated speed faster. Per pipeline, the (at most four)
     splits within ``tau`` that share the most stage boundaries with the slowest pipeline
-    are kept, and up to ``_SMALL_COMBOS`` combinations are tried.
+    are kept, and up to ``_SMALL_COMBOS`` combinations are tried (each returned as one
+    layout per pipeline, for :func:`skeleton`).
     """
     chosen = [templates.best(length, m) for length, m in zip(lengths, counts, strict=True)]
     critical = max(range(len(chosen)), key=lambda j: chosen[j][0])
@@ -229,10 +230,7 @@ def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
                         for lay in templates.candidate_layouts(length))
         fitting = [lay for _, step, lay in ranked if step <= tau * (1 + 1e-12)][:4]
         options.append(fitting or [templates.best(length, m)[1] or ranked[0][2]])
-    out = []
-    for combo in itertools.islice(itertools.product(*options), _SMALL_COMBOS):
-        out.append(skeleton(templates, lengths, counts, micro_batch, schedule, layouts=combo))
-    return out
+    return list(itertools.islice(itertools.product(*options), _SMALL_COMBOS))
 
 
 def _in_id_order(shape: ExecutionPlan, held: Mapping[int, Collection[int]]) -> ExecutionPlan:
@@ -358,17 +356,66 @@ def _to_price(exact: list[_Split]) -> list[_Split]:
     return priced + [split for split in uniform if split not in priced]
 
 
-def _shapes(state: RecoveryState, split: _Split) -> list[ExecutionPlan]:
-    """The plans with placeholder workers a split is priced as: its best layouts, and for
-    small searches other combinations of equally fast layer splits."""
-    templates, plan = state.templates, state.plan
-    shapes = [skeleton(templates, split.lengths, split.counts, plan.micro_batch,
-                       plan.schedule)]
+def _shape_layouts(state: RecoveryState, split: _Split) -> list[tuple[Layout, ...] | None]:
+    """The layouts (one per pipeline; ``None``: each pipeline's best, :func:`skeleton`) a
+    split is priced with: its best layouts, and for small searches other combinations of
+    equally fast layer splits."""
+    templates = state.templates
+    shapes: list[tuple[Layout, ...] | None] = [None]
     if state.num_usable <= state.config.recovery.search_exhaustive_workers and (
             templates.exhaustive):
-        shapes.extend(_alternatives(templates, split.step_s, split.lengths, split.counts,
-                                    plan.micro_batch, plan.schedule))
+        shapes.extend(_alternatives(templates, split.step_s, split.lengths, split.counts))
     return shapes
+
+
+def _shape(state: RecoveryState, split: _Split,
+           layouts: tuple[Layout, ...] | None) -> ExecutionPlan:
+    """The plan with placeholder workers of ``split`` with ``layouts``."""
+    plan = state.plan
+    return skeleton(state.templates, split.lengths, split.counts, plan.micro_batch,
+                    plan.schedule, layouts=layouts)
+
+
+def _filled_in_id_order(state: RecoveryState, split: _Split,
+                        layouts: tuple[Layout, ...] | None,
+                        held: Mapping[int, Collection[int]]) -> ExecutionPlan:
+    """The shape of ``split`` with ``layouts`` filled with the live workers in id order."""
+    return _in_id_order(_shape(state, split, layouts), held)
+
+
+def _runs(lengths: Sequence[int], counts: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """``(length, micro-batches, how many in a row)`` of consecutive equal pipelines: a
+    split's pipelines in order, compactly (a cache key)."""
+    out: list[tuple[int, int, int]] = []
+    for length, m in zip(lengths, counts, strict=True):
+        if out and out[-1][:2] == (length, m):
+            out[-1] = (length, m, out[-1][2] + 1)
+        else:
+            out.append((length, m, 1))
+    return tuple(out)
+
+
+def placement_free_price(state: RecoveryState, lengths: Sequence[int],
+                         counts: Sequence[int], layouts: tuple[Layout, ...] | None,
+                         filled: Callable[[], ExecutionPlan]) -> tuple[float, bool]:
+    """Step seconds and memory verdict of a plan of pipelines of ``lengths`` stages with
+    ``counts`` micro-batches and ``layouts`` (``None``: each pipeline's best template,
+    :func:`skeleton`), no reroutes, on a topology where placement cannot change an
+    estimate; remembered per templates.
+
+    ``filled`` builds the shape with live workers, priced when the shape is new; any other
+    filling of it, by any survivors, is the same plan up to renaming the workers, which
+    changes neither the step time nor the memory verdict there (one link type, no
+    speeds), so every search that meets the same shape again reads the price back.
+    """
+    plan = state.plan
+    key = ("placement-free-price", plan.micro_batch, plan.schedule, _runs(lengths, counts),
+           layouts)
+    found = state.templates.memo.get(key)
+    if found is None:
+        est = state.estimate(filled())
+        found = state.templates.memo[key] = (est.step_s, est.memory_fits)
+    return found
 
 
 def _placements(state: RecoveryState, shape: ExecutionPlan,
@@ -405,22 +452,23 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
 
     Placement matters to an estimate only through which links a transfer crosses; with
     one worker per node, one node, or free links, every filling of a shape prices the
-    same, so the Hungarian matching runs only for the shapes that win.
+    same (:func:`placement_free_price`), so the Hungarian matching runs only for the
+    shapes that win.
     """
-    topology = state.topology
-    placement_free = topology.placement_free
+    placement_free = state.topology.placement_free
     best: _Best | None = None
-    unmatched: list[tuple[float, ExecutionPlan, tuple[int, ...]]] = []
+    unmatched: list[tuple[float, _Split, tuple[Layout, ...] | None]] = []
     for split in priced:
-        for shape in _shapes(state, split):
+        for layouts in _shape_layouts(state, split):
             if placement_free:
-                # The estimate cannot depend on who fills which slot: price the shape with
-                # survivors in id order and match workers only for the fastest (below).
-                est = state.estimate(_in_id_order(shape, held))
-                if est.memory_fits:
-                    unmatched.append((_rounded(est.step_s), shape, split.lengths))
+                step_s, fits = placement_free_price(
+                    state, split.lengths, split.counts, layouts,
+                    functools.partial(_filled_in_id_order, state, split, layouts, held))
+                if fits:
+                    unmatched.append((_rounded(step_s), split, layouts))
                 continue
-            for new_plan, moved in _placements(state, shape, held, layer_bytes):
+            for new_plan, moved in _placements(state, _shape(state, split, layouts), held,
+                                               layer_bytes):
                 new_plan.validate()
                 est = state.estimate(new_plan)
                 if not est.memory_fits:
@@ -430,13 +478,13 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
                     best = (est.step_s, moved, new_plan, est, split.lengths)
     if unmatched:
         fastest = min(step for step, _, _ in unmatched)
-        for step, shape, lengths in unmatched:
+        for step, split, layouts in unmatched:
             if step != fastest:
                 continue
-            new_plan, moved = assign_workers(shape, held, layer_bytes)
+            new_plan, moved = assign_workers(_shape(state, split, layouts), held, layer_bytes)
             new_plan.validate()
             if best is None or moved < best[1]:
-                best = (step, moved, new_plan, state.estimate(new_plan), lengths)
+                best = (step, moved, new_plan, state.estimate(new_plan), split.lengths)
     return best
 
 

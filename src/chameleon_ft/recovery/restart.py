@@ -14,8 +14,10 @@ from other hosts' memory with ``memory_checkpoint`` when every layer kept a copy
 
 from __future__ import annotations
 
+import functools
+
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.recovery.dynamic import max_length
+from chameleon_ft.recovery.dynamic import max_length, placement_free_price
 from chameleon_ft.recovery.templates import allocate
 from chameleon_ft.recovery.transition import reload_terms, restart_terms
 from chameleon_ft.recovery.types import (
@@ -62,24 +64,15 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
         return [infeasible(Strategy.RESTART, f"no uniform layout of the {len(workers)} "
                                              "survivors fits device memory")]
     ranked.sort(key=lambda item: (item[0], item[1]))
+    shortlist = [(length, counts) for _, length, counts in ranked[:_FULL_ESTIMATES]]
+    if state.topology.placement_free and len(shortlist) > 1:
+        shortlist = _fastest_shape(state, workers, shortlist)
     best: Candidate | None = None
     terms = restart_terms(spec, state.since_checkpoint_s)
     source = CheckpointSource.STORAGE
-    for _, length, counts in ranked[:_FULL_ESTIMATES]:
+    for length, counts in shortlist:
         dp = len(counts)
-        stage_major = state.config.job.placement == Placement.STAGE_MAJOR
-        pipelines = []
-        for p, m in enumerate(counts):
-            _, layout = templates.best(length, m)
-            assert layout is not None  # allocate only returns counts that fit
-            stages = []
-            for s, (lo, hi) in enumerate(layout):
-                index = s * dp + p if stage_major else p * length + s
-                stages.append(Stage(workers[index], lo, hi))
-            pipelines.append(Pipeline(tuple(stages), m))
-        new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
-                                 micro_batch=plan.micro_batch, schedule=plan.schedule)
-        new_plan.validate()
+        new_plan = _restart_plan(state, workers, length, counts)
         est = state.estimate(new_plan)
         idle = len(workers) - dp * length
         if spec.memory_checkpoint:
@@ -97,3 +90,44 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
         return [infeasible(Strategy.RESTART, "no uniform layout of the survivors fits device "
                                              "memory")]
     return [best]
+
+
+def _restart_plan(state: RecoveryState, workers: list[int], length: int,
+                  counts: list[int]) -> ExecutionPlan:
+    """Pipelines of ``length`` stages running ``counts`` micro-batches, each on its best
+    template, the survivors ``workers`` (in id order) placed as the job's placement says."""
+    templates, plan = state.templates, state.plan
+    dp = len(counts)
+    stage_major = state.config.job.placement == Placement.STAGE_MAJOR
+    pipelines = []
+    for p, m in enumerate(counts):
+        _, layout = templates.best(length, m)
+        assert layout is not None  # allocate only returns counts that fit
+        stages = []
+        for s, (lo, hi) in enumerate(layout):
+            index = s * dp + p if stage_major else p * length + s
+            stages.append(Stage(workers[index], lo, hi))
+        pipelines.append(Pipeline(tuple(stages), m))
+    new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
+                             micro_batch=plan.micro_batch, schedule=plan.schedule)
+    new_plan.validate()
+    return new_plan
+
+
+def _fastest_shape(state: RecoveryState, workers: list[int],
+                   shortlist: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The shortlisted layout that the pricing loop of :func:`candidates` would keep (the
+    first that fits memory with the smallest step), found from shape prices alone: on a
+    placement-free topology a restart plan's step and memory verdict depend on its
+    pipelines' lengths and micro-batches, not on who fills them
+    (:func:`~chameleon_ft.recovery.dynamic.placement_free_price`), so only the kept
+    layout is built as a plan. Empty when none fits."""
+    kept: list[tuple[int, list[int]]] = []
+    best_s = 0.0
+    for length, counts in shortlist:
+        step_s, fits = placement_free_price(
+            state, [length] * len(counts), counts, None,
+            functools.partial(_restart_plan, state, workers, length, counts))
+        if fits and (not kept or step_s < best_s):
+            kept, best_s = [(length, counts)], step_s
+    return kept

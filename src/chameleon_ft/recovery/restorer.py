@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,7 @@ def load_matching() -> tuple[Any, Any]:
     return numpy, linear_sum_assignment
 
 
-def match_workers(held: list[set[int]], wanted: list[set[int]],
+def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet[int]],
                   layer_bytes: Sequence[float]) -> Matching:
     """Assign survivors (``held``: the layers each holds) to slots (``wanted``) moving the
     fewest bytes.
@@ -75,7 +76,8 @@ def match_workers(held: list[set[int]], wanted: list[set[int]],
     small when most survivors keep their stage (thousands of workers, one failure).
 
     Args:
-        held: per survivor, the layers it holds (empty for a new or idle worker).
+        held: per survivor, the layers it holds (empty for a new or idle worker); survivors
+            (and slots) may share one set object, checked once.
         wanted: per slot, the layers the slot needs.
         layer_bytes: bytes per layer (parameters plus optimizer state).
 
@@ -90,10 +92,14 @@ def match_workers(held: list[set[int]], wanted: list[set[int]],
                          "them")
     num_layers = len(layer_bytes)
     for name, sets in (("held", held), ("wanted", wanted)):
+        checked: set[int] = set()  # ids of the set objects found valid
         for i, layers in enumerate(sets):
-            for layer in layers:
-                if not 0 <= layer < num_layers:
-                    raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
+            if id(layers) in checked:
+                continue
+            checked.add(id(layers))
+            if layers and (min(layers) < 0 or max(layers) >= num_layers):
+                layer = next(x for x in layers if not 0 <= x < num_layers)
+                raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
     assignment: dict[int, int] = {}
     free_by_set: dict[frozenset[int], list[int]] = defaultdict(list)
     for i in reversed(range(len(held))):
@@ -142,8 +148,26 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
     """
     workers = sorted(held)
     slots = [(p, s, st) for p, s, st in skeleton.iter_stages()]
-    matching = match_workers([set(held[w]) for w in workers],
-                             [set(st.layers) for _, _, st in slots], layer_bytes)
+    # One frozen set per distinct holding (a plan's table shares its range objects) and per
+    # distinct stage range: frozenset() of a frozenset is the set itself, so the matching
+    # neither copies nor re-hashes them per worker.
+    by_holding: dict[int, frozenset[int]] = {}
+    held_sets = []
+    for w in workers:
+        layers = held[w]
+        found = by_holding.get(id(layers))
+        if found is None:
+            found = by_holding[id(layers)] = frozenset(layers)
+        held_sets.append(found)
+    by_range: dict[tuple[int, int], frozenset[int]] = {}
+    wanted = []
+    for _, _, st in slots:
+        bounds = (st.first_layer, st.end_layer)
+        found = by_range.get(bounds)
+        if found is None:
+            found = by_range[bounds] = frozenset(st.layers)
+        wanted.append(found)
+    matching = match_workers(held_sets, wanted, layer_bytes)
     worker_of_slot = {j: workers[i] for i, j in matching.assignment.items()}
     pipelines = []
     slot = 0
@@ -198,6 +222,27 @@ def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]
     return plan, moved
 
 
+def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
+    """Each layer's live holders, in worker order (workers holding the same layers are
+    gathered first: few distinct holdings on thousands of workers)."""
+    holders: dict[int, list[int]] = defaultdict(list)
+    try:
+        by_holding: dict[Collection[int], list[int]] = defaultdict(list)
+        for worker, layers in held.items():
+            by_holding[layers].append(worker)  # TypeError for an unhashable holding
+    except TypeError:  # unhashable layer collections: one worker at a time
+        for worker in sorted(held):
+            for layer in held[worker]:
+                holders[layer].append(worker)
+        return holders
+    for layers, workers in by_holding.items():
+        for layer in layers:
+            holders[layer].extend(workers)
+    for workers in holders.values():
+        workers.sort()
+    return holders
+
+
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                        profile: Profile, topology: Topology, *,
                        max_parts: int = 4, first_source: bool = False,
@@ -225,10 +270,7 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     Raises:
         ValueError: when a needed layer has no live replica.
     """
-    holders: dict[int, list[int]] = defaultdict(list)
-    for worker in sorted(held):
-        for layer in held[worker]:
-            holders[layer].append(worker)
+    holders = _holders_of_layers(held)
     sent_bytes: dict[int, float] = defaultdict(float)
     transfers: list[Transfer] = []
     moved = 0.0
@@ -238,6 +280,9 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
             continue  # a rerouted stage's worker is dead: nothing moves to it
         slots.append((st.worker, p, s))
         have = held.get(st.worker, ())
+        if (isinstance(have, range) and have.step == 1 and have.start <= st.first_layer
+                and st.end_layer <= have.stop):
+            continue  # the worker holds every layer of its stage already
         dst_node = topology.node_of(st.worker)
         for layer in st.layers:
             if layer in have:

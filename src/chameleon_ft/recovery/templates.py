@@ -169,10 +169,12 @@ class Templates:
         self._exact_steps: dict[tuple[Layout, int], tuple[float, bool]] = {}
         self._layout_bytes: dict[Layout, list[tuple[float, list[float]]]] = {}
         self.num_estimates = 0
-        self.memo: dict[tuple[Any, ...], Any] = {}
-        """Search results that depend only on these templates and the key (the dynamic
-        search's ranked partitions of a survivor count, and its micro-batch splits)."""
         """How many one-pipeline estimates were run (for benchmarks)."""
+        self.memo: dict[tuple[Any, ...], Any] = {}
+        """Search results that depend only on these templates (and the job's estimator)
+        and the key: the dynamic search's ranked partitions of a survivor count and its
+        micro-batch splits, and the prices of whole-plan shapes on a placement-free
+        topology (``dynamic.placement_free_price``)."""
 
     @property
     def num_layers(self) -> int:
