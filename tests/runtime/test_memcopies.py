@@ -29,6 +29,9 @@ class _Store:
     def get(self, key: str) -> bytes:
         return self.keys[key]
 
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.keys for k in keys)
+
 
 def test_a_holder_keeps_two_checkpoints_and_a_reload_checks_the_bytes() -> None:
     store = _Store()
@@ -58,3 +61,4 @@ def test_a_holder_keeps_two_checkpoints_and_a_reload_checks_the_bytes() -> None:
         holder.close()
     assert writer.fetch(2, 6, 7, len(data), digest) is None  # the holder is gone
     assert not writer.send(2, 8, 7, b"x")
+    assert writer.fetch(3, 6, 7, len(data), digest) is None  # a worker that never served

@@ -6,8 +6,8 @@ memory the worker shares with its checkpoint writer process, taken at the commit
 training goes on at once); the writer process streams each into the checkpoint's folder
 at the lowest CPU priority (``storage.diskwriter``; ``storage.checkpoint.write_layer``: a
 temporary name, fsync, rename, the sha256 computed on the way) and a thread of the worker
-reports the file, its size and digest through the store; the coordinator writes the manifest when every layer is reported. The
-next checkpoint waits for the previous one. A disk that refuses (full, read-only, failing)
+reports the file, its size and digest through the store; the coordinator writes the
+manifest when every layer is reported. The next checkpoint waits for the previous one. A disk that refuses (full, read-only, failing)
 is reported as that checkpoint's failure: the coordinator drops it and training goes on.
 
 Each layer is written by one of its holders (spread over the replicas, so they share the

@@ -68,6 +68,8 @@ class MemoryCopies:
         self.copies: dict[int, dict[int, bytes]] = {}
         """Layer -> checkpoint step -> the packed bytes held for another worker."""
         self.lock = threading.Lock()
+        self._store_lock = threading.Lock()
+        """The store connection is shared by the writer thread and the training thread."""
         self.server: BlobServer | None = None
         self.fetched = 0
         """Layers this worker reloaded from a peer's memory."""
@@ -78,8 +80,9 @@ class MemoryCopies:
             return
         self.server = BlobServer(self.address, self.secret, self._handle,
                                  timeout_s=self.timeout_s, deadline=self.deadline)
-        self._client().set(proto.memory_copies_key(self.worker),
-                           json.dumps([self.address, self.server.port]))
+        with self._store_lock:
+            self._client().set(proto.memory_copies_key(self.worker),
+                               json.dumps([self.address, self.server.port]))
 
     def close(self) -> None:
         if self.server is not None:
@@ -107,7 +110,12 @@ class MemoryCopies:
         return {}, data
 
     def _channel(self, holder: int) -> BlobClient:
-        host, port = json.loads(self._client().get(proto.memory_copies_key(holder)))
+        key = proto.memory_copies_key(holder)
+        with self._store_lock:
+            store = self._client()
+            if not store.check([key]):  # never published: do not wait for it
+                raise BlobError(f"worker {holder} serves no copies")
+            host, port = json.loads(store.get(key))
         return BlobClient(str(host), int(port), self.secret, timeout_s=self.timeout_s,
                           attempts=1, deadline=self.deadline)
 
