@@ -42,3 +42,31 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     if isinstance(tree, list | tuple):
         return [t for v in tree for t in _tensors(v)]
     return []
+
+
+def test_memory_reserved_ahead_is_the_memory_the_checkpoint_copies_into() -> None:
+    """A generation's first commit allocates its checkpoint memory ahead (in the
+    background): the first checkpoint then copies into it, allocating nothing."""
+    from chameleon_ft.runtime.worker.checkpoints import (
+        CheckpointIO,
+        HostBuffers,
+        _tensor_paths,
+        layout_of,
+    )
+    from chameleon_ft.runtime.workload.optim import LayerTrainState
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    state = LayerTrainState.create(layer, lambda p: torch.optim.AdamW(p, lr=0.1), None)
+    layer(torch.randn(2, 4)).sum().backward()
+    state.optimizer.step()
+    host = HostBuffers()
+    arena = host.reserve(2, layout_of(_tensor_paths(state.state_tree())))
+    copy = host.snapshot(2, state)
+    assert host.arenas[2] is arena
+    assert {t.data_ptr() for t in _tensors(copy)} <= {v.data_ptr() for v in arena.views.values()}
+    io = CheckpointIO(0, None, None, lambda: None)  # type: ignore[arg-type]
+    io.host.arenas[7] = arena  # a layer this worker no longer writes: released
+    io.reserve_async({2: state})
+    assert io.wait(10.0)
+    assert set(io.host.arenas) == {2} and io.host.arenas[2].layout == arena.layout

@@ -187,23 +187,38 @@ class HostBuffers:
         """A copy of ``state`` (layer ``layer``) in host memory, in reused buffers."""
         tree = state.state_tree()
         tensors = _tensor_paths(tree)
-        layout = tuple((path, tuple(t.shape), t.dtype) for path, t in tensors)
-        arena = self.arenas.get(layer)
-        if arena is None or arena.layout != layout:
-            if arena is not None:
-                self.released.add(arena.id)
-            pinned = any(t.device.type == "cuda" for _, t in tensors)
-            arena = self.arenas[layer] = _Arena(self._next_id, layout, pinned)
-            self._next_id += 1
+        arena = self.reserve(layer, layout_of(tensors))
         for path, t in tensors:
             arena.views[path].copy_(t.detach())
         copied: dict[str, Any] = _replace(tree, (), arena.views)
         return copied
 
+    def reserve(self, layer: int, layout: Layout) -> _Arena:
+        """The memory for a snapshot of layer ``layer`` laid out as ``layout`` (allocated
+        now unless the layer already has it)."""
+        tensors, pinned = layout
+        arena = self.arenas.get(layer)
+        if arena is None or arena.layout != tensors:
+            if arena is not None:
+                self.released.add(arena.id)
+            arena = self.arenas[layer] = _Arena(self._next_id, tensors, pinned)
+            self._next_id += 1
+        return arena
+
     def keep_only(self, layers: set[int]) -> None:
         """Release the memory of layers not in ``layers``."""
         self.released.update(a.id for i, a in self.arenas.items() if i not in layers)
         self.arenas = {i: a for i, a in self.arenas.items() if i in layers}
+
+
+Layout = tuple[tuple[tuple[Any, ...], ...], bool]
+"""A snapshot's layout: each tensor's (path, shape, dtype), and whether any is on a GPU."""
+
+
+def layout_of(tensors: list[tuple[tuple[Any, ...], Any]]) -> Layout:
+    """The layout of a state tree's tensors (from :func:`_tensor_paths`)."""
+    return (tuple((path, tuple(t.shape), t.dtype) for path, t in tensors),
+            any(t.device.type == "cuda" for _, t in tensors))
 
 
 def _replace(value: Any, path: tuple[Any, ...], views: dict[tuple[Any, ...], torch.Tensor]) -> Any:
@@ -260,6 +275,36 @@ class CheckpointIO:
         training thread changes them: the next optimizer step)."""
         return self.copied.wait(timeout_s)
 
+    def reserve_async(self, states: dict[int, LayerTrainState]) -> None:
+        """Allocate the snapshot memory of ``states`` (the layers this worker will write)
+        in the background, before their first checkpoint, so that checkpoint's copy does
+        not allocate (and fault in) a worker's whole share on the step path. Skipped while
+        a checkpoint is being written (it allocates what it needs itself)."""
+        if self.thread is not None and self.thread.is_alive():
+            return
+        self._release_others(set(states))
+        layouts = {i: layout_of(_tensor_paths(state.state_tree()))
+                   for i, state in states.items()}
+        self.pending_bytes = tree_bytes([state.state_tree() for state in states.values()])
+        self.thread = threading.Thread(target=self._reserve, args=(layouts,), daemon=True,
+                                       name="checkpoint-memory")
+        self.thread.start()
+
+    def _reserve(self, layouts: dict[int, Layout]) -> None:
+        try:
+            for layer, layout in layouts.items():
+                self.host.reserve(layer, layout)
+        except (OSError, MemoryError, RuntimeError):
+            pass  # the checkpoint allocates what is missing itself, or reports it
+
+    def _release_others(self, layers: set[int]) -> None:
+        """Release the snapshot memory of layers not in ``layers`` (here and in the writer
+        process)."""
+        self.host.keep_only(layers)
+        if self.disk is not None and self.host.released:
+            self.disk.forget(self.host.released)
+        self.host.released = set()
+
     def write_async(self, step: int, gen: int, states: dict[int, LayerTrainState],
                     inject: OSError | None, deadline: Deadline,
                     peer: int | None = None) -> None:
@@ -283,10 +328,7 @@ class CheckpointIO:
                        f"being written after {limit_s:.0f} s")
             return
         self.copied = threading.Event()
-        self.host.keep_only(set(states))
-        if self.disk is not None and self.host.released:
-            self.disk.forget(self.host.released)
-        self.host.released = set()
+        self._release_others(set(states))
         if any(True for state in states.values() for _ in state.module.buffers()):
             # a forward may change buffers (batch norm's running statistics): copy now
             copies = {i: self.host.snapshot(i, state) for i, state in states.items()}

@@ -122,6 +122,8 @@ class Worker:
         generation that fails before committing leaves the older placement intact, and the
         coordinator plans the next recovery from it)."""
         self.held_steps = 0
+        self.reserved_gen: int | None = None
+        """The generation whose checkpoint memory was reserved (at its first commit)."""
         self.last_optimizer_s: float | None = None
         """Seconds of the last optimizer step (reported with the next step's timings)."""
         self.last_commit_wait_s: float | None = None
@@ -466,6 +468,11 @@ class Worker:
         self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
 
+    def _writes(self, plan: ExecutionPlan) -> dict[int, LayerTrainState]:
+        """The layers of this worker's stage it writes into checkpoints."""
+        return {i: state for i, state in self.layers.items()
+                if writer_of(plan.holders(i), i) == self.id}
+
     def _report_step(self, gen: int, step: int, result: StepResult, reduced: Reduced) -> None:
         """The step's losses, and its timings, memory, norm share and learning rate."""
         if result.losses:
@@ -481,12 +488,17 @@ class Worker:
     # ------------------------------------------------------------------ checkpoints
     def _maybe_checkpoint(self, num_steps: int, plan: ExecutionPlan, gen: int) -> None:
         """At a checkpoint: snapshot the layers this worker writes and write them in the
-        background (training goes on at once)."""
+        background (training goes on at once). At a generation's first commit (its layers'
+        state complete) their snapshot memory is allocated ahead, in the background."""
         every = self.job.checkpoint_every
-        if every <= 0 or num_steps % every:
+        if every <= 0:
             return
-        mine = {i: state for i, state in self.layers.items()
-                if writer_of(plan.holders(i), i) == self.id}
+        if num_steps % every:
+            if self.reserved_gen != gen:  # the generation's first commit: state complete
+                self.reserved_gen = gen
+                self.ckpt.reserve_async(self._writes(plan))
+            return
+        mine = self._writes(plan)
         inject = self.faults.maybe_fire(num_steps - 1, "checkpoint", gen)
         peer = None if self.memory is None else \
             peer_of(self.id, plan.workers, self.job.workers_per_node)
