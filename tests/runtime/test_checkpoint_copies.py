@@ -70,3 +70,4 @@ def test_memory_reserved_ahead_is_the_memory_the_checkpoint_copies_into() -> Non
     io.reserve_async({2: state})
     assert io.wait(10.0)
     assert set(io.host.arenas) == {2} and io.host.arenas[2].layout == arena.layout
+    assert io.host.arenas[2].touched  # its pages mapped in ahead of the copy
