@@ -7,8 +7,9 @@ training goes on at once); the writer process streams each into the checkpoint's
 at the lowest CPU priority (``storage.diskwriter``; ``storage.checkpoint.write_layer``: a
 temporary name, fsync, rename, the sha256 computed on the way) and a thread of the worker
 reports the file, its size and digest through the store; the coordinator writes the
-manifest when every layer is reported. The next checkpoint waits for the previous one. A disk that refuses (full, read-only, failing)
-is reported as that checkpoint's failure: the coordinator drops it and training goes on.
+manifest when every layer is reported. The next checkpoint waits for the previous one. A
+disk that refuses (full, read-only, failing) is reported as that checkpoint's failure:
+the coordinator drops it and training goes on.
 
 Each layer is written by one of its holders (spread over the replicas, so they share the
 writing). A worker on a host that does not see the coordinator's checkpoint folder sends
@@ -69,13 +70,11 @@ def shared_folder(root: str, job_id: str) -> Path | None:
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of the tensors in a state tree."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tree_bytes(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return sum(tree_bytes(v) for v in tree)
-    return 0
+    return _bytes_of(_tensor_paths(tree))
+
+
+def _bytes_of(tensors: list[tuple[tuple[Any, ...], Any]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
 class _Copied:
@@ -96,10 +95,10 @@ class _Arena:
 
     def __init__(self, ident: int, layout: tuple[tuple[Any, ...], ...], pinned: bool) -> None:
         self.id, self.layout = ident, layout
-        offsets, size = [], 0
+        spans, size = [], 0
         for _, shape, dtype in layout:
-            offsets.append(size)
-            nbytes = math.prod(shape) * _itemsize(dtype)
+            nbytes = math.prod(shape) * dtype.itemsize
+            spans.append((size, nbytes))
             size += -(-nbytes // self.ALIGN) * self.ALIGN
         self.nbytes = size
         self.fd = _shared_memory(ident, size) if diskwriter.supported() else None
@@ -111,9 +110,8 @@ class _Arena:
                 _pin(self, self.base)
         else:  # no shared memory here: the worker writes the files itself
             self.base = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        self.views = {
-            path: self.base[o:o + math.prod(shape) * _itemsize(dtype)].view(dtype).view(shape)
-            for (path, shape, dtype), o in zip(layout, offsets, strict=True)}
+        self.views = {path: self.base[o:o + n].view(dtype).view(shape)
+                      for (path, shape, dtype), (o, n) in zip(layout, spans, strict=True)}
         self.touched = False
         """Whether every page is mapped in (a copy into untouched memory faults each in)."""
 
@@ -149,10 +147,6 @@ def _shared_memory(ident: int, size: int) -> int | None:
         if fd is not None:
             os.close(fd)
         return None
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _pin(owner: object, base: torch.Tensor) -> None:
@@ -266,7 +260,8 @@ class CheckpointIO:
         self.manifests: dict[int, Manifest] = {}
         self.host = HostBuffers()
         self.disk = diskwriter.DiskWriter() if diskwriter.supported() else None
-        """The checkpoint writer process (Linux), started at the first checkpoint."""
+        """The checkpoint writer process (Linux); a worker that checkpoints starts it while
+        it sets up."""
 
     # ------------------------------------------------------------------ writing
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -289,14 +284,14 @@ class CheckpointIO:
         """Allocate the snapshot memory of ``states`` (the layers this worker will write)
         and map its pages in, in the background, before their first checkpoint, so that
         checkpoint's copy does not allocate and fault in a worker's whole share on the step
-        path (1 GB: 0.42 s copying into fresh memory, 0.12 s into touched memory). Skipped while
-        a checkpoint is being written (it allocates what it needs itself)."""
+        path (1 GB: 0.42 s copying into fresh memory, 0.12 s into touched memory). Skipped
+        while a checkpoint is being written (it allocates what it needs itself)."""
         if self.thread is not None and self.thread.is_alive():
             return
         self._release_others(set(states))
-        layouts = {i: layout_of(_tensor_paths(state.state_tree()))
-                   for i, state in states.items()}
-        self.pending_bytes = tree_bytes([state.state_tree() for state in states.values()])
+        tensors = {i: _tensor_paths(state.state_tree()) for i, state in states.items()}
+        layouts = {i: layout_of(paths) for i, paths in tensors.items()}
+        self.pending_bytes = sum(_bytes_of(paths) for paths in tensors.values())
         self.thread = threading.Thread(target=self._reserve, args=(layouts,), daemon=True,
                                        name="checkpoint-memory")
         self.thread.start()
