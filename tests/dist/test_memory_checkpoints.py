@@ -23,20 +23,24 @@ MEMORY = {"memory_checkpoint": True}
 STEPS = 8
 
 
-def _reloads(report: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in report["events"] if e["lost_steps"] or e["strategy"] == "restart"]
+def _reloads_after_killing(tmp_path: Path, reference: Any,
+                           workers: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Kill ``workers`` at step 5, check the run against the failure-free one (every step
+    once, float64 parameters, no process left) and return its reloads' events."""
+    report, params, pids = run_job(
+        tmp_path, policy="dynamic", steps=STEPS, recovery=MEMORY,
+        faults=tuple(f"rank={w},step=5,kind=kill,phase=forward" for w in workers))
+    assert not [pid for pid in pids if alive(pid)]
+    assert [s["step"] for s in report["steps"]] == list(range(STEPS)), report["events"]
+    assert max_abs_diff(params, reference("float64", steps=STEPS)[1]) < 1e-9
+    reloads = [e for e in report["events"] if e["lost_steps"] or e["strategy"] == "restart"]
+    assert reloads, report["events"]
+    return reloads
 
 
 def test_a_wiped_stage_reloads_from_a_peers_memory(tmp_path: Path, reference: Any) -> None:
     # workers 2 and 3 hold the second stage of both pipelines; its copies live on 0 and 1
-    report, params, pids = run_job(tmp_path, policy="dynamic", steps=STEPS, recovery=MEMORY,
-                                   faults=("rank=2,step=5,kind=kill,phase=forward",
-                                           "rank=3,step=5,kind=kill,phase=forward"))
-    assert not [pid for pid in pids if alive(pid)]
-    assert [s["step"] for s in report["steps"]] == list(range(STEPS)), report["events"]
-    assert max_abs_diff(params, reference("float64", steps=STEPS)[1]) < 1e-9
-    reloads = _reloads(report)
-    assert reloads, report["events"]
+    reloads = _reloads_after_killing(tmp_path, reference, (2, 3))
     # layers 2 and 3 from the survivors' memory, at least once each; 0 and 1 from storage
     assert sum(e["from_memory_layers"] for e in reloads) >= 2, reloads
 
@@ -45,13 +49,5 @@ def test_a_reload_reads_each_layer_where_it_survives(tmp_path: Path,
                                                     reference: Any) -> None:
     # worker 1 alone survives: of the four layers it loads only layer 3's copy (its own)
     # is in a live memory; the others' holders (2, 3, 0) died with their stages
-    report, params, pids = run_job(tmp_path, policy="dynamic", steps=STEPS, recovery=MEMORY,
-                                   faults=("rank=0,step=5,kind=kill,phase=forward",
-                                           "rank=2,step=5,kind=kill,phase=forward",
-                                           "rank=3,step=5,kind=kill,phase=forward"))
-    assert not [pid for pid in pids if alive(pid)]
-    assert [s["step"] for s in report["steps"]] == list(range(STEPS)), report["events"]
-    assert max_abs_diff(params, reference("float64", steps=STEPS)[1]) < 1e-9
-    reloads = _reloads(report)
-    assert reloads, report["events"]
+    reloads = _reloads_after_killing(tmp_path, reference, (0, 2, 3))
     assert sum(e["from_memory_layers"] for e in reloads) == 1, reloads

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -11,11 +13,7 @@ def test_checkpoint_copies_reuse_their_host_buffers() -> None:
     from chameleon_ft.runtime.worker.checkpoints import HostBuffers
     from chameleon_ft.runtime.workload.optim import LayerTrainState
 
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(4, 3)
-    state = LayerTrainState.create(layer, lambda p: torch.optim.AdamW(p, lr=0.1), None)
-    layer(torch.randn(2, 4)).sum().backward()
-    state.optimizer.step()
+    layer, state = _trained_layer()
     host = HostBuffers()
     first = host.snapshot(5, state)
     ptrs = sorted(t.data_ptr() for t in _tensors(first))
@@ -32,6 +30,18 @@ def test_checkpoint_copies_reuse_their_host_buffers() -> None:
     third = host.snapshot(5, LayerTrainState.create(
         other, lambda p: torch.optim.AdamW(p, lr=0.1), None))
     assert not set(t.data_ptr() for t in _tensors(third)) & set(ptrs)
+
+
+def _trained_layer() -> tuple[torch.nn.Linear, Any]:
+    """A layer and its training state after one AdamW step (moments exist)."""
+    from chameleon_ft.runtime.workload.optim import LayerTrainState
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    state = LayerTrainState.create(layer, lambda p: torch.optim.AdamW(p, lr=0.1), None)
+    layer(torch.randn(2, 4)).sum().backward()
+    state.optimizer.step()
+    return layer, state
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -53,13 +63,8 @@ def test_memory_reserved_ahead_is_the_memory_the_checkpoint_copies_into() -> Non
         _tensor_paths,
         layout_of,
     )
-    from chameleon_ft.runtime.workload.optim import LayerTrainState
 
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(4, 3)
-    state = LayerTrainState.create(layer, lambda p: torch.optim.AdamW(p, lr=0.1), None)
-    layer(torch.randn(2, 4)).sum().backward()
-    state.optimizer.step()
+    _, state = _trained_layer()
     host = HostBuffers()
     arena = host.reserve(2, layout_of(_tensor_paths(state.state_tree())))
     copy = host.snapshot(2, state)
