@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from plan_shapes import even_pipelines
 
 from chameleon_ft.perf import Topology, build_schedule, estimate
+from chameleon_ft.perf import schedule as schedule_module
 from chameleon_ft.perf.closed_form import (
     in_flight,
     step_1f1b,
@@ -441,3 +442,66 @@ def test_peak_activation_is_the_orders_peak(stages: int, data: st.DataObject, m:
             held -= acts[r]
     assert peak_activation(acts, stages, stage, m, schedule,
                            padded and schedule == "interleaved") == pytest.approx(peak)
+
+
+# ---------------------------------------------------------------- the compiled scheduler
+
+@pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(1, 8), st.data(),
+       st.sampled_from(SCHEDULES), st.booleans(), st.booleans())
+def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
+        lengths: list[int], m: int, data: st.DataObject, schedule: str, defer: bool,
+        ideal: bool) -> None:
+    """Every rule, variant, speed mix and reroute: the kernel's timeline (end times, busy
+    seconds, activation peaks, op orders, critical path) equals the reference's exactly."""
+    v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
+    base = uniform_profile(6 * v, fwd_s=data.draw(st.sampled_from([1.0, 0.3, 1.7])),
+                           bwd_input_s=0.7, bwd_weight_s=0.5, param_bytes=1e3,
+                           optimizer_bytes=2e3, activation_bytes=10, output_bytes=1e2,
+                           optimizer_step_s=0.3)
+    profile = fold_profile(base, v)
+    plan = ExecutionPlan(num_layers=profile.num_layers,
+                         pipelines=even_pipelines(profile.num_layers, lengths, m),
+                         schedule=schedule, defer_weight_grad=defer)
+    with contextlib.suppress(ValueError):  # some stage lost every replica
+        plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
+                                                     min_size=1, max_size=3)))
+    workers = sum(lengths)
+    topology = free_links(workers) if ideal else real_links(workers)
+    speeds = data.draw(st.none() | st.fixed_dictionaries(
+        {w: st.sampled_from([0.5, 0.8, 1.0, 1.3]) for w in plan.workers}))
+    for variant in schedule_module.schedule_variants(plan, range(plan.num_pipelines), v):
+        graph = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
+                                            variant)
+        for rule in schedule_module.PRIORITIES:
+            with_ops = data.draw(st.booleans())
+            python = schedule_module._list_schedule(graph, rule, with_ops, compiled=False)
+            kernel = schedule_module._list_schedule(graph, rule, with_ops, compiled=True)
+            assert kernel == python
+
+
+@pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
+def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
+    """A graph whose tables disagree is a ValueError or TypeError, never a crash."""
+    plan = reroute_plan(ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=2),
+                        [1])
+    graph = schedule_module.build_graph(plan, uniform_profile(4, fwd_s=1.0), free_links(4))
+    run = schedule_module._ListRun(graph, "rerouted-first", True)
+    bad_succs = [list(row) for row in graph.succs]
+    bad_succs[0].append((len(bad_succs) + 5, 0.0))
+    with pytest.raises(ValueError, match="out of range"):
+        schedule_module._listsched.run(
+            run.op_wi, graph.op_dur, graph.op_act, bad_succs, graph.pending, run.wi_streams,
+            graph.streams, run.stream_id, run.next_in_stream, run.prev_in_stream,
+            graph.op_meta, graph.op_foreign, [0, 1], 0)
+    with pytest.raises(ValueError, match="op_dur"):
+        schedule_module._listsched.run(
+            run.op_wi, graph.op_dur[:-1], graph.op_act, graph.succs, graph.pending,
+            run.wi_streams, graph.streams, run.stream_id, run.next_in_stream,
+            run.prev_in_stream, graph.op_meta, graph.op_foreign, [0, 1], 0)
+    with pytest.raises(ValueError, match="rule"):
+        schedule_module._listsched.run(
+            run.op_wi, graph.op_dur, graph.op_act, graph.succs, graph.pending,
+            run.wi_streams, graph.streams, run.stream_id, run.next_in_stream,
+            run.prev_in_stream, graph.op_meta, graph.op_foreign, [0, 1], 7)

@@ -42,6 +42,7 @@ import heapq
 import itertools
 import math
 import operator
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -50,6 +51,16 @@ from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import LayerCost, Profile, chunk_sums
 from chameleon_ft.spec.job import Schedule as ScheduleName
+
+try:  # the compiled list scheduler (setup.py; optional: Python is the reference)
+    from chameleon_ft.perf import _listsched
+except ImportError:  # pragma: no cover - built wherever a C compiler was found
+    _listsched = None  # type: ignore[assignment]
+
+COMPILED = _listsched is not None and os.environ.get("CHAMELEON_SCHEDULER") != "python"
+"""Whether :func:`simulate` and :func:`best_timeline` run the compiled list scheduler:
+where it is built, unless ``CHAMELEON_SCHEDULER=python`` asks for the Python reference
+(bit-identical timelines, about 30 times slower on large graphs)."""
 
 
 class OpKind(StrEnum):
@@ -283,6 +294,8 @@ def _ready_first(ready_s: float, kind: int, microbatch: int, pipeline: int, stag
 
 PRIORITIES = {"rerouted-first": _rerouted_first, "backward-first": _backward_first,
               "ready-first": _ready_first}
+_RULE_CODES = {"rerouted-first": 0, "backward-first": 1, "ready-first": 2}
+"""Each rule's number in the compiled kernel."""
 """How a worker running several streams picks among operations that are ready now.
 A worker with one stream has no choice: it runs its schedule's order."""
 
@@ -697,6 +710,7 @@ class _ListRun:
 
     def __init__(self, graph: _Graph, rule: str, with_ops: bool) -> None:
         self.graph = graph
+        self.rule = rule
         self.priority = PRIORITIES[rule]
         self.with_ops = with_ops
         (self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream,
@@ -885,6 +899,29 @@ class _ListRun:
             # worker; the orders of stage_order never do (tests cover random shapes).
             raise RuntimeError("schedule deadlocked")
 
+    def run_compiled(self) -> None:
+        """:meth:`run` in the compiled kernel (``_listsched.run``): the same operations in
+        the same order, so the same end times, causes and per-worker figures, bit for bit.
+
+        Raises:
+            RuntimeError: when the fixed orders deadlock, or when the kernel is not built.
+        """
+        if _listsched is None:
+            raise RuntimeError("the compiled list scheduler is not built (reinstall the "
+                               "package with a C compiler)")
+        graph = self.graph
+        ranks = [0] * (max(graph.pipeline_rank, default=-1) + 1)
+        for p, rank in graph.pipeline_rank.items():
+            ranks[p] = rank
+        (self.end, self.cause_op, self.busy_until, self.busy_s, self.act_peak,
+         self.order) = _listsched.run(
+            self.op_wi, graph.op_dur, graph.op_act, graph.succs, graph.pending,
+            self.wi_streams, graph.streams, self.stream_id, self.next_in_stream,
+            self.prev_in_stream, graph.op_meta, graph.op_foreign, ranks,
+            _RULE_CODES[self.rule])
+        if min(self.end) < 0.0:
+            raise RuntimeError("schedule deadlocked")
+
     def timeline(self) -> Timeline:
         """The timed schedule, with the critical path split into compute and transfers."""
         timeline = Timeline()
@@ -919,10 +956,18 @@ class _ListRun:
         return timeline
 
 
-def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True) -> Timeline:
-    """Run the list scheduler over ``graph`` with one priority rule (:class:`_ListRun`)."""
+def _list_schedule(graph: _Graph, rule: str, with_ops: bool = True,
+                   compiled: bool | None = None) -> Timeline:
+    """Run the list scheduler over ``graph`` with one priority rule (:class:`_ListRun`):
+    the compiled kernel where it is built (``compiled`` None or True), else, or with
+    ``compiled=False``, the Python reference. Both give the same timeline, bit for bit."""
     run = _ListRun(graph, rule, with_ops)
-    run.run()
+    if compiled is None:
+        compiled = COMPILED
+    if compiled:
+        run.run_compiled()
+    else:
+        run.run()
     return run.timeline()
 
 
