@@ -483,25 +483,28 @@ def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
 
 @pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
 def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
-    """A graph whose tables disagree is a ValueError or TypeError, never a crash."""
+    """A graph whose tables disagree is a ValueError, never a crash."""
     plan = reroute_plan(ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=2),
                         [1])
     graph = schedule_module.build_graph(plan, uniform_profile(4, fwd_s=1.0), free_links(4))
     run = schedule_module._ListRun(graph, "rerouted-first", True)
-    bad_succs = [list(row) for row in graph.succs]
-    bad_succs[0].append((len(bad_succs) + 5, 0.0))
+
+    def kernel(**change: object) -> object:
+        args = dict(op_wi=run.op_wi, op_dur=graph.op_dur, op_act=graph.op_act,
+                    edge_src=graph.edge_src, edge_dst=graph.edge_dst,
+                    edge_delay=graph.edge_delay, wi_streams=run.wi_streams,
+                    streams=graph.streams, stream_id=run.stream_id,
+                    next_in_stream=run.next_in_stream, prev_in_stream=run.prev_in_stream,
+                    op_meta=graph.op_meta, op_foreign=graph.op_foreign, ranks=[0, 1], rule=0)
+        args.update(change)
+        return schedule_module._listsched.run(*args.values())
+
+    assert kernel()  # the graph as built runs
     with pytest.raises(ValueError, match="out of range"):
-        schedule_module._listsched.run(
-            run.op_wi, graph.op_dur, graph.op_act, bad_succs, graph.pending, run.wi_streams,
-            graph.streams, run.stream_id, run.next_in_stream, run.prev_in_stream,
-            graph.op_meta, graph.op_foreign, [0, 1], 0)
+        kernel(edge_dst=[*graph.edge_dst[:-1], len(graph.op_meta) + 5])
+    with pytest.raises(ValueError, match="edge_delay"):
+        kernel(edge_delay=graph.edge_delay[:-1])
     with pytest.raises(ValueError, match="op_dur"):
-        schedule_module._listsched.run(
-            run.op_wi, graph.op_dur[:-1], graph.op_act, graph.succs, graph.pending,
-            run.wi_streams, graph.streams, run.stream_id, run.next_in_stream,
-            run.prev_in_stream, graph.op_meta, graph.op_foreign, [0, 1], 0)
+        kernel(op_dur=graph.op_dur[:-1])
     with pytest.raises(ValueError, match="rule"):
-        schedule_module._listsched.run(
-            run.op_wi, graph.op_dur, graph.op_act, graph.succs, graph.pending,
-            run.wi_streams, graph.streams, run.stream_id, run.next_in_stream,
-            run.prev_in_stream, graph.op_meta, graph.op_foreign, [0, 1], 7)
+        kernel(rule=7)

@@ -168,42 +168,54 @@ static int doubles(PyObject *list, Py_ssize_t n, const char *name, double *out) 
     return 0;
 }
 
-/* succs: one list of (dst, delay) per op, flattened. */
-static int read_succs(Run *r, PyObject *succs) {
-    if (!checked_list(succs, r->n, "succs")) return -1;
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < r->n; i++) {
-        PyObject *row = PyList_GET_ITEM(succs, i);
-        if (!checked_list(row, -1, "succs[i]")) return -1;
-        total += PyList_GET_SIZE(row);
-    }
-    r->succ_ptr = malloc((size_t)(r->n + 1) * sizeof(Py_ssize_t));
+/* The edges src -> dst (delay), grouped by source in the order given (a stable counting
+ * sort: each op releases its successors in the order the edges were added), and each
+ * op's number of predecessors. */
+static int read_edges(Run *r, PyObject *src, PyObject *dst, PyObject *delay) {
+    if (!checked_list(src, -1, "edge_src")) return -1;
+    Py_ssize_t total = PyList_GET_SIZE(src);
+    if (!checked_list(dst, total, "edge_dst") || !checked_list(delay, total, "edge_delay"))
+        return -1;
+    Py_ssize_t *from = malloc((size_t)(total ? total : 1) * sizeof(Py_ssize_t));
+    r->succ_ptr = calloc((size_t)r->n + 1, sizeof(Py_ssize_t));
     r->succ_dst = malloc((size_t)(total ? total : 1) * sizeof(Py_ssize_t));
     r->succ_delay = malloc((size_t)(total ? total : 1) * sizeof(double));
-    if (!r->succ_ptr || !r->succ_dst || !r->succ_delay) { PyErr_NoMemory(); return -1; }
-    Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < r->n; i++) {
-        PyObject *row = PyList_GET_ITEM(succs, i);
-        r->succ_ptr[i] = k;
-        for (Py_ssize_t e = 0; e < PyList_GET_SIZE(row); e++, k++) {
-            PyObject *edge = PyList_GET_ITEM(row, e);
-            if (!PyTuple_Check(edge) || PyTuple_GET_SIZE(edge) != 2) {
-                PyErr_SetString(PyExc_TypeError, "an edge must be a (dst, delay) tuple");
-                return -1;
-            }
-            Py_ssize_t dst = PyLong_AsSsize_t(PyTuple_GET_ITEM(edge, 0));
-            if (dst == -1 && PyErr_Occurred()) return -1;
-            if (dst < 0 || dst >= r->n) {
-                PyErr_SetString(PyExc_ValueError, "an edge names an op out of range");
-                return -1;
-            }
-            double delay = PyFloat_AsDouble(PyTuple_GET_ITEM(edge, 1));
-            if (delay == -1.0 && PyErr_Occurred()) return -1;
-            r->succ_dst[k] = dst;
-            r->succ_delay[k] = delay;
+    if (!from || !r->succ_ptr || !r->succ_dst || !r->succ_delay) {
+        free(from);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int failed = indices(src, total, "edge_src", from);
+    for (Py_ssize_t e = 0; !failed && e < total; e++) {
+        if (from[e] < 0 || from[e] >= r->n) {
+            PyErr_SetString(PyExc_ValueError, "an edge names an op out of range");
+            failed = 1;
+        } else {
+            r->succ_ptr[from[e] + 1]++;
         }
     }
-    r->succ_ptr[r->n] = k;
+    for (Py_ssize_t i = 0; !failed && i < r->n; i++) r->succ_ptr[i + 1] += r->succ_ptr[i];
+    memset(r->pending, 0, (size_t)r->n * sizeof(long));
+    for (Py_ssize_t e = 0; !failed && e < total; e++) {
+        Py_ssize_t to = PyLong_AsSsize_t(PyList_GET_ITEM(dst, e));
+        double d = PyFloat_AsDouble(PyList_GET_ITEM(delay, e));
+        if (PyErr_Occurred()) {
+            failed = 1;
+        } else if (to < 0 || to >= r->n) {
+            PyErr_SetString(PyExc_ValueError, "an edge names an op out of range");
+            failed = 1;
+        } else {
+            Py_ssize_t slot = r->succ_ptr[from[e]]++;  /* the next free slot of its source */
+            r->succ_dst[slot] = to;
+            r->succ_delay[slot] = d;
+            r->pending[to]++;
+        }
+    }
+    free(from);
+    if (failed) return -1;
+    /* Each source's slot pointer now stands at the next source's start: shift back. */
+    for (Py_ssize_t i = r->n; i > 0; i--) r->succ_ptr[i] = r->succ_ptr[i - 1];
+    r->succ_ptr[0] = 0;
     return 0;
 }
 
@@ -569,8 +581,8 @@ static PyObject *results(Run *r) {
 }
 
 PyDoc_STRVAR(run_doc,
-"run(op_wi, op_dur, op_act, succs, pending, wi_streams, streams, stream_id,\n"
-"    next_in_stream, prev_in_stream, op_meta, op_foreign, ranks, rule)\n"
+"run(op_wi, op_dur, op_act, edge_src, edge_dst, edge_delay, wi_streams, streams,\n"
+"    stream_id, next_in_stream, prev_in_stream, op_meta, op_foreign, ranks, rule)\n"
 "--\n\n"
 "List-schedule one operation graph (schedule._ListRun, compiled). ``rule``: 0\n"
 "rerouted-first, 1 backward-first, 2 ready-first; ``ranks``: each pipeline's rank,\n"
@@ -579,13 +591,14 @@ PyDoc_STRVAR(run_doc,
 "busy seconds, its activation peak and the ops it started (merging workers only).");
 
 static PyObject *py_run(PyObject *self, PyObject *args) {
-    PyObject *op_wi, *op_dur, *op_act, *succs, *pending, *wi_streams, *streams, *stream_id,
-        *next_in_stream, *prev_in_stream, *op_meta, *op_foreign, *ranks;
+    PyObject *op_wi, *op_dur, *op_act, *edge_src, *edge_dst, *edge_delay, *wi_streams,
+        *streams, *stream_id, *next_in_stream, *prev_in_stream, *op_meta, *op_foreign, *ranks;
     int rule;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!i", &PyList_Type, &op_wi,
-                          &PyList_Type, &op_dur, &PyList_Type, &op_act, &PyList_Type, &succs,
-                          &PyList_Type, &pending, &PyList_Type, &wi_streams, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!i", &PyList_Type, &op_wi,
+                          &PyList_Type, &op_dur, &PyList_Type, &op_act, &PyList_Type,
+                          &edge_src, &PyList_Type, &edge_dst, &PyList_Type, &edge_delay,
+                          &PyList_Type, &wi_streams, &PyList_Type,
                           &streams, &PyList_Type, &stream_id, &PyList_Type, &next_in_stream,
                           &PyList_Type, &prev_in_stream, &PyList_Type, &op_meta, &PyList_Type,
                           &op_foreign, &PyList_Type, &ranks, &rule))
@@ -606,12 +619,11 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     if (run_alloc(&r) < 0 || longs(op_wi, r.n, "op_wi", r.op_wi) < 0 ||
         doubles(op_dur, r.n, "op_dur", r.op_dur) < 0 ||
         doubles(op_act, r.n, "op_act", r.op_act) < 0 ||
-        longs(pending, r.n, "pending", r.pending) < 0 ||
         indices(stream_id, r.n, "stream_id", r.stream_id) < 0 ||
         indices(next_in_stream, r.n, "next_in_stream", r.next_in_stream) < 0 ||
         indices(prev_in_stream, r.n, "prev_in_stream", r.prev_in_stream) < 0 ||
         !checked_list(op_meta, r.n, "op_meta") || !checked_list(op_foreign, r.n, "op_foreign") ||
-        read_succs(&r, succs) < 0 || read_streams(&r, wi_streams, streams) < 0 ||
+        read_edges(&r, edge_src, edge_dst, edge_delay) < 0 || read_streams(&r, wi_streams, streams) < 0 ||
         check_ranges(&r) < 0 || run_events(&r) < 0)
         goto done;
     out = results(&r);

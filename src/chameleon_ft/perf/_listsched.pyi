@@ -1,5 +1,5 @@
 def run(op_wi: list[int], op_dur: list[float], op_act: list[float],
-        succs: list[list[tuple[int, float]]], pending: list[int],
+        edge_src: list[int], edge_dst: list[int], edge_delay: list[float],
         wi_streams: list[list[int]], streams: list[list[int]], stream_id: list[int],
         next_in_stream: list[int], prev_in_stream: list[int],
         op_meta: list[tuple[int, int, int, int, int]], op_foreign: list[bool],

@@ -382,13 +382,33 @@ class _Graph:
     op_act: list[float]
     """Activation bytes each op adds (F) or frees (a negative number: B, or W when split)."""
     op_foreign: list[bool]
-    succs: list[list[tuple[int, float]]]
+    edge_src: list[int]
+    edge_dst: list[int]
+    edge_delay: list[float]
+    """The dependencies ``src -> dst`` with their transfer delays, in the order they were
+    added: an op releases its successors in that order (what :attr:`succs` lists)."""
     streams: list[list[int]]
     stream_of_worker: dict[int, list[int]]
-    pending: list[int]
     pipeline_rank: dict[int, int]
     """Each pipeline's position in :func:`component_order`: what the priority rules break
     ties by, so that a simulation depends on the component's shape, not on its indices."""
+
+    @functools.cached_property
+    def succs(self) -> list[list[tuple[int, float]]]:
+        """Each op's ``(successor, delay)`` pairs, in the order the edges were added."""
+        succs: list[list[tuple[int, float]]] = [[] for _ in self.op_meta]
+        for src, dst, delay in zip(self.edge_src, self.edge_dst, self.edge_delay,
+                                   strict=True):
+            succs[src].append((dst, delay))
+        return succs
+
+    @functools.cached_property
+    def pending(self) -> list[int]:
+        """Each op's number of predecessors."""
+        pending = [0] * len(self.op_meta)
+        for dst in self.edge_dst:
+            pending[dst] += 1
+        return pending
 
     def op(self, op_id: int) -> Op:
         """The op ``op_id`` as a value."""
@@ -527,8 +547,9 @@ class _GraphBuilder:
         self.fwd_id: dict[tuple[int, int], list[int]] = {}
         self.bwd_id: dict[tuple[int, int], list[int]] = {}
         self.wgt_id: dict[tuple[int, int], list[int]] = {}
-        self.succs: list[list[tuple[int, float]]] = []
-        self.pending: list[int] = []
+        self.edge_src: list[int] = []
+        self.edge_dst: list[int] = []
+        self.edge_delay: list[float] = []
         self._delays: dict[tuple[int, int, float], float] = {}
 
     def _split(self, p: int, s: int, worker: int) -> int:
@@ -590,27 +611,29 @@ class _GraphBuilder:
         delay = delays.get((a, b, num_bytes))
         if delay is None:
             delay = delays[(a, b, num_bytes)] = self.topology.p2p_s(a, b, num_bytes)
-        self.succs[src].append((dst, delay))
-        self.pending[dst] += 1
         rev = delays.get((b, a, num_bytes))
         if rev is None:
             rev = delays[(b, a, num_bytes)] = self.topology.p2p_s(b, a, num_bytes)
-        self.succs[back].append((front, rev))
-        self.pending[front] += 1
+        self.edge_src += (src, back)
+        self.edge_dst += (dst, front)
+        self.edge_delay += (delay, rev)
 
     def link_stage(self, p: int, s: int, chunks: ChunkCosts) -> None:
         """Stage ``s``'s own edges (F before B before W) and those to the next stage (or,
-        from the last stage, to the first stage's next chunk)."""
-        succs, pending = self.succs, self.pending
+        from the last stage, to the first stage's next chunk).
+
+        Edges are added a block at a time (each op is the source of at most one edge per
+        block), so every op's successors keep the order of the blocks."""
+        src, dst, delay = self.edge_src, self.edge_dst, self.edge_delay
         fids, bids = self.fwd_id[(p, s)], self.bwd_id[(p, s)]
-        for f, b in zip(fids, bids, strict=True):
-            succs[f].append((b, 0.0))
-            pending[b] += 1
+        src += fids
+        dst += bids
+        delay += [0.0] * len(fids)
         wids = self.wgt_id.get((p, s))
         if wids is not None:
-            for b, w in zip(bids, wids, strict=True):
-                succs[b].append((w, 0.0))
-                pending[w] += 1
+            src += bids
+            dst += wids
+            delay += [0.0] * len(bids)
         pipe = self.plan.pipelines[p]
         m = pipe.num_microbatches
         if s + 1 < pipe.num_stages:
@@ -625,12 +648,13 @@ class _GraphBuilder:
             for r, c in enumerate(chunks):
                 ahead = self.topology.p2p_s(a, b, c.output_bytes)
                 back = self.topology.p2p_s(b, a, c.output_bytes)
-                for x in range(r * m, (r + 1) * m):
-                    fx, nfx, nbx, bx = fids[x], next_f[x], next_b[x], bids[x]
-                    succs[fx].append((nfx, ahead))
-                    pending[nfx] += 1
-                    succs[nbx].append((bx, back))
-                    pending[bx] += 1
+                lo, hi = r * m, (r + 1) * m
+                src += fids[lo:hi]
+                dst += next_f[lo:hi]
+                delay += [ahead] * m
+                src += next_b[lo:hi]
+                dst += bids[lo:hi]
+                delay += [back] * m
         elif len(chunks) > 1:
             # The last stage's chunk r feeds the first stage's chunk r + 1.
             first_f, first_b = self.fwd_id[(p, 0)], self.bwd_id[(p, 0)]
@@ -643,8 +667,8 @@ class _GraphBuilder:
     def graph(self) -> _Graph:
         """The graph built (after :meth:`add_stage` and :meth:`link_stage`)."""
         return _Graph(self.op_meta, self.op_worker, self.op_dur, self.op_act, self.op_foreign,
-                      self.succs, self.streams, self.stream_of_worker, self.pending,
-                      {p: i for i, p in enumerate(self.chosen)})
+                      self.edge_src, self.edge_dst, self.edge_delay, self.streams,
+                      self.stream_of_worker, {p: i for i, p in enumerate(self.chosen)})
 
 
 def _stream_cells(chunks: ChunkCosts, kinds: Sequence[int], rounds: Sequence[int],
@@ -681,9 +705,6 @@ def build_graph(
     for p in chosen:
         for s in range(plan.pipelines[p].num_stages):
             builder.add_stage(p, s, costs[(p, s)])
-    num_ops = len(builder.op_worker)
-    builder.succs = [[] for _ in range(num_ops)]
-    builder.pending = [0] * num_ops
     for p in chosen:
         for s in range(plan.pipelines[p].num_stages):
             builder.link_stage(p, s, costs[(p, s)])
@@ -716,7 +737,7 @@ class _ListRun:
         (self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream,
          self.prev_in_stream) = graph.layout
         num_ops, num_workers = len(graph.op_meta), len(self.workers)
-        self.pending = list(graph.pending)
+        self.pending: list[int] = []  # predecessors not done yet (set by run)
         self.ready = [0.0] * num_ops
         self.head = [ids[0] for ids in graph.streams]
         """Each stream's next op to start (-1: done); kept for merging workers' streams."""
@@ -860,6 +881,7 @@ class _ListRun:
         Raises:
             RuntimeError: when the fixed orders deadlock.
         """
+        self.pending = list(self.graph.pending)
         for w in range(len(self.workers)):
             if self.single[w]:
                 first = self.head[self.wi_streams[w][0]]
@@ -915,8 +937,8 @@ class _ListRun:
             ranks[p] = rank
         (self.end, self.cause_op, self.busy_until, self.busy_s, self.act_peak,
          self.order) = _listsched.run(
-            self.op_wi, graph.op_dur, graph.op_act, graph.succs, graph.pending,
-            self.wi_streams, graph.streams, self.stream_id, self.next_in_stream,
+            self.op_wi, graph.op_dur, graph.op_act, graph.edge_src, graph.edge_dst,
+            graph.edge_delay, self.wi_streams, graph.streams, self.stream_id, self.next_in_stream,
             self.prev_in_stream, graph.op_meta, graph.op_foreign, ranks,
             _RULE_CODES[self.rule])
         if min(self.end) < 0.0:
