@@ -479,6 +479,9 @@ def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
             python = schedule_module._list_schedule(graph, rule, with_ops, compiled=False)
             kernel = schedule_module._list_schedule(graph, rule, with_ops, compiled=True)
             assert kernel == python
+        assert (schedule_module._listsched.stream_totals(graph.op_dur, graph.op_act,
+                                                         graph.streams)
+                == graph.stream_totals_python())
 
 
 @pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
@@ -495,7 +498,8 @@ def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
                     edge_delay=graph.edge_delay, wi_streams=run.wi_streams,
                     streams=graph.streams, stream_id=run.stream_id,
                     next_in_stream=run.next_in_stream, prev_in_stream=run.prev_in_stream,
-                    op_meta=graph.op_meta, op_foreign=graph.op_foreign, ranks=[0, 1], rule=0)
+                    op_meta=graph.op_meta, op_foreign=graph.op_foreign, ranks=[0, 1], rule=0,
+                    with_order=True)
         args.update(change)
         return schedule_module._listsched.run(*args.values())
 

@@ -53,6 +53,7 @@ typedef struct {
     double *succ_delay;
     Py_ssize_t *stream_id, *next_in_stream, *prev_in_stream;
     Py_ssize_t *ws_ptr, *ws_ids; /* each worker's streams */
+    Py_ssize_t *stream_last;     /* each stream's last op */
     char *single;
     PyObject *op_meta, *op_foreign, *ranks;
     /* the run */
@@ -234,7 +235,11 @@ static int read_streams(Run *r, PyObject *wi_streams, PyObject *streams) {
     r->ws_ids = malloc((size_t)(total ? total : 1) * sizeof(Py_ssize_t));
     r->single = malloc((size_t)(r->nw ? r->nw : 1));
     r->head = malloc((size_t)(num_streams ? num_streams : 1) * sizeof(Py_ssize_t));
-    if (!r->ws_ptr || !r->ws_ids || !r->single || !r->head) { PyErr_NoMemory(); return -1; }
+    r->stream_last = malloc((size_t)(num_streams ? num_streams : 1) * sizeof(Py_ssize_t));
+    if (!r->ws_ptr || !r->ws_ids || !r->single || !r->head || !r->stream_last) {
+        PyErr_NoMemory();
+        return -1;
+    }
     Py_ssize_t k = 0;
     for (Py_ssize_t w = 0; w < r->nw; w++) {
         PyObject *row = PyList_GET_ITEM(wi_streams, w);
@@ -259,12 +264,14 @@ static int read_streams(Run *r, PyObject *wi_streams, PyObject *streams) {
             return -1;
         }
         Py_ssize_t first = PyLong_AsSsize_t(PyList_GET_ITEM(ids, 0));
-        if (first == -1 && PyErr_Occurred()) return -1;
-        if (first < 0 || first >= r->n) {
+        Py_ssize_t last = PyLong_AsSsize_t(PyList_GET_ITEM(ids, PyList_GET_SIZE(ids) - 1));
+        if (PyErr_Occurred()) return -1;
+        if (first < 0 || first >= r->n || last < 0 || last >= r->n) {
             PyErr_SetString(PyExc_ValueError, "a stream names an op out of range");
             return -1;
         }
         r->head[sid] = first;
+        r->stream_last[sid] = last;
     }
     return 0;
 }
@@ -456,7 +463,7 @@ static int run_events(Run *r) {
 static void run_free(Run *r) {
     void *blocks[] = {r->op_wi, r->op_dur, r->op_act, r->succ_ptr, r->succ_dst,
                       r->succ_delay, r->stream_id, r->next_in_stream, r->prev_in_stream,
-                      r->ws_ptr, r->ws_ids, r->single, r->pending, r->ready, r->end,
+                      r->ws_ptr, r->ws_ids, r->stream_last, r->single, r->pending, r->ready, r->end,
                       r->busy_until, r->wake_at, r->busy_s, r->act_now, r->act_peak,
                       r->ready_cause, r->cause_op, r->head, r->last_op, r->running,
                       r->started, r->events.items, r->stack.items, r->touched.items};
@@ -561,18 +568,44 @@ static PyObject *orders(Run *r) {
     return result;
 }
 
-static PyObject *results(Run *r) {
-    PyObject *end = double_list(r->end, r->n + 1);
-    PyObject *cause = index_list(r->cause_op, r->n);
+/* What a timeline needs: each stream's end, the merging workers' figures, the makespan
+ * (the first op ending last) and the computation on the critical path that ends there. */
+static PyObject *results(Run *r, int with_order) {
+    for (Py_ssize_t i = 0; i < r->n; i++) {
+        if (r->end[i] < 0.0) {
+            /* A fixed per-stage order that waits on an op queued behind it on another
+             * worker; the orders of stage_order never do. */
+            PyErr_SetString(PyExc_RuntimeError, "schedule deadlocked");
+            return NULL;
+        }
+    }
+    double makespan = 0.0, compute = 0.0;
+    if (r->n) {
+        Py_ssize_t node = 0;
+        for (Py_ssize_t i = 1; i < r->n; i++)
+            if (r->end[i] > r->end[node]) node = i;
+        makespan = r->end[node];
+        /* a stream's first op may name the slot past the end; causes end earlier */
+        for (Py_ssize_t steps = 0; node >= 0 && node < r->n && steps <= r->n; steps++) {
+            compute += r->op_dur[node];
+            node = r->cause_op[node];
+        }
+    }
+    double *stream_end = malloc((size_t)(r->num_streams ? r->num_streams : 1) * sizeof(double));
+    if (!stream_end) return PyErr_NoMemory();
+    for (Py_ssize_t sid = 0; sid < r->num_streams; sid++)
+        stream_end[sid] = r->end[r->stream_last[sid]];
+    PyObject *ends = double_list(stream_end, r->num_streams);
+    free(stream_end);
     PyObject *busy_until = double_list(r->busy_until, r->nw);
     PyObject *busy_s = double_list(r->busy_s, r->nw);
     PyObject *peak = double_list(r->act_peak, r->nw);
-    PyObject *order = orders(r);
+    PyObject *order = with_order ? orders(r) : Py_NewRef(Py_None);
     PyObject *out = NULL;
-    if (end && cause && busy_until && busy_s && peak && order)
-        out = PyTuple_Pack(6, end, cause, busy_until, busy_s, peak, order);
-    Py_XDECREF(end);
-    Py_XDECREF(cause);
+    if (ends && busy_until && busy_s && peak && order)
+        out = Py_BuildValue("(OOOOOdd)", ends, busy_until, busy_s, peak, order, makespan,
+                            compute);
+    Py_XDECREF(ends);
     Py_XDECREF(busy_until);
     Py_XDECREF(busy_s);
     Py_XDECREF(peak);
@@ -582,26 +615,29 @@ static PyObject *results(Run *r) {
 
 PyDoc_STRVAR(run_doc,
 "run(op_wi, op_dur, op_act, edge_src, edge_dst, edge_delay, wi_streams, streams,\n"
-"    stream_id, next_in_stream, prev_in_stream, op_meta, op_foreign, ranks, rule)\n"
+"    stream_id, next_in_stream, prev_in_stream, op_meta, op_foreign, ranks, rule,\n"
+"    with_order)\n"
 "--\n\n"
 "List-schedule one operation graph (schedule._ListRun, compiled). ``rule``: 0\n"
 "rerouted-first, 1 backward-first, 2 ready-first; ``ranks``: each pipeline's rank,\n"
-"indexed by pipeline. Returns (end, cause_op, busy_until, busy_s, act_peak, order):\n"
-"each op's end (one more slot, 0.0) and cause, per dense worker when it is free, its\n"
-"busy seconds, its activation peak and the ops it started (merging workers only).");
+"indexed by pipeline. Returns (stream_end, busy_until, busy_s, act_peak, order,\n"
+"makespan, critical_compute): when each stream's last op ends; per dense worker when it\n"
+"is free, its busy seconds, its activation peak and the ops it started (merging workers;\n"
+"None without ``with_order``); the last end and the computation on the path to it.\n"
+"Raises RuntimeError when the orders deadlock.");
 
 static PyObject *py_run(PyObject *self, PyObject *args) {
     PyObject *op_wi, *op_dur, *op_act, *edge_src, *edge_dst, *edge_delay, *wi_streams,
         *streams, *stream_id, *next_in_stream, *prev_in_stream, *op_meta, *op_foreign, *ranks;
-    int rule;
+    int rule, with_order;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!i", &PyList_Type, &op_wi,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!ip", &PyList_Type, &op_wi,
                           &PyList_Type, &op_dur, &PyList_Type, &op_act, &PyList_Type,
                           &edge_src, &PyList_Type, &edge_dst, &PyList_Type, &edge_delay,
                           &PyList_Type, &wi_streams, &PyList_Type,
                           &streams, &PyList_Type, &stream_id, &PyList_Type, &next_in_stream,
                           &PyList_Type, &prev_in_stream, &PyList_Type, &op_meta, &PyList_Type,
-                          &op_foreign, &PyList_Type, &ranks, &rule))
+                          &op_foreign, &PyList_Type, &ranks, &rule, &with_order))
         return NULL;
     if (rule < RULE_REROUTED_FIRST || rule > RULE_READY_FIRST) {
         PyErr_SetString(PyExc_ValueError, "rule must be 0, 1 or 2");
@@ -626,14 +662,71 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         read_edges(&r, edge_src, edge_dst, edge_delay) < 0 || read_streams(&r, wi_streams, streams) < 0 ||
         check_ranges(&r) < 0 || run_events(&r) < 0)
         goto done;
-    out = results(&r);
+    out = results(&r, with_order);
 done:
     run_free(&r);
     return out;
 }
 
+PyDoc_STRVAR(stream_totals_doc,
+"stream_totals(op_dur, op_act, streams)\n"
+"--\n\n"
+"Per stream, run alone in its order: the seconds of its ops (summed from 0.0 in order)\n"
+"and the most activation bytes held at once (0.0 at least); schedule._Graph.stream_totals.");
+
+static PyObject *py_stream_totals(PyObject *self, PyObject *args) {
+    PyObject *op_dur, *op_act, *streams;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &op_dur, &PyList_Type, &op_act,
+                          &PyList_Type, &streams))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(op_dur), num_streams = PyList_GET_SIZE(streams);
+    if (!checked_list(op_act, n, "op_act")) return NULL;
+    double *dur = malloc((size_t)(n ? n : 1) * sizeof(double));
+    double *act = malloc((size_t)(n ? n : 1) * sizeof(double));
+    double *busy = malloc((size_t)(num_streams ? num_streams : 1) * sizeof(double));
+    double *peak = malloc((size_t)(num_streams ? num_streams : 1) * sizeof(double));
+    PyObject *out = NULL;
+    if (!dur || !act || !busy || !peak) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (doubles(op_dur, n, "op_dur", dur) < 0 || doubles(op_act, n, "op_act", act) < 0)
+        goto done;
+    for (Py_ssize_t sid = 0; sid < num_streams; sid++) {
+        PyObject *ids = PyList_GET_ITEM(streams, sid);
+        if (!checked_list(ids, -1, "streams[s]")) goto done;
+        double total = 0.0, held = 0.0, most = 0.0;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
+            Py_ssize_t op_id = PyLong_AsSsize_t(PyList_GET_ITEM(ids, i));
+            if (op_id == -1 && PyErr_Occurred()) goto done;
+            if (op_id < 0 || op_id >= n) {
+                PyErr_SetString(PyExc_ValueError, "a stream names an op out of range");
+                goto done;
+            }
+            total += dur[op_id];
+            held += act[op_id];
+            if (held > most) most = held;
+        }
+        busy[sid] = total;
+        peak[sid] = most;
+    }
+    PyObject *busy_list = double_list(busy, num_streams);
+    PyObject *peak_list = double_list(peak, num_streams);
+    if (busy_list && peak_list) out = PyTuple_Pack(2, busy_list, peak_list);
+    Py_XDECREF(busy_list);
+    Py_XDECREF(peak_list);
+done:
+    free(dur);
+    free(act);
+    free(busy);
+    free(peak);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"run", py_run, METH_VARARGS, run_doc},
+    {"stream_totals", py_stream_totals, METH_VARARGS, stream_totals_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,6 +3,8 @@ def run(op_wi: list[int], op_dur: list[float], op_act: list[float],
         wi_streams: list[list[int]], streams: list[list[int]], stream_id: list[int],
         next_in_stream: list[int], prev_in_stream: list[int],
         op_meta: list[tuple[int, int, int, int, int]], op_foreign: list[bool],
-        ranks: list[int], rule: int,
-        ) -> tuple[list[float], list[int], list[float], list[float], list[float],
-                   list[list[int]]]: ...
+        ranks: list[int], rule: int, with_order: bool,
+        ) -> tuple[list[float], list[float], list[float], list[float], list[list[int]] | None,
+                   float, float]: ...
+def stream_totals(op_dur: list[float], op_act: list[float], streams: list[list[int]],
+                  ) -> tuple[list[float], list[float]]: ...

@@ -450,6 +450,12 @@ class _Graph:
         """Per stream, run alone in its order: the seconds of its ops and the most
         activation bytes held at once (what a worker running one stream accounts, in
         the same order of additions)."""
+        if COMPILED:
+            return _listsched.stream_totals(self.op_dur, self.op_act, self.streams)
+        return self.stream_totals_python()
+
+    def stream_totals_python(self) -> tuple[list[float], list[float]]:
+        """:attr:`stream_totals` computed in Python (the reference)."""
         op_dur, op_act = self.op_dur, self.op_act
         busy = [functools.reduce(operator.add, [op_dur[i] for i in ids], 0.0)
                 for ids in self.streams]
@@ -736,8 +742,22 @@ class _ListRun:
         self.with_ops = with_ops
         (self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream,
          self.prev_in_stream) = graph.layout
+        self.single = [len(ws) == 1 for ws in self.wi_streams]
+        # What a run gives the timeline (both runs set them).
+        self.stream_end: list[float] = []
+        """When each stream's last op ends."""
+        self.busy_until: list[float] = []
+        self.busy_s: list[float] = []
+        self.act_peak: list[float] = []
+        self.order: list[list[int]] | None = None
+        self.makespan = 0.0
+        self.critical_compute = 0.0
+
+    def _start(self) -> None:
+        """The Python run's state."""
+        graph = self.graph
         num_ops, num_workers = len(graph.op_meta), len(self.workers)
-        self.pending: list[int] = []  # predecessors not done yet (set by run)
+        self.pending = list(graph.pending)
         self.ready = [0.0] * num_ops
         self.head = [ids[0] for ids in graph.streams]
         """Each stream's next op to start (-1: done); kept for merging workers' streams."""
@@ -752,11 +772,10 @@ class _ListRun:
         self.wake_at = [math.inf] * num_workers
         self.events: list[tuple[float, int, int, int]] = []  # (time, seq, 0 done | 1 wake, op or worker)
         self.seq = 0
-        self.order: list[list[int]] = [[] for _ in range(num_workers)]
+        self.started: list[list[int]] = [[] for _ in range(num_workers)]
         self.busy_s = [0.0] * num_workers
         self.act_now = [0.0] * num_workers
         self.act_peak = [0.0] * num_workers
-        self.single = [len(ws) == 1 for ws in self.wi_streams]
         self.stack: list[int] = []  # eager ops released and at the head of their stream
         self.touched: list[int] = []  # merging workers with an op released
 
@@ -819,7 +838,7 @@ class _ListRun:
                 stack.append(nxt)
 
     def _account(self, w: int, op_id: int) -> None:
-        self.order[w].append(op_id)
+        self.started[w].append(op_id)
         self.busy_s[w] += self.graph.op_dur[op_id]
         act = self.act_now[w] + self.graph.op_act[op_id]
         self.act_now[w] = act
@@ -881,7 +900,7 @@ class _ListRun:
         Raises:
             RuntimeError: when the fixed orders deadlock.
         """
-        self.pending = list(self.graph.pending)
+        self._start()
         for w in range(len(self.workers)):
             if self.single[w]:
                 first = self.head[self.wi_streams[w][0]]
@@ -920,6 +939,22 @@ class _ListRun:
             # A fixed per-stage order that waits on an op queued behind it on another
             # worker; the orders of stage_order never do (tests cover random shapes).
             raise RuntimeError("schedule deadlocked")
+        self._summarise()
+
+    def _summarise(self) -> None:
+        """The stream ends, the makespan and the critical path's computation."""
+        self.order = self.started
+        num_ops = len(self.graph.op_meta)
+        end = self.end[:num_ops]
+        self.stream_end = [end[ids[-1]] for ids in self.graph.streams]
+        if end:
+            makespan = max(end)
+            node = end.index(makespan)  # the first op ending last
+            compute = 0.0
+            while 0 <= node < num_ops:  # a stream's first op may name the slot past the end
+                compute += self.graph.op_dur[node]
+                node = self.cause_op[node]
+            self.makespan, self.critical_compute = makespan, compute
 
     def run_compiled(self) -> None:
         """:meth:`run` in the compiled kernel (``_listsched.run``): the same operations in
@@ -935,46 +970,36 @@ class _ListRun:
         ranks = [0] * (max(graph.pipeline_rank, default=-1) + 1)
         for p, rank in graph.pipeline_rank.items():
             ranks[p] = rank
-        (self.end, self.cause_op, self.busy_until, self.busy_s, self.act_peak,
-         self.order) = _listsched.run(
+        (self.stream_end, self.busy_until, self.busy_s, self.act_peak, self.order,
+         self.makespan, self.critical_compute) = _listsched.run(
             self.op_wi, graph.op_dur, graph.op_act, graph.edge_src, graph.edge_dst,
-            graph.edge_delay, self.wi_streams, graph.streams, self.stream_id, self.next_in_stream,
-            self.prev_in_stream, graph.op_meta, graph.op_foreign, ranks,
-            _RULE_CODES[self.rule])
-        if min(self.end) < 0.0:
-            raise RuntimeError("schedule deadlocked")
+            graph.edge_delay, self.wi_streams, graph.streams, self.stream_id,
+            self.next_in_stream, self.prev_in_stream, graph.op_meta, graph.op_foreign, ranks,
+            _RULE_CODES[self.rule], self.with_ops)
 
     def timeline(self) -> Timeline:
         """The timed schedule, with the critical path split into compute and transfers."""
         timeline = Timeline()
-        num_ops = len(self.graph.op_meta)
-        end = self.end[:num_ops]
         streams = self.graph.streams
         stream_busy, stream_peak = self.graph.stream_totals
         for i, w in enumerate(self.workers):
             if self.single[i]:
                 (sid,) = self.wi_streams[i]
                 order = streams[sid]
-                timeline.finish_s[w] = end[order[-1]]
+                timeline.finish_s[w] = self.stream_end[sid]
                 timeline.busy_s[w] = stream_busy[sid]
                 timeline.peak_activation_bytes[w] = stream_peak[sid]
             else:
-                order = self.order[i]
+                order = self.order[i] if self.order is not None else []
                 timeline.finish_s[w] = self.busy_until[i]
                 timeline.busy_s[w] = self.busy_s[i]
                 timeline.peak_activation_bytes[w] = self.act_peak[i]
             if self.with_ops:
                 timeline.ops[w] = [self.graph.op(op_id) for op_id in order]
-        if end:
-            makespan = max(end)
-            node = end.index(makespan)  # the first op ending last
-            timeline.makespan_s = makespan
-            compute = 0.0
-            while 0 <= node < num_ops:  # a stream's first op may name the slot past the end
-                compute += self.graph.op_dur[node]
-                node = self.cause_op[node]
-            timeline.critical_compute_s = compute
-            timeline.critical_p2p_s = max(0.0, timeline.makespan_s - compute)
+        if self.graph.op_meta:
+            timeline.makespan_s = self.makespan
+            timeline.critical_compute_s = self.critical_compute
+            timeline.critical_p2p_s = max(0.0, self.makespan - self.critical_compute)
         return timeline
 
 
