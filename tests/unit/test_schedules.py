@@ -498,14 +498,16 @@ def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
                     edge_delay=graph.edge_delay, wi_streams=run.wi_streams,
                     streams=graph.streams, stream_id=run.stream_id,
                     next_in_stream=run.next_in_stream, prev_in_stream=run.prev_in_stream,
-                    op_meta=graph.op_meta, op_foreign=graph.op_foreign, ranks=[0, 1], rule=0,
+                    op_kind=graph.op_kind, op_pipeline=graph.op_pipeline,
+                    op_stage=graph.op_stage, op_mb=graph.op_mb, op_chunk=graph.op_chunk,
+                    op_foreign=graph.op_foreign, ranks=[0, 1], rule=0,
                     with_order=True)
         args.update(change)
         return schedule_module._listsched.run(*args.values())
 
     assert kernel()  # the graph as built runs
     with pytest.raises(ValueError, match="out of range"):
-        kernel(edge_dst=[*graph.edge_dst[:-1], len(graph.op_meta) + 5])
+        kernel(edge_dst=[*graph.edge_dst[:-1], len(graph.op_kind) + 5])
     with pytest.raises(ValueError, match="edge_delay"):
         kernel(edge_delay=graph.edge_delay[:-1])
     with pytest.raises(ValueError, match="op_dur"):

@@ -55,7 +55,7 @@ typedef struct {
     Py_ssize_t *ws_ptr, *ws_ids; /* each worker's streams */
     Py_ssize_t *stream_last;     /* each stream's last op */
     char *single;
-    PyObject *op_meta, *op_foreign, *ranks;
+    PyObject *op_kind, *op_pipeline, *op_stage, *op_mb, *op_chunk, *op_foreign, *ranks;
     /* the run */
     long *pending;
     double *ready, *end, *busy_until, *wake_at, *busy_s, *act_now, *act_peak;
@@ -322,17 +322,12 @@ static int drain(Run *r) {
 }
 
 static int op_key(Run *r, Py_ssize_t op_id, double ready, Key *key) {
-    PyObject *meta = PyList_GET_ITEM(r->op_meta, op_id);
-    if (!PyTuple_Check(meta) || PyTuple_GET_SIZE(meta) != 5) {
-        PyErr_SetString(PyExc_TypeError, "op_meta entries must be 5-tuples");
-        return -1;
-    }
     long kind, p;
-    if (read_long(PyTuple_GET_ITEM(meta, 0), &kind) < 0 ||
-        read_long(PyTuple_GET_ITEM(meta, 1), &p) < 0 ||
-        read_long(PyTuple_GET_ITEM(meta, 2), &key->stage) < 0 ||
-        read_long(PyTuple_GET_ITEM(meta, 3), &key->mb) < 0 ||
-        read_long(PyTuple_GET_ITEM(meta, 4), &key->chunk) < 0)
+    if (read_long(PyList_GET_ITEM(r->op_kind, op_id), &kind) < 0 ||
+        read_long(PyList_GET_ITEM(r->op_pipeline, op_id), &p) < 0 ||
+        read_long(PyList_GET_ITEM(r->op_stage, op_id), &key->stage) < 0 ||
+        read_long(PyList_GET_ITEM(r->op_mb, op_id), &key->mb) < 0 ||
+        read_long(PyList_GET_ITEM(r->op_chunk, op_id), &key->chunk) < 0)
         return -1;
     if (p < 0 || p >= PyList_GET_SIZE(r->ranks)) {
         PyErr_SetString(PyExc_ValueError, "an op names a pipeline without a rank");
@@ -615,8 +610,8 @@ static PyObject *results(Run *r, int with_order) {
 
 PyDoc_STRVAR(run_doc,
 "run(op_wi, op_dur, op_act, edge_src, edge_dst, edge_delay, wi_streams, streams,\n"
-"    stream_id, next_in_stream, prev_in_stream, op_meta, op_foreign, ranks, rule,\n"
-"    with_order)\n"
+"    stream_id, next_in_stream, prev_in_stream, op_kind, op_pipeline, op_stage, op_mb,\n"
+"    op_chunk, op_foreign, ranks, rule, with_order)\n"
 "--\n\n"
 "List-schedule one operation graph (schedule._ListRun, compiled). ``rule``: 0\n"
 "rerouted-first, 1 backward-first, 2 ready-first; ``ranks``: each pipeline's rank,\n"
@@ -628,16 +623,19 @@ PyDoc_STRVAR(run_doc,
 
 static PyObject *py_run(PyObject *self, PyObject *args) {
     PyObject *op_wi, *op_dur, *op_act, *edge_src, *edge_dst, *edge_delay, *wi_streams,
-        *streams, *stream_id, *next_in_stream, *prev_in_stream, *op_meta, *op_foreign, *ranks;
+        *streams, *stream_id, *next_in_stream, *prev_in_stream, *op_kind, *op_pipeline,
+        *op_stage, *op_mb, *op_chunk, *op_foreign, *ranks;
     int rule, with_order;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!ip", &PyList_Type, &op_wi,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!ip", &PyList_Type, &op_wi,
                           &PyList_Type, &op_dur, &PyList_Type, &op_act, &PyList_Type,
                           &edge_src, &PyList_Type, &edge_dst, &PyList_Type, &edge_delay,
                           &PyList_Type, &wi_streams, &PyList_Type,
                           &streams, &PyList_Type, &stream_id, &PyList_Type, &next_in_stream,
-                          &PyList_Type, &prev_in_stream, &PyList_Type, &op_meta, &PyList_Type,
-                          &op_foreign, &PyList_Type, &ranks, &rule, &with_order))
+                          &PyList_Type, &prev_in_stream, &PyList_Type, &op_kind,
+                          &PyList_Type, &op_pipeline, &PyList_Type, &op_stage, &PyList_Type,
+                          &op_mb, &PyList_Type, &op_chunk, &PyList_Type, &op_foreign,
+                          &PyList_Type, &ranks, &rule, &with_order))
         return NULL;
     if (rule < RULE_REROUTED_FIRST || rule > RULE_READY_FIRST) {
         PyErr_SetString(PyExc_ValueError, "rule must be 0, 1 or 2");
@@ -648,7 +646,11 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     r.n = PyList_GET_SIZE(op_wi);
     r.nw = PyList_GET_SIZE(wi_streams);
     r.rule = rule;
-    r.op_meta = op_meta;
+    r.op_kind = op_kind;
+    r.op_pipeline = op_pipeline;
+    r.op_stage = op_stage;
+    r.op_mb = op_mb;
+    r.op_chunk = op_chunk;
     r.op_foreign = op_foreign;
     r.ranks = ranks;
     PyObject *out = NULL;
@@ -658,7 +660,9 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         indices(stream_id, r.n, "stream_id", r.stream_id) < 0 ||
         indices(next_in_stream, r.n, "next_in_stream", r.next_in_stream) < 0 ||
         indices(prev_in_stream, r.n, "prev_in_stream", r.prev_in_stream) < 0 ||
-        !checked_list(op_meta, r.n, "op_meta") || !checked_list(op_foreign, r.n, "op_foreign") ||
+        !checked_list(op_kind, r.n, "op_kind") || !checked_list(op_pipeline, r.n, "op_pipeline") ||
+        !checked_list(op_stage, r.n, "op_stage") || !checked_list(op_mb, r.n, "op_mb") ||
+        !checked_list(op_chunk, r.n, "op_chunk") || !checked_list(op_foreign, r.n, "op_foreign") ||
         read_edges(&r, edge_src, edge_dst, edge_delay) < 0 || read_streams(&r, wi_streams, streams) < 0 ||
         check_ranges(&r) < 0 || run_events(&r) < 0)
         goto done;

@@ -375,8 +375,12 @@ def schedule_variants(plan: ExecutionPlan, pipelines: Sequence[int] | None = Non
 class _Graph:
     """The operation graph of some pipelines, as flat arrays indexed by op id."""
 
-    op_meta: list[tuple[int, int, int, int, int]]
-    """``(kind, pipeline, stage, micro-batch, chunk)`` of each op (kind 0 F, 1 B, 2 W)."""
+    op_kind: list[int]
+    """Each op's kind: 0 F, 1 B, 2 W."""
+    op_pipeline: list[int]
+    op_stage: list[int]
+    op_mb: list[int]
+    op_chunk: list[int]
     op_worker: list[int]
     op_dur: list[float]
     op_act: list[float]
@@ -396,7 +400,7 @@ class _Graph:
     @functools.cached_property
     def succs(self) -> list[list[tuple[int, float]]]:
         """Each op's ``(successor, delay)`` pairs, in the order the edges were added."""
-        succs: list[list[tuple[int, float]]] = [[] for _ in self.op_meta]
+        succs: list[list[tuple[int, float]]] = [[] for _ in self.op_kind]
         for src, dst, delay in zip(self.edge_src, self.edge_dst, self.edge_delay,
                                    strict=True):
             succs[src].append((dst, delay))
@@ -405,15 +409,15 @@ class _Graph:
     @functools.cached_property
     def pending(self) -> list[int]:
         """Each op's number of predecessors."""
-        pending = [0] * len(self.op_meta)
+        pending = [0] * len(self.op_kind)
         for dst in self.edge_dst:
             pending[dst] += 1
         return pending
 
     def op(self, op_id: int) -> Op:
         """The op ``op_id`` as a value."""
-        kind, p, s, j, r = self.op_meta[op_id]
-        return Op(_KINDS[kind], p, s, j, r)
+        return Op(_KINDS[self.op_kind[op_id]], self.op_pipeline[op_id], self.op_stage[op_id],
+                  self.op_mb[op_id], self.op_chunk[op_id])
 
     @functools.cached_property
     def layout(self) -> tuple[list[int], list[int], list[list[int]], list[int], list[int],
@@ -426,7 +430,7 @@ class _Graph:
         index = {w: i for i, w in enumerate(workers)}
         op_wi = [index[w] for w in self.op_worker]
         wi_streams = [self.stream_of_worker[w] for w in workers]
-        num_ops = len(self.op_meta)
+        num_ops = len(self.op_kind)
         stream_id = [0] * num_ops
         next_in_stream = [-1] * num_ops
         prev_in_stream = [num_ops] * num_ops
@@ -543,7 +547,11 @@ class _GraphBuilder:
         members = set(chosen)
         self.peers = {w for r in plan.reroutes if r.pipeline in members for w, _ in r.shares}
         self.defer = self.split_all or (plan.defer_weight_grad and variant != FUSED_VARIANT)
-        self.op_meta: list[tuple[int, int, int, int, int]] = []
+        self.op_kind: list[int] = []
+        self.op_pipeline: list[int] = []
+        self.op_stage: list[int] = []
+        self.op_mb: list[int] = []
+        self.op_chunk: list[int] = []
         self.op_worker: list[int] = []
         self.op_dur: list[float] = []
         self.op_act: list[float] = []
@@ -582,17 +590,21 @@ class _GraphBuilder:
         self.bwd_id[(p, s)] = [base + i for i in bpos]
         if split:
             self.wgt_id[(p, s)] = [base + i for i in wpos]
-        self.op_meta.extend(zip(kinds, [p] * n, [s] * n, mbs, rounds, strict=True))
-        cells = _stream_cells(chunks, kinds, rounds, split)
-        self.op_act.extend([a for _, a in cells])
+        self.op_kind += kinds
+        self.op_pipeline += [p] * n
+        self.op_stage += [s] * n
+        self.op_mb += mbs
+        self.op_chunk += rounds
+        durs, acts = _stream_cells(chunks, kinds, rounds, split)
+        self.op_act += acts
         reroute = self.plan.reroute_map.get((p, s))
         if reroute is None:
             # One worker runs the whole stream, in order (its W's in a stream of their
             # own when it defers them).
             sp = self.speed.get(w0, 1.0)
-            self.op_worker.extend([w0] * n)
-            self.op_dur.extend([d / sp for d, _ in cells] if sp != 1.0 else [d for d, _ in cells])
-            self.op_foreign.extend([False] * n)
+            self.op_worker += [w0] * n
+            self.op_dur += [d / sp for d in durs] if sp != 1.0 else durs
+            self.op_foreign += [False] * n
             if split == 2:
                 self._new_stream(w0, [base + i for i in range(n) if kinds[i] != _W])
                 self._new_stream(w0, [base + i for i in range(n) if kinds[i] == _W])
@@ -604,7 +616,7 @@ class _GraphBuilder:
         for i, (k, j) in enumerate(zip(kinds, mbs, strict=True)):
             w = executors[j]
             self.op_worker.append(w)
-            self.op_dur.append(cells[i][0] / self.speed.get(w, 1.0))
+            self.op_dur.append(durs[i] / self.speed.get(w, 1.0))
             self.op_foreign.append(True)
             by_worker.setdefault((w, k == _W), []).append(base + i)
         for (w, _), ids in by_worker.items():
@@ -672,14 +684,28 @@ class _GraphBuilder:
 
     def graph(self) -> _Graph:
         """The graph built (after :meth:`add_stage` and :meth:`link_stage`)."""
-        return _Graph(self.op_meta, self.op_worker, self.op_dur, self.op_act, self.op_foreign,
+        return _Graph(self.op_kind, self.op_pipeline, self.op_stage, self.op_mb, self.op_chunk,
+                      self.op_worker, self.op_dur, self.op_act, self.op_foreign,
                       self.edge_src, self.edge_dst, self.edge_delay, self.streams,
                       self.stream_of_worker, {p: i for i, p in enumerate(self.chosen)})
 
 
-def _stream_cells(chunks: ChunkCosts, kinds: Sequence[int], rounds: Sequence[int],
-                  split: int) -> list[tuple[float, float]]:
+_CELLS: dict[tuple[int, int, int, int], tuple[tuple[object, ...], tuple[float, ...],
+                                             tuple[float, ...]]] = {}
+""":func:`_stream_cells` by the identity of its arguments (which the entry keeps alive, so
+an id is never reused while its entry stands): an estimate passes the same cost objects
+and layouts for every stage of a shape. Cleared when it reaches :data:`_CELLS_SIZE`."""
+_CELLS_SIZE = 4096
+
+
+def _stream_cells(chunks: ChunkCosts, kinds: tuple[int, ...], rounds: tuple[int, ...],
+                  split: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Duration (at unit speed) and activation bytes of each operation of a stream."""
+    key = (id(chunks), id(kinds), id(rounds), split)
+    hit = _CELLS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], (chunks, kinds, rounds),
+                                                        strict=True)):
+        return hit[1], hit[2]
     table: list[tuple[tuple[float, float], ...]] = []
     for c in chunks:
         if split:
@@ -687,7 +713,12 @@ def _stream_cells(chunks: ChunkCosts, kinds: Sequence[int], rounds: Sequence[int
                           (c.bwd_weight_s, -c.activation_bytes)))
         else:
             table.append(((c.fwd_s, c.activation_bytes), (c.bwd_s, -c.activation_bytes)))
-    return [table[r][k] for k, r in zip(kinds, rounds, strict=True)]
+    cells = [table[r][k] for k, r in zip(kinds, rounds, strict=True)]
+    durs, acts = tuple(d for d, _ in cells), tuple(a for _, a in cells)
+    if len(_CELLS) >= _CELLS_SIZE:
+        _CELLS.clear()
+    _CELLS[key] = ((chunks, kinds, rounds), durs, acts)
+    return durs, acts
 
 
 def build_graph(
@@ -756,7 +787,7 @@ class _ListRun:
     def _start(self) -> None:
         """The Python run's state."""
         graph = self.graph
-        num_ops, num_workers = len(graph.op_meta), len(self.workers)
+        num_ops, num_workers = len(graph.op_kind), len(self.workers)
         self.pending = list(graph.pending)
         self.ready = [0.0] * num_ops
         self.head = [ids[0] for ids in graph.streams]
@@ -849,8 +880,10 @@ class _ListRun:
         """The ready stream head of merging worker ``w`` the rule picks at ``now`` (-1:
         none), and when the next one becomes ready (infinity: none known)."""
         head, pending, ready = self.head, self.pending, self.ready
-        op_meta, op_foreign, rank = (self.graph.op_meta, self.graph.op_foreign,
-                                     self.graph.pipeline_rank)
+        graph = self.graph
+        op_kind, op_pipeline, op_stage, op_mb, op_chunk, op_foreign, rank = (
+            graph.op_kind, graph.op_pipeline, graph.op_stage, graph.op_mb, graph.op_chunk,
+            graph.op_foreign, graph.pipeline_rank)
         best = -1
         best_key: tuple[float, ...] | None = None
         wait = math.inf
@@ -863,8 +896,8 @@ class _ListRun:
                 if r < wait:
                     wait = r
                 continue
-            kind, p, s, j, chunk = op_meta[op_id]
-            key = self.priority(r, kind, j, rank[p], s, op_foreign[op_id], chunk)
+            key = self.priority(r, op_kind[op_id], op_mb[op_id], rank[op_pipeline[op_id]],
+                                op_stage[op_id], op_foreign[op_id], op_chunk[op_id])
             if best_key is None or key < best_key:
                 best, best_key = op_id, key
         return best, wait
@@ -944,7 +977,7 @@ class _ListRun:
     def _summarise(self) -> None:
         """The stream ends, the makespan and the critical path's computation."""
         self.order = self.started
-        num_ops = len(self.graph.op_meta)
+        num_ops = len(self.graph.op_kind)
         end = self.end[:num_ops]
         self.stream_end = [end[ids[-1]] for ids in self.graph.streams]
         if end:
@@ -974,7 +1007,8 @@ class _ListRun:
          self.makespan, self.critical_compute) = _listsched.run(
             self.op_wi, graph.op_dur, graph.op_act, graph.edge_src, graph.edge_dst,
             graph.edge_delay, self.wi_streams, graph.streams, self.stream_id,
-            self.next_in_stream, self.prev_in_stream, graph.op_meta, graph.op_foreign, ranks,
+            self.next_in_stream, self.prev_in_stream, graph.op_kind, graph.op_pipeline,
+            graph.op_stage, graph.op_mb, graph.op_chunk, graph.op_foreign, ranks,
             _RULE_CODES[self.rule], self.with_ops)
 
     def timeline(self) -> Timeline:
@@ -996,7 +1030,7 @@ class _ListRun:
                 timeline.peak_activation_bytes[w] = self.act_peak[i]
             if self.with_ops:
                 timeline.ops[w] = [self.graph.op(op_id) for op_id in order]
-        if self.graph.op_meta:
+        if self.graph.op_kind:
             timeline.makespan_s = self.makespan
             timeline.critical_compute_s = self.critical_compute
             timeline.critical_p2p_s = max(0.0, self.makespan - self.critical_compute)
@@ -1096,7 +1130,7 @@ def best_timeline(
     best_fits = False
     for variant in variants:
         graph = build_graph(plan, profile, topology, chosen, speeds, costs, variant)
-        for rule in rules if len(graph.op_meta) <= SECOND_RULE_MAX_OPS else rules[:1]:
+        for rule in rules if len(graph.op_kind) <= SECOND_RULE_MAX_OPS else rules[:1]:
             timeline = _list_schedule(graph, rule, with_ops)
             fits = all(static.get(w, 0.0) + peak <= capacity
                        for w, peak in timeline.peak_activation_bytes.items())
