@@ -493,12 +493,10 @@ def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
     run = schedule_module._ListRun(graph, "rerouted-first", True)
 
     def kernel(**change: object) -> object:
-        args = dict(op_wi=run.op_wi, op_dur=graph.op_dur, op_act=graph.op_act,
+        args = dict(op_dur=graph.op_dur, op_act=graph.op_act,
                     edge_src=graph.edge_src, edge_dst=graph.edge_dst,
                     edge_delay=graph.edge_delay, wi_streams=run.wi_streams,
-                    streams=graph.streams, stream_id=run.stream_id,
-                    next_in_stream=run.next_in_stream, prev_in_stream=run.prev_in_stream,
-                    op_kind=graph.op_kind, op_pipeline=graph.op_pipeline,
+                    streams=graph.streams, op_kind=graph.op_kind, op_pipeline=graph.op_pipeline,
                     op_stage=graph.op_stage, op_mb=graph.op_mb, op_chunk=graph.op_chunk,
                     op_foreign=graph.op_foreign, ranks=[0, 1], rule=0,
                     with_order=True)
@@ -510,7 +508,12 @@ def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
         kernel(edge_dst=[*graph.edge_dst[:-1], len(graph.op_kind) + 5])
     with pytest.raises(ValueError, match="edge_delay"):
         kernel(edge_delay=graph.edge_delay[:-1])
-    with pytest.raises(ValueError, match="op_dur"):
-        kernel(op_dur=graph.op_dur[:-1])
+    with pytest.raises(ValueError, match="op_act"):
+        kernel(op_act=graph.op_act[:-1])
     with pytest.raises(ValueError, match="rule"):
         kernel(rule=7)
+    with pytest.raises(ValueError, match="exactly one"):
+        kernel(streams=[ids[:-1] if i == 0 else ids for i, ids in enumerate(graph.streams)])
+    with pytest.raises(ValueError, match="another's"):
+        kernel(streams=[[*ids, graph.streams[0][0]] if i == 1 else ids
+                        for i, ids in enumerate(graph.streams)])

@@ -142,13 +142,6 @@ static PyObject *checked_list(PyObject *obj, Py_ssize_t n, const char *name) {
     return obj;
 }
 
-static int longs(PyObject *list, Py_ssize_t n, const char *name, long *out) {
-    if (!checked_list(list, n, name)) return -1;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (read_long(PyList_GET_ITEM(list, i), &out[i]) < 0) return -1;
-    return 0;
-}
-
 static int indices(PyObject *list, Py_ssize_t n, const char *name, Py_ssize_t *out) {
     if (!checked_list(list, n, name)) return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -220,7 +213,9 @@ static int read_edges(Run *r, PyObject *src, PyObject *dst, PyObject *delay) {
     return 0;
 }
 
-/* Each worker's streams (flattened) and each stream's first op. */
+/* Each worker's streams (flattened), each stream's first and last op, and per op its
+ * worker, its stream and its neighbours in the stream (schedule._Graph.layout): every op
+ * is in exactly one stream. */
 static int read_streams(Run *r, PyObject *wi_streams, PyObject *streams) {
     if (!checked_list(wi_streams, r->nw, "wi_streams")) return -1;
     if (!checked_list(streams, -1, "streams")) return -1;
@@ -240,7 +235,9 @@ static int read_streams(Run *r, PyObject *wi_streams, PyObject *streams) {
         PyErr_NoMemory();
         return -1;
     }
-    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < r->n; i++) r->stream_id[i] = -1;
+    for (Py_ssize_t sid = 0; sid < num_streams; sid++) r->head[sid] = -1;
+    Py_ssize_t k = 0, placed = 0;
     for (Py_ssize_t w = 0; w < r->nw; w++) {
         PyObject *row = PyList_GET_ITEM(wi_streams, w);
         r->ws_ptr[w] = k;
@@ -248,30 +245,43 @@ static int read_streams(Run *r, PyObject *wi_streams, PyObject *streams) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++, k++) {
             Py_ssize_t sid = PyLong_AsSsize_t(PyList_GET_ITEM(row, i));
             if (sid == -1 && PyErr_Occurred()) return -1;
-            if (sid < 0 || sid >= num_streams) {
-                PyErr_SetString(PyExc_ValueError, "a worker names a stream out of range");
+            if (sid < 0 || sid >= num_streams || r->head[sid] != -1) {
+                PyErr_SetString(PyExc_ValueError,
+                                "a worker names a stream out of range or another's");
                 return -1;
             }
             r->ws_ids[k] = sid;
+            PyObject *ids = PyList_GET_ITEM(streams, sid);
+            if (!checked_list(ids, -1, "streams[s]")) return -1;
+            Py_ssize_t len = PyList_GET_SIZE(ids), before = r->n;
+            if (len == 0) {
+                PyErr_SetString(PyExc_ValueError, "a stream has no operation");
+                return -1;
+            }
+            for (Py_ssize_t x = 0; x < len; x++) {
+                Py_ssize_t op_id = PyLong_AsSsize_t(PyList_GET_ITEM(ids, x));
+                if (op_id == -1 && PyErr_Occurred()) return -1;
+                if (op_id < 0 || op_id >= r->n || r->stream_id[op_id] != -1) {
+                    PyErr_SetString(PyExc_ValueError,
+                                    "a stream names an op out of range or another's");
+                    return -1;
+                }
+                r->op_wi[op_id] = (long)w;
+                r->stream_id[op_id] = sid;
+                r->prev_in_stream[op_id] = before;
+                r->next_in_stream[op_id] = -1;
+                if (before < r->n) r->next_in_stream[before] = op_id;
+                before = op_id;
+            }
+            r->head[sid] = PyLong_AsSsize_t(PyList_GET_ITEM(ids, 0));
+            r->stream_last[sid] = before;
+            placed += len;
         }
     }
     r->ws_ptr[r->nw] = k;
-    for (Py_ssize_t sid = 0; sid < num_streams; sid++) {
-        PyObject *ids = PyList_GET_ITEM(streams, sid);
-        if (!checked_list(ids, -1, "streams[s]")) return -1;
-        if (PyList_GET_SIZE(ids) == 0) {
-            PyErr_SetString(PyExc_ValueError, "a stream has no operation");
-            return -1;
-        }
-        Py_ssize_t first = PyLong_AsSsize_t(PyList_GET_ITEM(ids, 0));
-        Py_ssize_t last = PyLong_AsSsize_t(PyList_GET_ITEM(ids, PyList_GET_SIZE(ids) - 1));
-        if (PyErr_Occurred()) return -1;
-        if (first < 0 || first >= r->n || last < 0 || last >= r->n) {
-            PyErr_SetString(PyExc_ValueError, "a stream names an op out of range");
-            return -1;
-        }
-        r->head[sid] = first;
-        r->stream_last[sid] = last;
+    if (placed != r->n) {
+        PyErr_SetString(PyExc_ValueError, "every op must be in exactly one worker's stream");
+        return -1;
     }
     return 0;
 }
@@ -506,19 +516,6 @@ static int run_alloc(Run *r) {
     return 0;
 }
 
-static int check_ranges(Run *r) {
-    for (Py_ssize_t i = 0; i < r->n; i++) {
-        if (r->op_wi[i] < 0 || r->op_wi[i] >= r->nw || r->stream_id[i] < 0 ||
-            r->stream_id[i] >= r->num_streams ||
-            r->next_in_stream[i] < -1 || r->next_in_stream[i] >= r->n ||
-            r->prev_in_stream[i] < 0 || r->prev_in_stream[i] > r->n) {
-            PyErr_SetString(PyExc_ValueError, "an op's worker or stream link is out of range");
-            return -1;
-        }
-    }
-    return 0;
-}
-
 static PyObject *double_list(const double *values, Py_ssize_t n) {
     PyObject *list = PyList_New(n);
     if (!list) return NULL;
@@ -609,9 +606,8 @@ static PyObject *results(Run *r, int with_order) {
 }
 
 PyDoc_STRVAR(run_doc,
-"run(op_wi, op_dur, op_act, edge_src, edge_dst, edge_delay, wi_streams, streams,\n"
-"    stream_id, next_in_stream, prev_in_stream, op_kind, op_pipeline, op_stage, op_mb,\n"
-"    op_chunk, op_foreign, ranks, rule, with_order)\n"
+"run(op_dur, op_act, edge_src, edge_dst, edge_delay, wi_streams, streams, op_kind,\n"
+"    op_pipeline, op_stage, op_mb, op_chunk, op_foreign, ranks, rule, with_order)\n"
 "--\n\n"
 "List-schedule one operation graph (schedule._ListRun, compiled). ``rule``: 0\n"
 "rerouted-first, 1 backward-first, 2 ready-first; ``ranks``: each pipeline's rank,\n"
@@ -622,17 +618,14 @@ PyDoc_STRVAR(run_doc,
 "Raises RuntimeError when the orders deadlock.");
 
 static PyObject *py_run(PyObject *self, PyObject *args) {
-    PyObject *op_wi, *op_dur, *op_act, *edge_src, *edge_dst, *edge_delay, *wi_streams,
-        *streams, *stream_id, *next_in_stream, *prev_in_stream, *op_kind, *op_pipeline,
-        *op_stage, *op_mb, *op_chunk, *op_foreign, *ranks;
+    PyObject *op_dur, *op_act, *edge_src, *edge_dst, *edge_delay, *wi_streams, *streams,
+        *op_kind, *op_pipeline, *op_stage, *op_mb, *op_chunk, *op_foreign, *ranks;
     int rule, with_order;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!O!ip", &PyList_Type, &op_wi,
-                          &PyList_Type, &op_dur, &PyList_Type, &op_act, &PyList_Type,
-                          &edge_src, &PyList_Type, &edge_dst, &PyList_Type, &edge_delay,
-                          &PyList_Type, &wi_streams, &PyList_Type,
-                          &streams, &PyList_Type, &stream_id, &PyList_Type, &next_in_stream,
-                          &PyList_Type, &prev_in_stream, &PyList_Type, &op_kind,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!O!O!O!ip", &PyList_Type, &op_dur,
+                          &PyList_Type, &op_act, &PyList_Type, &edge_src, &PyList_Type,
+                          &edge_dst, &PyList_Type, &edge_delay, &PyList_Type, &wi_streams,
+                          &PyList_Type, &streams, &PyList_Type, &op_kind,
                           &PyList_Type, &op_pipeline, &PyList_Type, &op_stage, &PyList_Type,
                           &op_mb, &PyList_Type, &op_chunk, &PyList_Type, &op_foreign,
                           &PyList_Type, &ranks, &rule, &with_order))
@@ -643,7 +636,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     }
     Run r;
     memset(&r, 0, sizeof r);
-    r.n = PyList_GET_SIZE(op_wi);
+    r.n = PyList_GET_SIZE(op_dur);
     r.nw = PyList_GET_SIZE(wi_streams);
     r.rule = rule;
     r.op_kind = op_kind;
@@ -654,17 +647,13 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     r.op_foreign = op_foreign;
     r.ranks = ranks;
     PyObject *out = NULL;
-    if (run_alloc(&r) < 0 || longs(op_wi, r.n, "op_wi", r.op_wi) < 0 ||
-        doubles(op_dur, r.n, "op_dur", r.op_dur) < 0 ||
+    if (run_alloc(&r) < 0 || doubles(op_dur, r.n, "op_dur", r.op_dur) < 0 ||
         doubles(op_act, r.n, "op_act", r.op_act) < 0 ||
-        indices(stream_id, r.n, "stream_id", r.stream_id) < 0 ||
-        indices(next_in_stream, r.n, "next_in_stream", r.next_in_stream) < 0 ||
-        indices(prev_in_stream, r.n, "prev_in_stream", r.prev_in_stream) < 0 ||
         !checked_list(op_kind, r.n, "op_kind") || !checked_list(op_pipeline, r.n, "op_pipeline") ||
         !checked_list(op_stage, r.n, "op_stage") || !checked_list(op_mb, r.n, "op_mb") ||
         !checked_list(op_chunk, r.n, "op_chunk") || !checked_list(op_foreign, r.n, "op_foreign") ||
-        read_edges(&r, edge_src, edge_dst, edge_delay) < 0 || read_streams(&r, wi_streams, streams) < 0 ||
-        check_ranges(&r) < 0 || run_events(&r) < 0)
+        read_streams(&r, wi_streams, streams) < 0 ||
+        read_edges(&r, edge_src, edge_dst, edge_delay) < 0 || run_events(&r) < 0)
         goto done;
     out = results(&r, with_order);
 done:

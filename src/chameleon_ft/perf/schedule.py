@@ -420,16 +420,21 @@ class _Graph:
                   self.op_mb[op_id], self.op_chunk[op_id])
 
     @functools.cached_property
-    def layout(self) -> tuple[list[int], list[int], list[list[int]], list[int], list[int],
-                              list[int]]:
-        """What every rule's run needs and none changes, computed once per graph: the
-        workers in order, each op's dense worker index, each worker's streams, each op's
-        stream, the op after it in its stream (-1 at the end) and the op before it (the
-        number of ops at the start: :class:`_ListRun` keeps a zero there)."""
+    def workers(self) -> tuple[list[int], list[list[int]]]:
+        """The workers in order (their dense index ``wi`` is the position) and each one's
+        streams."""
         workers = list(self.stream_of_worker)
+        return workers, [self.stream_of_worker[w] for w in workers]
+
+    @functools.cached_property
+    def layout(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """What every rule's Python run needs and none changes, computed once per graph:
+        each op's dense worker index, its stream, the op after it in its stream (-1 at the
+        end) and the op before it (the number of ops at the start: :class:`_ListRun` keeps
+        a zero there). The compiled kernel derives them from the streams itself."""
+        workers, _ = self.workers
         index = {w: i for i, w in enumerate(workers)}
         op_wi = [index[w] for w in self.op_worker]
-        wi_streams = [self.stream_of_worker[w] for w in workers]
         num_ops = len(self.op_kind)
         stream_id = [0] * num_ops
         next_in_stream = [-1] * num_ops
@@ -447,7 +452,7 @@ class _Graph:
             for a, b in itertools.pairwise(ids):
                 next_in_stream[a] = b
                 prev_in_stream[b] = a
-        return workers, op_wi, wi_streams, stream_id, next_in_stream, prev_in_stream
+        return op_wi, stream_id, next_in_stream, prev_in_stream
 
     @functools.cached_property
     def stream_totals(self) -> tuple[list[float], list[float]]:
@@ -771,8 +776,7 @@ class _ListRun:
         self.rule = rule
         self.priority = PRIORITIES[rule]
         self.with_ops = with_ops
-        (self.workers, self.op_wi, self.wi_streams, self.stream_id, self.next_in_stream,
-         self.prev_in_stream) = graph.layout
+        self.workers, self.wi_streams = graph.workers
         self.single = [len(ws) == 1 for ws in self.wi_streams]
         # What a run gives the timeline (both runs set them).
         self.stream_end: list[float] = []
@@ -788,6 +792,7 @@ class _ListRun:
         """The Python run's state."""
         graph = self.graph
         num_ops, num_workers = len(graph.op_kind), len(self.workers)
+        self.op_wi, self.stream_id, self.next_in_stream, self.prev_in_stream = graph.layout
         self.pending = list(graph.pending)
         self.ready = [0.0] * num_ops
         self.head = [ids[0] for ids in graph.streams]
@@ -1005,9 +1010,8 @@ class _ListRun:
             ranks[p] = rank
         (self.stream_end, self.busy_until, self.busy_s, self.act_peak, self.order,
          self.makespan, self.critical_compute) = _listsched.run(
-            self.op_wi, graph.op_dur, graph.op_act, graph.edge_src, graph.edge_dst,
-            graph.edge_delay, self.wi_streams, graph.streams, self.stream_id,
-            self.next_in_stream, self.prev_in_stream, graph.op_kind, graph.op_pipeline,
+            graph.op_dur, graph.op_act, graph.edge_src, graph.edge_dst, graph.edge_delay,
+            self.wi_streams, graph.streams, graph.op_kind, graph.op_pipeline,
             graph.op_stage, graph.op_mb, graph.op_chunk, graph.op_foreign, ranks,
             _RULE_CODES[self.rule], self.with_ops)
 
