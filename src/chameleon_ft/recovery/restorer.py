@@ -275,34 +275,37 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     transfers: list[Transfer] = []
     moved = 0.0
     slots = []
-    for p, s, st in plan.iter_stages():
-        if (p, s) in plan.reroute_map:
-            continue  # a rerouted stage's worker is dead: nothing moves to it
-        slots.append((st.worker, p, s))
-        have = held.get(st.worker, ())
-        if (isinstance(have, range) and have.step == 1 and have.start <= st.first_layer
-                and st.end_layer <= have.stop):
-            continue  # the worker holds every layer of its stage already
-        dst_node = topology.node_of(st.worker)
-        for layer in st.layers:
-            if layer in have:
-                continue
-            sources = holders.get(layer, [])
-            if not sources:
-                raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
-            cost = profile.layers[layer]
-            size = cost.param_bytes if parameters_only else cost.state_bytes
-            moved += size
-            if first_source:
-                parts, chosen = 1, sources[:1]
-            else:
-                parts = min(max_parts, len(sources))
-                chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
-                                                        sent_bytes[w], w))[:parts]
-            for part, src in enumerate(chosen):
-                sent_bytes[src] += size / parts
-                transfers.append(Transfer(layer=layer, src=src, dst=st.worker, part=part,
-                                          num_parts=parts, num_bytes=size / parts))
+    dead = plan.reroute_map
+    held_by = held.get
+    for p, pipe in enumerate(plan.pipelines):
+        for s, (worker, layers) in enumerate(zip(pipe.workers, pipe.layer_ranges, strict=True)):
+            if dead and (p, s) in dead:
+                continue  # a rerouted stage's worker is dead: nothing moves to it
+            slots.append((worker, p, s))
+            have = held_by(worker, ())
+            if have is layers or (isinstance(have, range) and have.step == 1
+                                  and have.start <= layers.start and layers.stop <= have.stop):
+                continue  # the worker holds every layer of its stage already
+            dst_node = topology.node_of(worker)
+            for layer in layers:
+                if layer in have:
+                    continue
+                sources = holders.get(layer, [])
+                if not sources:
+                    raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
+                cost = profile.layers[layer]
+                size = cost.param_bytes if parameters_only else cost.state_bytes
+                moved += size
+                if first_source:
+                    parts, chosen = 1, sources[:1]
+                else:
+                    parts = min(max_parts, len(sources))
+                    chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
+                                                            sent_bytes[w], w))[:parts]
+                for part, src in enumerate(chosen):
+                    sent_bytes[src] += size / parts
+                    transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
+                                              num_parts=parts, num_bytes=size / parts))
     groups = [(t.src, t.dst) for t in transfers]
     round_lists = colour_rounds(groups) if transfers else []
     time_s = 0.0
