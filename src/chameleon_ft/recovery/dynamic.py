@@ -147,8 +147,10 @@ def _affine_fit(templates: Templates, length: int, m: int) -> tuple[float, float
 
 def _intact_lengths(state: RecoveryState) -> dict[int, int]:
     """Pipelines of the current plan that lost nothing, counted by length."""
-    damaged = {p for p, s, st in state.plan.iter_stages()
-               if (p, s) in state.plan.reroute_map or st.worker not in state.alive}
+    alive = state.alive.__contains__
+    damaged = {p for p, _ in state.plan.reroute_map}
+    damaged.update(p for p, workers in enumerate(state.plan.worker_rows())
+                   if not all(map(alive, workers)))
     out: dict[int, int] = {}
     for p, pipe in enumerate(state.plan.pipelines):
         if p not in damaged:
