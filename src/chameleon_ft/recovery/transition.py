@@ -133,9 +133,8 @@ def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, t
 
     def charge(group: Collection[int], ranks: int, *, first_exchange: bool = True) -> None:
         cost = spec.comm_init_s + (spec.comm_per_rank_s * ranks if first_exchange else 0.0)
-        # busy[worker] += cost for each worker in turn, at C speed (a missing worker is
-        # inserted at 0.0 by the lookup, then set; float addition commutes exactly)
-        busy.update(zip(group, map(cost.__add__, map(busy.__getitem__, group)), strict=True))
+        for worker in group:
+            busy[worker] += cost
 
     runtime = spec.rebuild_all_groups and not everything
     if everything or runtime:
