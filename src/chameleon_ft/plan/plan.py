@@ -142,6 +142,26 @@ class Pipeline:
         """Stages in this pipeline."""
         return len(self.stages)
 
+    def on_workers(self, workers: Iterable[int],
+                   num_microbatches: int | None = None) -> Pipeline:
+        """This pipeline's stages on ``workers`` (one per stage, in stage order), with its
+        micro-batch count unless ``num_microbatches`` is given. The new pipeline starts
+        with this one's layer ranges and layout (a renamed or re-placed pipeline does not
+        rebuild them stage by stage).
+
+        Raises:
+            ValueError: when ``workers`` does not name one worker per stage.
+        """
+        row = tuple(workers)
+        _, ranges, end = _pipeline_table(self)
+        stages = tuple([Stage(w, st.first_layer, st.end_layer)
+                        for w, st in zip(row, self.stages, strict=True)])
+        pipe = Pipeline(stages, self.num_microbatches if num_microbatches is None
+                        else num_microbatches)
+        object.__setattr__(pipe, "_table", (row, ranges, end))
+        object.__setattr__(pipe, "_layout", self._layout)
+        return pipe
+
 
 @dataclass(frozen=True, slots=True)
 class Reroute:

@@ -239,9 +239,7 @@ def _in_id_order(shape: ExecutionPlan, held: Mapping[int, Collection[int]]) -> E
     """``shape`` with its slots filled by the live workers in id order."""
     workers = iter(sorted(held))
     return replace(shape, pipelines=tuple(
-        Pipeline(tuple(Stage(next(workers), st.first_layer, st.end_layer) for st in pipe.stages),
-                 pipe.num_microbatches)
-        for pipe in shape.pipelines))
+        pipe.on_workers(next(workers) for _ in pipe.stages) for pipe in shape.pipelines))
 
 
 def _ranked_partitions(templates: Templates, num_alive: int, lengths: tuple[int, ...],

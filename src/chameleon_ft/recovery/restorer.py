@@ -14,6 +14,7 @@ Two steps (docs/design.md section 3.3, the paper's Restorer and Figure 3):
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -22,7 +23,7 @@ from typing import Any
 
 from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
@@ -147,7 +148,6 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
         The plan with survivors matched to slots, and the bytes that must move.
     """
     workers = sorted(held)
-    slots = [(p, s, st) for p, s, st in skeleton.iter_stages()]
     # One frozen set per distinct holding (a plan's table shares its range objects) and per
     # distinct stage range: frozenset() of a frozenset is the set itself, so the matching
     # neither copies nor re-hashes them per worker.
@@ -159,24 +159,22 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
         if found is None:
             found = by_holding[id(layers)] = frozenset(layers)
         held_sets.append(found)
-    by_range: dict[tuple[int, int], frozenset[int]] = {}
+    by_range: dict[int, frozenset[int]] = {}  # by the id of a shared range object
     wanted = []
-    for _, _, st in slots:
-        bounds = (st.first_layer, st.end_layer)
-        found = by_range.get(bounds)
+    for layers in itertools.chain.from_iterable(
+            pipe.layer_ranges for pipe in skeleton.pipelines):
+        found = by_range.get(id(layers))
         if found is None:
-            found = by_range[bounds] = frozenset(st.layers)
+            found = by_range[id(layers)] = frozenset(layers)
         wanted.append(found)
     matching = match_workers(held_sets, wanted, layer_bytes)
     worker_of_slot = {j: workers[i] for i, j in matching.assignment.items()}
     pipelines = []
     slot = 0
     for pipe in skeleton.pipelines:
-        stages = []
-        for st in pipe.stages:
-            stages.append(Stage(worker_of_slot[slot], st.first_layer, st.end_layer))
-            slot += 1
-        pipelines.append(Pipeline(tuple(stages), pipe.num_microbatches))
+        pipelines.append(pipe.on_workers(map(worker_of_slot.__getitem__,
+                                             range(slot, slot + len(pipe.stages)))))
+        slot += len(pipe.stages)
     plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
                          micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
     return plan, matching.moved_bytes
@@ -211,12 +209,12 @@ def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]
     pipelines = []
     moved = 0.0
     for p, pipe in enumerate(skeleton.pipelines):
-        stages = []
+        row = []
         for s, st in enumerate(pipe.stages):
             w = workers[s * dp + p]
             moved += _missing_bytes(held[w], st.layers, layer_bytes)
-            stages.append(Stage(w, st.first_layer, st.end_layer))
-        pipelines.append(Pipeline(tuple(stages), pipe.num_microbatches))
+            row.append(w)
+        pipelines.append(pipe.on_workers(row))
     plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
                          micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
     return plan, moved
