@@ -92,8 +92,7 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
         if renaming.keys().isdisjoint(pipe.workers):
             return pipe  # most pipelines keep their workers: reuse them as they are
         get = renaming.get
-        return Pipeline(tuple([Stage(get(st.worker, st.worker), st.first_layer, st.end_layer)
-                               for st in pipe.stages]), pipe.num_microbatches)
+        return pipe.on_workers(map(get, pipe.workers, pipe.workers))
 
     return ExecutionPlan(
         num_layers=plan.num_layers,
@@ -233,7 +232,8 @@ class CanonicalForm:
             if not maps:
                 source = stored if stored is not None else self.plan
                 pairs = list(zip(source.pipelines, self.order, strict=True))
-                maps.append(({v: k for k, v in self.renaming.items()},
+                renaming = self.renaming
+                maps.append((dict(zip(renaming.values(), renaming.keys(), strict=True)),
                              ({id(pipe): original.pipelines[p] for pipe, p in pairs},
                               {id(pipe.stages): original.pipelines[p].stages
                                for pipe, p in pairs})))
@@ -307,8 +307,10 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
         for i, (w, n) in enumerate(r.shares):
             q, s = where[w]
             hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
-    order = sorted(range(plan.num_pipelines),
-                   key=lambda p: (lite[p], sorted(hosting.get(p, ())), p))
+    hosted = {p: sorted(hosts) for p, hosts in hosting.items()}
+    no_hosts: list[tuple[Any, ...]] = []
+    keys = [(lite[p], hosted.get(p, no_hosts), p) for p in range(plan.num_pipelines)]
+    order = sorted(range(plan.num_pipelines), key=keys.__getitem__)
     renaming: dict[int, int] = {}
     position = {}
     pipelines = []
