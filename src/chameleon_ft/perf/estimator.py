@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -262,22 +261,17 @@ class Estimator:
         device: parameters, gradients and optimizer state of the layers held, plus the
         activations of the micro-batches in flight at the worst moment, plus one layer's
         backward workspace (recomputed activations)."""
-        held = plan.layers_by_worker
-        workers = list(held)
-        # The plan shares one range object per distinct layer range: price each once,
-        # then read each worker's by the identity of its range (at C speed).
-        distinct = dict(zip(map(id, held.values()), held.values(), strict=True))
-        by_range = {key: self._range_cost(layers) for key, layers in distinct.items()}
-        costs = list(map(by_range.__getitem__, map(id, held.values())))
-        opt: Iterable[float] = map(operator.itemgetter(0), costs)
-        if speeds:
-            opt = [o / speeds[w] if w in speeds else o for w, o in zip(workers, opt, strict=True)]
-        opt_s = dict(zip(workers, opt, strict=True))
-        # static + activations + workspace, added in that order for every worker
-        with_activations = map(operator.add, map(operator.itemgetter(1), costs),
-                               map(act_peak.get, workers, itertools.repeat(0.0)))
-        peak_memory = dict(zip(workers, map(operator.add, with_activations,
-                                            map(operator.itemgetter(2), costs)), strict=True))
+        opt_s: dict[int, float] = {}
+        peak_memory: dict[int, float] = {}
+        # The plan shares one range object per distinct layer range: price each once.
+        by_range: dict[int, tuple[float, float, float]] = {}
+        for w, layers in plan.layers_by_worker.items():
+            cost = by_range.get(id(layers))
+            if cost is None:
+                cost = by_range[id(layers)] = self._range_cost(layers)
+            opt, static, workspace = cost
+            opt_s[w] = opt / speeds[w] if w in speeds else opt
+            peak_memory[w] = static + act_peak.get(w, 0.0) + workspace
         return opt_s, peak_memory
 
     def _stage_cost(self, lo: int, hi: int) -> Any:

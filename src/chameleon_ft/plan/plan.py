@@ -380,23 +380,23 @@ class ExecutionPlan:
         # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
         # ranges, so this stays cheap on thousands of workers).
         dead = self.reroute_map
-        by_range: dict[range, int] = {}
+        by_range: dict[tuple[int, int], int] = {}
         get = by_range.get
         for p, pipe in enumerate(self.pipelines):
-            workers, ranges, _ = _pipeline_table(pipe)
-            for s, layers in enumerate(ranges):
+            for s, st in enumerate(pipe.stages):
                 if dead and (p, s) in dead:
                     continue
-                seen = get(layers)
-                node = workers[s] // workers_per_node
+                key = (st.first_layer, st.end_layer)
+                seen = get(key)
+                node = st.worker // workers_per_node
                 if seen is None:
-                    by_range[layers] = node
+                    by_range[key] = node
                 elif seen >= 0 and seen != node:
-                    by_range[layers] = -1
+                    by_range[key] = -1
         out: set[int] = set()
         if any(node >= 0 for node in by_range.values()):
             for layer in range(self.num_layers):
-                nodes = {node for layers, node in by_range.items() if layer in layers}
+                nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
                 if len(nodes) == 1:
                     (node,) = nodes
                     if node >= 0:

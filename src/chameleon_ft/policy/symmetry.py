@@ -107,7 +107,6 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
 
 def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
     get = renaming.get
-    peak = est.peak_memory_bytes
 
     def workers(ws: tuple[int, ...]) -> tuple[int, ...]:
         if renaming.keys().isdisjoint(ws):
@@ -120,7 +119,7 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
 
     return replace(
         est,
-        peak_memory_bytes=dict(zip(map(get, peak, peak), peak.values(), strict=True)),
+        peak_memory_bytes={get(k, k): v for k, v in est.peak_memory_bytes.items()},
         sync_rounds=tuple(tuple(bucket(b) for b in group) for group in est.sync_rounds),
         tie_workers=workers(est.tie_workers),
     )
@@ -232,8 +231,7 @@ class CanonicalForm:
             if not maps:
                 source = stored if stored is not None else self.plan
                 pairs = list(zip(source.pipelines, self.order, strict=True))
-                renaming = self.renaming
-                maps.append((dict(zip(renaming.values(), renaming.keys(), strict=True)),
+                maps.append(({v: k for k, v in self.renaming.items()},
                              ({id(pipe): original.pipelines[p] for pipe, p in pairs},
                               {id(pipe.stages): original.pipelines[p].stages
                                for pipe, p in pairs})))
