@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 
 def dsatur(num_vertices: int, edges: Iterable[tuple[int, int]]) -> list[int]:
@@ -26,26 +27,59 @@ def dsatur(num_vertices: int, edges: Iterable[tuple[int, int]]) -> list[int]:
         if a != b:
             neighbours[a].add(b)
             neighbours[b].add(a)
+    return _colour(neighbours)
+
+
+def _colour(neighbours: Sequence[AbstractSet[int]]) -> list[int]:
+    """:func:`dsatur` of the graph given by each vertex's neighbours (itself excluded).
+
+    The order a vertex's neighbours are visited in does not matter: every heap entry is
+    distinct (a vertex is pushed again only when its saturation grew), so the pops are
+    the same whichever order the entries went in."""
+    num_vertices = len(neighbours)
     colour = [-1] * num_vertices
     saturation: list[set[int]] = [set() for _ in range(num_vertices)]
+    neg_degree = [-len(ns) for ns in neighbours]
     # A heap of (-saturation, -degree, vertex); an entry is stale once the vertex is
     # coloured or its saturation grew (a fresher entry was pushed then).
-    heap = [(0, -len(neighbours[v]), v) for v in range(num_vertices)]
+    heap = [(0, neg_degree[v], v) for v in range(num_vertices)]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        neg_sat, _, v = heapq.heappop(heap)
-        if colour[v] >= 0 or -neg_sat != len(saturation[v]):
-            continue
+        neg_sat, _, v = pop(heap)
         used = saturation[v]
+        if colour[v] >= 0 or -neg_sat != len(used):
+            continue
         c = 0
         while c in used:
             c += 1
         colour[v] = c
         for u in neighbours[v]:
-            if colour[u] < 0 and c not in saturation[u]:
-                saturation[u].add(c)
-                heapq.heappush(heap, (-len(saturation[u]), -len(neighbours[u]), u))
+            if colour[u] < 0:
+                sat = saturation[u]
+                if c not in sat:
+                    sat.add(c)
+                    push(heap, (-len(sat), neg_degree[u], u))
     return colour
+
+
+def _shared_worker_neighbours(groups: Sequence[Iterable[int]]) -> list[set[int]]:
+    """Each group's neighbours in the graph of :func:`conflict_edges`: the other groups
+    that share a worker with it (built from the groups of each worker, without listing
+    the edges one by one)."""
+    members = [set(group) for group in groups]
+    by_member: dict[int, list[int]] = {}
+    for i, group in enumerate(members):
+        for member in group:
+            by_member.setdefault(member, []).append(i)
+    neighbours: list[set[int]] = []
+    for i, group in enumerate(members):
+        found: set[int] = set()
+        for member in group:
+            found.update(by_member[member])
+        found.discard(i)
+        neighbours.append(found)
+    return neighbours
 
 
 def conflict_edges(groups: Sequence[Iterable[int]]) -> list[tuple[int, int]]:
@@ -69,7 +103,8 @@ def rounds(groups: Sequence[Iterable[int]],
     ``edges``: the pairs of groups that share a worker, when the caller knows them faster
     than :func:`conflict_edges` finds them.
     """
-    colours = dsatur(len(groups), conflict_edges(groups) if edges is None else edges)
+    colours = (_colour(_shared_worker_neighbours(groups)) if edges is None
+               else dsatur(len(groups), edges))
     out: list[list[int]] = [[] for _ in range(max(colours, default=-1) + 1)]
     for i, c in enumerate(colours):
         out[c].append(i)

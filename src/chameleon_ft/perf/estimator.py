@@ -449,11 +449,12 @@ class Estimator:
             if lone:
                 # A lone pipeline: read its shared timeline by stage, without relabelling.
                 tl = self._canonical_pipeline(plan, group[0], speeds, brute_force)
-                workers = [st.worker for st in plan.pipelines[group[0]].stages]
-                stages = range(len(workers))
+                stage_workers = plan.pipelines[group[0]].workers
+                stages = range(len(stage_workers))
                 for into, by_stage in ((finish, tl.finish_s), (busy, tl.busy_s),
                                        (act_peak, tl.peak_activation_bytes)):
-                    into.update(zip(workers, map(by_stage.__getitem__, stages), strict=True))
+                    into.update(zip(stage_workers, map(by_stage.__getitem__, stages),
+                                    strict=True))
             else:
                 tl = self._component(plan, group, speeds, brute_force, with_ops=False)
                 finish.update(tl.finish_s)

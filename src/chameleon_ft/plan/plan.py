@@ -33,35 +33,37 @@ def _position(pipeline: int, stage: int) -> tuple[int, int]:
 _LAYER_RANGES: dict[tuple[int, int], range] = {}
 """One range object per ``(first, end)`` layer range, shared by every plan's table."""
 
-_PIPELINE_TABLES: dict[int, tuple[Any, tuple[int, ...], tuple[range, ...]]] = {}
-"""Each pipeline's stage workers and layer ranges, by the pipeline object's id (with the
-object, so that a reused id is never mistaken for it): plans share pipeline objects, so
-most of a new plan's tables come from rows already built."""
-
-_PIPELINE_TABLES_KEPT = 4096
-"""Rows kept before they are all forgotten (each holds its pipeline alive)."""
-
 _V = TypeVar("_V")
 
 
-def _pipeline_table(pipe: Pipeline) -> tuple[tuple[int, ...], tuple[range, ...]]:
-    """The workers of ``pipe``'s stages and their layer ranges (shared range objects)."""
-    known = _PIPELINE_TABLES.get(id(pipe))
-    if known is not None and known[0] is pipe:
-        return known[1], known[2]
+_Table = tuple[tuple[int, ...], tuple[range, ...], int]
+"""A pipeline's stage workers, their layer ranges, and the layers they cover
+(:func:`_pipeline_table`)."""
+
+
+def _pipeline_table(pipe: Pipeline) -> _Table:
+    """The workers of ``pipe``'s stages, their layer ranges (shared range objects), and
+    the end of the layers they cover: ``n`` when the stages hold layers ``0..n-1`` in
+    order, each exactly once, none empty; ``-1`` otherwise.
+
+    Built on first use and kept with the pipeline: plans share pipeline objects, so most
+    of a new plan's tables come from rows already built."""
+    table = pipe._table
+    if table is not None:
+        return table
     workers = tuple([st.worker for st in pipe.stages])
     ranges = []
+    end = 0
     for st in pipe.stages:
         bounds = (st.first_layer, st.end_layer)
         layers = _LAYER_RANGES.get(bounds)
         if layers is None:
             layers = _LAYER_RANGES.setdefault(bounds, range(st.first_layer, st.end_layer))
         ranges.append(layers)
-    row = tuple(ranges)
-    if len(_PIPELINE_TABLES) >= _PIPELINE_TABLES_KEPT:
-        _PIPELINE_TABLES.clear()
-    _PIPELINE_TABLES[id(pipe)] = (pipe, workers, row)
-    return workers, row
+        end = st.end_layer if end >= 0 and st.first_layer == end < st.end_layer else -1
+    table = (workers, tuple(ranges), end if ranges else -1)
+    object.__setattr__(pipe, "_table", table)
+    return table
 
 
 def _position_row(pipeline: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -101,6 +103,9 @@ class Pipeline:
     _layout: tuple[tuple[int, int], ...] | None = field(
         init=False, default=None, repr=False, compare=False)
     _hash: int | None = field(init=False, default=None, repr=False, compare=False)
+    _table: _Table | None = field(
+        init=False, default=None, repr=False, compare=False)
+    """:func:`_pipeline_table`'s row, once built."""
 
     def __hash__(self) -> int:
         # The dataclass's own hash (of the compared fields), kept: plans share pipeline
@@ -122,9 +127,40 @@ class Pipeline:
         return layout
 
     @property
+    def workers(self) -> tuple[int, ...]:
+        """The stage workers, in stage order (built on first use, kept with the pipeline)."""
+        return _pipeline_table(self)[0]
+
+    @property
+    def layer_ranges(self) -> tuple[range, ...]:
+        """Each stage's layer range, in stage order: one shared range object per distinct
+        ``(first, end)`` (built on first use, kept with the pipeline)."""
+        return _pipeline_table(self)[1]
+
+    @property
     def num_stages(self) -> int:
         """Stages in this pipeline."""
         return len(self.stages)
+
+    def on_workers(self, workers: Iterable[int],
+                   num_microbatches: int | None = None) -> Pipeline:
+        """This pipeline's stages on ``workers`` (one per stage, in stage order), with its
+        micro-batch count unless ``num_microbatches`` is given. The new pipeline starts
+        with this one's layer ranges and layout (a renamed or re-placed pipeline does not
+        rebuild them stage by stage).
+
+        Raises:
+            ValueError: when ``workers`` does not name one worker per stage.
+        """
+        row = tuple(workers)
+        _, ranges, end = _pipeline_table(self)
+        stages = tuple([Stage(w, st.first_layer, st.end_layer)
+                        for w, st in zip(row, self.stages, strict=True)])
+        pipe = Pipeline(stages, self.num_microbatches if num_microbatches is None
+                        else num_microbatches)
+        object.__setattr__(pipe, "_table", (row, ranges, end))
+        object.__setattr__(pipe, "_layout", self._layout)
+        return pipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +345,8 @@ class ExecutionPlan:
         by_range: dict[range, list[int]] = {}
         dead = self.reroute_map
         for p, pipe in enumerate(self.pipelines):
-            for s, (worker, layers) in enumerate(zip(*_pipeline_table(pipe), strict=True)):
+            workers, ranges, _ = _pipeline_table(pipe)
+            for s, (worker, layers) in enumerate(zip(workers, ranges, strict=True)):
                 if dead and (p, s) in dead:
                     continue
                 found = by_range.get(layers)
@@ -317,11 +354,21 @@ class ExecutionPlan:
                     by_range[layers] = [worker]
                 else:
                     found.append(worker)
-        out: list[list[int]] = [[] for _ in range(self.num_layers)]
-        for layers, ws in by_range.items():
+        # Layers held by the same ranges have the same holders: one sorted tuple each.
+        cover: list[list[range]] = [[] for _ in range(self.num_layers)]
+        for layers in by_range:
             for layer in layers:
-                out[layer].extend(ws)
-        return tuple(tuple(sorted(ws)) for ws in out)
+                cover[layer].append(layers)
+        known: dict[tuple[range, ...], tuple[int, ...]] = {}
+        out = []
+        for ranges_of_layer in cover:
+            key = tuple(ranges_of_layer)
+            holders = known.get(key)
+            if holders is None:
+                holders = known[key] = tuple(sorted(
+                    [w for layers in ranges_of_layer for w in by_range[layers]]))
+            out.append(holders)
+        return tuple(out)
 
     def fatal_nodes(self, workers_per_node: int) -> frozenset[int]:
         """Nodes (``worker // workers_per_node``) whose loss leaves some layer without a
@@ -382,6 +429,11 @@ class ExecutionPlan:
             return (pipe.stages[stage].worker,) * pipe.num_microbatches
         return reroute.assignment()
 
+    def worker_rows(self) -> list[tuple[int, ...]]:
+        """Each pipeline's stage workers (a rerouted stage's dead one too), in stage order:
+        tuples kept with the pipeline objects, so asking again is cheap."""
+        return [_pipeline_table(pipe)[0] for pipe in self.pipelines]
+
     def iter_stages(self) -> Iterator[tuple[int, int, Stage]]:
         """Yield ``(pipeline, stage index, stage)`` over the whole plan."""
         for p, pipe in enumerate(self.pipelines):
@@ -415,6 +467,43 @@ class ExecutionPlan:
                 raise ValueError(f"plan.reroutes: pipeline {r.pipeline} stage {r.stage} is "
                                  "rerouted twice")
             rerouted.add(key)
+        seen = self._live_positions(rerouted)
+        if seen is None:
+            seen = self._checked_stages(rerouted)
+        for r in self.reroutes:
+            self._validate_reroute(r, seen, rerouted)
+        if num_microbatches is not None and self.num_microbatches != num_microbatches:
+            raise ValueError(f"plan: pipelines run {self.num_microbatches} micro-batches per "
+                             f"step, the global batch needs {num_microbatches}")
+
+    def _live_positions(self, rerouted: set[tuple[int, int]]
+                        ) -> dict[int, tuple[int, int]] | None:
+        """``worker -> (pipeline, stage)`` of every live stage when every pipeline is sound
+        (micro-batches, contiguous non-empty stages covering every layer, no worker used
+        twice), checked a pipeline at a time from its shared table; ``None`` when some
+        check fails (:meth:`_checked_stages` then says which)."""
+        seen: dict[int, tuple[int, int]] = {}
+        rerouted_pipelines = {p for p, _ in rerouted}
+        for p, pipe in enumerate(self.pipelines):
+            workers, _, end = _pipeline_table(pipe)
+            if pipe.num_microbatches < 1 or end != self.num_layers:
+                return None
+            positions = _position_row(p, len(workers))
+            if p in rerouted_pipelines:
+                for s, worker in enumerate(workers):
+                    if (p, s) not in rerouted:
+                        if worker in seen:
+                            return None
+                        seen[worker] = positions[s]
+                continue
+            before = len(seen)
+            seen.update(zip(workers, positions, strict=True))
+            if len(seen) != before + len(workers):
+                return None
+        return seen
+
+    def _checked_stages(self, rerouted: set[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        """:meth:`_live_positions`, stage by stage, raising at the first fault."""
         seen: dict[int, tuple[int, int]] = {}
         for p, pipe in enumerate(self.pipelines):
             if pipe.num_microbatches < 1:
@@ -442,11 +531,7 @@ class ExecutionPlan:
             if expected != self.num_layers:
                 raise ValueError(f"plan.pipelines[{p}]: covers layers 0..{expected - 1}, the "
                                  f"model has {self.num_layers}")
-        for r in self.reroutes:
-            self._validate_reroute(r, seen, rerouted)
-        if num_microbatches is not None and self.num_microbatches != num_microbatches:
-            raise ValueError(f"plan: pipelines run {self.num_microbatches} micro-batches per "
-                             f"step, the global batch needs {num_microbatches}")
+        return seen
 
     def _validate_reroute(self, r: Reroute, live: dict[int, tuple[int, int]],
                           rerouted: set[tuple[int, int]]) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 
 from chameleon_ft.plan.plan import ExecutionPlan, Reroute
 
@@ -17,7 +18,11 @@ def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int
     A stage rerouted before whose worker is not in ``dead`` (it came back) is live again.
     """
     dead_set = set(dead)
-    return [(p, s) for p, s, st in plan.iter_stages() if st.worker in dead_set]
+    out: list[tuple[int, int]] = []
+    for p, workers in enumerate(plan.worker_rows()):
+        if not dead_set.isdisjoint(workers):
+            out.extend((p, s) for s, w in enumerate(workers) if w in dead_set)
+    return out
 
 
 def reroute_plan(
@@ -50,12 +55,21 @@ def reroute_plan(
     load: dict[int, float] = {}
     pipeline_of: dict[int, int] = {}
     peers_of_range: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for p, s, st in plan.iter_stages():
-        if (p, s) in skip:
+    damaged = {p for p, _ in dead_list}
+    for p, pipe in enumerate(plan.pipelines):
+        own = float(pipe.num_microbatches)
+        if p not in damaged:  # every stage live: its workers in bulk
+            load.update(zip(pipe.workers, repeat(own)))
+            pipeline_of.update(zip(pipe.workers, repeat(p)))
+            for bounds, worker in zip(pipe.layout, pipe.workers, strict=True):
+                peers_of_range[bounds].append((p, worker))
             continue
-        load[st.worker] = float(plan.pipelines[p].num_microbatches)
-        pipeline_of[st.worker] = p
-        peers_of_range[(st.first_layer, st.end_layer)].append((p, st.worker))
+        for s, st in enumerate(pipe.stages):
+            if (p, s) in skip:
+                continue
+            load[st.worker] = own
+            pipeline_of[st.worker] = p
+            peers_of_range[(st.first_layer, st.end_layer)].append((p, st.worker))
     extra: dict[int, int] = defaultdict(int)
     # Foreign micro-batches per pipeline; a pipeline with a dead stage of its own already
     # waits on peers, so it counts as having taken all of its micro-batches.

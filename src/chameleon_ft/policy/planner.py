@@ -345,9 +345,9 @@ class Planner:
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
         items = list(workers)
         n = self._topology.num_workers
-        if all(type(w) is int for w in items) and (not items or (min(items) >= 0
-                                                                  and max(items) < n)):
-            return frozenset(items)  # the common case, checked in bulk
+        if set(map(type, items)) <= {int} and (not items or (min(items) >= 0
+                                                            and max(items) < n)):
+            return frozenset(items)  # the common case, checked in bulk (plain ints only)
         for w in items:
             if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
                 raise ValueError(f"{field}: worker {w!r} is not in the cluster (workers 0.."

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from itertools import chain, filterfalse, repeat
 from typing import Any
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
@@ -88,11 +89,10 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
         stages = same_stages.get(id(pipe.stages))
         if stages is not None:
             return Pipeline(stages, pipe.num_microbatches)
-        if not any(st.worker in renaming for st in pipe.stages):
+        if renaming.keys().isdisjoint(pipe.workers):
             return pipe  # most pipelines keep their workers: reuse them as they are
         get = renaming.get
-        return Pipeline(tuple([Stage(get(st.worker, st.worker), st.first_layer, st.end_layer)
-                               for st in pipe.stages]), pipe.num_microbatches)
+        return pipe.on_workers(map(get, pipe.workers, pipe.workers))
 
     return ExecutionPlan(
         num_layers=plan.num_layers,
@@ -109,9 +109,9 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
     get = renaming.get
 
     def workers(ws: tuple[int, ...]) -> tuple[int, ...]:
-        if not any(x in renaming for x in ws):
+        if renaming.keys().isdisjoint(ws):
             return ws
-        return tuple(sorted([get(x, x) for x in ws]))
+        return tuple(sorted(map(get, ws, ws)))
 
     def bucket(b: Bucket) -> Bucket:
         renamed = workers(b.workers)
@@ -130,8 +130,8 @@ def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migr
     return replace(
         migration,
         slots=tuple([(get(x, x), p, s) for x, p, s in migration.slots]),
-        transfers=tuple([Transfer(layer=t.layer, src=get(t.src, t.src), dst=get(t.dst, t.dst),
-                                  part=t.part, num_parts=t.num_parts, num_bytes=t.num_bytes)
+        transfers=tuple([Transfer(t.layer, get(t.src, t.src), get(t.dst, t.dst), t.part,
+                                  t.num_parts, t.num_bytes)
                          for t in migration.transfers]),
     )
 
@@ -142,7 +142,9 @@ def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> Executio
     ``p`` of the question, as a direct computation would name it."""
     if plan.num_pipelines != original.num_pipelines:
         return plan
-    index = {st.worker: p for p, _, st in original.iter_stages()}
+    index: dict[int, int] = {}
+    for p, row in enumerate(original.worker_rows()):
+        index.update(zip(row, repeat(p)))
     where = [index.get(pipe.stages[0].worker, -1) for pipe in plan.pipelines]
     if sorted(where) != list(range(plan.num_pipelines)):
         return plan
@@ -207,7 +209,7 @@ class CanonicalForm:
 
     def rename(self, workers: frozenset[int]) -> frozenset[int]:
         """``workers`` in canonical ids."""
-        return frozenset(self.renaming[w] for w in workers)
+        return frozenset(map(self.renaming.__getitem__, workers))
 
     def answer(self, candidate: Candidate, original: ExecutionPlan,
                stored: ExecutionPlan | None = None) -> Candidate:
@@ -276,9 +278,9 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     num_workers = topology.num_workers
     # Workers whose status is not "alive, unmarked": few, so pipelines without any share
     # one status tuple.
+    rows = plan.worker_rows()
     special = set().union(*marks)
-    special.update(st.worker for pipe in plan.pipelines for st in pipe.stages
-                   if st.worker not in alive)
+    special.update(filterfalse(alive.__contains__, chain.from_iterable(rows)))
 
     def status(w: int) -> tuple[bool, ...]:
         return (w in alive, *(w in m for m in marks))
@@ -292,19 +294,21 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     shapes = [(pipe.layout, pipe.num_microbatches) for pipe in plan.pipelines]
     rank = {shape: i for i, shape in enumerate(sorted(set(shapes)))}
     lite: list[tuple[Any, ...]] = []
-    for p, pipe in enumerate(plan.pipelines):
+    for p, row in enumerate(rows):
         statuses: tuple[Any, ...] = ()
-        if special and any(st.worker in special for st in pipe.stages):
-            statuses = tuple(status(st.worker) for st in pipe.stages)
+        if special and not special.isdisjoint(row):
+            statuses = tuple(status(w) for w in row)
         lite.append((rank[shapes[p]], statuses, tuple(sorted(own.get(p, ())))))
     hosting: dict[int, list[tuple[Any, ...]]] = {}
-    where = plan.stage_of_worker
+    where = plan.stage_of_worker if plan.reroutes else {}
     for r in plan.reroutes:
         for i, (w, n) in enumerate(r.shares):
             q, s = where[w]
             hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
-    order = sorted(range(plan.num_pipelines),
-                   key=lambda p: (lite[p], sorted(hosting.get(p, ())), p))
+    hosted = {p: sorted(hosts) for p, hosts in hosting.items()}
+    no_hosts: list[tuple[Any, ...]] = []
+    keys = [(lite[p], hosted.get(p, no_hosts), p) for p in range(plan.num_pipelines)]
+    order = sorted(range(plan.num_pipelines), key=keys.__getitem__)
     renaming: dict[int, int] = {}
     position = {}
     pipelines = []
@@ -312,12 +316,11 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
         position[p] = k
         pipe = plan.pipelines[p]
         first = len(renaming)
-        for s, st in enumerate(pipe.stages):
-            renaming[st.worker] = first + s
+        renaming.update(zip(rows[p], range(first, first + len(rows[p])), strict=True))
         pipelines.append(_canonical_pipeline(first, pipe.layout, pipe.num_microbatches))
-    if len(renaming) != sum(len(pipe.stages) for pipe in plan.pipelines):
+    if len(renaming) != sum(map(len, rows)):
         return None  # a worker named twice: not a valid plan
-    rest = sorted((w for w in range(num_workers) if w not in renaming),
+    rest = sorted(filterfalse(renaming.__contains__, range(num_workers)),
                   key=lambda w: (tuple(not x for x in status(w)), w))
     for w in rest:
         renaming[w] = len(renaming)

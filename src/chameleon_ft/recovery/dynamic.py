@@ -147,8 +147,10 @@ def _affine_fit(templates: Templates, length: int, m: int) -> tuple[float, float
 
 def _intact_lengths(state: RecoveryState) -> dict[int, int]:
     """Pipelines of the current plan that lost nothing, counted by length."""
-    damaged = {p for p, s, st in state.plan.iter_stages()
-               if (p, s) in state.plan.reroute_map or st.worker not in state.alive}
+    alive = state.alive.__contains__
+    damaged = {p for p, _ in state.plan.reroute_map}
+    damaged.update(p for p, workers in enumerate(state.plan.worker_rows())
+                   if not all(map(alive, workers)))
     out: dict[int, int] = {}
     for p, pipe in enumerate(state.plan.pipelines):
         if p not in damaged:
@@ -237,9 +239,7 @@ def _in_id_order(shape: ExecutionPlan, held: Mapping[int, Collection[int]]) -> E
     """``shape`` with its slots filled by the live workers in id order."""
     workers = iter(sorted(held))
     return replace(shape, pipelines=tuple(
-        Pipeline(tuple(Stage(next(workers), st.first_layer, st.end_layer) for st in pipe.stages),
-                 pipe.num_microbatches)
-        for pipe in shape.pipelines))
+        pipe.on_workers(next(workers) for _ in pipe.stages) for pipe in shape.pipelines))
 
 
 def _ranked_partitions(templates: Templates, num_alive: int, lengths: tuple[int, ...],

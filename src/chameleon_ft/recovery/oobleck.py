@@ -194,8 +194,7 @@ def instantiate(plan: ExecutionPlan) -> ExecutionPlan:
         The plan with its workers reassigned.
     """
     workers = iter(sorted(plan.workers))
-    pipelines = tuple(Pipeline(tuple(Stage(next(workers), st.first_layer, st.end_layer)
-                                     for st in pipe.stages), pipe.num_microbatches)
+    pipelines = tuple(pipe.on_workers(next(workers) for _ in pipe.stages)
                       for pipe in plan.pipelines)
     out = replace(plan, pipelines=pipelines, reroutes=())
     out.validate()

@@ -14,6 +14,7 @@ Two steps (docs/design.md section 3.3, the paper's Restorer and Figure 3):
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -22,7 +23,7 @@ from typing import Any
 
 from chameleon_ft.perf.coloring import rounds as colour_rounds
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
@@ -147,7 +148,6 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
         The plan with survivors matched to slots, and the bytes that must move.
     """
     workers = sorted(held)
-    slots = [(p, s, st) for p, s, st in skeleton.iter_stages()]
     # One frozen set per distinct holding (a plan's table shares its range objects) and per
     # distinct stage range: frozenset() of a frozenset is the set itself, so the matching
     # neither copies nor re-hashes them per worker.
@@ -159,24 +159,22 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
         if found is None:
             found = by_holding[id(layers)] = frozenset(layers)
         held_sets.append(found)
-    by_range: dict[tuple[int, int], frozenset[int]] = {}
+    by_range: dict[int, frozenset[int]] = {}  # by the id of a shared range object
     wanted = []
-    for _, _, st in slots:
-        bounds = (st.first_layer, st.end_layer)
-        found = by_range.get(bounds)
+    for layers in itertools.chain.from_iterable(
+            pipe.layer_ranges for pipe in skeleton.pipelines):
+        found = by_range.get(id(layers))
         if found is None:
-            found = by_range[bounds] = frozenset(st.layers)
+            found = by_range[id(layers)] = frozenset(layers)
         wanted.append(found)
     matching = match_workers(held_sets, wanted, layer_bytes)
     worker_of_slot = {j: workers[i] for i, j in matching.assignment.items()}
     pipelines = []
     slot = 0
     for pipe in skeleton.pipelines:
-        stages = []
-        for st in pipe.stages:
-            stages.append(Stage(worker_of_slot[slot], st.first_layer, st.end_layer))
-            slot += 1
-        pipelines.append(Pipeline(tuple(stages), pipe.num_microbatches))
+        pipelines.append(pipe.on_workers(map(worker_of_slot.__getitem__,
+                                             range(slot, slot + len(pipe.stages)))))
+        slot += len(pipe.stages)
     plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
                          micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
     return plan, matching.moved_bytes
@@ -211,12 +209,12 @@ def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]
     pipelines = []
     moved = 0.0
     for p, pipe in enumerate(skeleton.pipelines):
-        stages = []
+        row = []
         for s, st in enumerate(pipe.stages):
             w = workers[s * dp + p]
             moved += _missing_bytes(held[w], st.layers, layer_bytes)
-            stages.append(Stage(w, st.first_layer, st.end_layer))
-        pipelines.append(Pipeline(tuple(stages), pipe.num_microbatches))
+            row.append(w)
+        pipelines.append(pipe.on_workers(row))
     plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
                          micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
     return plan, moved
@@ -275,34 +273,37 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     transfers: list[Transfer] = []
     moved = 0.0
     slots = []
-    for p, s, st in plan.iter_stages():
-        if (p, s) in plan.reroute_map:
-            continue  # a rerouted stage's worker is dead: nothing moves to it
-        slots.append((st.worker, p, s))
-        have = held.get(st.worker, ())
-        if (isinstance(have, range) and have.step == 1 and have.start <= st.first_layer
-                and st.end_layer <= have.stop):
-            continue  # the worker holds every layer of its stage already
-        dst_node = topology.node_of(st.worker)
-        for layer in st.layers:
-            if layer in have:
-                continue
-            sources = holders.get(layer, [])
-            if not sources:
-                raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
-            cost = profile.layers[layer]
-            size = cost.param_bytes if parameters_only else cost.state_bytes
-            moved += size
-            if first_source:
-                parts, chosen = 1, sources[:1]
-            else:
-                parts = min(max_parts, len(sources))
-                chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
-                                                        sent_bytes[w], w))[:parts]
-            for part, src in enumerate(chosen):
-                sent_bytes[src] += size / parts
-                transfers.append(Transfer(layer=layer, src=src, dst=st.worker, part=part,
-                                          num_parts=parts, num_bytes=size / parts))
+    dead = plan.reroute_map
+    held_by = held.get
+    for p, pipe in enumerate(plan.pipelines):
+        for s, (worker, layers) in enumerate(zip(pipe.workers, pipe.layer_ranges, strict=True)):
+            if dead and (p, s) in dead:
+                continue  # a rerouted stage's worker is dead: nothing moves to it
+            slots.append((worker, p, s))
+            have = held_by(worker, ())
+            if have is layers or (isinstance(have, range) and have.step == 1
+                                  and have.start <= layers.start and layers.stop <= have.stop):
+                continue  # the worker holds every layer of its stage already
+            dst_node = topology.node_of(worker)
+            for layer in layers:
+                if layer in have:
+                    continue
+                sources = holders.get(layer, [])
+                if not sources:
+                    raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
+                cost = profile.layers[layer]
+                size = cost.param_bytes if parameters_only else cost.state_bytes
+                moved += size
+                if first_source:
+                    parts, chosen = 1, sources[:1]
+                else:
+                    parts = min(max_parts, len(sources))
+                    chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
+                                                            sent_bytes[w], w))[:parts]
+                for part, src in enumerate(chosen):
+                    sent_bytes[src] += size / parts
+                    transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
+                                              num_parts=parts, num_bytes=size / parts))
     groups = [(t.src, t.dst) for t in transfers]
     round_lists = colour_rounds(groups) if transfers else []
     time_s = 0.0

@@ -53,8 +53,13 @@ def dead_slots(plan: ExecutionPlan, alive: Collection[int]) -> list[tuple[int, i
     """``(pipeline, stage)`` of every stage of ``plan`` that needs a worker: its worker is
     not in ``alive``, or the stage is rerouted (its worker died before)."""
     rerouted = plan.reroute_map
-    return [(p, s) for p, s, st in plan.iter_stages()
-            if (p, s) in rerouted or st.worker not in alive]
+    with_reroutes = {p for p, _ in rerouted}
+    out: list[tuple[int, int]] = []
+    for p, workers in enumerate(plan.worker_rows()):
+        if p in with_reroutes or not all(map(alive.__contains__, workers)):
+            out.extend((p, s) for s, w in enumerate(workers)
+                       if (p, s) in rerouted or w not in alive)
+    return out
 
 
 def assign_spares(plan: ExecutionPlan, slots: Sequence[tuple[int, int]],

@@ -58,7 +58,13 @@ def pipeline_groups(plan: ExecutionPlan) -> list[Group]:
     hosts of its rerouted stages included (its point-to-point traffic)."""
     out: list[Group] = []
     dead = plan.reroute_map
+    rerouted = {p for p, _ in dead}
     for p, pipe in enumerate(plan.pipelines):
+        if p not in rerouted:  # its own stage workers (distinct in a valid plan)
+            workers = frozenset(pipe.workers)
+            if len(workers) > 1:
+                out.append(workers)
+            continue
         members: set[int] = set()
         for s, st in enumerate(pipe.stages):
             reroute = dead.get((p, s)) if dead else None
@@ -176,16 +182,11 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
     """
     prefix = _build_prefix(profile, spec.layer_build_s, spec.layer_build_gb_per_s * 1e9)
     busiest = 0.0
-    stages = new.layers_by_worker.items()
-    try:
-        # most workers keep their stage: skip them at hashing speed (ranges hash by value)
-        changed: Collection[tuple[int, range]] = stages - held.items()
-    except TypeError:  # unhashable layer collections: look at every worker
-        changed = stages
-    for worker, wanted in changed:
-        have = held.get(worker, ())
-        if have == wanted:
-            continue
+    held_by = held.get
+    for worker, wanted in new.layers_by_worker.items():
+        have = held_by(worker, ())
+        if have is wanted or have == wanted:
+            continue  # most workers keep their stage (the plans share range objects)
         total = prefix[wanted.stop] - prefix[wanted.start]
         if isinstance(have, range):
             # layer ranges are contiguous: subtract the overlap at once
