@@ -175,8 +175,8 @@ Chameleon runs first on its planner, so its failure-rate estimate counts exactly
 failures it saw (fixed policies ignore scores, the oracle passes the true horizon), and
 the oracle reuses most of its candidates; ReCycle's candidates are among Chameleon's, so
 it reuses them too. The other fixed-strategy policies and Oobleck share the second
-planner. On ``llama3-16k`` the two units take about the same time (29 and 28 s of CPU;
-with ReCycle in the second unit, 25 and 34)."""
+planner. On ``llama3-16k`` the two units take about the same time (with ReCycle in the
+second unit they did not; benchmarks/RESULTS.md, section 4)."""
 
 
 def policy_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
