@@ -17,6 +17,7 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py src/chameleon_ft/perf/_listsched
 # The main job: train a tiny GPT on 4 worker processes (dp 2 x pp 2), kill one of them
 # mid-step, recover in place without restarting the survivors, and print the report.
 demo: $(STAMP)
+	rm -rf runs/demo
 	OMP_NUM_THREADS=1 $(BIN)/chameleon train --config examples/tiny_cpu.toml \
 		--fault rank=3,step=120,kind=kill,phase=backward --out runs/demo
 

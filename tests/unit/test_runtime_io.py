@@ -52,6 +52,24 @@ def test_an_incomplete_assembly_is_never_read_or_committed(tmp_path: Path) -> No
     assert not list(tmp_path.glob("checkpoints/.partial-*"))
 
 
+def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tmp_path: Path) -> None:
+    """A run from step 0 in a folder holding an earlier run's later checkpoints keeps its
+    own: retention no longer deletes them for the older run's, nothing is deleted."""
+    earlier = CheckpointStore(tmp_path, keep=2)
+    for step in (200, 220, 240):
+        _write(earlier, step)
+    store = CheckpointStore(tmp_path, keep=2)
+    moved = store.set_aside_earlier()
+    assert moved == tmp_path / "checkpoints.earlier-1"
+    assert sorted(p.name for p in moved.glob("step*")) == ["step00000220", "step00000240"]
+    assert store.steps() == []
+    assert _write(store, 20).step == 20 and _write(store, 40).step == 40
+    assert store.steps() == [20, 40]
+    assert store.set_aside_earlier() == tmp_path / "checkpoints.earlier-2"  # a third run
+    assert store.set_aside_earlier() is None  # nothing left to move: the folder stays
+    assert store.steps() == [] and store.root.is_dir()
+
+
 def test_two_timelines_assemble_apart(tmp_path: Path) -> None:
     # after a restart, uploads of the old generation (0) and of the new one (2) for the
     # same step must not complete each other's checkpoint

@@ -257,6 +257,12 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
               notes=notes)
     if resume:
         _prepare_resume(job)
+    else:
+        earlier = job.ckpt.set_aside_earlier()
+        if earlier is not None:
+            job.notes.append(f"note: {run_dir}/checkpoints held an earlier run's checkpoints; "
+                             f"moved to {earlier} (this run starts from step 0; --resume "
+                             "continues a run instead)")
     if trace is not None:
         trace.check_job(num_nodes=config.cluster.total_nodes,
                         workers_per_node=config.workers_per_node,

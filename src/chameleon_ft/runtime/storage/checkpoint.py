@@ -289,6 +289,29 @@ class CheckpointStore:
         for leftover in self.root.glob(".partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
 
+    def set_aside_earlier(self) -> Path | None:
+        """Move an earlier run's checkpoints out of the way of a run that starts from step
+        0 in the same folder: the folder is renamed to ``checkpoints.earlier-N`` (the
+        first free N) and a new, empty one takes its place. Nothing is deleted.
+
+        Without this the two runs would mix: retention keeps the newest step counts, so
+        it would delete the new run's checkpoints in favour of the old run's later ones,
+        and the new run's final checkpoint would not be written over a step the old run
+        already holds.
+
+        Returns:
+            Where the earlier checkpoints went, or None when there were none.
+        """
+        if not any(path.name.startswith("step") for path in self.root.iterdir()):
+            return None
+        n = 1
+        while (target := self.root.with_name(f"{self.root.name}.earlier-{n}")).exists():
+            n += 1
+        os.replace(self.root, target)
+        self.root.mkdir()
+        _fsync_dir(self.root.parent)
+        return target
+
     def mark_job(self, job_id: str) -> None:
         """Say which job writes here (workers on hosts that see it write layer files)."""
         write_atomic(self.root / JOB_MARKER, job_id.encode())
