@@ -255,14 +255,7 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
               ckpt=CheckpointStore(run_dir, config.train.keep_checkpoints),
               digest=config_digest(config, workload), trace=trace, log_every=log_every,
               notes=notes)
-    if resume:
-        _prepare_resume(job)
-    else:
-        earlier = job.ckpt.set_aside_earlier()
-        if earlier is not None:
-            job.notes.append(f"note: {run_dir}/checkpoints held an earlier run's checkpoints; "
-                             f"moved to {earlier} (this run starts from step 0; --resume "
-                             "continues a run instead)")
+    _prepare_checkpoints(job, resume)
     if trace is not None:
         trace.check_job(num_nodes=config.cluster.total_nodes,
                         workers_per_node=config.workers_per_node,
@@ -280,6 +273,19 @@ def _token(token: str | None) -> str:
     if len(out) < auth.MIN_TOKEN_CHARS:
         raise ValueError(f"--token: at least {auth.MIN_TOKEN_CHARS} characters")
     return out
+
+
+def _prepare_checkpoints(job: Job, resume: bool) -> None:
+    """Resume from the newest checkpoint, or start from step 0 with an earlier run's
+    checkpoints moved out of the way (design 4.4)."""
+    if resume:
+        _prepare_resume(job)
+        return
+    earlier = job.ckpt.set_aside_earlier()
+    if earlier is not None:
+        job.notes.append(f"note: {job.out_dir}/checkpoints held an earlier run's checkpoints; "
+                         f"moved to {earlier} (this run starts from step 0; --resume "
+                         "continues a run instead)")
 
 
 def _prepare_resume(job: Job) -> None:
