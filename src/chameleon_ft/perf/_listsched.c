@@ -527,17 +527,6 @@ static PyObject *double_list(const double *values, Py_ssize_t n) {
     return list;
 }
 
-static PyObject *index_list(const Py_ssize_t *values, Py_ssize_t n) {
-    PyObject *list = PyList_New(n);
-    if (!list) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromSsize_t(values[i]);
-        if (!v) { Py_DECREF(list); return NULL; }
-        PyList_SET_ITEM(list, i, v);
-    }
-    return list;
-}
-
 /* Per worker, the ops it started in order (merging workers; empty for the others). */
 static PyObject *orders(Run *r) {
     PyObject *result = PyList_New(r->nw);
