@@ -243,6 +243,21 @@ def test_rerouted_peers_defer_weight_gradients_into_bubbles() -> None:
     assert all(op.kind is not OpKind.W for seq in plain.values() for op in seq)
 
 
+def folded_plan(lengths: list[int], m: int, schedule: str, defer: bool, v: int,
+                fwd_s: float = 1.0) -> tuple[Profile, ExecutionPlan]:
+    """A six-column profile folded into ``v`` chunks (forward ``fwd_s``, split backward,
+    bytes that make transfers and memory count) and a plan of near-even pipelines of
+    ``lengths`` stages, ``m`` micro-batches each."""
+    base = uniform_profile(6 * v, fwd_s=fwd_s, bwd_input_s=0.7, bwd_weight_s=0.5,
+                           param_bytes=1e3, optimizer_bytes=2e3, activation_bytes=10,
+                           output_bytes=1e2, optimizer_step_s=0.3)
+    profile = fold_profile(base, v)
+    plan = ExecutionPlan(num_layers=profile.num_layers,
+                         pipelines=even_pipelines(profile.num_layers, lengths, m),
+                         schedule=schedule, defer_weight_grad=defer)
+    return profile, plan
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(1, 6), st.data(),
        st.sampled_from(SCHEDULES), st.booleans(), st.booleans())
@@ -252,14 +267,7 @@ def test_symmetric_and_brute_force_agree_for_every_schedule(
     """Heterogeneous pipelines, reroutes, chunks and split backwards: the estimator's
     shortcuts (shared pipelines, shared components) change nothing."""
     v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
-    base = uniform_profile(6 * v, fwd_s=1.0, bwd_input_s=0.7, bwd_weight_s=0.5,
-                           param_bytes=1e3, optimizer_bytes=2e3, activation_bytes=10,
-                           output_bytes=1e2, optimizer_step_s=0.3)
-    profile = fold_profile(base, v)
-    num_layers = profile.num_layers
-    pipelines = even_pipelines(num_layers, lengths, m)
-    plan = ExecutionPlan(num_layers=num_layers, pipelines=pipelines, schedule=schedule,
-                         defer_weight_grad=defer)
+    profile, plan = folded_plan(lengths, m, schedule, defer, v)
     plan.validate()
     if data.draw(st.booleans()):
         with contextlib.suppress(ValueError):  # some stage lost every replica
@@ -456,14 +464,8 @@ def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
     """Every rule, variant, speed mix and reroute: the kernel's timeline (end times, busy
     seconds, activation peaks, op orders, critical path) equals the reference's exactly."""
     v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
-    base = uniform_profile(6 * v, fwd_s=data.draw(st.sampled_from([1.0, 0.3, 1.7])),
-                           bwd_input_s=0.7, bwd_weight_s=0.5, param_bytes=1e3,
-                           optimizer_bytes=2e3, activation_bytes=10, output_bytes=1e2,
-                           optimizer_step_s=0.3)
-    profile = fold_profile(base, v)
-    plan = ExecutionPlan(num_layers=profile.num_layers,
-                         pipelines=even_pipelines(profile.num_layers, lengths, m),
-                         schedule=schedule, defer_weight_grad=defer)
+    profile, plan = folded_plan(lengths, m, schedule, defer, v,
+                                fwd_s=data.draw(st.sampled_from([1.0, 0.3, 1.7])))
     with contextlib.suppress(ValueError):  # some stage lost every replica
         plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
                                                      min_size=1, max_size=3)))
