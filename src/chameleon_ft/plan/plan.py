@@ -33,6 +33,12 @@ def _position(pipeline: int, stage: int) -> tuple[int, int]:
 _LAYER_RANGES: dict[tuple[int, int], range] = {}
 """One range object per ``(first, end)`` layer range, shared by every plan's table."""
 
+_RANGE_ROWS: dict[tuple[range, ...], tuple[range, ...]] = {}
+"""One tuple per distinct row of stage layer ranges: pipelines of one layout share it, so
+a walk over a plan's pipelines can tell a layout it has seen by the row's identity."""
+
+_RANGE_ROWS_MAX = 1 << 14
+
 _V = TypeVar("_V")
 
 
@@ -61,9 +67,35 @@ def _pipeline_table(pipe: Pipeline) -> _Table:
             layers = _LAYER_RANGES.setdefault(bounds, range(st.first_layer, st.end_layer))
         ranges.append(layers)
         end = st.end_layer if end >= 0 and st.first_layer == end < st.end_layer else -1
-    table = (workers, tuple(ranges), end if ranges else -1)
+    row = tuple(ranges)
+    shared = _RANGE_ROWS.get(row)
+    if shared is None:
+        if len(_RANGE_ROWS) >= _RANGE_ROWS_MAX:
+            _RANGE_ROWS.clear()
+        shared = _RANGE_ROWS[row] = row
+    table = (workers, shared, end if ranges else -1)
     object.__setattr__(pipe, "_table", table)
     return table
+
+
+_STAGES: dict[tuple[int, int, int], Stage] = {}
+"""One stage object per ``(worker, first layer, end layer)`` built through
+:func:`shared_stage`; cleared when it reaches :data:`_STAGES_MAX` entries."""
+
+_STAGES_MAX = 1 << 18
+
+
+def shared_stage(worker: int, first_layer: int, end_layer: int) -> Stage:
+    """``Stage(worker, first_layer, end_layer)``, the same object every time (a frozen
+    dataclass takes several times longer to build than to look up, and re-plans of
+    thousands of workers build the same stages again and again)."""
+    key = (worker, first_layer, end_layer)
+    found = _STAGES.get(key)
+    if found is None:
+        if len(_STAGES) >= _STAGES_MAX:
+            _STAGES.clear()
+        found = _STAGES[key] = Stage(worker, first_layer, end_layer)
+    return found
 
 
 def _position_row(pipeline: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -116,6 +148,19 @@ class Pipeline:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's own equality (of the compared fields), from the pipelines' kept
+        # rows: plans key caches, and an equal plan built anew compares every stage.
+        if self is other:
+            return True
+        if not isinstance(other, Pipeline):
+            return NotImplemented
+        if self._hash is not None and other._hash is not None and self._hash != other._hash:
+            return False
+        return (self.num_microbatches == other.num_microbatches
+                and (self.stages is other.stages
+                     or (self.workers == other.workers and self.layout == other.layout)))
+
     @property
     def layout(self) -> tuple[tuple[int, int], ...]:
         """Layer bounds of each stage, without the workers (computed on first use, then
@@ -129,13 +174,15 @@ class Pipeline:
     @property
     def workers(self) -> tuple[int, ...]:
         """The stage workers, in stage order (built on first use, kept with the pipeline)."""
-        return _pipeline_table(self)[0]
+        table = self._table
+        return (table if table is not None else _pipeline_table(self))[0]
 
     @property
     def layer_ranges(self) -> tuple[range, ...]:
         """Each stage's layer range, in stage order: one shared range object per distinct
         ``(first, end)`` (built on first use, kept with the pipeline)."""
-        return _pipeline_table(self)[1]
+        table = self._table
+        return (table if table is not None else _pipeline_table(self))[1]
 
     @property
     def num_stages(self) -> int:
@@ -154,7 +201,7 @@ class Pipeline:
         """
         row = tuple(workers)
         _, ranges, end = _pipeline_table(self)
-        stages = tuple([Stage(w, st.first_layer, st.end_layer)
+        stages = tuple([shared_stage(w, st.first_layer, st.end_layer)
                         for w, st in zip(row, self.stages, strict=True)])
         pipe = Pipeline(stages, self.num_microbatches if num_microbatches is None
                         else num_microbatches)
@@ -380,23 +427,29 @@ class ExecutionPlan:
         # Per distinct layer range: the one node holding it, or -1 once two nodes do (few
         # ranges, so this stays cheap on thousands of workers).
         dead = self.reroute_map
-        by_range: dict[tuple[int, int], int] = {}
+        by_range: dict[range, int] = {}  # by the pipelines' shared range objects
         get = by_range.get
+        settled: set[int] = set()  # ids of range rows whose every range two nodes hold
         for p, pipe in enumerate(self.pipelines):
-            for s, st in enumerate(pipe.stages):
+            table = pipe._table
+            workers, ranges, _ = table if table is not None else _pipeline_table(pipe)
+            if id(ranges) in settled:
+                continue  # this pipeline can only add nodes to ranges already shared
+            for s, (worker, layers) in enumerate(zip(workers, ranges, strict=True)):
                 if dead and (p, s) in dead:
                     continue
-                key = (st.first_layer, st.end_layer)
-                seen = get(key)
-                node = st.worker // workers_per_node
+                seen = get(layers)
+                node = worker // workers_per_node
                 if seen is None:
-                    by_range[key] = node
+                    by_range[layers] = node
                 elif seen >= 0 and seen != node:
-                    by_range[key] = -1
+                    by_range[layers] = -1
+            if all(by_range.get(layers, 0) < 0 for layers in ranges):
+                settled.add(id(ranges))
         out: set[int] = set()
         if any(node >= 0 for node in by_range.values()):
             for layer in range(self.num_layers):
-                nodes = {node for (lo, hi), node in by_range.items() if lo <= layer < hi}
+                nodes = {node for layers, node in by_range.items() if layer in layers}
                 if len(nodes) == 1:
                     (node,) = nodes
                     if node >= 0:

@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.plan.plan import sharing_stages
+from chameleon_ft.plan import ExecutionPlan, Pipeline
+from chameleon_ft.plan.plan import shared_stage, sharing_stages
 from chameleon_ft.recovery.restorer import (
     assign_workers,
     fatal_nodes,
@@ -196,7 +196,7 @@ def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int]
         assert layout is not None  # allocate only returns counts that fit
         stages = []
         for lo, hi in layout:
-            stages.append(Stage(-1 - slot, lo, hi))
+            stages.append(shared_stage(-1 - slot, lo, hi))
             slot += 1
         pipelines.append(Pipeline(tuple(stages), m))
     return ExecutionPlan(num_layers=templates.num_layers, pipelines=tuple(pipelines),

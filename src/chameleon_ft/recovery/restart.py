@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan, Pipeline
+from chameleon_ft.plan.plan import shared_stage
 from chameleon_ft.recovery.dynamic import max_length, placement_free_price
 from chameleon_ft.recovery.templates import allocate
 from chameleon_ft.recovery.transition import reload_terms, restart_terms
@@ -106,7 +107,7 @@ def _restart_plan(state: RecoveryState, workers: list[int], length: int,
         stages = []
         for s, (lo, hi) in enumerate(layout):
             index = s * dp + p if stage_major else p * length + s
-            stages.append(Stage(workers[index], lo, hi))
+            stages.append(shared_stage(workers[index], lo, hi))
         pipelines.append(Pipeline(tuple(stages), m))
     new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
                              micro_batch=plan.micro_batch, schedule=plan.schedule)
