@@ -33,11 +33,28 @@ def _position(pipeline: int, stage: int) -> tuple[int, int]:
 _LAYER_RANGES: dict[tuple[int, int], range] = {}
 """One range object per ``(first, end)`` layer range, shared by every plan's table."""
 
-_RANGE_ROWS: dict[tuple[range, ...], tuple[range, ...]] = {}
-"""One tuple per distinct row of stage layer ranges: pipelines of one layout share it, so
-a walk over a plan's pipelines can tell a layout it has seen by the row's identity."""
+_RANGE_ROWS: dict[tuple[tuple[int, int], ...], tuple[tuple[range, ...], int]] = {}
+"""Per layout (each stage's ``(first, end)``), its row of shared range objects and the end
+of the layers it covers (:func:`_pipeline_table`): pipelines of one layout share the row,
+so a walk over a plan's pipelines can tell a layout it has seen by the row's identity."""
 
 _RANGE_ROWS_MAX = 1 << 14
+
+
+def _range_row(layout: tuple[tuple[int, int], ...]) -> tuple[tuple[range, ...], int]:
+    """``_RANGE_ROWS[layout]``, built."""
+    ranges = []
+    end = 0
+    for first, last in layout:
+        layers = _LAYER_RANGES.get((first, last))
+        if layers is None:
+            layers = _LAYER_RANGES.setdefault((first, last), range(first, last))
+        ranges.append(layers)
+        end = last if end >= 0 and first == end < last else -1
+    if len(_RANGE_ROWS) >= _RANGE_ROWS_MAX:
+        _RANGE_ROWS.clear()
+    row = _RANGE_ROWS[layout] = (tuple(ranges), end if ranges else -1)
+    return row
 
 _V = TypeVar("_V")
 
@@ -57,23 +74,16 @@ def _pipeline_table(pipe: Pipeline) -> _Table:
     table = pipe._table
     if table is not None:
         return table
-    workers = tuple([st.worker for st in pipe.stages])
-    ranges = []
-    end = 0
-    for st in pipe.stages:
-        bounds = (st.first_layer, st.end_layer)
-        layers = _LAYER_RANGES.get(bounds)
-        if layers is None:
-            layers = _LAYER_RANGES.setdefault(bounds, range(st.first_layer, st.end_layer))
-        ranges.append(layers)
-        end = st.end_layer if end >= 0 and st.first_layer == end < st.end_layer else -1
-    row = tuple(ranges)
-    shared = _RANGE_ROWS.get(row)
-    if shared is None:
-        if len(_RANGE_ROWS) >= _RANGE_ROWS_MAX:
-            _RANGE_ROWS.clear()
-        shared = _RANGE_ROWS[row] = row
-    table = (workers, shared, end if ranges else -1)
+    stages = pipe.stages
+    workers = tuple([st.worker for st in stages])
+    layout = pipe._layout
+    if layout is None:
+        layout = tuple([(st.first_layer, st.end_layer) for st in stages])
+        object.__setattr__(pipe, "_layout", layout)
+    row = _RANGE_ROWS.get(layout)
+    if row is None:
+        row = _range_row(layout)
+    table = (workers, row[0], row[1])
     object.__setattr__(pipe, "_table", table)
     return table
 
@@ -144,7 +154,9 @@ class Pipeline:
         # objects, and every new plan that keys a cache hashes all of them.
         cached = self._hash
         if cached is None:
-            cached = hash((self.stages, self.num_microbatches))
+            table = self._table
+            workers = (table if table is not None else _pipeline_table(self))[0]
+            cached = hash((workers, self.layout, self.num_microbatches))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -167,8 +179,9 @@ class Pipeline:
         kept: the planner's searches and symmetry checks read it often)."""
         layout = self._layout
         if layout is None:
-            layout = tuple((s.first_layer, s.end_layer) for s in self.stages)
-            object.__setattr__(self, "_layout", layout)
+            _pipeline_table(self)
+            layout = self._layout
+            assert layout is not None
         return layout
 
     @property
@@ -703,15 +716,21 @@ def sharing_stages(plan: ExecutionPlan, source: ExecutionPlan) -> ExecutionPlan:
     most pipelines of the plan it replaces (thousands of stages on 2,048 workers) then
     costs a warm decision little more than the pipelines it changes.
     """
-    known = {pipe.stages: pipe.stages for pipe in source.pipelines}
+    known = {pipe.workers: pipe for pipe in source.pipelines}  # workers: a cheap key
     pipelines = []
     changed = False
     for pipe in plan.pipelines:
-        stages = known.get(pipe.stages)
-        if stages is None or stages is pipe.stages:
+        old = known.get(pipe.workers)
+        if old is None or old.stages is pipe.stages or old.stages != pipe.stages:
             pipelines.append(pipe)
+        elif old.num_microbatches == pipe.num_microbatches:
+            pipelines.append(old)  # the very pipeline
+            changed = True
         else:
-            pipelines.append(Pipeline(stages, pipe.num_microbatches))
+            twin = Pipeline(old.stages, pipe.num_microbatches)
+            object.__setattr__(twin, "_table", _pipeline_table(old))
+            object.__setattr__(twin, "_layout", old.layout)
+            pipelines.append(twin)
             changed = True
     return replace(plan, pipelines=tuple(pipelines)) if changed else plan
 
