@@ -404,16 +404,29 @@ class ExecutionPlan:
         # Few distinct layer ranges: gather workers per range, then per layer.
         by_range: dict[range, list[int]] = {}
         dead = self.reroute_map
+        rerouted = {p for p, _ in dead}
+        # Pipelines of one layout share their range row: their worker rows are gathered
+        # stage by stage at C speed (a transposition), the rerouted ones worker by worker.
+        intact: dict[int, tuple[tuple[range, ...], list[tuple[int, ...]]]] = {}
         for p, pipe in enumerate(self.pipelines):
             workers, ranges, _ = _pipeline_table(pipe)
+            if p not in rerouted:
+                found_row = intact.get(id(ranges))
+                if found_row is None:
+                    intact[id(ranges)] = (ranges, [workers])
+                else:
+                    found_row[1].append(workers)
+                continue
             for s, (worker, layers) in enumerate(zip(workers, ranges, strict=True)):
-                if dead and (p, s) in dead:
-                    continue
+                if (p, s) not in dead:
+                    by_range.setdefault(layers, []).append(worker)
+        for ranges, rows in intact.values():
+            for layers, column in zip(ranges, zip(*rows, strict=True), strict=True):
                 found = by_range.get(layers)
                 if found is None:
-                    by_range[layers] = [worker]
+                    by_range[layers] = list(column)
                 else:
-                    found.append(worker)
+                    found.extend(column)
         # Layers held by the same ranges have the same holders: one sorted tuple each.
         cover: list[list[range]] = [[] for _ in range(self.num_layers)]
         for layers in by_range:
@@ -534,6 +547,7 @@ class ExecutionPlan:
                                  "rerouted twice")
             rerouted.add(key)
         seen = self._live_positions(rerouted)
+        sound = seen is not None
         if seen is None:
             seen = self._checked_stages(rerouted)
         for r in self.reroutes:
@@ -541,6 +555,9 @@ class ExecutionPlan:
         if num_microbatches is not None and self.num_microbatches != num_microbatches:
             raise ValueError(f"plan: pipelines run {self.num_microbatches} micro-batches per "
                              f"step, the global batch needs {num_microbatches}")
+        if sound:
+            # the very table stage_of_worker builds (same pairs, same order): keep it
+            self.__dict__.setdefault("stage_of_worker", seen)
 
     def _live_positions(self, rerouted: set[tuple[int, int]]
                         ) -> dict[int, tuple[int, int]] | None:

@@ -21,6 +21,7 @@ from chameleon_ft.perf import Topology, estimate
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import Profile, build_profile
+from chameleon_ft.recovery.restorer import load_matching
 from chameleon_ft.sim.engine import RunResult, simulate
 from chameleon_ft.sim.forked import Send, peak_rss_bytes, run_forked
 from chameleon_ft.sim.peers import OOBLECK_FAULT_THRESHOLD, OobleckPolicy
@@ -287,6 +288,7 @@ def _run_units(units: Sequence[_Unit], *, jobs: int, total: int,
                 outcome.running = None
             outcome.peak_rss_bytes = peak_rss_bytes()
         return outcomes
+    load_matching()  # imported once here rather than by every forked unit
     counter = multiprocessing.get_context("fork").Value("q", 0)
 
     def shared_tick(n: int) -> None:
