@@ -93,15 +93,12 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
                          "them")
     num_layers = len(layer_bytes)
     for name, sets in (("held", held), ("wanted", wanted)):
-        checked: set[int] = set()  # ids of the set objects found valid
-        for i, layers in enumerate(sets):
-            if id(layers) in checked:
-                continue
-            checked.add(id(layers))
+        for layers in {id(layers): layers for layers in sets}.values():  # each object once
             if layers and (min(layers) < 0 or max(layers) >= num_layers):
+                i = next(i for i, other in enumerate(sets) if other is layers)
                 layer = next(x for x in layers if not 0 <= x < num_layers)
                 raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
-    assignment: dict[int, int] = {}
+    slot_of = [-1] * len(held)  # survivor index -> slot index
     free_by_set: dict[frozenset[int], list[int]] = defaultdict(list)
     for i in reversed(range(len(held))):
         free_by_set[frozenset(held[i])].append(i)  # popped in increasing index order
@@ -109,7 +106,7 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
     for j, want in enumerate(wanted):
         pool = free_by_set.get(frozenset(want))
         if pool:
-            assignment[pool.pop()] = j
+            slot_of[pool.pop()] = j
         else:
             rest_cols.append(j)
     moved = 0.0
@@ -129,9 +126,10 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
         rows, cols = linear_sum_assignment(cost)
         for r, c in zip(rows, cols, strict=True):
             i, j = rest_rows[int(r)], rest_cols[int(c)]
-            assignment[i] = j
+            slot_of[i] = j
             moved += _missing_bytes(held[i], wanted[j], layer_bytes)
-    return Matching(assignment=dict(sorted(assignment.items())), moved_bytes=moved)
+    return Matching(assignment={i: j for i, j in enumerate(slot_of) if j >= 0},
+                    moved_bytes=moved)
 
 
 def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
