@@ -206,6 +206,23 @@ def _pipeline_ranks(plan: ExecutionPlan) -> list[list[int]]:
     return [[st.worker for st in pipe.stages] for pipe in plan.pipelines]
 
 
+def _instances(plan: ExecutionPlan, ranks: Sequence[tuple[int, ...]],
+               layouts: Sequence[Layout], counts: Sequence[int]) -> tuple[Pipeline, ...]:
+    """The template instances on ``ranks``, ``counts`` micro-batches each: a pipeline of
+    ``plan`` with the same workers, layout and micro-batches is taken as it is (most
+    pipelines outlive a reconfiguration), so the new plan shares its tables and the
+    estimator's per-pipeline memo (a pipeline equal to a new one is the same value)."""
+    kept = {(pipe.workers, pipe.num_microbatches): pipe for pipe in plan.pipelines}
+    out = []
+    for row, layout, m in zip(ranks, layouts, counts, strict=True):
+        pipe = kept.get((row, m))
+        if pipe is None or pipe.layout != layout:
+            pipe = Pipeline(tuple([Stage(w, lo, hi)
+                                   for w, (lo, hi) in zip(row, layout, strict=True)]), m)
+        out.append(pipe)
+    return tuple(out)
+
+
 def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec) -> Candidate:
     """Oobleck's reconfiguration of ``state.plan`` after ``failed`` workers died; workers
     alive but idle (returned since the last reconfiguration) join.
@@ -259,11 +276,8 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     if not counts or min(counts) < 1:
         return infeasible(Strategy.DYNAMIC, "oobleck: the global batch does not cover every "
                                             "pipeline")
-    pipelines = []
-    for ranks, layout, m in zip(result.ranks, layouts, counts, strict=True):
-        pipelines.append(Pipeline(tuple(Stage(w, lo, hi)
-                                        for w, (lo, hi) in zip(ranks, layout, strict=True)), m))
-    new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
+    pipelines = _instances(plan, result.ranks, layouts, counts)
+    new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=pipelines,
                              micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
     est = state.estimate(new_plan)
