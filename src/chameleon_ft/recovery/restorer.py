@@ -21,7 +21,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from chameleon_ft.perf.coloring import rounds as colour_rounds
+from chameleon_ft.perf.coloring import pair_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
@@ -304,8 +304,7 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                     sent_bytes[src] += size / parts
                     transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
                                               num_parts=parts, num_bytes=size / parts))
-    groups = [(t.src, t.dst) for t in transfers]
-    round_lists = colour_rounds(groups) if transfers else []
+    round_lists = pair_rounds([(t.src, t.dst) for t in transfers]) if transfers else []
     time_s = 0.0
     for members in round_lists:
         time_s += max(topology.p2p_s(transfers[i].src, transfers[i].dst, transfers[i].num_bytes)
