@@ -224,11 +224,8 @@ def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[in
     """Each layer's live holders, in worker order (workers holding the same layers are
     gathered first: few distinct holdings on thousands of workers)."""
     holders: dict[int, list[int]] = defaultdict(list)
-    try:
-        by_holding: dict[Collection[int], list[int]] = defaultdict(list)
-        for worker, layers in held.items():
-            by_holding[layers].append(worker)  # TypeError for an unhashable holding
-    except TypeError:  # unhashable layer collections: one worker at a time
+    by_holding = _workers_by_holding(held)
+    if by_holding is None:  # unhashable layer collections: one worker at a time
         for worker in sorted(held):
             for layer in held[worker]:
                 holders[layer].append(worker)
@@ -239,6 +236,36 @@ def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[in
     for workers in holders.values():
         workers.sort()
     return holders
+
+
+def _workers_by_holding(held: Mapping[int, Collection[int]]
+                        ) -> dict[Collection[int], list[int]] | None:
+    """The workers of each distinct holding, in ``held``'s order; ``None`` when a holding
+    is not hashable."""
+    by_holding: dict[Collection[int], list[int]] = defaultdict(list)
+    try:
+        for worker, layers in held.items():
+            by_holding[layers].append(worker)  # TypeError for an unhashable holding
+    except TypeError:
+        return None
+    return by_holding
+
+
+def _first_holders(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
+    """Each layer's first live holder (the lowest id), as the one-worker list that
+    :func:`_holders_of_layers` starts with: Oobleck copies from it alone, so the other
+    holders are not gathered and sorted."""
+    by_holding = _workers_by_holding(held)
+    if by_holding is None:
+        return {layer: workers[:1] for layer, workers in _holders_of_layers(held).items()}
+    first: dict[int, int] = {}
+    for layers, workers in by_holding.items():
+        lowest = min(workers)
+        for layer in layers:
+            known = first.get(layer)
+            if known is None or lowest < known:
+                first[layer] = lowest
+    return {layer: [worker] for layer, worker in first.items()}
 
 
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
@@ -268,7 +295,7 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     Raises:
         ValueError: when a needed layer has no live replica.
     """
-    holders = _holders_of_layers(held)
+    holders = _first_holders(held) if first_source else _holders_of_layers(held)
     sent_bytes: dict[int, float] = defaultdict(float)
     transfers: list[Transfer] = []
     moved = 0.0
