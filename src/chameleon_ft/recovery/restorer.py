@@ -268,6 +268,36 @@ def _first_holders(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
     return {layer: [worker] for layer, worker in first.items()}
 
 
+def _slots(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
+           ) -> tuple[list[tuple[int, int, int]], list[tuple[int, range, Collection[int]]]]:
+    """Every live slot ``(worker, pipeline, stage)`` of ``plan`` in order (a rerouted
+    stage's worker is dead: nothing moves to it), and ``(worker, layers, held layers)`` of
+    the slots whose worker lacks some layer of its stage, in the same order. Most workers
+    keep their stage (the plans share range objects), so a pipeline's slots are listed
+    at once and only the others are looked at one by one."""
+    slots: list[tuple[int, int, int]] = []
+    lacking: list[tuple[int, range, Collection[int]]] = []
+    dead = plan.reroute_map
+    rerouted = {p for p, _ in dead}
+    held_by = held.get
+    for p, pipe in enumerate(plan.pipelines):
+        workers, ranges = pipe.workers, pipe.layer_ranges
+        live: Sequence[int]
+        if p in rerouted:
+            live = [s for s in range(len(workers)) if (p, s) not in dead]
+            slots.extend((workers[s], p, s) for s in live)
+        else:
+            live = range(len(workers))
+            slots.extend(zip(workers, itertools.repeat(p), live))
+        for s in [s for s in live if held_by(workers[s]) is not ranges[s]]:
+            worker, layers = workers[s], ranges[s]
+            have = held_by(worker, ())
+            if not (isinstance(have, range) and have.step == 1
+                    and have.start <= layers.start and layers.stop <= have.stop):
+                lacking.append((worker, layers, have))
+    return slots, lacking
+
+
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                        profile: Profile, topology: Topology, *,
                        max_parts: int = 4, first_source: bool = False,
@@ -299,38 +329,28 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     sent_bytes: dict[int, float] = defaultdict(float)
     transfers: list[Transfer] = []
     moved = 0.0
-    slots = []
-    dead = plan.reroute_map
-    held_by = held.get
-    for p, pipe in enumerate(plan.pipelines):
-        for s, (worker, layers) in enumerate(zip(pipe.workers, pipe.layer_ranges, strict=True)):
-            if dead and (p, s) in dead:
-                continue  # a rerouted stage's worker is dead: nothing moves to it
-            slots.append((worker, p, s))
-            have = held_by(worker, ())
-            if have is layers or (isinstance(have, range) and have.step == 1
-                                  and have.start <= layers.start and layers.stop <= have.stop):
-                continue  # the worker holds every layer of its stage already
-            dst_node = topology.node_of(worker)
-            for layer in layers:
-                if layer in have:
-                    continue
-                sources = holders.get(layer, [])
-                if not sources:
-                    raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
-                cost = profile.layers[layer]
-                size = cost.param_bytes if parameters_only else cost.state_bytes
-                moved += size
-                if first_source:
-                    parts, chosen = 1, sources[:1]
-                else:
-                    parts = min(max_parts, len(sources))
-                    chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
-                                                            sent_bytes[w], w))[:parts]
-                for part, src in enumerate(chosen):
-                    sent_bytes[src] += size / parts
-                    transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
-                                              num_parts=parts, num_bytes=size / parts))
+    slots, lacking = _slots(plan, held)
+    for worker, layers, have in lacking:
+        dst_node = topology.node_of(worker)
+        for layer in layers:
+            if layer in have:
+                continue
+            sources = holders.get(layer, [])
+            if not sources:
+                raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
+            cost = profile.layers[layer]
+            size = cost.param_bytes if parameters_only else cost.state_bytes
+            moved += size
+            if first_source:
+                parts, chosen = 1, sources[:1]
+            else:
+                parts = min(max_parts, len(sources))
+                chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
+                                                        sent_bytes[w], w))[:parts]
+            for part, src in enumerate(chosen):
+                sent_bytes[src] += size / parts
+                transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
+                                          num_parts=parts, num_bytes=size / parts))
     round_lists = pair_rounds([(t.src, t.dst) for t in transfers]) if transfers else []
     time_s = 0.0
     for members in round_lists:
