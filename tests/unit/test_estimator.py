@@ -13,10 +13,12 @@ from plan_shapes import even_pipelines
 
 from chameleon_ft.perf import Topology, build_schedule, estimate
 from chameleon_ft.perf.closed_form import stage_memory, step_1f1b, step_rerouted
+from chameleon_ft.perf.coloring import rounds
+from chameleon_ft.perf.estimator import Estimator, sync_buckets, tie_members
 from chameleon_ft.perf.schedule import OpKind, stream_order
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
 from chameleon_ft.plan.reroute import reroute_plan
-from chameleon_ft.profile import uniform_profile
+from chameleon_ft.profile import Profile, uniform_profile
 from chameleon_ft.spec import ClusterSpec, DeviceSpec
 
 
@@ -279,3 +281,48 @@ def test_two_dead_stages_are_rerouted_into_disjoint_peer_pipelines() -> None:
     stacked.validate()
     topo = topology(12, per_node=2)
     assert estimate(spread, profile, topo).step_s <= estimate(stacked, profile, topo).step_s
+
+
+def _synchronised_one_by_one(plan: ExecutionPlan, profile: Profile, topo: Topology,
+                             finish: dict[int, float]) -> tuple[float, dict[int, float]]:
+    """The all-reduce rounds and the tied sum, worker by worker (the reference)."""
+    buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
+    ready, spent = dict(finish), dict.fromkeys(finish, 0.0)
+
+    def reduce(members: tuple[int, ...], num_bytes: float) -> None:
+        t = topo.allreduce_s(members, num_bytes)
+        done = max(ready[w] for w in members) + t
+        for w in members:
+            ready[w] = done
+            spent[w] += t
+
+    for group in rounds([b.workers for b, _ in buckets]):
+        for i in group:
+            reduce(buckets[i][0].workers, buckets[i][1])
+    tie = tie_members(plan, profile)
+    if tie:
+        reduce(tie, profile.tied_bytes)
+    return max(ready.values()), spent
+
+
+@pytest.mark.parametrize("tied", [0.0, 5e7])
+def test_synchronisation_per_range_class_is_the_worker_by_worker_one(tied: float) -> None:
+    layouts = [((0, 2), (2, 4), (4, 6), (6, 8)), ((0, 3), (3, 6), (6, 8)),
+               ((0, 2), (2, 5), (5, 8)), ((0, 4), (4, 8)), ((0, 2), (2, 4), (4, 6), (6, 8))]
+    pipelines, worker = [], 0
+    for layout in layouts:
+        pipelines.append(Pipeline(tuple(Stage(worker + s, lo, hi)
+                                        for s, (lo, hi) in enumerate(layout)), 2))
+        worker += len(layout)
+    plan = ExecutionPlan(num_layers=8, pipelines=tuple(pipelines))
+    plan.validate()
+    profile = dataclasses.replace(uniform_profile(8, fwd_s=0.1, param_bytes=1e8),
+                                  tied_bytes=tied)
+    topo = topology(worker, ideal=False)
+    est = Estimator(profile, topo)
+    # finish times that differ within a range class
+    finish = {w: 1.0 + (w * 7919 % 13) / 10 for w in plan.workers}
+    reduced, spent, _, _ = est._synchronise(plan, finish)
+    expected, by_worker = _synchronised_one_by_one(plan, profile, topo, finish)
+    assert reduced == expected
+    assert {w: spent[r] for w, r in plan.layers_by_worker.items()} == by_worker

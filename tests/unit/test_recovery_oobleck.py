@@ -117,6 +117,21 @@ def test_returned_workers_join_at_the_next_reconfiguration(paper32: Planner) -> 
     assert set(second.plan.workers) == set(range(32)) - {6}
 
 
+def test_pipelines_that_outlive_a_reconfiguration_are_kept_as_they_are(
+        paper32: Planner) -> None:
+    spec = oobleck_spec(paper32.templates, num_workers=32, job_length=4, fault_threshold=3)
+    plan = paper32.initial_plan
+    first = reconfigure(paper32.recovery_state(plan, set(plan.workers) - {5}), {5}, spec)
+    assert first.plan is not None
+    # nothing lost, nobody waiting: the same instances on the same workers, the same
+    # objects (the estimator's per-pipeline memo and the plan's tables come with them)
+    again = reconfigure(paper32.recovery_state(first.plan, first.plan.workers), set(), spec)
+    assert again.plan == first.plan
+    assert all(new is old for new, old in zip(again.plan.pipelines, first.plan.pipelines,
+                                              strict=True))
+    assert again.step_s == first.step_s
+
+
 def test_oobleck_starts_on_consecutive_workers(paper32: Planner) -> None:
     plan = instantiate(paper32.initial_plan)
     assert [[st.worker for st in p.stages] for p in plan.pipelines] == [

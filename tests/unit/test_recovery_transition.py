@@ -3,16 +3,18 @@ rerouting with deferred weight gradients."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
+from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import reroute
-from chameleon_ft.recovery.transition import comm_s, plan_groups
+from chameleon_ft.recovery.transition import build_s, comm_s, plan_groups
 from chameleon_ft.sim.scenarios import preset_scenario
 from chameleon_ft.spec.config import load_config
 from chameleon_ft.spec.recovery import RecoverySpec
@@ -61,6 +63,55 @@ def test_the_runtime_forms_bucket_groups_without_a_first_exchange() -> None:
     rerouted = reroute_plan(plan, {3})
     # world group of the 3 live workers, then worker 0's bucket {0, 1}, formed only
     assert comm_s(plan, rerouted, spec, tp=1) == pytest.approx(0.002 + 0.03 + 0.002)
+
+
+def uneven() -> ExecutionPlan:
+    """Pipelines of 4, 3, 3, 2 and 1 stages over 8 layers, with several layouts."""
+    layouts = [((0, 2), (2, 4), (4, 6), (6, 8)), ((0, 3), (3, 6), (6, 8)),
+               ((0, 2), (2, 5), (5, 8)), ((0, 4), (4, 8)), ((0, 8),)]
+    pipelines, worker = [], 0
+    for m, layout in enumerate(layouts, start=1):
+        stages = []
+        for lo, hi in layout:
+            stages.append(Stage(worker, lo, hi))
+            worker += 1
+        pipelines.append(Pipeline(tuple(stages), m))
+    plan = ExecutionPlan(num_layers=8, pipelines=tuple(pipelines))
+    plan.validate()
+    return plan
+
+
+def charged_one_by_one(plan: ExecutionPlan, spec: RecoverySpec, tp: int, world: bool) -> float:
+    """comm_s of creating every group of ``plan`` (one per layer), worker by worker."""
+    busy: dict[int, float] = defaultdict(float)
+    groups = []
+    if world and len(plan.workers) * tp > 1:
+        groups.append((plan.workers, len(plan.workers) * tp))
+    groups += [(pipe.workers, len(pipe.workers)) for pipe in plan.pipelines
+               if len(pipe.workers) > 1]
+    groups += [(h, len(h)) for h in plan.holders_by_layer if len(h) > 1]
+    for members, ranks in groups:
+        for w in members:
+            busy[w] += spec.comm_init_s + spec.comm_per_rank_s * ranks
+    return max(busy.values(), default=0.0)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("world", [False, True])
+def test_a_fresh_set_of_groups_costs_the_same_summed_per_class(tp: int, world: bool) -> None:
+    spec = RecoverySpec(comm_init_s=0.3, comm_per_rank_s=0.017)
+    for plan in (uneven(), uniform(), uniform(dp=1, pp=1)):
+        old = None if not world else uniform()
+        expected = charged_one_by_one(plan, spec, tp, world)
+        assert comm_s(old, plan, spec, tp=tp, everything=world, per_layer=True) == expected
+
+
+def test_a_full_rebuild_costs_the_costliest_range() -> None:
+    plan = uneven()
+    profile = uniform_profile(8, fwd_s=0.01, param_bytes=3e8, optimizer_bytes=9e8)
+    spec = RecoverySpec(layer_build_s=0.7, layer_build_gb_per_s=3.0)
+    nobody = {-1: range(0)}  # held by no worker of the plan: worker by worker
+    assert build_s(plan, {}, profile, spec) == build_s(plan, nobody, profile, spec) > 0
 
 
 @pytest.fixture(scope="module")

@@ -109,3 +109,81 @@ def rounds(groups: Sequence[Iterable[int]],
     for i, c in enumerate(colours):
         out[c].append(i)
     return out
+
+
+def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """:func:`rounds` of groups of two workers each (a transfer's sender and receiver).
+
+    The same colouring, found per set of groups of the same two workers (a receiver
+    pulls several layers from one sender) instead of per group. The groups of one set
+    share every neighbour, so they have one degree, and at every moment one saturation:
+    the colours used at either worker (each coloured group sharing a worker is a
+    neighbour). :func:`_colour` therefore takes the set's lowest uncoloured group
+    whenever it takes one of them, and a heap of ``(-saturation, -degree, lowest
+    uncoloured group)`` per set pops the groups in its order; colouring one visits the
+    sets at its two workers rather than every group there.
+    """
+    index: dict[tuple[int, int], int] = {}
+    members: list[list[int]] = []  # each set's groups, in index order
+    ends: list[tuple[int, int]] = []
+    count: dict[int, int] = {}  # groups per worker
+    for i, (a, b) in enumerate(pairs):
+        key = (a, b) if a <= b else (b, a)
+        k = index.get(key)
+        if k is None:
+            k = index[key] = len(members)
+            members.append([])
+            ends.append(key)
+        members[k].append(i)
+        count[a] = count.get(a, 0) + 1
+        if b != a:
+            count[b] = count.get(b, 0) + 1
+    sets_at: dict[int, list[int]] = {x: [] for x in count}
+    neg_degree = []
+    for k, (a, b) in enumerate(ends):
+        sets_at[a].append(k)
+        if b != a:
+            sets_at[b].append(k)
+        # groups at a or b, less the groups at both (this set) and the group itself
+        shared = count[a] if a == b else count[a] + count[b] - len(members[k])
+        neg_degree.append(1 - shared)
+    used: dict[int, set[int]] = {x: set() for x in count}
+    saturation = [0] * len(ends)
+    next_member = [0] * len(ends)
+    colour = [-1] * len(pairs)
+    heap = [(0, neg_degree[k], group[0], k) for k, group in enumerate(members)]
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    while heap:
+        neg_sat, _, v, k = pop(heap)
+        group = members[k]
+        if -neg_sat != saturation[k] or next_member[k] >= len(group) \
+                or group[next_member[k]] != v:
+            continue
+        a, b = ends[k]
+        at_a, at_b = used[a], used[b]
+        c = 0
+        while c in at_a or c in at_b:
+            c += 1
+        colour[v] = c
+        next_member[k] += 1
+        # ``c`` is used at neither a nor b yet: new to this set, and to another set at a
+        # (or b) unless its other worker uses it already
+        for here in (a, b) if b != a else (a,):
+            for j in sets_at[here]:
+                if j == k or next_member[j] >= len(members[j]):
+                    continue
+                x, y = ends[j]
+                other = y if x == here else x
+                if other == here or c not in used[other]:
+                    saturation[j] += 1
+                    push(heap, (-saturation[j], neg_degree[j], members[j][next_member[j]], j))
+        at_a.add(c)
+        at_b.add(c)
+        saturation[k] += 1
+        if next_member[k] < len(group):
+            push(heap, (-saturation[k], neg_degree[k], group[next_member[k]], k))
+    out: list[list[int]] = [[] for _ in range(max(colour, default=-1) + 1)]
+    for i, c in enumerate(colour):
+        out[c].append(i)
+    return out

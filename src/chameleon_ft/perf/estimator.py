@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +120,14 @@ def sync_buckets(plan: ExecutionPlan, profile: Profile) -> list[tuple[Bucket, fl
         ``(bucket, gradient bytes per device)`` pairs, in layer order.
     """
     by_holders: dict[tuple[int, ...], list[int]] = {}
-    for layer in range(plan.num_layers):
-        by_holders.setdefault(plan.holders(layer), []).append(layer)
+    # The plan shares one holders tuple between layers with the same holders: hash each
+    # tuple object once (thousands of workers each), not once per layer.
+    by_object: dict[int, list[int]] = {}
+    for layer, holders in enumerate(plan.holders_by_layer):
+        layers = by_object.get(id(holders))
+        if layers is None:
+            layers = by_object[id(holders)] = by_holders.setdefault(holders, [])
+        layers.append(layer)
     out = []
     for holders, layers in by_holders.items():
         grad_bytes = sum(profile.layers[i].param_bytes for i in layers)
@@ -169,9 +175,8 @@ def _bucket_conflicts(plan: ExecutionPlan, buckets: list[tuple[Bucket, float]]
     """
     bucket_of_layer = {layer: i for i, (b, _) in enumerate(buckets) for layer in b.layers}
     edges: set[tuple[int, int]] = set()
-    for lo, hi in {(r.start, r.stop) for r in plan.layers_by_worker.values()}:
-        ids = sorted({bucket_of_layer[layer] for layer in range(lo, hi)
-                      if layer in bucket_of_layer})
+    for layers in set(plan.layers_by_worker.values()):
+        ids = sorted({bucket_of_layer[layer] for layer in layers if layer in bucket_of_layer})
         for x in range(len(ids)):
             for y in range(x + 1, len(ids)):
                 edges.add((ids[x], ids[y]))
@@ -464,10 +469,10 @@ class Estimator:
                 makespan = tl.makespan_s
                 critical_compute, critical_p2p = tl.critical_compute_s, tl.critical_p2p_s
 
-        ready, sync_s, sync_rounds, tie = self._synchronise(plan, finish)
+        reduced_s, sync_s, sync_rounds, tie = self._synchronise(plan, finish)
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
-        commit_s = max(ready.values()) + profile.control_s
+        commit_s = reduced_s + profile.control_s
         opt_s, peak_memory = self._worker_costs(plan, speeds, act_peak)
         optimizer = max(opt_s.values())
         step_s = commit_s + optimizer
@@ -475,11 +480,11 @@ class Estimator:
         capacity = topo.memory_capacity_bytes
         max_memory = max(peak_memory.values(), default=0.0)
 
-        workers = list(plan.layers_by_worker)
-        busy_of, sync_of, control_s = busy.get, sync_s.get, profile.control_s
-        idle = sum([step_s - busy_of(w, 0.0) - sync_of(w, 0.0) - opt_s[w] - control_s
-                    for w in workers])
-        idle_s = max(0.0, idle / len(workers))
+        by_worker = plan.layers_by_worker
+        busy_of, control_s = busy.get, profile.control_s
+        idle = sum([step_s - busy_of(w, 0.0) - sync_s[layers] - opt_s[w] - control_s
+                    for w, layers in by_worker.items()])
+        idle_s = max(0.0, idle / len(by_worker))
         samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
         return Estimate(
             step_s=step_s,
@@ -498,36 +503,55 @@ class Estimator:
         )
 
     def _synchronise(self, plan: ExecutionPlan, finish: Mapping[int, float],
-                     ) -> tuple[dict[int, float], dict[int, float],
+                     ) -> tuple[float, dict[range, float],
                                 tuple[tuple[Bucket, ...], ...], tuple[int, ...]]:
         """Gradient synchronisation after each worker's backward ends (``finish``):
         all-reduce rounds of the buckets with more than one member, then a tied pair's
-        sum. Returns when each worker is done reducing, its time spent reducing, the
-        rounds' buckets and the tied pair's group."""
+        sum. Returns when the last worker is done reducing, the time spent reducing by
+        the workers of each layer range, the rounds' buckets and the tied pair's group.
+
+        The workers holding one layer range are in the same buckets (a bucket holds every
+        live holder of its layers), so they are tracked as one: a bucket starts at the
+        latest of its classes and sets all of them to its end, and each class adds up
+        its buckets' times in their order (the same maxima and sums as worker by worker).
+        """
         profile, topo = self.profile, self.topology
         buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
         groups = rounds([b.workers for b, _ in buckets], edges=_bucket_conflicts(plan, buckets))
-        ready = dict(finish)
-        sync_s = {w: 0.0 for w in finish}
+        ready: dict[range, float] = {}  # per class: its latest finish, then its last end
+        for w, layers in plan.layers_by_worker.items():
+            done = finish[w]
+            latest = ready.get(layers)
+            if latest is None or done > latest:
+                ready[layers] = done
+        sync_s = dict.fromkeys(ready, 0.0)
+        bucket_of_layer = {layer: i for i, (b, _) in enumerate(buckets) for layer in b.layers}
+        classes: list[list[range]] = [[] for _ in buckets]
+        for layers in ready:
+            for i in {bucket_of_layer[layer] for layer in layers if layer in bucket_of_layer}:
+                classes[i].append(layers)
 
-        def reduce(members: Iterable[int], num_bytes: float) -> None:
-            members = tuple(members)
+        def reduce(members: tuple[int, ...], ranges: list[range], num_bytes: float) -> None:
             t = topo.allreduce_s(members, num_bytes)
-            done = max(map(ready.__getitem__, members)) + t
-            for w in members:
-                ready[w] = done
-                sync_s[w] += t
+            done = max(map(ready.__getitem__, ranges)) + t
+            for layers in ranges:
+                ready[layers] = done
+                sync_s[layers] += t
 
         for group in groups:
             for i in group:
-                reduce(buckets[i][0].workers, buckets[i][1])
+                reduce(buckets[i][0].workers, classes[i], buckets[i][1])
         # A tied model sums the copies after every round of its members (the runtime's
         # order), so it waits for, and delays, any bucket sharing a worker with it.
         tie = tie_members(plan, profile)
         if tie:
-            reduce(tie, profile.tied_bytes)
-        return (ready, sync_s, tuple(tuple(buckets[i][0] for i in group) for group in groups),
-                tie)
+            first, last = profile.tied_layers
+            reduce(tie, [r for r in ready if first in r or last in r], profile.tied_bytes)
+        # a reduction ends no earlier than its members finished: the latest end is the
+        # latest of the classes' ends and of every finish (workers outside the plan's
+        # live table included)
+        return (max(max(finish.values()), max(ready.values(), default=-math.inf)), sync_s,
+                tuple(tuple(buckets[i][0] for i in group) for group in groups), tie)
 
 
 def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None,

@@ -37,7 +37,7 @@ where our reading had to choose.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
@@ -206,6 +206,33 @@ def _pipeline_ranks(plan: ExecutionPlan) -> list[list[int]]:
     return [[st.worker for st in pipe.stages] for pipe in plan.pipelines]
 
 
+def _first_missing_layer(held: Iterable[Collection[int]], num_layers: int) -> int | None:
+    """The first layer no live worker holds (:meth:`RecoveryState.missing_layers`), each
+    distinct holding checked once (thousands of workers share a few ranges)."""
+    covered = [False] * num_layers
+    for layers in set(held):
+        for layer in layers:
+            covered[layer] = True
+    return next((layer for layer, ok in enumerate(covered) if not ok), None)
+
+
+def _instances(plan: ExecutionPlan, ranks: Sequence[tuple[int, ...]],
+               layouts: Sequence[Layout], counts: Sequence[int]) -> tuple[Pipeline, ...]:
+    """The template instances on ``ranks``, ``counts`` micro-batches each: a pipeline of
+    ``plan`` with the same workers, layout and micro-batches is taken as it is (most
+    pipelines outlive a reconfiguration), so the new plan shares its tables and the
+    estimator's per-pipeline memo (a pipeline equal to a new one is the same value)."""
+    kept = {(pipe.workers, pipe.num_microbatches): pipe for pipe in plan.pipelines}
+    out = []
+    for row, layout, m in zip(ranks, layouts, counts, strict=True):
+        pipe = kept.get((row, m))
+        if pipe is None or pipe.layout != layout:
+            pipe = Pipeline(tuple([Stage(w, lo, hi)
+                                   for w, (lo, hi) in zip(row, layout, strict=True)]), m)
+        out.append(pipe)
+    return tuple(out)
+
+
 def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec) -> Candidate:
     """Oobleck's reconfiguration of ``state.plan`` after ``failed`` workers died; workers
     alive but idle (returned since the last reconfiguration) join.
@@ -231,9 +258,9 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     for start in range(0, len(waiting), step):
         lists.append(waiting[start:start + step])
     lost = (set(plan.workers) - set(state.alive)) | set(failed) | plan.dead_workers
-    missing = state.missing_layers()
-    if missing:
-        return infeasible(Strategy.DYNAMIC, f"oobleck: layer {missing[0]} has no live replica")
+    missing = _first_missing_layer(state.held_layers().values(), plan.num_layers)
+    if missing is not None:
+        return infeasible(Strategy.DYNAMIC, f"oobleck: layer {missing} has no live replica")
     try:
         result = reinstantiate(lists, lost, spec.min_length)
     except ValueError as exc:
@@ -259,11 +286,8 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     if not counts or min(counts) < 1:
         return infeasible(Strategy.DYNAMIC, "oobleck: the global batch does not cover every "
                                             "pipeline")
-    pipelines = []
-    for ranks, layout, m in zip(result.ranks, layouts, counts, strict=True):
-        pipelines.append(Pipeline(tuple(Stage(w, lo, hi)
-                                        for w, (lo, hi) in zip(ranks, layout, strict=True)), m))
-    new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
+    pipelines = _instances(plan, result.ranks, layouts, counts)
+    new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=pipelines,
                              micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
     est = state.estimate(new_plan)

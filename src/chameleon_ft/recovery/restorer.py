@@ -21,7 +21,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from chameleon_ft.perf.coloring import rounds as colour_rounds
+from chameleon_ft.perf.coloring import pair_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
@@ -222,11 +222,8 @@ def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[in
     """Each layer's live holders, in worker order (workers holding the same layers are
     gathered first: few distinct holdings on thousands of workers)."""
     holders: dict[int, list[int]] = defaultdict(list)
-    try:
-        by_holding: dict[Collection[int], list[int]] = defaultdict(list)
-        for worker, layers in held.items():
-            by_holding[layers].append(worker)  # TypeError for an unhashable holding
-    except TypeError:  # unhashable layer collections: one worker at a time
+    by_holding = _workers_by_holding(held)
+    if by_holding is None:  # unhashable layer collections: one worker at a time
         for worker in sorted(held):
             for layer in held[worker]:
                 holders[layer].append(worker)
@@ -237,6 +234,66 @@ def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[in
     for workers in holders.values():
         workers.sort()
     return holders
+
+
+def _workers_by_holding(held: Mapping[int, Collection[int]]
+                        ) -> dict[Collection[int], list[int]] | None:
+    """The workers of each distinct holding, in ``held``'s order; ``None`` when a holding
+    is not hashable."""
+    by_holding: dict[Collection[int], list[int]] = defaultdict(list)
+    try:
+        for worker, layers in held.items():
+            by_holding[layers].append(worker)  # TypeError for an unhashable holding
+    except TypeError:
+        return None
+    return by_holding
+
+
+def _first_holders(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
+    """Each layer's first live holder (the lowest id), as the one-worker list that
+    :func:`_holders_of_layers` starts with: Oobleck copies from it alone, so the other
+    holders are not gathered and sorted."""
+    by_holding = _workers_by_holding(held)
+    if by_holding is None:
+        return {layer: workers[:1] for layer, workers in _holders_of_layers(held).items()}
+    first: dict[int, int] = {}
+    for layers, workers in by_holding.items():
+        lowest = min(workers)
+        for layer in layers:
+            known = first.get(layer)
+            if known is None or lowest < known:
+                first[layer] = lowest
+    return {layer: [worker] for layer, worker in first.items()}
+
+
+def _slots(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
+           ) -> tuple[list[tuple[int, int, int]], list[tuple[int, range, Collection[int]]]]:
+    """Every live slot ``(worker, pipeline, stage)`` of ``plan`` in order (a rerouted
+    stage's worker is dead: nothing moves to it), and ``(worker, layers, held layers)`` of
+    the slots whose worker lacks some layer of its stage, in the same order. Most workers
+    keep their stage (the plans share range objects), so a pipeline's slots are listed
+    at once and only the others are looked at one by one."""
+    slots: list[tuple[int, int, int]] = []
+    lacking: list[tuple[int, range, Collection[int]]] = []
+    dead = plan.reroute_map
+    rerouted = {p for p, _ in dead}
+    held_by = held.get
+    for p, pipe in enumerate(plan.pipelines):
+        workers, ranges = pipe.workers, pipe.layer_ranges
+        live: Sequence[int]
+        if p in rerouted:
+            live = [s for s in range(len(workers)) if (p, s) not in dead]
+            slots.extend((workers[s], p, s) for s in live)
+        else:
+            live = range(len(workers))
+            slots.extend(zip(workers, itertools.repeat(p), live))
+        for s in [s for s in live if held_by(workers[s]) is not ranges[s]]:
+            worker, layers = workers[s], ranges[s]
+            have = held_by(worker, ())
+            if not (isinstance(have, range) and have.step == 1
+                    and have.start <= layers.start and layers.stop <= have.stop):
+                lacking.append((worker, layers, have))
+    return slots, lacking
 
 
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
@@ -266,44 +323,33 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     Raises:
         ValueError: when a needed layer has no live replica.
     """
-    holders = _holders_of_layers(held)
+    holders = _first_holders(held) if first_source else _holders_of_layers(held)
     sent_bytes: dict[int, float] = defaultdict(float)
     transfers: list[Transfer] = []
     moved = 0.0
-    slots = []
-    dead = plan.reroute_map
-    held_by = held.get
-    for p, pipe in enumerate(plan.pipelines):
-        for s, (worker, layers) in enumerate(zip(pipe.workers, pipe.layer_ranges, strict=True)):
-            if dead and (p, s) in dead:
-                continue  # a rerouted stage's worker is dead: nothing moves to it
-            slots.append((worker, p, s))
-            have = held_by(worker, ())
-            if have is layers or (isinstance(have, range) and have.step == 1
-                                  and have.start <= layers.start and layers.stop <= have.stop):
-                continue  # the worker holds every layer of its stage already
-            dst_node = topology.node_of(worker)
-            for layer in layers:
-                if layer in have:
-                    continue
-                sources = holders.get(layer, [])
-                if not sources:
-                    raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
-                cost = profile.layers[layer]
-                size = cost.param_bytes if parameters_only else cost.state_bytes
-                moved += size
-                if first_source:
-                    parts, chosen = 1, sources[:1]
-                else:
-                    parts = min(max_parts, len(sources))
-                    chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
-                                                            sent_bytes[w], w))[:parts]
-                for part, src in enumerate(chosen):
-                    sent_bytes[src] += size / parts
-                    transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
-                                              num_parts=parts, num_bytes=size / parts))
-    groups = [(t.src, t.dst) for t in transfers]
-    round_lists = colour_rounds(groups) if transfers else []
+    slots, lacking = _slots(plan, held)
+    for worker, layers, have in lacking:
+        dst_node = topology.node_of(worker)
+        for layer in layers:
+            if layer in have:
+                continue
+            sources = holders.get(layer, [])
+            if not sources:
+                raise ValueError(f"plan: layer {layer} has no live replica to migrate from")
+            cost = profile.layers[layer]
+            size = cost.param_bytes if parameters_only else cost.state_bytes
+            moved += size
+            if first_source:
+                parts, chosen = 1, sources[:1]
+            else:
+                parts = min(max_parts, len(sources))
+                chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
+                                                        sent_bytes[w], w))[:parts]
+            for part, src in enumerate(chosen):
+                sent_bytes[src] += size / parts
+                transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
+                                          num_parts=parts, num_bytes=size / parts))
+    round_lists = pair_rounds([(t.src, t.dst) for t in transfers]) if transfers else []
     time_s = 0.0
     for members in round_lists:
         time_s += max(topology.p2p_s(transfers[i].src, transfers[i].dst, transfers[i].num_bytes)

@@ -129,6 +129,10 @@ def comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, *,
 def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, tp: int,
             everything: bool, per_layer: bool) -> float:
     # Memoised: the same pair of plans comes back at every equivalent event.
+    if per_layer and (everything or (old is None and not spec.rebuild_all_groups)):
+        fresh = _fresh_comm_s(new, spec, tp, everything)
+        if fresh is not None:
+            return fresh
     busy: dict[int, float] = defaultdict(float)
 
     def charge(group: Collection[int], ranks: int, *, first_exchange: bool = True) -> None:
@@ -157,6 +161,47 @@ def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, t
     return max(busy.values(), default=0.0)
 
 
+def _fresh_comm_s(new: ExecutionPlan, spec: RecoverySpec, tp: int, world: bool
+                  ) -> float | None:
+    """:func:`comm_s` of creating every group of ``new``, one all-reduce group per layer,
+    for a plan without reroutes whose workers run one stage each (else ``None``).
+
+    A worker's groups are then the world group (with ``world``), its pipeline's, and
+    those of the layers of its range held by two or more workers, charged in that order:
+    the workers of pipelines of one length holding one range pay the same sum, so it is
+    added up once per such class (the same additions, in the same order, as charging
+    worker by worker)."""
+    rows = [(pipe.workers, pipe.layer_ranges) for pipe in new.pipelines]
+    num_workers = len(new.layers_by_worker)  # the live workers, as many as new.workers
+    if new.reroutes or num_workers != sum(len(row) for row, _ in rows):
+        return None
+    init, per_rank = spec.comm_init_s, spec.comm_per_rank_s
+    layer_cost = [init + per_rank * len(h) if len(h) > 1 else None
+                  for h in new.holders_by_layer]
+    devices = num_workers * tp
+    first = init + per_rank * devices if world and devices > 1 else None
+    busy: dict[tuple[int, int, int], float | None] = {}
+    for row, ranges in rows:
+        n = len(row)
+        for layers in ranges:
+            key = (n, layers.start, layers.stop)
+            if key in busy:
+                continue
+            total, charged = 0.0, first is not None
+            if first is not None:
+                total += first
+            if n > 1:
+                total += init + per_rank * n
+                charged = True
+            for layer in layers:
+                cost = layer_cost[layer]
+                if cost is not None:
+                    total += cost
+                    charged = True
+            busy[key] = total if charged else None
+    return max((t for t in busy.values() if t is not None), default=0.0)
+
+
 @functools.lru_cache(maxsize=16)
 def _build_prefix(profile: Profile, layer_build_s: float, rate: float) -> tuple[float, ...]:
     """Prefix sums of each layer's re-instantiation seconds (cached per profile)."""
@@ -182,6 +227,11 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
     """
     prefix = _build_prefix(profile, spec.layer_build_s, spec.layer_build_gb_per_s * 1e9)
     busiest = 0.0
+    if not held:
+        # every worker builds its whole range: the busiest holds the costliest range
+        for wanted in set(new.layers_by_worker.values()):
+            busiest = max(busiest, prefix[wanted.stop] - prefix[wanted.start])
+        return busiest
     held_by = held.get
     for worker, wanted in new.layers_by_worker.items():
         have = held_by(worker, ())
