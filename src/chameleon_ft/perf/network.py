@@ -83,6 +83,6 @@ class Topology:
         if k <= 1 or num_bytes <= 0 or self.cluster.ideal_network:
             return 0.0
         per_node = self.workers_per_node
-        nodes = {w // per_node for w in workers}  # node_of, inline
-        latency_s, bw = self.cluster.link(len(nodes) == 1)
+        # nodes are blocks of consecutive ids: one node exactly when the extremes share it
+        latency_s, bw = self.cluster.link(min(workers) // per_node == max(workers) // per_node)
         return 2 * (k - 1) / k * num_bytes / bw + 2 * (k - 1) * latency_s

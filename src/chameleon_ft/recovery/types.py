@@ -230,7 +230,8 @@ class RecoveryState:
     def missing_layers(self) -> list[int]:
         """Layers with no live replica."""
         covered = [False] * self.plan.num_layers
-        for layers in self.held_layers().values():
+        held = self.held_layers().values()
+        for layers in {id(layers): layers for layers in held}.values():  # each object once
             for layer in layers:
                 covered[layer] = True
         return [i for i, c in enumerate(covered) if not c]
