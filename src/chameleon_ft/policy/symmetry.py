@@ -119,7 +119,8 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
 
     return replace(
         est,
-        peak_memory_bytes={get(k, k): v for k, v in est.peak_memory_bytes.items()},
+        peak_memory_bytes=dict(zip(map(get, est.peak_memory_bytes, est.peak_memory_bytes),
+                                   est.peak_memory_bytes.values(), strict=True)),
         sync_rounds=tuple(tuple(bucket(b) for b in group) for group in est.sync_rounds),
         tie_workers=workers(est.tie_workers),
     )
@@ -142,10 +143,17 @@ def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> Executio
     ``p`` of the question, as a direct computation would name it."""
     if plan.num_pipelines != original.num_pipelines:
         return plan
-    index: dict[int, int] = {}
-    for p, row in enumerate(original.worker_rows()):
-        index.update(zip(row, repeat(p)))
-    where = [index.get(pipe.stages[0].worker, -1) for pipe in plan.pipelines]
+    # A live worker that no rerouted stage names sits in one row: the plan's own table
+    # says which; any other first worker needs every row (the last row naming it wins).
+    live, dead = original.stage_of_worker, original.dead_workers
+    firsts = [pipe.stages[0].worker for pipe in plan.pipelines]
+    if all(w in live and w not in dead for w in firsts):
+        where = [live[w][0] for w in firsts]
+    else:
+        index: dict[int, int] = {}
+        for p, row in enumerate(original.worker_rows()):
+            index.update(zip(row, repeat(p)))
+        where = [index.get(w, -1) for w in firsts]
     if sorted(where) != list(range(plan.num_pipelines)):
         return plan
     pipelines: list[Pipeline | None] = [None] * plan.num_pipelines
@@ -231,7 +239,7 @@ class CanonicalForm:
             if not maps:
                 source = stored if stored is not None else self.plan
                 pairs = list(zip(source.pipelines, self.order, strict=True))
-                maps.append(({v: k for k, v in self.renaming.items()},
+                maps.append((dict(zip(self.renaming.values(), self.renaming, strict=True)),
                              ({id(pipe): original.pipelines[p] for pipe, p in pairs},
                               {id(pipe.stages): original.pipelines[p].stages
                                for pipe, p in pairs})))
