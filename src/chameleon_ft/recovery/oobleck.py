@@ -37,7 +37,7 @@ where our reading had to choose.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
@@ -206,16 +206,6 @@ def _pipeline_ranks(plan: ExecutionPlan) -> list[list[int]]:
     return [[st.worker for st in pipe.stages] for pipe in plan.pipelines]
 
 
-def _first_missing_layer(held: Iterable[Collection[int]], num_layers: int) -> int | None:
-    """The first layer no live worker holds (:meth:`RecoveryState.missing_layers`), each
-    distinct holding checked once (thousands of workers share a few ranges)."""
-    covered = [False] * num_layers
-    for layers in set(held):
-        for layer in layers:
-            covered[layer] = True
-    return next((layer for layer, ok in enumerate(covered) if not ok), None)
-
-
 def _instances(plan: ExecutionPlan, ranks: Sequence[tuple[int, ...]],
                layouts: Sequence[Layout], counts: Sequence[int]) -> tuple[Pipeline, ...]:
     """The template instances on ``ranks``, ``counts`` micro-batches each: a pipeline of
@@ -258,9 +248,9 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     for start in range(0, len(waiting), step):
         lists.append(waiting[start:start + step])
     lost = (set(plan.workers) - set(state.alive)) | set(failed) | plan.dead_workers
-    missing = _first_missing_layer(state.held_layers().values(), plan.num_layers)
-    if missing is not None:
-        return infeasible(Strategy.DYNAMIC, f"oobleck: layer {missing} has no live replica")
+    missing = state.missing_layers()
+    if missing:
+        return infeasible(Strategy.DYNAMIC, f"oobleck: layer {missing[0]} has no live replica")
     try:
         result = reinstantiate(lists, lost, spec.min_length)
     except ValueError as exc:
