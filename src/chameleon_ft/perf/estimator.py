@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -266,18 +267,24 @@ class Estimator:
         device: parameters, gradients and optimizer state of the layers held, plus the
         activations of the micro-batches in flight at the worst moment, plus one layer's
         backward workspace (recomputed activations)."""
-        opt_s: dict[int, float] = {}
-        peak_memory: dict[int, float] = {}
-        # The plan shares one range object per distinct layer range: price each once.
-        by_range: dict[int, tuple[float, float, float]] = {}
-        for w, layers in plan.layers_by_worker.items():
-            cost = by_range.get(id(layers))
-            if cost is None:
-                cost = by_range[id(layers)] = self._range_cost(layers)
-            opt, static, workspace = cost
-            opt_s[w] = opt / speeds[w] if w in speeds else opt
-            peak_memory[w] = static + act_peak.get(w, 0.0) + workspace
-        return opt_s, peak_memory
+        by_worker = plan.layers_by_worker
+        # The plan shares one range object per distinct layer range: price each once,
+        # then read the figures worker by worker at C speed (the same additions).
+        opt_of: dict[int, float] = {}
+        static_of: dict[int, float] = {}
+        workspace_of: dict[int, float] = {}
+        ids = list(map(id, by_worker.values()))
+        for key, layers in dict(zip(ids, by_worker.values(), strict=True)).items():
+            opt_of[key], static_of[key], workspace_of[key] = self._range_cost(layers)
+        opts = map(opt_of.__getitem__, ids)
+        if speeds:
+            opts = map(lambda w, opt: opt / speeds[w] if w in speeds else opt, by_worker, opts)
+        opt_s = dict(zip(by_worker, opts, strict=True))
+        peaks = map(operator.add,
+                    map(operator.add, map(static_of.__getitem__, ids),
+                        map(act_peak.get, by_worker, itertools.repeat(0.0))),
+                    map(workspace_of.__getitem__, ids))
+        return opt_s, dict(zip(by_worker, peaks, strict=True))
 
     def _stage_cost(self, lo: int, hi: int) -> Any:
         """The per-chunk costs of a stage holding layers (columns) ``[lo, hi)``."""
@@ -481,9 +488,14 @@ class Estimator:
         max_memory = max(peak_memory.values(), default=0.0)
 
         by_worker = plan.layers_by_worker
-        busy_of, control_s = busy.get, profile.control_s
-        idle = sum([step_s - busy_of(w, 0.0) - sync_s[layers] - opt_s[w] - control_s
-                    for w, layers in by_worker.items()])
+        sub, repeat = operator.sub, itertools.repeat
+        # per worker: step - busy - reducing - optimizer - control, summed in the table's
+        # order (at C speed)
+        idle = sum(map(sub, map(sub, map(sub, map(sub, repeat(step_s),
+                                                  map(busy.get, by_worker, repeat(0.0))),
+                                          map(sync_s.__getitem__, by_worker.values())),
+                                  map(opt_s.__getitem__, by_worker)),
+                       repeat(profile.control_s)))
         idle_s = max(0.0, idle / len(by_worker))
         samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
         return Estimate(
