@@ -304,7 +304,9 @@ def test_generations_leak_no_sockets_threads_or_store_keys(tmp_path: Path,
                                    hang_timeout_s=0.6, heartbeat_s=0.05)
     _clean(pids)
     gens = sorted({s[0] for s in samples})
-    assert len(gens) >= 6, samples
+    # samples are taken only between checkpoints: on a loaded machine a checkpoint is in
+    # flight at some generations' commits, so fewer than every generation is sampled
+    assert len(gens) >= 4, samples
     early = [s for s in samples if s[0] == gens[1]][-1]
     late = [s for s in samples if s[0] == gens[-1]][-1]
     # store keys: only each fault's two records (claimed, fired) stay, for the report
