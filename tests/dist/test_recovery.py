@@ -80,7 +80,10 @@ def test_no_replica_left_restarts_from_checkpoint(tmp_path: Path, reference: Any
     _, ref_params = reference("float64")
     _check_clean(pids)
     _check_steps(report)
-    restarts = [e for e in report["events"] if e["strategy"] == "restart"]
+    # On a loaded machine a survivor may also miss a later generation's set-up (declared
+    # failed, another restart from the checkpoint): those restarts do not answer the kills.
+    restarts = [e for e in report["events"] if e["strategy"] == "restart"
+                and "did not join" not in e["cause"]]
     assert restarts, report["events"]
     # checkpoints every 2 steps, written in the background: the one after 2 steps is
     # complete or still being written when its only holders die in step 3 (then it is
