@@ -84,16 +84,16 @@ def _shared_worker_neighbours(groups: Sequence[Iterable[int]]) -> list[set[int]]
 
 def conflict_edges(groups: Sequence[Iterable[int]]) -> list[tuple[int, int]]:
     """Edges between groups (sets of workers) that share a worker."""
-    by_member: dict[int, list[int]] = {}
-    for i, group in enumerate(groups):
-        for member in set(group):
-            by_member.setdefault(member, []).append(i)
-    edges: set[tuple[int, int]] = set()
-    for members in by_member.values():
-        for x in range(len(members)):
-            for y in range(x + 1, len(members)):
-                edges.add((members[x], members[y]))
-    return sorted(edges)
+    return sorted((i, j) for i, found in enumerate(_shared_worker_neighbours(groups))
+                  for j in found if i < j)
+
+
+def _rounds_of(colours: Sequence[int]) -> list[list[int]]:
+    """The groups of each colour, colour by colour, each in index order."""
+    out: list[list[int]] = [[] for _ in range(max(colours, default=-1) + 1)]
+    for i, c in enumerate(colours):
+        out[c].append(i)
+    return out
 
 
 def rounds(groups: Sequence[Iterable[int]],
@@ -103,12 +103,8 @@ def rounds(groups: Sequence[Iterable[int]],
     ``edges``: the pairs of groups that share a worker, when the caller knows them faster
     than :func:`conflict_edges` finds them.
     """
-    colours = (_colour(_shared_worker_neighbours(groups)) if edges is None
-               else dsatur(len(groups), edges))
-    out: list[list[int]] = [[] for _ in range(max(colours, default=-1) + 1)]
-    for i, c in enumerate(colours):
-        out[c].append(i)
-    return out
+    return _rounds_of(_colour(_shared_worker_neighbours(groups)) if edges is None
+                      else dsatur(len(groups), edges))
 
 
 def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -183,7 +179,4 @@ def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
         saturation[k] += 1
         if next_member[k] < len(group):
             push(heap, (-saturation[k], neg_degree[k], group[next_member[k]], k))
-    out: list[list[int]] = [[] for _ in range(max(colour, default=-1) + 1)]
-    for i, c in enumerate(colour):
-        out[c].append(i)
-    return out
+    return _rounds_of(colour)
