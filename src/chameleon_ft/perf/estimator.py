@@ -27,7 +27,7 @@ import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,14 +174,23 @@ def _bucket_conflicts(plan: ExecutionPlan, buckets: list[tuple[Bucket, float]]
     when some worker's layer range meets both: one pass over the few distinct ranges
     instead of over every worker.
     """
+    return _conflicts(_buckets_met(plan.layers_by_worker.values(), buckets).values())
+
+
+def _buckets_met(ranges: Iterable[range], buckets: list[tuple[Bucket, float]]
+                 ) -> dict[range, list[int]]:
+    """The buckets each distinct layer range meets (their indices, sorted), in the order
+    ``ranges`` first names them: a worker holding the range is a member of exactly those
+    buckets (a bucket holds every live holder of its layers)."""
     bucket_of_layer = {layer: i for i, (b, _) in enumerate(buckets) for layer in b.layers}
-    edges: set[tuple[int, int]] = set()
-    for layers in set(plan.layers_by_worker.values()):
-        ids = sorted({bucket_of_layer[layer] for layer in layers if layer in bucket_of_layer})
-        for x in range(len(ids)):
-            for y in range(x + 1, len(ids)):
-                edges.add((ids[x], ids[y]))
-    return sorted(edges)
+    return {layers: sorted({bucket_of_layer[layer] for layer in layers
+                            if layer in bucket_of_layer})
+            for layers in dict.fromkeys(ranges)}
+
+
+def _conflicts(met: Iterable[list[int]]) -> list[tuple[int, int]]:
+    """Pairs of buckets met by one range (each list sorted), sorted."""
+    return sorted({pair for ids in met for pair in itertools.combinations(ids, 2)})
 
 
 def _components(plan: ExecutionPlan) -> list[tuple[list[int], bool]]:
@@ -529,18 +538,18 @@ class Estimator:
         """
         profile, topo = self.profile, self.topology
         buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
-        groups = rounds([b.workers for b, _ in buckets], edges=_bucket_conflicts(plan, buckets))
         ready: dict[range, float] = {}  # per class: its latest finish, then its last end
         for w, layers in plan.layers_by_worker.items():
             done = finish[w]
             latest = ready.get(layers)
             if latest is None or done > latest:
                 ready[layers] = done
+        met = _buckets_met(ready, buckets)
+        groups = rounds([b.workers for b, _ in buckets], edges=_conflicts(met.values()))
         sync_s = dict.fromkeys(ready, 0.0)
-        bucket_of_layer = {layer: i for i, (b, _) in enumerate(buckets) for layer in b.layers}
         classes: list[list[range]] = [[] for _ in buckets]
-        for layers in ready:
-            for i in {bucket_of_layer[layer] for layer in layers if layer in bucket_of_layer}:
+        for layers, ids in met.items():
+            for i in ids:
                 classes[i].append(layers)
 
         def reduce(members: tuple[int, ...], ranges: list[range], num_bytes: float) -> None:
