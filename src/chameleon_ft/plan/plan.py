@@ -154,9 +154,7 @@ class Pipeline:
         # objects, and every new plan that keys a cache hashes all of them.
         cached = self._hash
         if cached is None:
-            table = self._table
-            workers = (table if table is not None else _pipeline_table(self))[0]
-            cached = hash((workers, self.layout, self.num_microbatches))
+            cached = hash((_pipeline_table(self)[0], self.layout, self.num_microbatches))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -216,11 +214,18 @@ class Pipeline:
         _, ranges, end = _pipeline_table(self)
         stages = tuple([shared_stage(w, st.first_layer, st.end_layer)
                         for w, st in zip(row, self.stages, strict=True)])
-        pipe = Pipeline(stages, self.num_microbatches if num_microbatches is None
-                        else num_microbatches)
-        object.__setattr__(pipe, "_table", (row, ranges, end))
-        object.__setattr__(pipe, "_layout", self._layout)
-        return pipe
+        return _with_rows(stages, self.num_microbatches if num_microbatches is None
+                          else num_microbatches, (row, ranges, end), self._layout)
+
+
+def _with_rows(stages: tuple[Stage, ...], num_microbatches: int, table: _Table,
+               layout: tuple[tuple[int, int], ...] | None) -> Pipeline:
+    """A pipeline of ``stages`` that starts with its table and layout, known already
+    (:func:`_pipeline_table`, :attr:`Pipeline.layout`)."""
+    pipe = Pipeline(stages, num_microbatches)
+    object.__setattr__(pipe, "_table", table)
+    object.__setattr__(pipe, "_layout", layout)
+    return pipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,8 +462,7 @@ class ExecutionPlan:
         get = by_range.get
         settled: set[int] = set()  # ids of range rows whose every range two nodes hold
         for p, pipe in enumerate(self.pipelines):
-            table = pipe._table
-            workers, ranges, _ = table if table is not None else _pipeline_table(pipe)
+            workers, ranges, _ = _pipeline_table(pipe)
             if id(ranges) in settled:
                 continue  # this pipeline can only add nodes to ranges already shared
             for s, (worker, layers) in enumerate(zip(workers, ranges, strict=True)):
@@ -744,10 +748,8 @@ def sharing_stages(plan: ExecutionPlan, source: ExecutionPlan) -> ExecutionPlan:
             pipelines.append(old)  # the very pipeline
             changed = True
         else:
-            twin = Pipeline(old.stages, pipe.num_microbatches)
-            object.__setattr__(twin, "_table", _pipeline_table(old))
-            object.__setattr__(twin, "_layout", old.layout)
-            pipelines.append(twin)
+            pipelines.append(_with_rows(old.stages, pipe.num_microbatches,
+                                        _pipeline_table(old), old.layout))
             changed = True
     return replace(plan, pipelines=tuple(pipelines)) if changed else plan
 

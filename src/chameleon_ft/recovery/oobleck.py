@@ -40,7 +40,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan, Pipeline
+from chameleon_ft.plan.plan import shared_stage
 from chameleon_ft.recovery.restorer import schedule_migration
 from chameleon_ft.recovery.templates import Layout, Templates, allocate
 from chameleon_ft.recovery.transition import lost_step_s, migration_s, rebuild_terms
@@ -217,7 +218,7 @@ def _instances(plan: ExecutionPlan, ranks: Sequence[tuple[int, ...]],
     for row, layout, m in zip(ranks, layouts, counts, strict=True):
         pipe = kept.get((row, m))
         if pipe is None or pipe.layout != layout:
-            pipe = Pipeline(tuple([Stage(w, lo, hi)
+            pipe = Pipeline(tuple([shared_stage(w, lo, hi)
                                    for w, (lo, hi) in zip(row, layout, strict=True)]), m)
         out.append(pipe)
     return tuple(out)
