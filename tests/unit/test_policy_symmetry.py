@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
 
-from chameleon_ft.perf import Topology
+from chameleon_ft.perf import Bucket, Topology
+from chameleon_ft.perf.estimator import Breakdown, Estimate
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
-from chameleon_ft.policy.symmetry import canonical_renaming, rename_plan
+from chameleon_ft.policy.symmetry import (
+    _rename_estimate,
+    _rename_migration,
+    canonical_renaming,
+    rename_plan,
+)
+from chameleon_ft.recovery.types import Migration, Transfer
 from chameleon_ft.spec import ClusterSpec, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,3 +95,30 @@ def test_a_renamed_answer_names_the_tied_sum_s_workers_as_a_direct_one() -> None
         assert 6 not in renamed.tie_workers
         assert renamed.tie_workers == computed.tie_workers
         assert renamed.step_s == pytest.approx(computed.step_s)
+
+
+def test_a_lazily_renamed_estimate_and_migration_read_as_eager_copies() -> None:
+    """Renaming back is deferred to the first read of a per-worker field: every field,
+    read first or after pickling or ``replace``, is the renamed value, and the copy
+    compares equal to an eagerly built one."""
+    bucket = Bucket((0, 1), (0,))
+    est = Estimate(1.0, 2.0, 3.0, 0.1, {0: 1.0, 1: 2.0}, 2.0, 10.0, True,
+                   Breakdown(1.0, 0.0, 0.0, 0.0, 0.0), ((bucket,),), (0, 1))
+    migration = Migration(((0, 0, 0), (1, 0, 1)), 5.0, (Transfer(0, 0, 1, 0, 1, 5.0),),
+                          ((0,),), 1.0)
+    renaming = {0: 7}
+    eager_est = dataclasses.replace(est, peak_memory_bytes={7: 1.0, 1: 2.0},
+                                    sync_rounds=((Bucket((1, 7), (0,)),),), tie_workers=(1, 7))
+    eager_migration = dataclasses.replace(migration, slots=((7, 0, 0), (1, 0, 1)),
+                                          transfers=(Transfer(0, 7, 1, 0, 1, 5.0),))
+    # a field with a class default read first is renamed, not the default
+    assert _rename_estimate(est, renaming).tie_workers == (1, 7)
+    assert _rename_migration(migration, renaming).transfers == eager_migration.transfers
+    for lazy, eager in ((_rename_estimate(est, renaming), eager_est),
+                        (_rename_migration(migration, renaming), eager_migration)):
+        assert lazy == eager and eager == lazy
+        assert pickle.loads(pickle.dumps(lazy)) == eager
+        assert dataclasses.replace(lazy, time_s=1.0) == eager if isinstance(
+            eager, Migration) else dataclasses.replace(lazy, step_s=1.0) == eager
+    assert _rename_estimate(est, renaming) != est
+    assert hash(_rename_migration(migration, {})) == hash(migration)

@@ -11,9 +11,9 @@ every single failure is one of 16 cached problems instead of 2,048.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import chain, filterfalse, repeat
-from typing import Any
+from typing import Any, ClassVar
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
@@ -105,36 +105,109 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
     )
 
 
+class _RenamedField:
+    """A field of a :class:`_LazilyRenamed` copy: renamed at its first read, then an
+    ordinary attribute (a non-data descriptor yields to the instance's own value)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        state = obj.__dict__
+        lazy = state.get("_lazy")
+        if lazy is not None:  # two threads may both fill: they store the same values
+            state.update(obj._fill(*lazy))
+            state.pop("_lazy", None)
+        return state[self._name]
+
+
+class _LazilyRenamed:
+    """A copy of a frozen dataclass whose fields naming workers are renamed when first read.
+
+    A decision renames only its winner back to the caller's workers, and most readers (the
+    simulator, the policy's ranking) read its figures, never its per-worker tables: renaming
+    those (2,048 entries and every all-reduce bucket on the 16k job) was the largest part of
+    a cache hit. The copy compares and hashes as the base class does, field by field, so it
+    is interchangeable with an eagerly renamed one.
+    """
+
+    _base: ClassVar[type]
+    _renamed: ClassVar[tuple[str, ...]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls._renamed:
+            setattr(cls, name, _RenamedField(name))
+
+    @classmethod
+    def of(cls, source: Any, renaming: Mapping[int, int]) -> Any:
+        """A copy of ``source`` whose ``_renamed`` fields ``renaming`` renames lazily."""
+        out = object.__new__(cls)
+        for f in fields(source):
+            if f.name not in cls._renamed:
+                object.__setattr__(out, f.name, getattr(source, f.name))
+        out.__dict__["_lazy"] = (source, renaming)
+        return out
+
+    def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self._base):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self._base))
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self._base)))
+
+
+def _renamed_workers(ws: tuple[int, ...], renaming: Mapping[int, int]) -> tuple[int, ...]:
+    if renaming.keys().isdisjoint(ws):
+        return ws
+    return tuple(sorted(map(renaming.get, ws, ws)))
+
+
+class _RenamedEstimate(_LazilyRenamed, Estimate):
+    _base = Estimate
+    _renamed = ("peak_memory_bytes", "sync_rounds", "tie_workers")
+
+    def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
+        get = renaming.get
+
+        def bucket(b: Bucket) -> Bucket:
+            renamed = _renamed_workers(b.workers, renaming)
+            return b if renamed is b.workers else Bucket(renamed, b.layers)
+
+        peaks = source.peak_memory_bytes
+        return {"peak_memory_bytes": dict(zip(map(get, peaks, peaks), peaks.values(),
+                                              strict=True)),
+                "sync_rounds": tuple(tuple(bucket(b) for b in group)
+                                     for group in source.sync_rounds),
+                "tie_workers": _renamed_workers(source.tie_workers, renaming)}
+
+
+class _RenamedMigration(_LazilyRenamed, Migration):
+    _base = Migration
+    _renamed = ("slots", "transfers")
+
+    def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
+        get = renaming.get
+        return {"slots": tuple([(get(x, x), p, s) for x, p, s in source.slots]),
+                "transfers": tuple([Transfer(t.layer, get(t.src, t.src), get(t.dst, t.dst),
+                                             t.part, t.num_parts, t.num_bytes)
+                                    for t in source.transfers])}
+
+
 def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
-    get = renaming.get
-
-    def workers(ws: tuple[int, ...]) -> tuple[int, ...]:
-        if renaming.keys().isdisjoint(ws):
-            return ws
-        return tuple(sorted(map(get, ws, ws)))
-
-    def bucket(b: Bucket) -> Bucket:
-        renamed = workers(b.workers)
-        return b if renamed is b.workers else Bucket(renamed, b.layers)
-
-    return replace(
-        est,
-        peak_memory_bytes=dict(zip(map(get, est.peak_memory_bytes, est.peak_memory_bytes),
-                                   est.peak_memory_bytes.values(), strict=True)),
-        sync_rounds=tuple(tuple(bucket(b) for b in group) for group in est.sync_rounds),
-        tie_workers=workers(est.tie_workers),
-    )
+    """``est`` in other worker names (renamed when first read: :class:`_LazilyRenamed`)."""
+    return _RenamedEstimate.of(est, renaming)  # type: ignore[no-any-return]
 
 
 def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migration:
-    get = renaming.get
-    return replace(
-        migration,
-        slots=tuple([(get(x, x), p, s) for x, p, s in migration.slots]),
-        transfers=tuple([Transfer(t.layer, get(t.src, t.src), get(t.dst, t.dst), t.part,
-                                  t.num_parts, t.num_bytes)
-                         for t in migration.transfers]),
-    )
+    """``migration`` in other worker names (renamed when first read)."""
+    return _RenamedMigration.of(migration, renaming)  # type: ignore[no-any-return]
 
 
 def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> ExecutionPlan:
