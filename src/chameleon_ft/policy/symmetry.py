@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from itertools import chain, filterfalse, repeat
+from itertools import accumulate, chain, count, filterfalse, repeat
 from typing import Any, ClassVar
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
@@ -322,22 +322,40 @@ class CanonicalForm:
         return named
 
 
-_CANONICAL_PIPELINES: dict[tuple[Any, ...], Pipeline] = {}
-"""Canonical pipelines by (first id, layout, micro-batches): shared objects make canonical
-plans cheap to build, hash and compare."""
+_CANONICAL_PIPELINES: dict[tuple[int, int, int], tuple[Any, Pipeline]] = {}
+"""Canonical pipelines by (first id, layout, micro-batches), the layout named by the
+identity of its shared row of range objects (``Pipeline.layer_ranges``), kept with the
+entry so that the identity stays valid: shared objects make canonical plans cheap to
+build, hash and compare, and the key costs no walk over the layout."""
 
 
-def _canonical_pipeline(first: int, layout: tuple[tuple[int, int], ...],
-                        num_microbatches: int) -> Pipeline:
-    key = (first, layout, num_microbatches)
-    pipe = _CANONICAL_PIPELINES.get(key)
-    if pipe is None:
-        if len(_CANONICAL_PIPELINES) > 65536:
-            _CANONICAL_PIPELINES.clear()
-        pipe = Pipeline(tuple(Stage(first + s, lo, hi) for s, (lo, hi) in enumerate(layout)),
-                        num_microbatches)
-        _CANONICAL_PIPELINES[key] = pipe
-    return pipe
+def _canonical_pipeline(first: int, pipe: Pipeline) -> Pipeline:
+    """``pipe``'s layout and micro-batches on workers ``first, first + 1, ...``."""
+    row = pipe.layer_ranges
+    key = (first, id(row), pipe.num_microbatches)
+    found = _CANONICAL_PIPELINES.get(key)
+    if found is not None and found[0] is row:
+        return found[1]
+    if len(_CANONICAL_PIPELINES) > 65536:
+        _CANONICAL_PIPELINES.clear()
+    canon = Pipeline(tuple(Stage(first + s, lo, hi) for s, (lo, hi) in enumerate(pipe.layout)),
+                     pipe.num_microbatches)
+    _CANONICAL_PIPELINES[key] = (row, canon)
+    return canon
+
+
+def _shape_ranks(pipelines: tuple[Pipeline, ...]) -> list[int]:
+    """Each pipeline's rank among the distinct (layout, micro-batches) of ``pipelines``,
+    in value order; pipelines of one layout share a row of range objects, so each distinct
+    layout is compared once."""
+    by_row: dict[tuple[int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
+    keys = [(id(pipe.layer_ranges), pipe.num_microbatches) for pipe in pipelines]
+    for key, pipe in zip(keys, pipelines, strict=True):
+        if key not in by_row:
+            by_row[key] = (pipe.layout, pipe.num_microbatches)
+    rank = {shape: i for i, shape in enumerate(sorted(set(by_row.values())))}
+    of_row = {key: rank[shape] for key, shape in by_row.items()}
+    return list(map(of_row.__getitem__, keys))
 
 
 def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
@@ -372,14 +390,13 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     # Pipelines compare by a small shape rank first (cheap), then by the status of their
     # stages (only pipelines with a dead, failed or returned worker have one), then by
     # their own reroutes.
-    shapes = [(pipe.layout, pipe.num_microbatches) for pipe in plan.pipelines]
-    rank = {shape: i for i, shape in enumerate(sorted(set(shapes)))}
+    ranks = _shape_ranks(plan.pipelines)
     lite: list[tuple[Any, ...]] = []
     for p, row in enumerate(rows):
         statuses: tuple[Any, ...] = ()
         if special and not special.isdisjoint(row):
             statuses = tuple(status(w) for w in row)
-        lite.append((rank[shapes[p]], statuses, tuple(sorted(own.get(p, ())))))
+        lite.append((ranks[p], statuses, tuple(sorted(own.get(p, ())))))
     hosting: dict[int, list[tuple[Any, ...]]] = {}
     where = plan.stage_of_worker if plan.reroutes else {}
     for r in plan.reroutes:
@@ -390,23 +407,20 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     no_hosts: list[tuple[Any, ...]] = []
     keys = [(lite[p], hosted.get(p, no_hosts), p) for p in range(plan.num_pipelines)]
     order = sorted(range(plan.num_pipelines), key=keys.__getitem__)
-    renaming: dict[int, int] = {}
-    position = {}
-    pipelines = []
-    for k, p in enumerate(order):
-        position[p] = k
-        pipe = plan.pipelines[p]
-        first = len(renaming)
-        renaming.update(zip(rows[p], range(first, first + len(rows[p])), strict=True))
-        pipelines.append(_canonical_pipeline(first, pipe.layout, pipe.num_microbatches))
+    # workers numbered pipeline by pipeline in canonical order (one dictionary, built at C
+    # speed); pipeline k's first worker is the count of those before it
+    ordered = list(map(rows.__getitem__, order))
+    renaming = dict(zip(chain.from_iterable(ordered), count()))
     if len(renaming) != sum(map(len, rows)):
         return None  # a worker named twice: not a valid plan
+    pipelines = list(map(_canonical_pipeline, accumulate(map(len, ordered), initial=0),
+                         map(plan.pipelines.__getitem__, order)))
     rest = sorted(filterfalse(renaming.__contains__, range(num_workers)),
                   key=lambda w: (tuple(not x for x in status(w)), w))
-    for w in rest:
-        renaming[w] = len(renaming)
+    renaming.update(zip(rest, count(len(renaming))))
     if len(renaming) != num_workers:
         return None  # a plan naming workers outside the cluster: no form
+    position = {p: k for k, p in enumerate(order)}
     reroutes = tuple(sorted(
         (Reroute(position[r.pipeline], r.stage, tuple((renaming[w], n) for w, n in r.shares))
          for r in plan.reroutes), key=lambda r: (r.pipeline, r.stage)))
