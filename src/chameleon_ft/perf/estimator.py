@@ -314,18 +314,21 @@ class Estimator:
             if known is not None and known[0] is pipe and known[1] == plan.schedule:
                 return known[2]
         node_of = self.topology.node_of
-        workers = [st.worker for st in pipe.stages]
-        key = (
-            plan.schedule,
-            pipe.num_microbatches,
-            tuple((st.first_layer, st.end_layer, speeds.get(st.worker, 1.0)) for st in pipe.stages),
-            tuple(node_of(a) == node_of(b) for a, b in itertools.pairwise(workers)),
-        )
-        if not speeds:
-            if len(self._pipeline_keys) > 16 * self._cache_size:
-                # the entries hold their pipelines alive: forget them all now and then
-                self._pipeline_keys.clear()
-            self._pipeline_keys[id(pipe)] = (pipe, plan.schedule, key)
+        # which neighbouring stages share a node (with one worker per node, none can)
+        links: tuple[bool, ...] | bool = (
+            False if self.topology.workers_per_node == 1
+            else tuple(node_of(a) == node_of(b) for a, b in itertools.pairwise(pipe.workers)))
+        if speeds:
+            return (plan.schedule, pipe.num_microbatches,
+                    tuple((st.first_layer, st.end_layer, speeds.get(st.worker, 1.0))
+                          for st in pipe.stages),
+                    links)
+        # every stage at unit speed: the layout (kept with the pipeline) says it all
+        key = (plan.schedule, pipe.num_microbatches, pipe.layout, links)
+        if len(self._pipeline_keys) > 16 * self._cache_size:
+            # the entries hold their pipelines alive: forget them all now and then
+            self._pipeline_keys.clear()
+        self._pipeline_keys[id(pipe)] = (pipe, plan.schedule, key)
         return key
 
     def _canonical_pipeline(self, plan: ExecutionPlan, p: int, speeds: Mapping[int, float],

@@ -391,12 +391,13 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     # stages (only pipelines with a dead, failed or returned worker have one), then by
     # their own reroutes.
     ranks = _shape_ranks(plan.pipelines)
+    own_sorted = {p: tuple(sorted(found)) for p, found in own.items()}
     lite: list[tuple[Any, ...]] = []
     for p, row in enumerate(rows):
         statuses: tuple[Any, ...] = ()
         if special and not special.isdisjoint(row):
             statuses = tuple(status(w) for w in row)
-        lite.append((ranks[p], statuses, tuple(sorted(own.get(p, ())))))
+        lite.append((ranks[p], statuses, own_sorted.get(p, ())))
     hosting: dict[int, list[tuple[Any, ...]]] = {}
     where = plan.stage_of_worker if plan.reroutes else {}
     for r in plan.reroutes:
