@@ -326,3 +326,50 @@ def test_synchronisation_per_range_class_is_the_worker_by_worker_one(tied: float
     expected, by_worker = _synchronised_one_by_one(plan, profile, topo, finish)
     assert reduced == expected
     assert {w: spent[r] for w, r in plan.layers_by_worker.items()} == by_worker
+
+
+def _worker_by_worker(est: Estimator, plan: ExecutionPlan, speeds: dict[int, float]
+                      ) -> tuple[float, float, dict[int, float], float]:
+    """Step seconds, optimizer seconds, peak bytes per worker and the summed idle time of
+    ``plan``, computed worker by worker from its timelines (the estimate reads them per
+    pipeline layout instead)."""
+    finish: dict[int, float] = {}
+    busy: dict[int, float] = {}
+    act: dict[int, float] = {}
+    for tl in est.timelines(plan, speeds, with_ops=False):
+        finish.update(tl.finish_s)
+        busy.update(tl.busy_s)
+        act.update(tl.peak_activation_bytes)
+    reduced, sync_s, _, _ = est._synchronise(plan, finish)
+    control = est.profile.control_s
+    by_worker = plan.layers_by_worker
+    opt = {w: est._range_cost(r)[0] / speeds[w] if w in speeds else est._range_cost(r)[0]
+           for w, r in by_worker.items()}
+    step = reduced + control + max(opt.values())
+    peaks = {w: est._range_cost(r)[1] + act.get(w, 0.0) + est._range_cost(r)[2]
+             for w, r in by_worker.items()}
+    idle = sum(step - busy.get(w, 0.0) - sync_s[r] - opt[w] - control
+               for w, r in by_worker.items())
+    return step, max(opt.values()), peaks, idle
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_an_estimate_read_per_layout_is_the_worker_by_worker_one(slow: bool) -> None:
+    """Pipelines sharing a timeline and a layout are read once: every figure (the idle
+    sum in the same order) equals the worker-by-worker computation, with reroutes, a
+    pipeline whose every stage is rerouted away, and slow workers."""
+    profile = uniform_profile(8, fwd_s=0.1, param_bytes=1e8)
+    plan = ExecutionPlan.uniform(dp=4, pp=4, num_layers=8, num_microbatches=8)
+    topo = topology(len(plan.workers), ideal=False, per_node=2)
+    dead = plan.pipelines[1].workers
+    # one stage rerouted; then every stage of pipeline 1 rerouted to its peers
+    plans = [plan, reroute_plan(plan, [plan.pipelines[2].workers[1]]), reroute_plan(plan, dead)]
+    assert set(dead).isdisjoint(plans[2].layers_by_worker)
+    for q in plans:
+        speeds = {q.pipelines[0].workers[1]: 0.5, q.pipelines[3].workers[2]: 0.8} if slow else {}
+        est = Estimator(profile, topo).estimate(q, speeds)
+        step, optimizer, peaks, idle = _worker_by_worker(Estimator(profile, topo), q, speeds)
+        assert est.step_s == step and est.breakdown.optimizer_s == optimizer
+        assert dict(est.peak_memory_bytes) == peaks
+        assert est.max_memory_bytes == max(peaks.values())
+        assert est.breakdown.idle_s == max(0.0, idle / len(peaks))

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from chameleon_ft.perf.coloring import rounds
 from chameleon_ft.perf.gcpause import gc_paused
@@ -269,32 +268,6 @@ class Estimator:
                 max((profile.layers[i].workspace_bytes for i in layers), default=0.0))
         return value
 
-    def _worker_costs(self, plan: ExecutionPlan, speeds: Mapping[int, float],
-                      act_peak: Mapping[int, float]) -> tuple[dict[int, float],
-                                                              dict[int, float]]:
-        """Each live worker's optimizer step (seconds, at its speed) and peak bytes per
-        device: parameters, gradients and optimizer state of the layers held, plus the
-        activations of the micro-batches in flight at the worst moment, plus one layer's
-        backward workspace (recomputed activations)."""
-        by_worker = plan.layers_by_worker
-        # The plan shares one range object per distinct layer range: price each once,
-        # then read the figures worker by worker at C speed (the same additions).
-        opt_of: dict[int, float] = {}
-        static_of: dict[int, float] = {}
-        workspace_of: dict[int, float] = {}
-        ids = list(map(id, by_worker.values()))
-        for key, layers in dict(zip(ids, by_worker.values(), strict=True)).items():
-            opt_of[key], static_of[key], workspace_of[key] = self._range_cost(layers)
-        opts = map(opt_of.__getitem__, ids)
-        if speeds:
-            opts = map(lambda w, opt: opt / speeds[w] if w in speeds else opt, by_worker, opts)
-        opt_s = dict(zip(by_worker, opts, strict=True))
-        peaks = map(operator.add,
-                    map(operator.add, map(static_of.__getitem__, ids),
-                        map(act_peak.get, by_worker, itertools.repeat(0.0))),
-                    map(workspace_of.__getitem__, ids))
-        return opt_s, dict(zip(by_worker, peaks, strict=True))
-
     def _stage_cost(self, lo: int, hi: int) -> Any:
         """The per-chunk costs of a stage holding layers (columns) ``[lo, hi)``."""
         key = (lo, hi)
@@ -462,60 +435,78 @@ class Estimator:
                 self._plans.popitem(last=False)
         return result
 
+    def _rows(self, plan: ExecutionPlan, speeds: Mapping[int, float], brute_force: bool
+              ) -> tuple[list[_Row], float, tuple[float, float, float]]:
+        """Each pipeline's live stages with their simulated figures (:class:`_Row`), in
+        pipeline order; the latest finish of any simulated worker; and the critical
+        component's (makespan, compute, transfers)."""
+        rows: list[_Row] = []
+        by_timeline: dict[int, tuple[tuple[float, ...], ...]] = {}
+        latest = -math.inf
+        critical = (0.0, 0.0, 0.0)
+        for group, lone in _components(plan):
+            if lone:
+                # A lone pipeline: its shared timeline read by stage, once per timeline.
+                p = group[0]
+                pipe = plan.pipelines[p]
+                tl = self._canonical_pipeline(plan, p, speeds, brute_force)
+                figures = by_timeline.get(id(tl))
+                if figures is None:
+                    stages = range(len(pipe.stages))
+                    figures = by_timeline[id(tl)] = tuple(
+                        tuple(map(by_stage.__getitem__, stages))
+                        for by_stage in (tl.finish_s, tl.busy_s, tl.peak_activation_bytes))
+                    latest = max(latest, *figures[0])
+                rows.append(_Row(p, (id(tl), id(pipe.layer_ranges)), pipe.workers,
+                                 pipe.layer_ranges, *figures))
+            else:
+                tl = self._component(plan, group, speeds, brute_force, with_ops=False)
+                latest = max(latest, *tl.finish_s.values())
+                dead = plan.reroute_map
+                for p in group:
+                    pipe = plan.pipelines[p]
+                    live = [s for s in range(len(pipe.stages)) if (p, s) not in dead]
+                    workers = tuple([pipe.workers[s] for s in live])
+                    rows.append(_Row(
+                        p, None, workers, tuple([pipe.layer_ranges[s] for s in live]),
+                        tuple(map(tl.finish_s.__getitem__, workers)),
+                        tuple([tl.busy_s.get(w, 0.0) for w in workers]),
+                        tuple([tl.peak_activation_bytes.get(w, 0.0) for w in workers])))
+            if tl.makespan_s >= critical[0]:
+                critical = (tl.makespan_s, tl.critical_compute_s, tl.critical_p2p_s)
+        rows.sort(key=lambda row: row.pipeline)
+        return rows, latest, critical
+
     def _estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float],
                   brute_force: bool) -> Estimate:
         profile, topo = self.profile, self.topology
-        finish: dict[int, float] = {}
-        busy: dict[int, float] = {}
-        act_peak: dict[int, float] = {}
-        makespan = critical_compute = critical_p2p = 0.0
-        for group, lone in _components(plan):
-            if lone:
-                # A lone pipeline: read its shared timeline by stage, without relabelling.
-                tl = self._canonical_pipeline(plan, group[0], speeds, brute_force)
-                stage_workers = plan.pipelines[group[0]].workers
-                stages = range(len(stage_workers))
-                for into, by_stage in ((finish, tl.finish_s), (busy, tl.busy_s),
-                                       (act_peak, tl.peak_activation_bytes)):
-                    into.update(zip(stage_workers, map(by_stage.__getitem__, stages),
-                                    strict=True))
-            else:
-                tl = self._component(plan, group, speeds, brute_force, with_ops=False)
-                finish.update(tl.finish_s)
-                busy.update(tl.busy_s)
-                act_peak.update(tl.peak_activation_bytes)
-            if tl.makespan_s >= makespan:
-                makespan = tl.makespan_s
-                critical_compute, critical_p2p = tl.critical_compute_s, tl.critical_p2p_s
-
-        reduced_s, sync_s, sync_rounds, tie = self._synchronise(plan, finish)
+        rows, latest, (makespan, critical_compute, critical_p2p) = self._rows(
+            plan, speeds, brute_force)
+        reduced_s, sync_s, sync_rounds, tie = self._synchronise_ready(
+            plan, _ready_by_range(rows), latest)
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
         commit_s = reduced_s + profile.control_s
-        opt_s, peak_memory = self._worker_costs(plan, speeds, act_peak)
-        optimizer = max(opt_s.values())
+        costs = {layers: self._range_cost(layers) for layers in sync_s}
+        opt_rows = _optimizer_rows(rows, costs, speeds)
+        optimizer = max(itertools.chain.from_iterable(opt_rows))
         step_s = commit_s + optimizer
         allreduce = commit_s - profile.control_s - makespan
         capacity = topo.memory_capacity_bytes
-        max_memory = max(peak_memory.values(), default=0.0)
-
-        by_worker = plan.layers_by_worker
-        sub, repeat = operator.sub, itertools.repeat
-        # per worker: step - busy - reducing - optimizer - control, summed in the table's
-        # order (at C speed)
-        idle = sum(map(sub, map(sub, map(sub, map(sub, repeat(step_s),
-                                                  map(busy.get, by_worker, repeat(0.0))),
-                                          map(sync_s.__getitem__, by_worker.values())),
-                                  map(opt_s.__getitem__, by_worker)),
-                       repeat(profile.control_s)))
-        idle_s = max(0.0, idle / len(by_worker))
+        peak_rows = _peak_rows(rows, costs)
+        max_memory = max(itertools.chain.from_iterable(peak_rows), default=0.0)
+        num_live = sum(len(row.workers) for row in rows)
+        idle_s = max(0.0, _idle_sum(rows, opt_rows, sync_s, step_s, profile.control_s,
+                                    shared=not speeds) / num_live)
         samples_s = plan.global_batch / step_s if step_s > 0 else math.inf
         return Estimate(
             step_s=step_s,
             throughput_samples_s=samples_s,
             throughput_tokens_s=samples_s * profile.tokens_per_sample,
             bubble_fraction=idle_s / step_s if step_s > 0 else 0.0,
-            peak_memory_bytes=peak_memory,
+            peak_memory_bytes=dict(zip(
+                itertools.chain.from_iterable(row.workers for row in rows),
+                itertools.chain.from_iterable(peak_rows), strict=True)),
             max_memory_bytes=max_memory,
             memory_capacity_bytes=capacity,
             memory_fits=max_memory <= capacity,
@@ -539,14 +530,22 @@ class Estimator:
         latest of its classes and sets all of them to its end, and each class adds up
         its buckets' times in their order (the same maxima and sums as worker by worker).
         """
-        profile, topo = self.profile, self.topology
-        buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
-        ready: dict[range, float] = {}  # per class: its latest finish, then its last end
+        ready: dict[range, float] = {}  # per class: its latest finish
         for w, layers in plan.layers_by_worker.items():
             done = finish[w]
             latest = ready.get(layers)
             if latest is None or done > latest:
                 ready[layers] = done
+        return self._synchronise_ready(plan, ready, max(finish.values()))
+
+    def _synchronise_ready(self, plan: ExecutionPlan, ready: dict[range, float],
+                           latest_finish: float,
+                           ) -> tuple[float, dict[range, float],
+                                      tuple[tuple[Bucket, ...], ...], tuple[int, ...]]:
+        """:meth:`_synchronise` from each layer range's latest finish (``ready``, which it
+        updates to each range's last end) and the latest finish of any worker."""
+        profile, topo = self.profile, self.topology
+        buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
         met = _buckets_met(ready, buckets)
         groups = rounds([b.workers for b, _ in buckets], edges=_conflicts(met.values()))
         sync_s = dict.fromkeys(ready, 0.0)
@@ -574,8 +573,98 @@ class Estimator:
         # a reduction ends no earlier than its members finished: the latest end is the
         # latest of the classes' ends and of every finish (workers outside the plan's
         # live table included)
-        return (max(max(finish.values()), max(ready.values(), default=-math.inf)), sync_s,
+        return (max(latest_finish, max(ready.values(), default=-math.inf)), sync_s,
                 tuple(tuple(buckets[i][0] for i in group) for group in groups), tie)
+
+
+class _Row(NamedTuple):
+    """One pipeline's live stages in an estimate, in stage order, with their simulated
+    figures. Lone pipelines that share a timeline and a layout share a ``key`` (and every
+    figure but their workers): what depends only on the stages is computed once per key."""
+
+    pipeline: int
+    key: tuple[int, int] | None
+    """(timeline, layout) identity of a lone pipeline; ``None`` for a rerouted component's."""
+    workers: tuple[int, ...]
+    ranges: tuple[range, ...]
+    finish: tuple[float, ...]
+    busy: tuple[float, ...]
+    activation: tuple[float, ...]
+
+
+def _per_key(keys: list[tuple[int, int] | None], figure: Callable[[int], tuple[float, ...]]
+             ) -> list[tuple[float, ...]]:
+    """``figure(i)`` for every row ``i``, computed once per shared key (``None``: never
+    shared)."""
+    known: dict[tuple[int, int], tuple[float, ...]] = {}
+    out = []
+    for i, key in enumerate(keys):
+        if key is None:
+            out.append(figure(i))
+            continue
+        found = known.get(key)
+        if found is None:
+            found = known[key] = figure(i)
+        out.append(found)
+    return out
+
+
+def _ready_by_range(rows: list[_Row]) -> dict[range, float]:
+    """Each live layer range's latest finish, ranges in order of first appearance."""
+    ready: dict[range, float] = {}
+    seen: set[tuple[int, int]] = set()
+    for row in rows:
+        if row.key is not None:
+            if row.key in seen:
+                continue
+            seen.add(row.key)
+        for layers, done in zip(row.ranges, row.finish, strict=True):
+            latest = ready.get(layers)
+            if latest is None or done > latest:
+                ready[layers] = done
+    return ready
+
+
+def _optimizer_rows(rows: list[_Row], costs: Mapping[range, tuple[float, float, float]],
+                    speeds: Mapping[int, float]) -> list[tuple[float, ...]]:
+    """Each stage's optimizer step in seconds, at its worker's speed."""
+    def opts(i: int) -> tuple[float, ...]:
+        row = rows[i]
+        if not speeds:
+            return tuple([costs[layers][0] for layers in row.ranges])
+        return tuple([costs[layers][0] / speeds[w] if w in speeds else costs[layers][0]
+                      for w, layers in zip(row.workers, row.ranges, strict=True)])
+
+    return _per_key([None if speeds else row.key for row in rows], opts)
+
+
+def _peak_rows(rows: list[_Row], costs: Mapping[range, tuple[float, float, float]]
+               ) -> list[tuple[float, ...]]:
+    """Each stage's peak bytes per device: parameters, gradients and optimizer state of
+    the layers held, plus the activations of the micro-batches in flight at the worst
+    moment, plus one layer's backward workspace (recomputed activations)."""
+    def peaks(i: int) -> tuple[float, ...]:
+        row = rows[i]
+        return tuple([costs[layers][1] + act + costs[layers][2]
+                      for layers, act in zip(row.ranges, row.activation, strict=True)])
+
+    return _per_key([row.key for row in rows], peaks)
+
+
+def _idle_sum(rows: list[_Row], opt_rows: list[tuple[float, ...]],
+              sync_s: Mapping[range, float], step_s: float, control_s: float,
+              shared: bool) -> float:
+    """Summed over live workers in the plan's order: step - busy - reducing - optimizer -
+    control (each stage's term computed once per shared key when the optimizer rows are
+    ``shared`` by key, then summed at C speed in the same order)."""
+    def terms(i: int) -> tuple[float, ...]:
+        row = rows[i]
+        return tuple([step_s - busy - sync_s[layers] - opt - control_s
+                      for busy, layers, opt in zip(row.busy, row.ranges, opt_rows[i],
+                                                   strict=True)])
+
+    keys = [row.key if shared else None for row in rows]
+    return sum(itertools.chain.from_iterable(_per_key(keys, terms)))
 
 
 def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None,
