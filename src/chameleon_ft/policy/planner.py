@@ -657,7 +657,7 @@ class Planner:
             candidates = (*raw, combine(state, first, by_strategy[Strategy.DYNAMIC]))
         return self._choose(candidates, plan=plan, policy=chosen_policy, horizon_s=horizon,
                             num_live=len(alive_set), now_s=now_s, search_s=found.search_s,
-                            num_idle=len(alive_set) - len(plan.workers) + sum(
+                            num_idle=len(alive_set) - len(plan.stage_of_worker) + sum(
                                 1 for w in failed_set if w in plan.stage_of_worker),
                             cache_hit=found.hit, back=back)
 
@@ -756,7 +756,7 @@ class Planner:
             chosen_policy = "keep"
         return self._choose(tuple(candidates), plan=plan, policy=chosen_policy,
                             horizon_s=horizon, num_live=len(alive_set), now_s=now_s,
-                            num_idle=len(alive_set) - len(plan.workers),
+                            num_idle=len(alive_set) - len(plan.stage_of_worker),
                             search_s=search_s, cache_hit=found.hit, back=back)
 
     def _reroute_back(self, state: RecoveryState, returned: frozenset[int],

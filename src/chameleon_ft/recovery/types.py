@@ -224,8 +224,14 @@ class RecoveryState:
 
     @cached_property
     def _held(self) -> Mapping[int, range]:
-        return MappingProxyType({w: r for w, r in self.plan.layers_by_worker.items()
-                                 if w in self.alive})
+        by_worker = self.plan.layers_by_worker
+        gone = by_worker.keys() - self.alive  # few: the failed workers
+        if not gone:
+            return MappingProxyType(by_worker)
+        held = dict(by_worker)
+        for w in gone:
+            del held[w]
+        return MappingProxyType(held)
 
     def missing_layers(self) -> list[int]:
         """Layers with no live replica."""

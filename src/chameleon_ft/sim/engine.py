@@ -376,12 +376,13 @@ class _Run:
                 self.pending = None
                 self.rejoin(set(self.alive), next_event_s)
             return
-        in_use = set(base_plan.workers)
-        if self.pending is not None and self.pending.plan is not None:
-            in_use |= set(self.pending.plan.workers)
-        if not hit & in_use:
+        # which workers each plan runs: the plans' own tables (no copies of thousands)
+        running = base_plan.stage_of_worker
+        bringing = (self.pending.plan.stage_of_worker
+                    if self.pending is not None and self.pending.plan is not None else {})
+        if not any(w in running or w in bringing for w in hit):
             return  # only idle workers died: nothing runs differently
-        failed = (self.pending_failed | hit) & set(base_plan.workers)
+        failed = {w for w in self.pending_failed | hit if w in running}
         self.interrupt()
         if not failed:
             # Only workers the aborted transition was bringing in died: resume the old plan.
