@@ -328,15 +328,15 @@ def test_synchronisation_per_range_class_is_the_worker_by_worker_one(tied: float
     assert {w: spent[r] for w, r in plan.layers_by_worker.items()} == by_worker
 
 
-def _worker_by_worker(est: Estimator, plan: ExecutionPlan, speeds: dict[int, float]
-                      ) -> tuple[float, float, dict[int, float], float]:
+def _worker_by_worker(est: Estimator, plan: ExecutionPlan, speeds: dict[int, float],
+                      brute_force: bool) -> tuple[float, float, dict[int, float], float]:
     """Step seconds, optimizer seconds, peak bytes per worker and the summed idle time of
     ``plan``, computed worker by worker from its timelines (the estimate reads them per
     pipeline layout instead)."""
     finish: dict[int, float] = {}
     busy: dict[int, float] = {}
     act: dict[int, float] = {}
-    for tl in est.timelines(plan, speeds, with_ops=False):
+    for tl in est.timelines(plan, speeds, brute_force=brute_force, with_ops=False):
         finish.update(tl.finish_s)
         busy.update(tl.busy_s)
         act.update(tl.peak_activation_bytes)
@@ -353,22 +353,34 @@ def _worker_by_worker(est: Estimator, plan: ExecutionPlan, speeds: dict[int, flo
     return step, max(opt.values()), peaks, idle
 
 
-@pytest.mark.parametrize("slow", [False, True])
-def test_an_estimate_read_per_layout_is_the_worker_by_worker_one(slow: bool) -> None:
+@pytest.mark.parametrize(("slow", "brute_force"), [(False, False), (True, False), (False, True)])
+def test_an_estimate_read_per_layout_is_the_worker_by_worker_one(slow: bool,
+                                                                 brute_force: bool) -> None:
     """Pipelines sharing a timeline and a layout are read once: every figure (the idle
     sum in the same order) equals the worker-by-worker computation, with reroutes, a
-    pipeline whose every stage is rerouted away, and slow workers."""
+    pipeline whose every stage is rerouted away, slow workers, and timelines simulated
+    afresh for every pipeline (brute force: none is kept, yet none is mistaken for
+    another)."""
     profile = uniform_profile(8, fwd_s=0.1, param_bytes=1e8)
     plan = ExecutionPlan.uniform(dp=4, pp=4, num_layers=8, num_microbatches=8)
-    topo = topology(len(plan.workers), ideal=False, per_node=2)
+    topo = topology(16, ideal=False, per_node=2)
     dead = plan.pipelines[1].workers
     # one stage rerouted; then every stage of pipeline 1 rerouted to its peers
-    plans = [plan, reroute_plan(plan, [plan.pipelines[2].workers[1]]), reroute_plan(plan, dead)]
+    # pipelines of different layouts, each stage holding 1 to 4 layers
+    uneven, worker = [], 0
+    for layout in (((0, 2), (2, 4), (4, 6), (6, 8)), ((0, 3), (3, 6), (6, 8)),
+                   ((0, 1), (1, 5), (5, 8)), ((0, 4), (4, 8)), ((0, 2), (2, 6), (6, 7), (7, 8))):
+        uneven.append(Pipeline(tuple(Stage(worker + s, lo, hi)
+                                     for s, (lo, hi) in enumerate(layout)), 2))
+        worker += len(layout)
+    plans = [plan, reroute_plan(plan, [plan.pipelines[2].workers[1]]), reroute_plan(plan, dead),
+             ExecutionPlan(num_layers=8, pipelines=tuple(uneven))]
     assert set(dead).isdisjoint(plans[2].layers_by_worker)
     for q in plans:
-        speeds = {q.pipelines[0].workers[1]: 0.5, q.pipelines[3].workers[2]: 0.8} if slow else {}
-        est = Estimator(profile, topo).estimate(q, speeds)
-        step, optimizer, peaks, idle = _worker_by_worker(Estimator(profile, topo), q, speeds)
+        speeds = {q.pipelines[0].workers[1]: 0.5, q.pipelines[-1].workers[-1]: 0.8} if slow else {}
+        est = Estimator(profile, topo).estimate(q, speeds, brute_force=brute_force)
+        step, optimizer, peaks, idle = _worker_by_worker(Estimator(profile, topo), q, speeds,
+                                                         brute_force)
         assert est.step_s == step and est.breakdown.optimizer_s == optimizer
         assert dict(est.peak_memory_bytes) == peaks
         assert est.max_memory_bytes == max(peaks.values())

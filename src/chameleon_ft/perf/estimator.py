@@ -450,14 +450,14 @@ class Estimator:
                 p = group[0]
                 pipe = plan.pipelines[p]
                 tl = self._canonical_pipeline(plan, p, speeds, brute_force)
-                figures = by_timeline.get(id(tl))
+                figures = by_timeline.get(id(tl))  # every tl is kept by its rows
                 if figures is None:
                     stages = range(len(pipe.stages))
                     figures = by_timeline[id(tl)] = tuple(
                         tuple(map(by_stage.__getitem__, stages))
                         for by_stage in (tl.finish_s, tl.busy_s, tl.peak_activation_bytes))
                     latest = max(latest, *figures[0])
-                rows.append(_Row(p, (id(tl), id(pipe.layer_ranges)), pipe.workers,
+                rows.append(_Row(p, (id(tl), id(pipe.layer_ranges)), tl, pipe.workers,
                                  pipe.layer_ranges, *figures))
             else:
                 tl = self._component(plan, group, speeds, brute_force, with_ops=False)
@@ -468,7 +468,7 @@ class Estimator:
                     live = [s for s in range(len(pipe.stages)) if (p, s) not in dead]
                     workers = tuple([pipe.workers[s] for s in live])
                     rows.append(_Row(
-                        p, None, workers, tuple([pipe.layer_ranges[s] for s in live]),
+                        p, None, tl, workers, tuple([pipe.layer_ranges[s] for s in live]),
                         tuple(map(tl.finish_s.__getitem__, workers)),
                         tuple([tl.busy_s.get(w, 0.0) for w in workers]),
                         tuple([tl.peak_activation_bytes.get(w, 0.0) for w in workers])))
@@ -585,6 +585,9 @@ class _Row(NamedTuple):
     pipeline: int
     key: tuple[int, int] | None
     """(timeline, layout) identity of a lone pipeline; ``None`` for a rerouted component's."""
+    timeline: Timeline
+    """The timeline the figures come from, kept with the row so that the identity in
+    ``key`` stays unique while rows live (a brute-force estimate keeps no timeline)."""
     workers: tuple[int, ...]
     ranges: tuple[range, ...]
     finish: tuple[float, ...]
