@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from chameleon_ft.spec.job import Schedule
 
@@ -212,8 +212,12 @@ class Pipeline:
         """
         row = tuple(workers)
         _, ranges, end = _pipeline_table(self)
-        stages = tuple([shared_stage(w, st.first_layer, st.end_layer)
-                        for w, st in zip(row, self.stages, strict=True)])
+        keys = [(w, lo, hi) for w, (lo, hi) in zip(row, self.layout, strict=True)]
+        known = list(map(_STAGES.get, keys))  # the shared stages (:func:`shared_stage`)
+        if all(known):
+            stages = cast("tuple[Stage, ...]", tuple(known))
+        else:
+            stages = tuple([st or shared_stage(*key) for st, key in zip(known, keys, strict=True)])
         return _with_rows(stages, self.num_microbatches if num_microbatches is None
                           else num_microbatches, (row, ranges, end), self._layout)
 

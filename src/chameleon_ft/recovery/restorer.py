@@ -15,7 +15,7 @@ Two steps (docs/design.md section 3.3, the paper's Restorer and Figure 3):
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -92,27 +92,34 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
         raise ValueError(f"wanted: {len(wanted)} slots but only {len(held)} workers to fill "
                          "them")
     num_layers = len(layer_bytes)
-    for name, sets in (("held", held), ("wanted", wanted)):
-        for layers in {id(layers): layers for layers in sets}.values():  # each object once
+    groups = _by_object(held), _by_object(wanted)
+    for name, sets, by_object in (("held", held, groups[0]), ("wanted", wanted, groups[1])):
+        for indices in by_object.values():  # each object once
+            layers = sets[indices[0]]
             if layers and (min(layers) < 0 or max(layers) >= num_layers):
-                i = next(i for i, other in enumerate(sets) if other is layers)
                 layer = next(x for x in layers if not 0 <= x < num_layers)
-                raise ValueError(f"{name}[{i}]: layer {layer} is not in 0..{num_layers - 1}")
+                raise ValueError(f"{name}[{indices[0]}]: layer {layer} is not in "
+                                 f"0..{num_layers - 1}")
     slot_of = [-1] * len(held)  # survivor index -> slot index
-    free_by_set: dict[frozenset[int], list[int]] = defaultdict(list)
-    for i in reversed(range(len(held))):
-        free_by_set[frozenset(held[i])].append(i)  # popped in increasing index order
+    # Exact matches, class by class (one class per distinct set): the k-th slot wanting a
+    # set, in slot order, takes the k-th survivor holding it, in index order (the same
+    # pairs as slot by slot, each taking the lowest free index); what is left of a class
+    # goes to the Hungarian problem.
+    survivors = _by_set(held, groups[0])
+    rest_rows: list[int] = []
     rest_cols: list[int] = []
-    for j, want in enumerate(wanted):
-        pool = free_by_set.get(frozenset(want))
-        if pool:
-            slot_of[pool.pop()] = j
-        else:
-            rest_cols.append(j)
+    for want, cols in _by_set(wanted, groups[1]).items():
+        rows = survivors.pop(want, [])
+        deque(map(slot_of.__setitem__, rows, cols), maxlen=0)  # at C speed
+        rest_rows += rows[len(cols):]
+        rest_cols += cols[len(rows):]
+    for rows in survivors.values():
+        rest_rows += rows
     moved = 0.0
     if rest_cols:
         np, linear_sum_assignment = load_matching()
-        rest_rows = sorted(i for pool in free_by_set.values() for i in pool)
+        rest_rows.sort()
+        rest_cols.sort()
         sizes = np.asarray(layer_bytes, dtype=float)
         have = np.zeros((len(rest_rows), num_layers))
         for r, i in enumerate(rest_rows):
@@ -123,13 +130,41 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
             want_bytes[c, idx] = sizes[idx]
         # cost[r, c] = bytes slot c wants minus those survivor r already holds
         cost = want_bytes.sum(axis=1)[None, :] - have @ want_bytes.T
-        rows, cols = linear_sum_assignment(cost)
-        for r, c in zip(rows, cols, strict=True):
+        rows_found, cols_found = linear_sum_assignment(cost)
+        for r, c in zip(rows_found, cols_found, strict=True):
             i, j = rest_rows[int(r)], rest_cols[int(c)]
             slot_of[i] = j
             moved += _missing_bytes(held[i], wanted[j], layer_bytes)
     return Matching(assignment={i: j for i, j in enumerate(slot_of) if j >= 0},
                     moved_bytes=moved)
+
+
+def _as_frozensets(objects: list[Collection[int]]) -> list[frozenset[int]]:
+    """``objects`` as frozen sets, one per distinct object."""
+    distinct = dict(zip(map(id, objects), objects, strict=True))
+    as_set = {key: frozenset(obj) for key, obj in distinct.items()}
+    return list(map(as_set.__getitem__, map(id, objects)))
+
+
+def _by_object(sets: Sequence[AbstractSet[int]]) -> dict[int, list[int]]:
+    """The indices of each distinct object of ``sets`` (by identity), increasing: a plan's
+    table shares its range objects, so there are few."""
+    by_object: dict[int, list[int]] = defaultdict(list)
+    for i, obj_id in enumerate(map(id, sets)):
+        by_object[obj_id].append(i)
+    return by_object
+
+
+def _by_set(sets: Sequence[AbstractSet[int]], by_object: dict[int, list[int]]
+            ) -> dict[frozenset[int], list[int]]:
+    """The indices of each distinct set (:func:`_by_object` merged by value), increasing."""
+    out: dict[frozenset[int], list[int]] = {}
+    for indices in by_object.values():
+        found = out.setdefault(frozenset(sets[indices[0]]), indices)
+        if found is not indices:  # equal sets in different objects
+            found += indices
+            found.sort()
+    return out
 
 
 def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
@@ -146,32 +181,21 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
         The plan with survivors matched to slots, and the bytes that must move.
     """
     workers = sorted(held)
-    # One frozen set per distinct holding (a plan's table shares its range objects) and per
-    # distinct stage range: frozenset() of a frozenset is the set itself, so the matching
-    # neither copies nor re-hashes them per worker.
-    by_holding: dict[int, frozenset[int]] = {}
-    held_sets = []
-    for w in workers:
-        layers = held[w]
-        found = by_holding.get(id(layers))
-        if found is None:
-            found = by_holding[id(layers)] = frozenset(layers)
-        held_sets.append(found)
-    by_range: dict[int, frozenset[int]] = {}  # by the id of a shared range object
-    wanted = []
-    for layers in itertools.chain.from_iterable(
-            pipe.layer_ranges for pipe in skeleton.pipelines):
-        found = by_range.get(id(layers))
-        if found is None:
-            found = by_range[id(layers)] = frozenset(layers)
-        wanted.append(found)
+    # One frozen set per distinct holding object (a plan's table shares its range objects)
+    # and per distinct stage range: frozenset() of a frozenset is the set itself, so the
+    # matching neither copies nor re-hashes them per worker; built at C speed.
+    held_sets = _as_frozensets(list(map(held.__getitem__, workers)))
+    wanted = _as_frozensets(list(itertools.chain.from_iterable(
+        pipe.layer_ranges for pipe in skeleton.pipelines)))
     matching = match_workers(held_sets, wanted, layer_bytes)
-    worker_of_slot = {j: workers[i] for i, j in matching.assignment.items()}
+    worker_of_slot = [0] * len(wanted)  # the matching fills every slot
+    assignment = matching.assignment
+    deque(map(worker_of_slot.__setitem__, assignment.values(),
+              map(workers.__getitem__, assignment)), maxlen=0)
     pipelines = []
     slot = 0
     for pipe in skeleton.pipelines:
-        pipelines.append(pipe.on_workers(map(worker_of_slot.__getitem__,
-                                             range(slot, slot + len(pipe.stages)))))
+        pipelines.append(pipe.on_workers(worker_of_slot[slot:slot + len(pipe.stages)]))
         slot += len(pipe.stages)
     plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
                          micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
