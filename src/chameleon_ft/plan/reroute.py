@@ -25,6 +25,25 @@ def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int
     return out
 
 
+def _live_peers(plan: ExecutionPlan, wanted: set[tuple[int, int]], skip: set[tuple[int, int]]
+                ) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """For each layer range in ``wanted``, the live stages holding exactly it (except those
+    in ``skip``), as ``(pipeline, worker)`` in pipeline order. Pipelines of one layout share
+    a row of range objects: where a range sits in a row is looked up once per row."""
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {bounds: [] for bounds in wanted}
+    positions: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        row = pipe.layer_ranges
+        found = positions.get(id(row))  # every row lives as long as the plan
+        if found is None:
+            where = {(r.start, r.stop): s for s, r in enumerate(row)}
+            found = positions[id(row)] = [(b, where[b]) for b in wanted if b in where]
+        for bounds, s in found:
+            if (p, s) not in skip:
+                out[bounds].append((p, pipe.workers[s]))
+    return out
+
+
 def reroute_plan(
     plan: ExecutionPlan,
     dead: Iterable[int],
@@ -54,22 +73,19 @@ def reroute_plan(
     skip = set(dead_list)
     load: dict[int, float] = {}
     pipeline_of: dict[int, int] = {}
-    peers_of_range: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     damaged = {p for p, _ in dead_list}
     for p, pipe in enumerate(plan.pipelines):
         own = float(pipe.num_microbatches)
         if p not in damaged:  # every stage live: its workers in bulk
             load.update(zip(pipe.workers, repeat(own)))
             pipeline_of.update(zip(pipe.workers, repeat(p)))
-            for bounds, worker in zip(pipe.layout, pipe.workers, strict=True):
-                peers_of_range[bounds].append((p, worker))
             continue
         for s, st in enumerate(pipe.stages):
-            if (p, s) in skip:
-                continue
-            load[st.worker] = own
-            pipeline_of[st.worker] = p
-            peers_of_range[(st.first_layer, st.end_layer)].append((p, st.worker))
+            if (p, s) not in skip:
+                load[st.worker] = own
+                pipeline_of[st.worker] = p
+    peers_of_range = _live_peers(plan, {plan.pipelines[p].layout[s] for p, s in dead_list},
+                                 skip)
     extra: dict[int, int] = defaultdict(int)
     # Foreign micro-batches per pipeline; a pipeline with a dead stage of its own already
     # waits on peers, so it counts as having taken all of its micro-batches.

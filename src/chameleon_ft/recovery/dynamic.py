@@ -194,13 +194,30 @@ def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int]
     for j, (length, m) in enumerate(zip(lengths, counts, strict=True)):
         layout = layouts[j] if layouts is not None else templates.best(length, m)[1]
         assert layout is not None  # allocate only returns counts that fit
-        stages = []
-        for lo, hi in layout:
-            stages.append(shared_stage(-1 - slot, lo, hi))
-            slot += 1
-        pipelines.append(Pipeline(tuple(stages), m))
+        pipelines.append(_placeholder_pipeline(layout, m, slot))
+        slot += len(layout)
     return ExecutionPlan(num_layers=templates.num_layers, pipelines=tuple(pipelines),
                          micro_batch=micro_batch, schedule=schedule)
+
+
+_PLACEHOLDERS: dict[tuple[int, int, int], tuple[Layout, Pipeline]] = {}
+"""Placeholder pipelines by (layout identity, micro-batches, first slot), kept with their
+layout so that the identity stays valid: searches build the same skeleton pipelines
+again and again (the templates hand out one layout object per shape)."""
+
+
+def _placeholder_pipeline(layout: Layout, num_microbatches: int, slot: int) -> Pipeline:
+    """A pipeline of ``layout`` on placeholder workers ``-1 - slot``, ``-2 - slot``, ..."""
+    key = (id(layout), num_microbatches, slot)
+    found = _PLACEHOLDERS.get(key)
+    if found is not None and found[0] is layout:
+        return found[1]
+    if len(_PLACEHOLDERS) >= 1 << 16:
+        _PLACEHOLDERS.clear()
+    pipe = Pipeline(tuple(shared_stage(-1 - slot - s, lo, hi)
+                          for s, (lo, hi) in enumerate(layout)), num_microbatches)
+    _PLACEHOLDERS[key] = (layout, pipe)
+    return pipe
 
 
 def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],
@@ -503,7 +520,9 @@ def search(state: RecoveryState) -> SearchResult | None:
     exact = _exact_splits(templates, shortlisted, state.plan.num_microbatches, intact)
     if not exact:
         return None
-    held = {w: state.plan.layers_by_worker.get(w, range(0)) for w in state.alive}
+    by_worker = state.plan.layers_by_worker
+    held = dict(zip(state.alive, map(by_worker.get, state.alive, itertools.repeat(range(0))),
+                    strict=True))
     layer_bytes = [layer.state_bytes for layer in state.profile.layers]
     best = _fastest_plan(state, _to_price(exact), held, layer_bytes)
     if best is None:

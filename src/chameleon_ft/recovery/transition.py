@@ -36,7 +36,8 @@ layers its workers lack and warms up. With the ``rebuild_s`` shorthand set, ``co
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
+import itertools
+import operator
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
@@ -133,12 +134,13 @@ def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, t
         fresh = _fresh_comm_s(new, spec, tp, everything)
         if fresh is not None:
             return fresh
-    busy: dict[int, float] = defaultdict(float)
+    busy: dict[int, float] = {}
 
     def charge(group: Collection[int], ranks: int, *, first_exchange: bool = True) -> None:
         cost = spec.comm_init_s + (spec.comm_per_rank_s * ranks if first_exchange else 0.0)
-        for worker in group:
-            busy[worker] += cost
+        # each member's sum grows by cost, in charge order (at C speed)
+        busy.update(zip(group, map(operator.add, map(busy.get, group, itertools.repeat(0.0)),
+                                   itertools.repeat(cost)), strict=True))
 
     runtime = spec.rebuild_all_groups and not everything
     if everything or runtime:
@@ -232,11 +234,14 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
         for wanted in set(new.layers_by_worker.values()):
             busiest = max(busiest, prefix[wanted.stop] - prefix[wanted.start])
         return busiest
-    held_by = held.get
-    for worker, wanted in new.layers_by_worker.items():
-        have = held_by(worker, ())
-        if have is wanted or have == wanted:
-            continue  # most workers keep their stage (the plans share range objects)
+    by_worker = new.layers_by_worker
+    haves = list(map(held.get, by_worker, itertools.repeat(())))
+    # most workers keep their stage, the very range object (the plans share them): the
+    # others are found at C speed
+    for have, wanted in itertools.compress(zip(haves, by_worker.values(), strict=True),
+                                           map(operator.is_not, haves, by_worker.values())):
+        if have == wanted:
+            continue
         total = prefix[wanted.stop] - prefix[wanted.start]
         if isinstance(have, range):
             # layer ranges are contiguous: subtract the overlap at once
