@@ -8,6 +8,7 @@ layers in other pipelines.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -397,15 +398,21 @@ class ExecutionPlan:
         speed, from its shared worker row (:func:`_pipeline_table`)."""
         dead = self.reroute_map
         rerouted = {p for p, _ in dead}
-        out: dict[int, _V] = {}
+        worker_rows: list[Sequence[int]] = []
+        value_rows: list[Sequence[_V]] = []
         for p, pipe in enumerate(self.pipelines):
             workers, values = _pipeline_table(pipe)[0], row(p, pipe)
             if p in rerouted:
-                out.update((w, v) for s, (w, v) in enumerate(zip(workers, values, strict=True))
-                           if (p, s) not in dead)
+                live = [s for s in range(len(workers)) if (p, s) not in dead]
+                worker_rows.append([workers[s] for s in live])
+                value_rows.append([values[s] for s in live])
             else:
-                out.update(zip(workers, values, strict=True))
-        return out
+                worker_rows.append(workers)
+                value_rows.append(values)
+        # one dictionary from the chained rows (a worker named twice keeps its first
+        # place and its last value, as row by row)
+        return dict(zip(itertools.chain.from_iterable(worker_rows),
+                        itertools.chain.from_iterable(value_rows), strict=True))
 
     @cached_property
     def holders_by_layer(self) -> tuple[tuple[int, ...], ...]:
@@ -573,25 +580,25 @@ class ExecutionPlan:
         (micro-batches, contiguous non-empty stages covering every layer, no worker used
         twice), checked a pipeline at a time from its shared table; ``None`` when some
         check fails (:meth:`_checked_stages` then says which)."""
-        seen: dict[int, tuple[int, int]] = {}
         rerouted_pipelines = {p for p, _ in rerouted}
+        worker_rows: list[Sequence[int]] = []
+        position_rows: list[Sequence[tuple[int, int]]] = []
         for p, pipe in enumerate(self.pipelines):
             workers, _, end = _pipeline_table(pipe)
             if pipe.num_microbatches < 1 or end != self.num_layers:
                 return None
             positions = _position_row(p, len(workers))
             if p in rerouted_pipelines:
-                for s, worker in enumerate(workers):
-                    if (p, s) not in rerouted:
-                        if worker in seen:
-                            return None
-                        seen[worker] = positions[s]
-                continue
-            before = len(seen)
-            seen.update(zip(workers, positions, strict=True))
-            if len(seen) != before + len(workers):
-                return None
-        return seen
+                live = [s for s in range(len(workers)) if (p, s) not in rerouted]
+                worker_rows.append([workers[s] for s in live])
+                position_rows.append([positions[s] for s in live])
+            else:
+                worker_rows.append(workers)
+                position_rows.append(positions)
+        # one dictionary from the chained rows; a worker named twice makes it shorter
+        seen = dict(zip(itertools.chain.from_iterable(worker_rows),
+                        itertools.chain.from_iterable(position_rows), strict=True))
+        return seen if len(seen) == sum(map(len, worker_rows)) else None
 
     def _checked_stages(self, rerouted: set[tuple[int, int]]) -> dict[int, tuple[int, int]]:
         """:meth:`_live_positions`, stage by stage, raising at the first fault."""
