@@ -155,7 +155,8 @@ class _Fakes:
         return []
 
 
-def test_one_poll_sees_checkpoints_before_deaths_and_votes_before_time(tmp_path: Path) -> None:
+def test_one_poll_sees_checkpoints_and_reports_before_deaths_and_votes_before_time(
+        tmp_path: Path) -> None:
     """Completed checkpoints were collected after a failure's decision (a restart rewound
     further than it had to), and unexplained errors were judged before the step's votes
     (a step every worker reduced could be aborted)."""
@@ -186,5 +187,8 @@ def test_one_poll_sees_checkpoints_before_deaths_and_votes_before_time(tmp_path:
     coord.feed = lambda obs: seen.append(type(obs).__name__)  # type: ignore[method-assign]
     coord.poll(0.0)
     assert seen.index("CheckpointWritten") < seen.index("Exits")
+    # a failing worker writes its report, then exits: the report comes first, so its
+    # death is explained by its error (seen as "exit (status 1)" when polled late)
+    assert seen.index("Errors") < seen.index("Exits")
     assert seen.index("Reduced") < seen.index("Tick")
     assert seen[-1] == "Tick"

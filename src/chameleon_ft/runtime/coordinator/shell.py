@@ -383,7 +383,8 @@ class Coordinator:
         """One pass over everything observable; returns when heartbeats are due next.
 
         Each observation carries the clock reading taken when it was made. Completed
-        checkpoints come before deaths (a restart decided in this pass reloads the newest);
+        checkpoints come before deaths (a restart decided in this pass reloads the newest),
+        error reports before exits (a failing worker reports, then exits);
         the step's votes come before time (a step every worker reduced commits, whatever
         errors came before it).
         """
@@ -391,7 +392,13 @@ class Coordinator:
         if self.job.trace is not None and mode(self.ctl) is not Mode.JOINING:
             self.job.trace.poll(self)
         self.poll_checkpoints()
-        self.feed(m.Exits(self.now(), self.launcher.exits()))
+        exited = self.launcher.exits()
+        if exited and mode(self.ctl) not in (Mode.JOINING, Mode.RELAUNCHING):
+            # A worker that failed reports why before its process exits: read the reports
+            # first, so the exit is explained by its error, not only by its status.
+            self.feed(m.Errors(self.now(), self.state.gen,
+                               self.cs.error_slots(self.state.gen, self.ctl.watch.errors_seen)))
+        self.feed(m.Exits(self.now(), exited))
         self.feed(m.Registered(self.now(), fx.newly_registered(self)))
         if self.signals_fed < len(self.signals):
             self.signals_fed = len(self.signals)
