@@ -358,10 +358,12 @@ class Estimator:
         rerouted pipelines through the peers in their share order, so the same damage
         elsewhere in the cluster (or next to other, unrelated damage) is one simulation.
         """
-        costs = {(p, s): self._stage_cost(st.first_layer, st.end_layer)
-                 for p in group for s, st in enumerate(plan.pipelines[p].stages)}
+        def costs() -> dict[tuple[int, int], Any]:
+            return {(p, s): self._stage_cost(st.first_layer, st.end_layer)
+                    for p in group for s, st in enumerate(plan.pipelines[p].stages)}
+
         if brute_force or with_ops:
-            return best_timeline(plan, self.profile, self.topology, group, speeds, costs)
+            return best_timeline(plan, self.profile, self.topology, group, speeds, costs())
         members = set(group)
         # The simulation builds and ranks the pipelines in this order, never by index, so
         # a shared simulation is exactly the one this component would get.
@@ -374,11 +376,18 @@ class Estimator:
         for p in order:
             pipe = plan.pipelines[p]
             names = []
-            for st in pipe.stages:
-                w = st.worker
-                names.append((worker_ids.setdefault(w, len(worker_ids)),
-                              node_ids.setdefault(node_of(w), len(node_ids)),
-                              st.first_layer, st.end_layer, speeds.get(w, 1.0)))
+            if self.topology.workers_per_node == 1 and not speeds:
+                # each worker its own node, all at unit speed: a node is named as its worker
+                for w, (lo, hi) in zip(pipe.workers, pipe.layout, strict=True):
+                    name = worker_ids.setdefault(w, len(worker_ids))
+                    names.append((name, name, lo, hi, 1.0))
+                node_ids = worker_ids
+            else:
+                for st in pipe.stages:
+                    w = st.worker
+                    names.append((worker_ids.setdefault(w, len(worker_ids)),
+                                  node_ids.setdefault(node_of(w), len(node_ids)),
+                                  st.first_layer, st.end_layer, speeds.get(w, 1.0)))
             shape.append((pipe.num_microbatches, tuple(names)))
         shape.append(tuple(sorted(
             (local[r.pipeline], r.stage,
@@ -397,7 +406,7 @@ class Estimator:
                 rerouted = {r.pipeline for r in plan.reroutes}
                 bound = max((self._canonical_pipeline(plan, p, speeds, False).makespan_s
                              for p in group if p not in rerouted), default=0.0)
-            timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs,
+            timeline = best_timeline(plan, self.profile, self.topology, group, speeds, costs(),
                                      with_ops=False, lower_bound_s=bound)
             cached = _relabel(timeline, worker_ids, keep_ops=False)
             self._components[key] = cached
