@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import operator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, TypeVar, cast
@@ -63,6 +64,13 @@ _V = TypeVar("_V")
 _Table = tuple[tuple[int, ...], tuple[range, ...], int]
 """A pipeline's stage workers, their layer ranges, and the layers they cover
 (:func:`_pipeline_table`)."""
+
+_TABLE_OF = operator.attrgetter("_table")
+_STAGES_OF = operator.attrgetter("stages")
+_ROW_WORKERS = operator.itemgetter(0)
+_ROW_RANGES = operator.itemgetter(1)
+_ROW_END = operator.itemgetter(2)
+_MICROBATCHES_OF = operator.attrgetter("num_microbatches")
 
 
 def _pipeline_table(pipe: Pipeline) -> _Table:
@@ -385,32 +393,32 @@ class ExecutionPlan:
     @cached_property
     def layers_by_worker(self) -> dict[int, range]:
         """The layer range each live worker holds."""
-        return self._live_table(lambda p, pipe: _pipeline_table(pipe)[1])
+        return self._live_table(list(map(_ROW_RANGES, self._tables())))
 
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live worker."""
-        return self._live_table(lambda p, pipe: _position_row(p, len(pipe.stages)))
+        return self._live_table(list(map(_position_row, itertools.count(),
+                                         map(len, map(_STAGES_OF, self.pipelines)))))
 
-    def _live_table(self, row: Callable[[int, Pipeline], Sequence[_V]]) -> dict[int, _V]:
-        """``worker -> row(p, pipeline)[s]`` for every live stage ``s`` of every pipeline
-        ``p``, in stage order; a pipeline without a rerouted stage is set whole, at C
-        speed, from its shared worker row (:func:`_pipeline_table`)."""
+    def _tables(self) -> list[_Table]:
+        """Each pipeline's table (:func:`_pipeline_table`), read at C speed where built."""
+        tables = list(map(_TABLE_OF, self.pipelines))
+        if None in tables:
+            tables = list(map(_pipeline_table, self.pipelines))
+        return tables
+
+    def _live_table(self, value_rows: list[Sequence[_V]]) -> dict[int, _V]:
+        """``worker -> value_rows[p][s]`` for every live stage ``s`` of every pipeline
+        ``p``, in stage order, built as one dictionary from the chained rows at C speed (a
+        worker named twice keeps its first place and its last value); a rerouted
+        pipeline's dead stages are left out."""
+        worker_rows: list[Sequence[int]] = list(map(_ROW_WORKERS, self._tables()))
         dead = self.reroute_map
-        rerouted = {p for p, _ in dead}
-        worker_rows: list[Sequence[int]] = []
-        value_rows: list[Sequence[_V]] = []
-        for p, pipe in enumerate(self.pipelines):
-            workers, values = _pipeline_table(pipe)[0], row(p, pipe)
-            if p in rerouted:
-                live = [s for s in range(len(workers)) if (p, s) not in dead]
-                worker_rows.append([workers[s] for s in live])
-                value_rows.append([values[s] for s in live])
-            else:
-                worker_rows.append(workers)
-                value_rows.append(values)
-        # one dictionary from the chained rows (a worker named twice keeps its first
-        # place and its last value, as row by row)
+        for p in sorted({p for p, _ in dead if 0 <= p < len(worker_rows)}):
+            live = [s for s in range(len(worker_rows[p])) if (p, s) not in dead]
+            worker_rows[p] = [worker_rows[p][s] for s in live]
+            value_rows[p] = [value_rows[p][s] for s in live]
         return dict(zip(itertools.chain.from_iterable(worker_rows),
                         itertools.chain.from_iterable(value_rows), strict=True))
 
@@ -578,27 +586,17 @@ class ExecutionPlan:
                         ) -> dict[int, tuple[int, int]] | None:
         """``worker -> (pipeline, stage)`` of every live stage when every pipeline is sound
         (micro-batches, contiguous non-empty stages covering every layer, no worker used
-        twice), checked a pipeline at a time from its shared table; ``None`` when some
+        twice), checked from the pipelines' shared tables at C speed; ``None`` when some
         check fails (:meth:`_checked_stages` then says which)."""
-        rerouted_pipelines = {p for p, _ in rerouted}
-        worker_rows: list[Sequence[int]] = []
-        position_rows: list[Sequence[tuple[int, int]]] = []
-        for p, pipe in enumerate(self.pipelines):
-            workers, _, end = _pipeline_table(pipe)
-            if pipe.num_microbatches < 1 or end != self.num_layers:
-                return None
-            positions = _position_row(p, len(workers))
-            if p in rerouted_pipelines:
-                live = [s for s in range(len(workers)) if (p, s) not in rerouted]
-                worker_rows.append([workers[s] for s in live])
-                position_rows.append([positions[s] for s in live])
-            else:
-                worker_rows.append(workers)
-                position_rows.append(positions)
-        # one dictionary from the chained rows; a worker named twice makes it shorter
-        seen = dict(zip(itertools.chain.from_iterable(worker_rows),
-                        itertools.chain.from_iterable(position_rows), strict=True))
-        return seen if len(seen) == sum(map(len, worker_rows)) else None
+        tables = self._tables()
+        if (min(map(_MICROBATCHES_OF, self.pipelines)) < 1
+                or set(map(_ROW_END, tables)) != {self.num_layers}):
+            return None
+        # the positions of the live stages (validate's rerouted stages are the plan's)
+        seen = self._live_table(list(map(_position_row, itertools.count(),
+                                         map(len, map(_ROW_WORKERS, tables)))))
+        live = sum(map(len, map(_ROW_WORKERS, tables))) - len(rerouted)
+        return seen if len(seen) == live else None  # shorter: a worker named twice
 
     def _checked_stages(self, rerouted: set[tuple[int, int]]) -> dict[int, tuple[int, int]]:
         """:meth:`_live_positions`, stage by stage, raising at the first fault."""
