@@ -465,12 +465,12 @@ class Estimator:
                     figures = by_timeline[id(tl)] = tuple(
                         tuple(map(by_stage.__getitem__, stages))
                         for by_stage in (tl.finish_s, tl.busy_s, tl.peak_activation_bytes))
-                    latest = max(latest, *figures[0])
+                    latest = max(latest, max(figures[0], default=latest))
                 rows.append(_Row(p, (id(tl), id(pipe.layer_ranges)), tl, pipe.workers,
                                  pipe.layer_ranges, *figures))
             else:
                 tl = self._component(plan, group, speeds, brute_force, with_ops=False)
-                latest = max(latest, *tl.finish_s.values())
+                latest = max(latest, max(tl.finish_s.values(), default=latest))
                 dead = plan.reroute_map
                 for p in group:
                     pipe = plan.pipelines[p]
