@@ -591,10 +591,11 @@ class _GraphBuilder:
             pipe.num_stages, s, pipe.num_microbatches, self.schedule, len(chunks), split,
             self.variant)
         n = len(kinds)
-        self.fwd_id[(p, s)] = [base + i for i in fpos]
-        self.bwd_id[(p, s)] = [base + i for i in bpos]
+        shift = base.__add__  # op ids of the stream's positions (at C speed)
+        self.fwd_id[(p, s)] = list(map(shift, fpos))
+        self.bwd_id[(p, s)] = list(map(shift, bpos))
         if split:
-            self.wgt_id[(p, s)] = [base + i for i in wpos]
+            self.wgt_id[(p, s)] = list(map(shift, wpos))
         self.op_kind += kinds
         self.op_pipeline += [p] * n
         self.op_stage += [s] * n

@@ -40,6 +40,7 @@ import functools
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -172,10 +173,7 @@ def _anchored(intact: dict[int, int], num_alive: int,
 
 def _rebuilt(intact: dict[int, int], lengths: Sequence[int]) -> int:
     """Pipelines of a partition that cannot reuse an intact pipeline of the same length."""
-    wanted: dict[int, int] = {}
-    for n in lengths:
-        wanted[n] = wanted.get(n, 0) + 1
-    return sum(max(0, c - intact.get(n, 0)) for n, c in wanted.items())
+    return sum(max(0, c - intact.get(n, 0)) for n, c in Counter(lengths).items())
 
 
 def _rounded(step_s: float) -> float:

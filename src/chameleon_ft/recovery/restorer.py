@@ -15,6 +15,7 @@ Two steps (docs/design.md section 3.3, the paper's Restorer and Figure 3):
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import defaultdict, deque
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -311,7 +312,10 @@ def _slots(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
         else:
             live = range(len(workers))
             slots.extend(zip(workers, itertools.repeat(p), live))
-        for s in [s for s in live if held_by(workers[s]) is not ranges[s]]:
+        # the stages whose worker does not hold the very range object (found at C speed)
+        for s in list(itertools.compress(live, map(operator.is_not,
+                                                   map(held_by, map(workers.__getitem__, live)),
+                                                   map(ranges.__getitem__, live)))):
             worker, layers = workers[s], ranges[s]
             have = held_by(worker, ())
             if not (isinstance(have, range) and have.step == 1
