@@ -192,7 +192,7 @@ def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int]
     for j, (length, m) in enumerate(zip(lengths, counts, strict=True)):
         layout = layouts[j] if layouts is not None else templates.best(length, m)[1]
         assert layout is not None  # allocate only returns counts that fit
-        pipelines.append(_placeholder_pipeline(layout, m, slot))
+        pipelines.append(placeholder_pipeline(layout, m, slot))
         slot += len(layout)
     return ExecutionPlan(num_layers=templates.num_layers, pipelines=tuple(pipelines),
                          micro_batch=micro_batch, schedule=schedule)
@@ -204,7 +204,7 @@ layout so that the identity stays valid: searches build the same skeleton pipeli
 again and again (the templates hand out one layout object per shape)."""
 
 
-def _placeholder_pipeline(layout: Layout, num_microbatches: int, slot: int) -> Pipeline:
+def placeholder_pipeline(layout: Layout, num_microbatches: int, slot: int) -> Pipeline:
     """A pipeline of ``layout`` on placeholder workers ``-1 - slot``, ``-2 - slot``, ..."""
     key = (id(layout), num_microbatches, slot)
     found = _PLACEHOLDERS.get(key)

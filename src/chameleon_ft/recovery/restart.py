@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import functools
 
-from chameleon_ft.plan import ExecutionPlan, Pipeline
-from chameleon_ft.plan.plan import shared_stage
-from chameleon_ft.recovery.dynamic import max_length, placement_free_price
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.recovery.dynamic import max_length, placeholder_pipeline, placement_free_price
 from chameleon_ft.recovery.templates import allocate
 from chameleon_ft.recovery.transition import reload_terms, restart_terms
 from chameleon_ft.recovery.types import (
@@ -104,11 +103,10 @@ def _restart_plan(state: RecoveryState, workers: list[int], length: int,
     for p, m in enumerate(counts):
         _, layout = templates.best(length, m)
         assert layout is not None  # allocate only returns counts that fit
-        stages = []
-        for s, (lo, hi) in enumerate(layout):
-            index = s * dp + p if stage_major else p * length + s
-            stages.append(shared_stage(workers[index], lo, hi))
-        pipelines.append(Pipeline(tuple(stages), m))
+        row = (workers[p:p + length * dp:dp] if stage_major
+               else workers[p * length:(p + 1) * length])
+        # the job's shape on these workers, from a shared placeholder pipeline
+        pipelines.append(placeholder_pipeline(layout, m, 0).on_workers(row))
     new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
                              micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
