@@ -66,7 +66,6 @@ _Table = tuple[tuple[int, ...], tuple[range, ...], int]
 (:func:`_pipeline_table`)."""
 
 _TABLE_OF = operator.attrgetter("_table")
-_STAGES_OF = operator.attrgetter("stages")
 _ROW_WORKERS = operator.itemgetter(0)
 _ROW_RANGES = operator.itemgetter(1)
 _ROW_END = operator.itemgetter(2)
@@ -393,13 +392,18 @@ class ExecutionPlan:
     @cached_property
     def layers_by_worker(self) -> dict[int, range]:
         """The layer range each live worker holds."""
-        return self._live_table(list(map(_ROW_RANGES, self._tables())))
+        tables = self._tables()
+        return self._live_table(tables, list(map(_ROW_RANGES, tables)))
 
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live worker."""
-        return self._live_table(list(map(_position_row, itertools.count(),
-                                         map(len, map(_STAGES_OF, self.pipelines)))))
+        return self._live_positions_of(self._tables())
+
+    def _live_positions_of(self, tables: list[_Table]) -> dict[int, tuple[int, int]]:
+        """``worker -> (pipeline, stage)`` for every live stage of the pipelines' tables."""
+        return self._live_table(tables, list(map(_position_row, itertools.count(),
+                                                 map(len, map(_ROW_WORKERS, tables)))))
 
     def _tables(self) -> list[_Table]:
         """Each pipeline's table (:func:`_pipeline_table`), read at C speed where built."""
@@ -408,12 +412,13 @@ class ExecutionPlan:
             tables = list(map(_pipeline_table, self.pipelines))
         return tables
 
-    def _live_table(self, value_rows: list[Sequence[_V]]) -> dict[int, _V]:
+    def _live_table(self, tables: list[_Table], value_rows: list[Sequence[_V]]
+                    ) -> dict[int, _V]:
         """``worker -> value_rows[p][s]`` for every live stage ``s`` of every pipeline
-        ``p``, in stage order, built as one dictionary from the chained rows at C speed (a
-        worker named twice keeps its first place and its last value); a rerouted
-        pipeline's dead stages are left out."""
-        worker_rows: list[Sequence[int]] = list(map(_ROW_WORKERS, self._tables()))
+        ``p`` (``tables``: the pipelines' :meth:`_tables`), in stage order, built as one
+        dictionary from the chained rows at C speed (a worker named twice keeps its first
+        place and its last value); a rerouted pipeline's dead stages are left out."""
+        worker_rows: list[Sequence[int]] = list(map(_ROW_WORKERS, tables))
         dead = self.reroute_map
         for p in sorted({p for p, _ in dead if 0 <= p < len(worker_rows)}):
             live = [s for s in range(len(worker_rows[p])) if (p, s) not in dead]
@@ -593,8 +598,7 @@ class ExecutionPlan:
                 or set(map(_ROW_END, tables)) != {self.num_layers}):
             return None
         # the positions of the live stages (validate's rerouted stages are the plan's)
-        seen = self._live_table(list(map(_position_row, itertools.count(),
-                                         map(len, map(_ROW_WORKERS, tables)))))
+        seen = self._live_positions_of(tables)
         live = sum(map(len, map(_ROW_WORKERS, tables))) - len(rerouted)
         return seen if len(seen) == live else None  # shorter: a worker named twice
 
