@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 from hypothesis import assume, given, settings
@@ -305,6 +306,16 @@ def _synchronised_one_by_one(plan: ExecutionPlan, profile: Profile, topo: Topolo
     return max(ready.values()), spent
 
 
+def _synchronise(est: Estimator, plan: ExecutionPlan, finish: dict[int, float]
+                 ) -> tuple[float, dict[range, float], Any, Any]:
+    """The estimator's synchronisation from each worker's finish: each layer range starts
+    from its latest worker."""
+    ready: dict[range, float] = {}
+    for w, layers in plan.layers_by_worker.items():
+        ready[layers] = max(ready.get(layers, finish[w]), finish[w])
+    return est._synchronise(plan, ready, max(finish.values()))
+
+
 @pytest.mark.parametrize("tied", [0.0, 5e7])
 def test_synchronisation_per_range_class_is_the_worker_by_worker_one(tied: float) -> None:
     layouts = [((0, 2), (2, 4), (4, 6), (6, 8)), ((0, 3), (3, 6), (6, 8)),
@@ -322,7 +333,7 @@ def test_synchronisation_per_range_class_is_the_worker_by_worker_one(tied: float
     est = Estimator(profile, topo)
     # finish times that differ within a range class
     finish = {w: 1.0 + (w * 7919 % 13) / 10 for w in plan.workers}
-    reduced, spent, _, _ = est._synchronise(plan, finish)
+    reduced, spent, _, _ = _synchronise(est, plan, finish)
     expected, by_worker = _synchronised_one_by_one(plan, profile, topo, finish)
     assert reduced == expected
     assert {w: spent[r] for w, r in plan.layers_by_worker.items()} == by_worker
@@ -340,7 +351,7 @@ def _worker_by_worker(est: Estimator, plan: ExecutionPlan, speeds: dict[int, flo
         finish.update(tl.finish_s)
         busy.update(tl.busy_s)
         act.update(tl.peak_activation_bytes)
-    reduced, sync_s, _, _ = est._synchronise(plan, finish)
+    reduced, sync_s, _, _ = _synchronise(est, plan, finish)
     control = est.profile.control_s
     by_worker = plan.layers_by_worker
     opt = {w: est._range_cost(r)[0] / speeds[w] if w in speeds else est._range_cost(r)[0]

@@ -491,7 +491,7 @@ class Estimator:
         profile, topo = self.profile, self.topology
         rows, latest, (makespan, critical_compute, critical_p2p) = self._rows(
             plan, speeds, brute_force)
-        reduced_s, sync_s, sync_rounds, tie = self._synchronise_ready(
+        reduced_s, sync_s, sync_rounds, tie = self._synchronise(
             plan, _ready_by_range(rows), latest)
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
@@ -526,33 +526,22 @@ class Estimator:
             tie_workers=tie,
         )
 
-    def _synchronise(self, plan: ExecutionPlan, finish: Mapping[int, float],
+    def _synchronise(self, plan: ExecutionPlan, ready: dict[range, float],
+                     latest_finish: float,
                      ) -> tuple[float, dict[range, float],
                                 tuple[tuple[Bucket, ...], ...], tuple[int, ...]]:
-        """Gradient synchronisation after each worker's backward ends (``finish``):
-        all-reduce rounds of the buckets with more than one member, then a tied pair's
-        sum. Returns when the last worker is done reducing, the time spent reducing by
-        the workers of each layer range, the rounds' buckets and the tied pair's group.
+        """Gradient synchronisation after each worker's backward ends: all-reduce rounds
+        of the buckets with more than one member, then a tied pair's sum. ``ready`` holds
+        each live layer range's latest finish (updated to its last end), ``latest_finish``
+        the latest finish of any simulated worker. Returns when the last worker is done
+        reducing, the time spent reducing by the workers of each layer range, the rounds'
+        buckets and the tied pair's group.
 
         The workers holding one layer range are in the same buckets (a bucket holds every
         live holder of its layers), so they are tracked as one: a bucket starts at the
         latest of its classes and sets all of them to its end, and each class adds up
         its buckets' times in their order (the same maxima and sums as worker by worker).
         """
-        ready: dict[range, float] = {}  # per class: its latest finish
-        for w, layers in plan.layers_by_worker.items():
-            done = finish[w]
-            latest = ready.get(layers)
-            if latest is None or done > latest:
-                ready[layers] = done
-        return self._synchronise_ready(plan, ready, max(finish.values()))
-
-    def _synchronise_ready(self, plan: ExecutionPlan, ready: dict[range, float],
-                           latest_finish: float,
-                           ) -> tuple[float, dict[range, float],
-                                      tuple[tuple[Bucket, ...], ...], tuple[int, ...]]:
-        """:meth:`_synchronise` from each layer range's latest finish (``ready``, which it
-        updates to each range's last end) and the latest finish of any worker."""
         profile, topo = self.profile, self.topology
         buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
         met = _buckets_met(ready, buckets)
