@@ -396,8 +396,7 @@ class Coordinator:
         if exited and mode(self.ctl) not in (Mode.JOINING, Mode.RELAUNCHING):
             # A worker that failed reports why before its process exits: read the reports
             # first, so the exit is explained by its error, not only by its status.
-            self.feed(m.Errors(self.now(), self.state.gen,
-                               self.cs.error_slots(self.state.gen, self.ctl.watch.errors_seen)))
+            self._observe_errors()
         self.feed(m.Exits(self.now(), exited))
         self.feed(m.Registered(self.now(), fx.newly_registered(self)))
         if self.signals_fed < len(self.signals):
@@ -416,11 +415,14 @@ class Coordinator:
         for step, gen, why in failed:
             self.feed(m.CheckpointFailed(self.now(), step, gen, why))
 
+    def _observe_errors(self) -> None:
+        """The running generation's error reports not seen yet."""
+        gen = self.state.gen
+        self.feed(m.Errors(self.now(), gen, self.cs.error_slots(gen, self.ctl.watch.errors_seen)))
+
     def _observe_generation(self, beats_due: float) -> float:
         """The running generation: error reports, heartbeats, readiness, the step's votes."""
-        run = self.state
-        slots = self.cs.error_slots(run.gen, self.ctl.watch.errors_seen)
-        self.feed(m.Errors(self.now(), run.gen, slots))
+        self._observe_errors()
         now = self.now()
         if now >= beats_due:
             beats_due = now + self.train.heartbeat_s / 2
