@@ -205,7 +205,8 @@ again and again (the templates hand out one layout object per shape)."""
 
 
 def placeholder_pipeline(layout: Layout, num_microbatches: int, slot: int) -> Pipeline:
-    """A pipeline of ``layout`` on placeholder workers ``-1 - slot``, ``-2 - slot``, ..."""
+    """A pipeline of ``layout`` on placeholder workers ``-1 - slot``, ``-2 - slot``, ...
+    (skeletons; restart and Oobleck put real workers in with ``.on_workers(row)``)."""
     key = (id(layout), num_microbatches, slot)
     found = _PLACEHOLDERS.get(key)
     if found is not None and found[0] is layout:
