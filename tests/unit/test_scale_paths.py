@@ -19,7 +19,7 @@ from chameleon_ft.perf.coloring import conflict_edges
 from chameleon_ft.perf.estimator import Estimator, _bucket_conflicts, sync_buckets
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
-from chameleon_ft.policy.symmetry import interchangeable_form
+from chameleon_ft.policy.symmetry import interchangeable_form, rename_plan
 from chameleon_ft.recovery.types import Strategy
 from chameleon_ft.sim.report import report_json
 from chameleon_ft.sim.runner import run_scenario
@@ -64,6 +64,51 @@ def test_equivalent_states_share_one_canonical_form(planner: Planner) -> None:
     assert form_c is not None
     assert (form_c.plan, form_c.rename(frozenset({c}))) != (form_a.plan,
                                                             form_a.rename(frozenset({a})))
+
+
+def test_a_canonical_form_renames_the_whole_state_consistently(planner: Planner) -> None:
+    """On rerouted plans with dead, failed and idle workers: the forward lookups, the
+    inverse and the canonical plan are one renaming, and a shuffled equivalent state has
+    the same canonical plan and marks."""
+    topo = planner.topology
+    everyone = frozenset(range(topo.num_workers))
+    rng = random.Random(11)
+    for trial in range(8):
+        plan = planner.initial_plan
+        dead = frozenset(rng.sample(plan.workers, rng.choice([1, 2])))
+        plan = reroute_plan(plan, dead)
+        idle = frozenset(rng.sample(sorted(dead), 1)) if trial % 2 else frozenset()
+        alive = everyone - dead | idle
+        failed = frozenset(rng.sample(plan.workers, 1))
+        form = interchangeable_form(plan, alive - failed, (failed,), topo)
+        assert form is not None
+        renaming = form.renaming
+        assert sorted(form.back) == list(range(topo.num_workers))
+        assert all(renaming[w] == k for k, w in enumerate(form.back))
+        assert form.rename(failed | dead) == frozenset(renaming[w] for w in failed | dead)
+        canon_alive, canon_dead = form.rename_alive(alive - failed)
+        assert canon_alive == frozenset(renaming[w] for w in alive - failed)
+        assert canon_dead == frozenset(renaming[w] for w in everyone - (alive - failed))
+        # the canonical plan is the plan renamed, pipelines in canonical order
+        for k, p in enumerate(form.order):
+            assert form.plan.pipelines[k].workers == tuple(
+                renaming[w] for w in plan.pipelines[p].workers)
+            assert form.plan.pipelines[k].layout == plan.pipelines[p].layout
+        assert sorted((r.pipeline, r.stage, r.shares) for r in form.plan.reroutes) == sorted(
+            (form.order.index(r.pipeline), r.stage, tuple((renaming[w], n) for w, n in r.shares))
+            for r in plan.reroutes)
+        # the same state with the workers of two look-alike healthy pipelines swapped
+        healthy = [p for p, pipe in enumerate(plan.pipelines)
+                   if not set(pipe.workers) & (dead | failed)
+                   and p not in {r.pipeline for r in plan.reroutes}]
+        a, b = healthy[0], healthy[-1]
+        swap = dict(zip(plan.pipelines[a].workers, plan.pipelines[b].workers, strict=True))
+        swap.update({v: k for k, v in swap.items()})
+        other = interchangeable_form(rename_plan(plan, swap), frozenset(
+            swap.get(w, w) for w in alive - failed), (frozenset(swap.get(w, w) for w in failed),),
+            topo)
+        assert other is not None and other.plan == form.plan
+        assert other.rename(frozenset(swap.get(w, w) for w in failed)) == form.rename(failed)
 
 
 def test_canonical_answers_price_like_a_direct_computation(planner: Planner) -> None:

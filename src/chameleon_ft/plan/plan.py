@@ -539,7 +539,12 @@ class ExecutionPlan:
     def worker_rows(self) -> list[tuple[int, ...]]:
         """Each pipeline's stage workers (a rerouted stage's dead one too), in stage order:
         tuples kept with the pipeline objects, so asking again is cheap."""
-        return [_pipeline_table(pipe)[0] for pipe in self.pipelines]
+        return list(map(_ROW_WORKERS, self._tables()))
+
+    def range_rows(self) -> list[tuple[range, ...]]:
+        """Each pipeline's layer ranges (:attr:`Pipeline.layer_ranges`: pipelines of one
+        layout share one row object), in stage order."""
+        return list(map(_ROW_RANGES, self._tables()))
 
     def iter_stages(self) -> Iterator[tuple[int, int, Stage]]:
         """Yield ``(pipeline, stage index, stage)`` over the whole plan."""

@@ -144,7 +144,8 @@ class _Stopped(Exception):
 
 
 _CacheKey = tuple[ExecutionPlan, frozenset[int], frozenset[int], str]
-"""(plan, failed or returned workers, live workers, event kind)."""
+"""(plan, failed or returned workers, live workers, event kind); a canonical key names
+the workers not alive instead of the live ones (the same state, cheaper to hash)."""
 
 
 @dataclass(frozen=True)
@@ -440,9 +441,10 @@ class Planner:
         plan, alive = state.plan, state.alive
         form = interchangeable_form(plan, alive, (marked,), self._topology)
         if form is not None:
-            canon_alive = form.rename(alive)
+            # keyed by the few workers not alive (the live ones are every other id)
+            canon_alive, canon_dead = form.rename_alive(alive)
             canon_marked = form.rename(marked)
-            key = (form.plan, canon_marked, canon_alive, kind)
+            key = (form.plan, canon_marked, canon_dead, kind)
             raw, hit, search_s, stored = self._lookup_exact(
                 key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
             return _Found(raw, hit, search_s, form.answerer(plan, stored))

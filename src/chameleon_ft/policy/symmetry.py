@@ -10,9 +10,10 @@ every single failure is one of 16 cached problems instead of 2,048.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from itertools import accumulate, chain, count, filterfalse, repeat
+from itertools import accumulate, chain, count, repeat
+from operator import attrgetter
 from typing import Any, ClassVar
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
@@ -279,18 +280,51 @@ def rename_candidate(candidate: Candidate, renaming: Mapping[int, int],
 
 @dataclass(frozen=True)
 class CanonicalForm:
-    """A state renamed to its canonical representative."""
+    """A state renamed to its canonical representative.
+
+    The renaming is kept as its inverse (a tuple, built at C speed) and looked up forward
+    one worker at a time: a decision renames its few failed, dead or returned workers into
+    the canonical names and its answer back, never every live worker one by one.
+    """
 
     plan: ExecutionPlan
     """The plan, pipelines in canonical order, workers renamed."""
-    renaming: Mapping[int, int]
-    """Every worker of the cluster -> its canonical id (a permutation)."""
+    back: tuple[int, ...]
+    """Each canonical id's worker: the renaming's inverse, a permutation of the cluster."""
     order: tuple[int, ...]
     """The original index of each canonical pipeline."""
+    _named: tuple[Mapping[int, tuple[int, int]], ...]
+    """Where the original plan names each worker, ``(pipeline, stage)``: its live stages'
+    table, then its dead (rerouted) stages'."""
+    _start: Sequence[int]
+    """The canonical id of each original pipeline's first stage."""
+    _idle: Mapping[int, int]
+    """The canonical id of each worker the plan does not name."""
 
-    def rename(self, workers: frozenset[int]) -> frozenset[int]:
-        """``workers`` in canonical ids."""
-        return frozenset(map(self.renaming.__getitem__, workers))
+    def __getitem__(self, worker: int) -> int:
+        """``worker``'s canonical id."""
+        live, dead = self._named
+        found = live.get(worker) or dead.get(worker)
+        if found is None:
+            return self._idle[worker]
+        return self._start[found[0]] + found[1]
+
+    @property
+    def renaming(self) -> dict[int, int]:
+        """Every worker of the cluster -> its canonical id (built whole at each read)."""
+        return dict(zip(self.back, count()))
+
+    def rename(self, workers: Iterable[int]) -> frozenset[int]:
+        """``workers`` in canonical ids, looked up one by one: for the few (the failed, the
+        dead), not for every live worker (:meth:`rename_alive`)."""
+        return frozenset(map(self.__getitem__, workers))
+
+    def rename_alive(self, alive: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """The canonical ids of ``alive`` and of the cluster's other workers, renaming only
+        the latter (few): the live ones are every other id."""
+        everyone = _everyone(len(self.back))
+        dead = self.rename(everyone - alive)
+        return everyone - dead, dead
 
     def answer(self, candidate: Candidate, original: ExecutionPlan,
                stored: ExecutionPlan | None = None) -> Candidate:
@@ -312,7 +346,7 @@ class CanonicalForm:
             if not maps:
                 source = stored if stored is not None else self.plan
                 pairs = list(zip(source.pipelines, self.order, strict=True))
-                maps.append((dict(zip(self.renaming.values(), self.renaming, strict=True)),
+                maps.append((dict(enumerate(self.back)),
                              ({id(pipe): original.pipelines[p] for pipe, p in pairs},
                               {id(pipe.stages): original.pipelines[p].stages
                                for pipe, p in pairs})))
@@ -322,11 +356,30 @@ class CanonicalForm:
         return named
 
 
+_EVERYONE: dict[int, frozenset[int]] = {}
+
+
+def _everyone(num_workers: int) -> frozenset[int]:
+    """``frozenset(range(num_workers))``, built once per cluster size."""
+    found = _EVERYONE.get(num_workers)
+    if found is None:
+        if len(_EVERYONE) > 64:
+            _EVERYONE.clear()
+        found = _EVERYONE[num_workers] = frozenset(range(num_workers))
+    return found
+
+
 _CANONICAL_PIPELINES: dict[tuple[int, int, int], tuple[Any, Pipeline]] = {}
 """Canonical pipelines by (first id, layout, micro-batches), the layout named by the
 identity of its shared row of range objects (``Pipeline.layer_ranges``), kept with the
 entry so that the identity stays valid: shared objects make canonical plans cheap to
 build, hash and compare, and the key costs no walk over the layout."""
+
+_CANONICAL_ROWS: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...]],
+                      tuple[tuple[Any, ...], tuple[Pipeline, ...]]] = {}
+"""Whole tuples of canonical pipelines, by the shapes in canonical order (each shape's
+rank, then each rank's (layout row id, micro-batches)), kept with the rows that give the
+ids their meaning: most states of one job share a handful of such tuples."""
 
 
 def _canonical_pipeline(first: int, pipe: Pipeline) -> Pipeline:
@@ -344,18 +397,81 @@ def _canonical_pipeline(first: int, pipe: Pipeline) -> Pipeline:
     return canon
 
 
-def _shape_ranks(pipelines: tuple[Pipeline, ...]) -> list[int]:
-    """Each pipeline's rank among the distinct (layout, micro-batches) of ``pipelines``,
-    in value order; pipelines of one layout share a row of range objects, so each distinct
-    layout is compared once."""
-    by_row: dict[tuple[int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
-    keys = [(id(pipe.layer_ranges), pipe.num_microbatches) for pipe in pipelines]
-    for key, pipe in zip(keys, pipelines, strict=True):
-        if key not in by_row:
-            by_row[key] = (pipe.layout, pipe.num_microbatches)
-    rank = {shape: i for i, shape in enumerate(sorted(set(by_row.values())))}
-    of_row = {key: rank[shape] for key, shape in by_row.items()}
-    return list(map(of_row.__getitem__, keys))
+_RANGES_OF = attrgetter("layer_ranges")
+_MICROBATCHES_OF = attrgetter("num_microbatches")
+
+
+class _Shapes:
+    """The distinct (layout, micro-batches) of a plan's pipelines, ranked in value order.
+
+    Pipelines of one layout share a row of range objects, so a shape is named by the
+    identity of its row and each distinct layout is compared once."""
+
+    def __init__(self, plan: ExecutionPlan) -> None:
+        pipelines = plan.pipelines
+        rows = plan.range_rows()
+        keys = list(zip(map(id, rows), map(_MICROBATCHES_OF, pipelines), strict=True))
+        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+        values = {key: (pipelines[p].layout, key[1]) for key, p in first.items()}
+        by_value = {v: i for i, v in enumerate(sorted(set(values.values())))}
+        rank = {key: by_value[v] for key, v in values.items()}
+        self.ranks = list(map(rank.__getitem__, keys))
+        """Each pipeline's rank among the distinct shapes."""
+        self.exact = len(rank) == len(by_value)
+        """Whether every shape has one row (else :meth:`canonical` does not cache)."""
+        distinct = sorted(rank, key=rank.__getitem__)
+        self._key = tuple(distinct)
+        self._rows = tuple(rows[first[key]] for key in distinct)
+
+    def canonical(self, order: list[int], ordered: list[Pipeline]) -> tuple[Pipeline, ...]:
+        """The pipelines ``ordered`` (the plan's, in canonical ``order``) on workers
+        numbered from 0 in that order."""
+        firsts = accumulate(map(len, map(_RANGES_OF, ordered)), initial=0)
+        if not self.exact:
+            return tuple(map(_canonical_pipeline, firsts, ordered))
+        key = (tuple(map(self.ranks.__getitem__, order)), self._key)
+        found = _CANONICAL_ROWS.get(key)
+        if found is not None and all(a is b for a, b in zip(found[0], self._rows, strict=True)):
+            return found[1]
+        pipelines = tuple(map(_canonical_pipeline, firsts, ordered))
+        if len(_CANONICAL_ROWS) > 4096:
+            _CANONICAL_ROWS.clear()
+        _CANONICAL_ROWS[key] = (self._rows, pipelines)
+        return pipelines
+
+
+_Named = tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]]
+
+
+def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: list[int],
+                     named: _Named, special: set[int],
+                     status: Callable[[int], tuple[bool, ...]]) -> list[int]:
+    """The pipelines of ``plan`` in canonical order: by shape rank (cheap), then by the
+    status of their stages (only pipelines with a ``special`` worker have one), then by
+    their own reroutes, then by what they host of others' reroutes; ties by index."""
+    own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for r in plan.reroutes:
+        own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
+    lite: list[tuple[Any, ...]] = list(zip(ranks, repeat(()), repeat(())))
+    live, dead = named
+    touched = set(own)
+    for w in special:
+        found = live.get(w) or dead.get(w)
+        if found is not None:
+            touched.add(found[0])
+    for p in touched:
+        row = rows[p]
+        statuses = tuple(status(w) for w in row) if not special.isdisjoint(row) else ()
+        lite[p] = (ranks[p], statuses, tuple(sorted(own.get(p, ()))))
+    hosting: dict[int, list[tuple[Any, ...]]] = {}
+    for r in plan.reroutes:
+        for i, (w, n) in enumerate(r.shares):
+            q, s = live[w]
+            hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
+    hosted = {p: sorted(hosts) for p, hosts in hosting.items()}
+    num = plan.num_pipelines
+    keys = list(zip(lite, map(hosted.get, range(num), repeat([])), range(num), strict=True))
+    return sorted(range(num), key=keys.__getitem__)
 
 
 def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
@@ -374,58 +490,38 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     """
     if topology.workers_per_node != 1:
         return None
-    num_workers = topology.num_workers
-    # Workers whose status is not "alive, unmarked": few, so pipelines without any share
-    # one status tuple.
+    everyone = _everyone(topology.num_workers)
     rows = plan.worker_rows()
+    named = frozenset(chain.from_iterable(rows))
+    if len(named) != sum(map(len, rows)) or not named <= everyone:
+        return None  # a worker named twice, or outside the cluster: not a valid plan
+    where: _Named = (plan.stage_of_worker,
+                     {plan.pipelines[r.pipeline].stages[r.stage].worker: (r.pipeline, r.stage)
+                      for r in plan.reroutes})
+    # Workers whose status is not "alive, unmarked": few.
     special = set().union(*marks)
-    special.update(filterfalse(alive.__contains__, chain.from_iterable(rows)))
+    special.update(named - alive)
 
     def status(w: int) -> tuple[bool, ...]:
         return (w in alive, *(w in m for m in marks))
 
-    own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-    for r in plan.reroutes:
-        own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
-    # Pipelines compare by a small shape rank first (cheap), then by the status of their
-    # stages (only pipelines with a dead, failed or returned worker have one), then by
-    # their own reroutes.
-    ranks = _shape_ranks(plan.pipelines)
-    own_sorted = {p: tuple(sorted(found)) for p, found in own.items()}
-    lite: list[tuple[Any, ...]] = []
-    for p, row in enumerate(rows):
-        statuses: tuple[Any, ...] = ()
-        if special and not special.isdisjoint(row):
-            statuses = tuple(status(w) for w in row)
-        lite.append((ranks[p], statuses, own_sorted.get(p, ())))
-    hosting: dict[int, list[tuple[Any, ...]]] = {}
-    where = plan.stage_of_worker if plan.reroutes else {}
-    for r in plan.reroutes:
-        for i, (w, n) in enumerate(r.shares):
-            q, s = where[w]
-            hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
-    hosted = {p: sorted(hosts) for p, hosts in hosting.items()}
-    no_hosts: list[tuple[Any, ...]] = []
-    keys = [(lite[p], hosted.get(p, no_hosts), p) for p in range(plan.num_pipelines)]
-    order = sorted(range(plan.num_pipelines), key=keys.__getitem__)
-    # workers numbered pipeline by pipeline in canonical order (one dictionary, built at C
-    # speed); pipeline k's first worker is the count of those before it
+    shapes = _Shapes(plan)
+    order = _canonical_order(plan, rows, shapes.ranks, where, special, status)
+    # workers numbered pipeline by pipeline in canonical order, then the idle ones
     ordered = list(map(rows.__getitem__, order))
-    renaming = dict(zip(chain.from_iterable(ordered), count()))
-    if len(renaming) != sum(map(len, rows)):
-        return None  # a worker named twice: not a valid plan
-    pipelines = list(map(_canonical_pipeline, accumulate(map(len, ordered), initial=0),
-                         map(plan.pipelines.__getitem__, order)))
-    rest = sorted(filterfalse(renaming.__contains__, range(num_workers)),
-                  key=lambda w: (tuple(not x for x in status(w)), w))
-    renaming.update(zip(rest, count(len(renaming))))
-    if len(renaming) != num_workers:
-        return None  # a plan naming workers outside the cluster: no form
+    back = list(chain.from_iterable(ordered))
+    rest = sorted(everyone - named, key=lambda w: (tuple(not x for x in status(w)), w))
+    first = dict(zip(order, accumulate(map(len, ordered[:-1]), initial=0), strict=True))
+    start = list(map(first.__getitem__, range(len(order))))
+    form = CanonicalForm(plan=plan, back=(*back, *rest), order=tuple(order), _named=where,
+                         _start=start, _idle=dict(zip(rest, count(len(back)))))
     position = {p: k for k, p in enumerate(order)}
     reroutes = tuple(sorted(
-        (Reroute(position[r.pipeline], r.stage, tuple((renaming[w], n) for w, n in r.shares))
+        (Reroute(position[r.pipeline], r.stage, tuple((form[w], n) for w, n in r.shares))
          for r in plan.reroutes), key=lambda r: (r.pipeline, r.stage)))
-    canon = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
-                          reroutes=reroutes, micro_batch=plan.micro_batch,
-                          schedule=plan.schedule, defer_weight_grad=plan.defer_weight_grad)
-    return CanonicalForm(plan=canon, renaming=renaming, order=tuple(order))
+    canon = ExecutionPlan(
+        num_layers=plan.num_layers,
+        pipelines=shapes.canonical(order, list(map(plan.pipelines.__getitem__, order))),
+        reroutes=reroutes, micro_batch=plan.micro_batch, schedule=plan.schedule,
+        defer_weight_grad=plan.defer_weight_grad)
+    return replace(form, plan=canon)  # the form above named the reroutes' workers
