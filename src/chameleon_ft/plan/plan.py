@@ -602,8 +602,9 @@ class ExecutionPlan:
         if (min(map(_MICROBATCHES_OF, self.pipelines)) < 1
                 or set(map(_ROW_END, tables)) != {self.num_layers}):
             return None
-        # the positions of the live stages (validate's rerouted stages are the plan's)
-        seen = self._live_positions_of(tables)
+        # the positions of the live stages (validate's rerouted stages are the plan's),
+        # from the plan's own table when it was read already
+        seen = self.__dict__.get("stage_of_worker") or self._live_positions_of(tables)
         live = sum(map(len, map(_ROW_WORKERS, tables))) - len(rerouted)
         return seen if len(seen) == live else None  # shorter: a worker named twice
 

@@ -295,33 +295,29 @@ def _slots(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
            ) -> tuple[list[tuple[int, int, int]], list[tuple[int, range, Collection[int]]]]:
     """Every live slot ``(worker, pipeline, stage)`` of ``plan`` in order (a rerouted
     stage's worker is dead: nothing moves to it), and ``(worker, layers, held layers)`` of
-    the slots whose worker lacks some layer of its stage, in the same order. Most workers
-    keep their stage (the plans share range objects), so a pipeline's slots are listed
-    at once and only the others are looked at one by one."""
-    slots: list[tuple[int, int, int]] = []
-    lacking: list[tuple[int, range, Collection[int]]] = []
-    dead = plan.reroute_map
-    rerouted = {p for p, _ in dead}
+    the slots whose worker lacks some layer of its stage, in the same order. Both come from
+    the plan's own tables at C speed: most workers keep their stage, and the plans share
+    range objects, so only workers that do not hold their stage's very range object are
+    looked at one by one."""
+    where = plan.stage_of_worker  # the live slots, pipeline by pipeline, in stage order
+    stage_layers = plan.layers_by_worker
+    workers = list(where)
+    slots = list(zip(workers, map(_PIPELINE, where.values()), map(_STAGE, where.values()),
+                     strict=True))
     held_by = held.get
-    for p, pipe in enumerate(plan.pipelines):
-        workers, ranges = pipe.workers, pipe.layer_ranges
-        live: Sequence[int]
-        if p in rerouted:
-            live = [s for s in range(len(workers)) if (p, s) not in dead]
-            slots.extend((workers[s], p, s) for s in live)
-        else:
-            live = range(len(workers))
-            slots.extend(zip(workers, itertools.repeat(p), live))
-        # the stages whose worker does not hold the very range object (found at C speed)
-        for s in list(itertools.compress(live, map(operator.is_not,
-                                                   map(held_by, map(workers.__getitem__, live)),
-                                                   map(ranges.__getitem__, live)))):
-            worker, layers = workers[s], ranges[s]
-            have = held_by(worker, ())
-            if not (isinstance(have, range) and have.step == 1
-                    and have.start <= layers.start and layers.stop <= have.stop):
-                lacking.append((worker, layers, have))
+    lacking: list[tuple[int, range, Collection[int]]] = []
+    for worker in itertools.compress(workers, map(operator.is_not, map(held_by, workers),
+                                                  map(stage_layers.__getitem__, workers))):
+        layers = stage_layers[worker]
+        have = held_by(worker, ())
+        if not (isinstance(have, range) and have.step == 1
+                and have.start <= layers.start and layers.stop <= have.stop):
+            lacking.append((worker, layers, have))
     return slots, lacking
+
+
+_PIPELINE = operator.itemgetter(0)
+_STAGE = operator.itemgetter(1)
 
 
 def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
