@@ -140,6 +140,11 @@ def test_bad_input_is_a_clear_error() -> None:
     plan = planner.initial_plan
     with pytest.raises(ValueError, match=r"^failed: worker 99 is not in the cluster"):
         planner.decide(plan, [99])
+    # a frozenset (the simulator's fast path) is checked the same
+    with pytest.raises(ValueError, match=r"^failed: worker 99 is not in the cluster"):
+        planner.decide(plan, frozenset({99}))
+    with pytest.raises(ValueError, match=r"^alive: worker True is not in the cluster"):
+        planner.decide(plan, [1], alive=frozenset({True, 2, 3}))
     with pytest.raises(ValueError, match=r"^horizon_s:"):
         planner.decide(plan, [1], horizon_s=-5.0)
     with pytest.raises(ValueError, match=r"^policy:"):

@@ -247,6 +247,7 @@ class Planner:
         self.config = config
         self._profile = profile if profile is not None else build_profile(config)
         self._topology = Topology.from_config(config)
+        self._everyone = frozenset(range(self._topology.num_workers))
         self.policy = _check_policy(policy if policy is not None else config.policy.name)
         self._estimator = estimator_for(self._profile, self._topology)
         self._initial_plan = initial_plan(config, self._profile)
@@ -344,8 +345,11 @@ class Planner:
 
     # ------------------------------------------------------------------ checks
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
-        items = list(workers)
         n = self._topology.num_workers
+        if (type(workers) is frozenset and workers <= self._everyone
+                and set(map(type, workers)) <= {int}):
+            return workers  # a set of the cluster's workers already (the simulator's)
+        items = list(workers)
         if set(map(type, items)) <= {int} and (not items or (min(items) >= 0
                                                             and max(items) < n)):
             return frozenset(items)  # the common case, checked in bulk (plain ints only)

@@ -260,7 +260,7 @@ class PlannerPolicy:
             return base
         try:
             decision = self._planner.decide(
-                base.plan, tuple(sorted(failed)), alive=tuple(sorted(ctx.alive)),
+                base.plan, failed, alive=ctx.alive,
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
                 since_checkpoint_s=ctx.since_checkpoint_s, compare=False, detail=False,
                 hide_search=True, since_memory_checkpoint_s=ctx.since_memory_checkpoint_s)
@@ -279,7 +279,7 @@ class PlannerPolicy:
                 # dynamic re-plans). Answering here skips pricing a plan it would not take.
                 return Choice(strategy=KEEP, plan=None)
             decision = self._planner.decide_rejoin(
-                base.plan, tuple(sorted(returned)), alive=tuple(sorted(ctx.alive)),
+                base.plan, returned, alive=ctx.alive,
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy=self._policy,
                 detail=False, hide_search=True)
             return decision_choice(decision, self._recovery)
@@ -297,7 +297,7 @@ class PlannerPolicy:
                                 rollback=True)
         try:
             decision = self._planner.decide(
-                initial, tuple(sorted(missing)), alive=tuple(sorted(ctx.alive)),
+                initial, missing, alive=ctx.alive,
                 now_s=ctx.now_s, horizon_s=self._horizon(ctx), policy="restart",
                 since_checkpoint_s=0.0, compare=False, detail=False, hide_search=True)
         except ValueError:
