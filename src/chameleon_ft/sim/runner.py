@@ -170,14 +170,14 @@ def make_policy(name: str, planner: Planner, config: Config, *, bamboo_tax: floa
     return PlannerPolicy(name, planner, config.recovery)
 
 
-POLICY_GROUPS = (("chameleon", "oracle", "recycle"),)
+POLICY_GROUPS = (("chameleon", "oracle"),)
 """Policies run together on one planner; every other policy forms the second group.
 Chameleon runs first on its planner, so its failure-rate estimate counts exactly the
 failures it saw (fixed policies ignore scores, the oracle passes the true horizon), and
-the oracle reuses most of its candidates; ReCycle's candidates are among Chameleon's, so
-it reuses them too. The other fixed-strategy policies, Bamboo and Oobleck share the
-second planner. On ``llama3-16k`` the two units take about the same time (with ReCycle
-in the second unit they did not; benchmarks/RESULTS.md, section 4)."""
+the oracle reuses most of its candidates. The fixed-strategy policies, Bamboo and Oobleck
+share the second planner (ReCycle first there: its candidates are among Chameleon's, and
+ReCycle's and reroute's re-joins share theirs). On ``llama3-16k`` the two units take
+about the same time (benchmarks/RESULTS.md, section 4)."""
 
 
 def policy_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
