@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ from chameleon_ft.perf.schedule import (
 )
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile, chunk_sums
+
+_WORKERS_OF = operator.attrgetter("workers")
+_MICROBATCHES = operator.attrgetter("num_microbatches")
+_LAYOUT_OF = operator.attrgetter("layout")
 
 
 @dataclass(frozen=True)
@@ -364,36 +369,10 @@ class Estimator:
 
         if brute_force or with_ops:
             return best_timeline(plan, self.profile, self.topology, group, speeds, costs())
-        members = set(group)
         # The simulation builds and ranks the pipelines in this order, never by index, so
         # a shared simulation is exactly the one this component would get.
         order = component_order(plan, group)
-        local = {p: i for i, p in enumerate(order)}
-        worker_ids: dict[int, int] = {}
-        node_ids: dict[int, int] = {}
-        node_of = self.topology.node_of
-        shape: list[Any] = [plan.schedule, plan.defer_weight_grad]
-        for p in order:
-            pipe = plan.pipelines[p]
-            names = []
-            if self.topology.workers_per_node == 1 and not speeds:
-                # each worker its own node, all at unit speed: a node is named as its worker
-                for w, (lo, hi) in zip(pipe.workers, pipe.layout, strict=True):
-                    name = worker_ids.setdefault(w, len(worker_ids))
-                    names.append((name, name, lo, hi, 1.0))
-                node_ids = worker_ids
-            else:
-                for st in pipe.stages:
-                    w = st.worker
-                    names.append((worker_ids.setdefault(w, len(worker_ids)),
-                                  node_ids.setdefault(node_of(w), len(node_ids)),
-                                  st.first_layer, st.end_layer, speeds.get(w, 1.0)))
-            shape.append((pipe.num_microbatches, tuple(names)))
-        shape.append(tuple(sorted(
-            (local[r.pipeline], r.stage,
-             tuple((worker_ids[w], node_ids[node_of(w)], n) for w, n in r.shares))
-            for r in plan.reroutes if r.pipeline in members)))
-        key = tuple(shape)
+        key, worker_ids = self._component_key(plan, order, speeds)
         cached = self._components.get(key)
         if cached is None:
             # With fused backwards the intact pipelines of the component keep every
@@ -414,7 +393,49 @@ class Estimator:
                 self._components.popitem(last=False)
         else:
             self._components.move_to_end(key)
-        return _relabel(cached, {v: k for k, v in worker_ids.items()}, keep_ops=False)
+        return _relabel(cached, dict(zip(worker_ids.values(), worker_ids, strict=True)),
+                        keep_ops=False)
+
+    def _component_key(self, plan: ExecutionPlan, order: list[int],
+                       speeds: Mapping[int, float]) -> tuple[tuple[Any, ...], dict[int, int]]:
+        """The shape of the component of pipelines ``order`` (:meth:`_component`), and its
+        workers' names in it.
+
+        Workers and nodes are named by first appearance, pipeline by pipeline. With one
+        worker per node, all at unit speed, and every worker named once, the names are
+        positions, so a pipeline is its micro-batches and layout (the names read at C
+        speed); otherwise each stage is named with its node and speed."""
+        members = set(order)
+        local = {p: i for i, p in enumerate(order)}
+        pipes = list(map(plan.pipelines.__getitem__, order))
+        rows = list(map(_WORKERS_OF, pipes))
+        worker_ids = dict(zip(itertools.chain.from_iterable(rows), itertools.count()))
+        shape: list[Any]
+        if (self.topology.workers_per_node == 1 and not speeds
+                and len(worker_ids) == sum(map(len, rows))):
+            shape = ["by position", plan.schedule, plan.defer_weight_grad,
+                     *zip(map(_MICROBATCHES, pipes), map(_LAYOUT_OF, pipes), strict=True)]
+            shape.append(tuple(sorted(
+                (local[r.pipeline], r.stage, tuple((worker_ids[w], n) for w, n in r.shares))
+                for r in plan.reroutes if r.pipeline in members)))
+            return tuple(shape), worker_ids
+        worker_ids = {}
+        node_ids: dict[int, int] = {}
+        node_of = self.topology.node_of
+        shape = [plan.schedule, plan.defer_weight_grad]
+        for pipe in pipes:
+            names = []
+            for st in pipe.stages:
+                w = st.worker
+                names.append((worker_ids.setdefault(w, len(worker_ids)),
+                              node_ids.setdefault(node_of(w), len(node_ids)),
+                              st.first_layer, st.end_layer, speeds.get(w, 1.0)))
+            shape.append((pipe.num_microbatches, tuple(names)))
+        shape.append(tuple(sorted(
+            (local[r.pipeline], r.stage,
+             tuple((worker_ids[w], node_ids[node_of(w)], n) for w, n in r.shares))
+            for r in plan.reroutes if r.pipeline in members)))
+        return tuple(shape), worker_ids
 
     def estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
                  brute_force: bool = False) -> Estimate:
@@ -677,11 +698,14 @@ def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = No
             return seq
         return [Op(op.kind, pipeline, op.stage, op.microbatch, op.chunk) for op in seq]
 
+    def renamed(table: dict[int, Any]) -> dict[int, Any]:
+        return dict(zip(map(mapping.__getitem__, table), table.values(), strict=True))
+
     return Timeline(
         ops={mapping[w]: ops(v) for w, v in tl.ops.items()} if keep_ops else {},
-        finish_s={mapping[w]: v for w, v in tl.finish_s.items()},
-        busy_s={mapping[w]: v for w, v in tl.busy_s.items()},
-        peak_activation_bytes={mapping[w]: v for w, v in tl.peak_activation_bytes.items()},
+        finish_s=renamed(tl.finish_s),
+        busy_s=renamed(tl.busy_s),
+        peak_activation_bytes=renamed(tl.peak_activation_bytes),
         makespan_s=tl.makespan_s,
         critical_compute_s=tl.critical_compute_s,
         critical_p2p_s=tl.critical_p2p_s,
