@@ -70,6 +70,8 @@ _ROW_WORKERS = operator.itemgetter(0)
 _ROW_RANGES = operator.itemgetter(1)
 _ROW_END = operator.itemgetter(2)
 _MICROBATCHES_OF = operator.attrgetter("num_microbatches")
+_START = operator.attrgetter("start")
+_STOP = operator.attrgetter("stop")
 
 
 def _pipeline_table(pipe: Pipeline) -> _Table:
@@ -220,7 +222,10 @@ class Pipeline:
         """
         row = tuple(workers)
         _, ranges, end = _pipeline_table(self)
-        keys = [(w, lo, hi) for w, (lo, hi) in zip(row, self.layout, strict=True)]
+        if len(row) != len(ranges):
+            raise ValueError(f"workers: {len(row)} given for a pipeline of {len(ranges)} "
+                             "stages")
+        keys = list(zip(row, map(_START, ranges), map(_STOP, ranges), strict=True))
         known = list(map(_STAGES.get, keys))  # the shared stages (:func:`shared_stage`)
         if all(known):
             stages = cast("tuple[Stage, ...]", tuple(known))
