@@ -486,6 +486,52 @@ def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
                 == graph.stream_totals_python())
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=6), st.integers(1, 6), st.data(),
+       st.sampled_from(SCHEDULES), st.booleans(), st.booleans())
+def test_copied_pipelines_build_the_graph_stage_by_stage_would(
+        lengths: list[int], m: int, data: st.DataObject, schedule: str, defer: bool,
+        ideal: bool) -> None:
+    """Intact pipelines alike (same costs, backward, speeds, link kinds) are copied from the
+    first one: every array of the graph, ids, streams and edge order equal building every
+    pipeline stage by stage, with reroutes, deferred W's, speeds and two workers a node."""
+    v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
+    profile, plan = folded_plan(sorted(lengths), m, schedule, defer, v)
+    with contextlib.suppress(ValueError):  # some stage lost every replica
+        plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
+                                                     min_size=0, max_size=2)))
+    workers = sum(lengths)
+    topology = free_links(workers) if ideal else real_links(workers)
+    speeds = data.draw(st.none() | st.fixed_dictionaries(
+        {w: st.sampled_from([0.5, 1.0]) for w in plan.workers}))
+    for variant in schedule_module.schedule_variants(plan, range(plan.num_pipelines), v):
+        copied = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
+                                             variant)
+        built = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
+                                            variant, copy_intact=False)
+        assert dataclasses.asdict(copied) == dataclasses.asdict(built)
+
+
+def test_alike_pipelines_are_copied() -> None:
+    """Eight identical pipelines, two workers a node: the links of even and odd pipelines
+    differ in kind (workers 0-1 share a node, 3-4 do not), so one of each is built and the
+    other six are copied."""
+    profile, plan = folded_plan([3] * 8, 2, "1f1b", False, 1)
+    builder_calls = []
+    original = schedule_module._GraphBuilder.add_stage
+
+    def counting(self: schedule_module._GraphBuilder, p: int, s: int, chunks: object) -> None:
+        builder_calls.append(p)
+        original(self, p, s, chunks)  # type: ignore[arg-type]
+
+    schedule_module._GraphBuilder.add_stage = counting  # type: ignore[method-assign]
+    try:
+        schedule_module.build_graph(plan, profile, real_links(24))
+    finally:
+        schedule_module._GraphBuilder.add_stage = original  # type: ignore[method-assign]
+    assert sorted(set(builder_calls)) == [0, 1]
+
+
 @pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
 def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
     """A graph whose tables disagree is a ValueError, never a crash."""

@@ -46,6 +46,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan.plan import ExecutionPlan
@@ -336,8 +337,17 @@ ChunkCosts = tuple[LayerCost, ...]
 
 
 def _stage_costs(plan: ExecutionPlan, profile: Profile) -> dict[tuple[int, int], ChunkCosts]:
-    return {(p, s): chunk_sums(profile, st.first_layer, st.end_layer)
-            for p, s, st in plan.iter_stages()}
+    """Each stage's per-chunk costs: one object per distinct layer range (stages of one
+    range share it, so :func:`build_graph` can copy pipelines alike)."""
+    by_range: dict[tuple[int, int], ChunkCosts] = {}
+    out = {}
+    for p, s, st in plan.iter_stages():
+        key = (st.first_layer, st.end_layer)
+        cost = by_range.get(key)
+        if cost is None:
+            cost = by_range[key] = chunk_sums(profile, *key)
+        out[(p, s)] = cost
+    return out
 
 
 def splits_backward(plan: ExecutionPlan) -> bool:
@@ -562,6 +572,7 @@ class _GraphBuilder:
         self.op_act: list[float] = []
         self.op_foreign: list[bool] = []
         self.streams: list[list[int]] = []  # op ids in order
+        self.stream_worker: list[int] = []  # each stream's worker
         self.stream_of_worker: dict[int, list[int]] = {}
         self.fwd_id: dict[tuple[int, int], list[int]] = {}
         self.bwd_id: dict[tuple[int, int], list[int]] = {}
@@ -570,6 +581,8 @@ class _GraphBuilder:
         self.edge_dst: list[int] = []
         self.edge_delay: list[float] = []
         self._delays: dict[tuple[int, int, float], float] = {}
+        self.deltas: dict[int, int] = {}
+        """Each copied pipeline's op ids minus those of the pipeline it copies."""
 
     def _split(self, p: int, s: int, worker: int) -> int:
         """How stage ``s`` of pipeline ``p`` runs its backward (:func:`_stream_layout`)."""
@@ -580,6 +593,54 @@ class _GraphBuilder:
     def _new_stream(self, worker: int, ids: list[int]) -> None:
         self.stream_of_worker.setdefault(worker, []).append(len(self.streams))
         self.streams.append(ids)
+        self.stream_worker.append(worker)
+
+    def intact_key(self, p: int, costs: Mapping[tuple[int, int], ChunkCosts]
+                   ) -> tuple[Any, ...] | None:
+        """What the operations and edges of pipeline ``p`` depend on besides its workers and
+        its op ids, when no stage of it is rerouted (else ``None``): its micro-batches,
+        each stage's cost object (alive while the graph is built), how it runs its
+        backward, its speed, and the kind of each link it sends over."""
+        pipe = self.plan.pipelines[p]
+        workers = pipe.workers
+        if any((p, s) in self.plan.reroute_map for s in range(len(workers))):
+            return None
+        node_of = self.topology.node_of
+        return (pipe.num_microbatches,
+                tuple([id(costs[(p, s)]) for s in range(len(workers))]),
+                tuple([self._split(p, s, w) for s, w in enumerate(workers)]),
+                tuple([self.speed.get(w, 1.0) for w in workers]) if self.speed else (),
+                tuple([(a == b, node_of(a) == node_of(b))
+                       for a, b in zip(workers, workers[1:] + workers[:1], strict=True)]))
+
+    def add_like(self, p: int, block: _Block) -> None:
+        """Pipeline ``p``'s operations and streams as a copy of ``block``'s (a pipeline
+        with the same :meth:`intact_key`): the same arrays, its own workers and ids."""
+        lo, hi = block.ops
+        delta = len(self.op_kind) - lo
+        self.deltas[p] = delta
+        self.op_kind += self.op_kind[lo:hi]
+        self.op_pipeline += [p] * (hi - lo)
+        self.op_stage += self.op_stage[lo:hi]
+        self.op_mb += self.op_mb[lo:hi]
+        self.op_chunk += self.op_chunk[lo:hi]
+        self.op_dur += self.op_dur[lo:hi]
+        self.op_act += self.op_act[lo:hi]
+        self.op_foreign += self.op_foreign[lo:hi]
+        rename = dict(zip(self.plan.pipelines[block.source].workers,
+                          self.plan.pipelines[p].workers, strict=True)).__getitem__
+        self.op_worker += map(rename, self.op_worker[lo:hi])
+        shift = delta.__add__
+        for k in range(*block.streams):
+            self._new_stream(rename(self.stream_worker[k]), list(map(shift, self.streams[k])))
+
+    def link_like(self, p: int, block: _Block) -> None:
+        """Pipeline ``p``'s edges as a copy of ``block``'s (after :meth:`add_like`)."""
+        lo, hi = block.edges
+        shift = self.deltas[p].__add__
+        self.edge_src += map(shift, self.edge_src[lo:hi])
+        self.edge_dst += map(shift, self.edge_dst[lo:hi])
+        self.edge_delay += self.edge_delay[lo:hi]
 
     def add_stage(self, p: int, s: int, chunks: ChunkCosts) -> None:
         """The operations of stage ``s`` of pipeline ``p``, as one or more streams."""
@@ -735,23 +796,58 @@ def build_graph(
     speeds: Mapping[int, float] | None = None,
     costs: Mapping[tuple[int, int], ChunkCosts] | None = None,
     variant: int = 0,
+    copy_intact: bool = True,
 ) -> _Graph:
     """The operation graph of ``pipelines`` (default: all) of ``plan``.
 
     ``costs`` gives each (pipeline, stage)'s per-chunk costs (:func:`chunk_sums`);
-    ``variant`` picks the order variant of :func:`schedule_variants`.
+    ``variant`` picks the order variant of :func:`schedule_variants`. ``copy_intact=False``
+    builds every pipeline stage by stage (the reference the copies are tested against).
     """
     chosen = component_order(
         plan, range(plan.num_pipelines) if pipelines is None else pipelines)
     costs = costs if costs is not None else _stage_costs(plan, profile)
     builder = _GraphBuilder(plan, topology, chosen, speeds or {}, variant)
+    # An intact pipeline like one built before (most peers of a rerouted stage) copies its
+    # arrays: the same operations and edges, stage by stage, as building it would add.
+    blocks: dict[tuple[Any, ...], _Block] = {}
+    like: dict[int, _Block] = {}  # pipeline -> the block it copies
+    origin: dict[int, _Block] = {}  # pipeline -> the block it is the source of
     for p in chosen:
+        key = builder.intact_key(p, costs) if copy_intact else None
+        block = blocks.get(key) if key is not None else None
+        if block is not None:
+            builder.add_like(p, block)
+            like[p] = block
+            continue
+        ops, streams = len(builder.op_kind), len(builder.streams)
         for s in range(plan.pipelines[p].num_stages):
             builder.add_stage(p, s, costs[(p, s)])
+        if key is not None:
+            blocks[key] = origin[p] = _Block(p, (ops, len(builder.op_kind)),
+                                             (streams, len(builder.streams)))
     for p in chosen:
+        block = like.get(p)
+        if block is not None:
+            builder.link_like(p, block)
+            continue
+        edges = len(builder.edge_src)
         for s in range(plan.pipelines[p].num_stages):
             builder.link_stage(p, s, costs[(p, s)])
+        if p in origin:
+            origin[p].edges = (edges, len(builder.edge_src))
     return builder.graph()
+
+
+@dataclass
+class _Block:
+    """Where an intact pipeline's operations, streams and edges sit in a graph being built:
+    what :meth:`_GraphBuilder.add_like` copies."""
+
+    source: int
+    ops: tuple[int, int]
+    streams: tuple[int, int]
+    edges: tuple[int, int] = (0, 0)
 
 
 class _ListRun:
