@@ -533,6 +533,19 @@ def test_alike_pipelines_are_copied() -> None:
 
 
 @pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 10**6)), st.data(), st.integers(-10**6, 10**6))
+def test_compiled_shift_is_the_python_one(ids: list[int], data: st.DataObject,
+                                          delta: int) -> None:
+    lo = data.draw(st.integers(0, len(ids)))
+    hi = data.draw(st.integers(lo, len(ids)))
+    assert (schedule_module._listsched.shifted(ids, lo, hi, delta)
+            == schedule_module._shifted_python(ids, lo, hi, delta))
+    with pytest.raises(ValueError, match="not a range"):
+        schedule_module._listsched.shifted(ids, 0, len(ids) + 1, delta)
+
+
+@pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
 def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
     """A graph whose tables disagree is a ValueError, never a crash."""
     plan = reroute_plan(ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=2),

@@ -706,9 +706,45 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(shifted_doc,
+"shifted(ids, lo, hi, delta)\n"
+"--\n\n"
+"[i + delta for i in ids[lo:hi]]: the op ids of a copied pipeline\n"
+"(schedule._GraphBuilder.add_like); ids must be ints.");
+
+static PyObject *py_shifted(PyObject *self, PyObject *args) {
+    PyObject *ids;
+    Py_ssize_t lo, hi, delta;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!nnn", &PyList_Type, &ids, &lo, &hi, &delta))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (lo < 0 || hi > n || lo > hi) {
+        PyErr_SetString(PyExc_ValueError, "shifted: lo..hi is not a range of the list");
+        return NULL;
+    }
+    PyObject *out = PyList_New(hi - lo);
+    if (!out) return NULL;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        Py_ssize_t id = PyLong_AsSsize_t(PyList_GET_ITEM(ids, i));
+        if (id == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *value = PyLong_FromSsize_t(id + delta);
+        if (!value) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i - lo, value);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"run", py_run, METH_VARARGS, run_doc},
     {"stream_totals", py_stream_totals, METH_VARARGS, stream_totals_doc},
+    {"shifted", py_shifted, METH_VARARGS, shifted_doc},
     {NULL, NULL, 0, NULL},
 };
 

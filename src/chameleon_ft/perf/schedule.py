@@ -543,6 +543,14 @@ def component_order(plan: ExecutionPlan, pipelines: Iterable[int]) -> list[int]:
     return sorted(local, key=local.__getitem__)
 
 
+def _shifted_python(ids: list[int], lo: int, hi: int, delta: int) -> list[int]:
+    """``[i + delta for i in ids[lo:hi]]`` (``_listsched.shifted`` where it is built)."""
+    return list(map(delta.__add__, ids[lo:hi]))
+
+
+_shifted = _listsched.shifted if _listsched is not None else _shifted_python
+
+
 class _GraphBuilder:
     """The flat arrays of a :class:`_Graph`, filled stage stream by stage stream (the hot
     path of every estimate: a rerouted stage of the 16k job is 70,000 operations)."""
@@ -630,17 +638,18 @@ class _GraphBuilder:
         rename = dict(zip(self.plan.pipelines[block.source].workers,
                           self.plan.pipelines[p].workers, strict=True)).__getitem__
         self.op_worker += map(rename, self.op_worker[lo:hi])
-        shift = delta.__add__
         for k in range(*block.streams):
-            self._new_stream(rename(self.stream_worker[k]), list(map(shift, self.streams[k])))
+            ids = self.streams[k]
+            self._new_stream(rename(self.stream_worker[k]), _shifted(ids, 0, len(ids), delta))
 
     def link_like(self, p: int, block: _Block) -> None:
         """Pipeline ``p``'s edges as a copy of ``block``'s (after :meth:`add_like`)."""
         lo, hi = block.edges
-        shift = self.deltas[p].__add__
-        self.edge_src += map(shift, self.edge_src[lo:hi])
-        self.edge_dst += map(shift, self.edge_dst[lo:hi])
+        delta = self.deltas[p]
+        self.edge_src += _shifted(self.edge_src, lo, hi, delta)
+        self.edge_dst += _shifted(self.edge_dst, lo, hi, delta)
         self.edge_delay += self.edge_delay[lo:hi]
+
 
     def add_stage(self, p: int, s: int, chunks: ChunkCosts) -> None:
         """The operations of stage ``s`` of pipeline ``p``, as one or more streams."""
