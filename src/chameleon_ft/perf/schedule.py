@@ -548,7 +548,7 @@ def _shifted_python(ids: list[int], lo: int, hi: int, delta: int) -> list[int]:
     return list(map(delta.__add__, ids[lo:hi]))
 
 
-_shifted = _listsched.shifted if _listsched is not None else _shifted_python
+_shifted = getattr(_listsched, "shifted", _shifted_python)
 
 
 class _GraphBuilder:
