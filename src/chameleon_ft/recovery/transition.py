@@ -54,6 +54,25 @@ Group = frozenset[int]
 """The workers of one communicator."""
 
 
+_GROUPS: dict[int, tuple[tuple[int, ...], Group]] = {}
+"""An intact pipeline's group by the identity of its workers tuple (kept with the entry:
+plans share pipelines, and a frozen set keeps its hash, so the groups of a plan that keeps
+most pipelines cost a lookup each). Cleared at :data:`_GROUPS_MAX` entries."""
+_GROUPS_MAX = 1 << 16
+
+
+def _intact_group(workers: tuple[int, ...]) -> Group:
+    """``frozenset(workers)``, the same object for the same tuple."""
+    found = _GROUPS.get(id(workers))
+    if found is not None and found[0] is workers:
+        return found[1]
+    if len(_GROUPS) >= _GROUPS_MAX:
+        _GROUPS.clear()
+    group = frozenset(workers)
+    _GROUPS[id(workers)] = (workers, group)
+    return group
+
+
 def pipeline_groups(plan: ExecutionPlan) -> list[Group]:
     """One group per pipeline of two or more workers: the workers running its stages, the
     hosts of its rerouted stages included (its point-to-point traffic)."""
@@ -62,7 +81,7 @@ def pipeline_groups(plan: ExecutionPlan) -> list[Group]:
     rerouted = {p for p, _ in dead}
     for p, pipe in enumerate(plan.pipelines):
         if p not in rerouted:  # its own stage workers (distinct in a valid plan)
-            workers = frozenset(pipe.workers)
+            workers = _intact_group(pipe.workers)
             if len(workers) > 1:
                 out.append(workers)
             continue
