@@ -650,7 +650,6 @@ class _GraphBuilder:
         self.edge_dst += _shifted(self.edge_dst, lo, hi, delta)
         self.edge_delay += self.edge_delay[lo:hi]
 
-
     def add_stage(self, p: int, s: int, chunks: ChunkCosts) -> None:
         """The operations of stage ``s`` of pipeline ``p``, as one or more streams."""
         pipe = self.plan.pipelines[p]
