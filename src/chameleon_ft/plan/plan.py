@@ -118,6 +118,36 @@ def shared_stage(worker: int, first_layer: int, end_layer: int) -> Stage:
     return found
 
 
+_PLACEHOLDERS: dict[tuple[int, int, int], tuple[Any, Pipeline]] = {}
+"""Placeholder pipelines by (layout identity, micro-batches, first slot), kept with their
+layout so that the identity stays valid: searches build the same skeleton pipelines
+again and again (the templates hand out one layout object per shape)."""
+
+
+def placeholder_pipeline(layout: tuple[tuple[int, int], ...], num_microbatches: int,
+                         slot: int) -> Pipeline:
+    """A pipeline of ``layout`` (each stage's first and end layer) on placeholder workers
+    ``-1 - slot``, ``-2 - slot``, ... (a re-plan's skeleton), the same object every time."""
+    key = (id(layout), num_microbatches, slot)
+    found = _PLACEHOLDERS.get(key)
+    if found is not None and found[0] is layout:
+        return found[1]
+    if len(_PLACEHOLDERS) >= 1 << 16:
+        _PLACEHOLDERS.clear()
+    pipe = Pipeline(tuple(shared_stage(-1 - slot - s, lo, hi)
+                          for s, (lo, hi) in enumerate(layout)), num_microbatches)
+    _PLACEHOLDERS[key] = (layout, pipe)
+    return pipe
+
+
+def pipeline_on(layout: tuple[tuple[int, int], ...], num_microbatches: int,
+                workers: Iterable[int]) -> Pipeline:
+    """A pipeline of ``layout`` with ``num_microbatches`` on ``workers`` (one per stage),
+    put on them from the shared placeholder pipeline (its layer ranges and layout are not
+    rebuilt stage by stage)."""
+    return placeholder_pipeline(layout, num_microbatches, 0).on_workers(workers)
+
+
 def _position_row(pipeline: int, num_stages: int) -> tuple[tuple[int, int], ...]:
     """:func:`_position` of every stage of a pipeline of ``num_stages`` stages."""
     key = (pipeline, num_stages)

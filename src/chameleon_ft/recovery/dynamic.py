@@ -46,8 +46,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
-from chameleon_ft.plan import ExecutionPlan, Pipeline
-from chameleon_ft.plan.plan import shared_stage, sharing_stages
+from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.plan.plan import placeholder_pipeline, sharing_stages
 from chameleon_ft.recovery.restorer import (
     assign_workers,
     fatal_nodes,
@@ -196,27 +196,6 @@ def skeleton(templates: Templates, lengths: Sequence[int], counts: Sequence[int]
         slot += len(layout)
     return ExecutionPlan(num_layers=templates.num_layers, pipelines=tuple(pipelines),
                          micro_batch=micro_batch, schedule=schedule)
-
-
-_PLACEHOLDERS: dict[tuple[int, int, int], tuple[Layout, Pipeline]] = {}
-"""Placeholder pipelines by (layout identity, micro-batches, first slot), kept with their
-layout so that the identity stays valid: searches build the same skeleton pipelines
-again and again (the templates hand out one layout object per shape)."""
-
-
-def placeholder_pipeline(layout: Layout, num_microbatches: int, slot: int) -> Pipeline:
-    """A pipeline of ``layout`` on placeholder workers ``-1 - slot``, ``-2 - slot``, ...
-    (skeletons; restart and Oobleck put real workers in with ``.on_workers(row)``)."""
-    key = (id(layout), num_microbatches, slot)
-    found = _PLACEHOLDERS.get(key)
-    if found is not None and found[0] is layout:
-        return found[1]
-    if len(_PLACEHOLDERS) >= 1 << 16:
-        _PLACEHOLDERS.clear()
-    pipe = Pipeline(tuple(shared_stage(-1 - slot - s, lo, hi)
-                          for s, (lo, hi) in enumerate(layout)), num_microbatches)
-    _PLACEHOLDERS[key] = (layout, pipe)
-    return pipe
 
 
 def _alternatives(templates: Templates, tau: float, lengths: Sequence[int],

@@ -41,7 +41,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline
-from chameleon_ft.recovery.dynamic import placeholder_pipeline
+from chameleon_ft.plan.plan import pipeline_on
 from chameleon_ft.recovery.restorer import schedule_migration
 from chameleon_ft.recovery.templates import Layout, Templates, allocate
 from chameleon_ft.recovery.transition import lost_step_s, migration_s, rebuild_terms
@@ -218,7 +218,7 @@ def _instances(plan: ExecutionPlan, ranks: Sequence[tuple[int, ...]],
     for row, layout, m in zip(ranks, layouts, counts, strict=True):
         pipe = kept.get((row, m))
         if pipe is None or pipe.layout != layout:
-            pipe = placeholder_pipeline(layout, m, 0).on_workers(row)
+            pipe = pipeline_on(layout, m, row)
         out.append(pipe)
     return tuple(out)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 
 from chameleon_ft.plan import ExecutionPlan
-from chameleon_ft.recovery.dynamic import max_length, placeholder_pipeline, placement_free_price
+from chameleon_ft.plan.plan import pipeline_on
+from chameleon_ft.recovery.dynamic import max_length, placement_free_price
 from chameleon_ft.recovery.templates import allocate
 from chameleon_ft.recovery.transition import reload_terms, restart_terms
 from chameleon_ft.recovery.types import (
@@ -105,8 +106,7 @@ def _restart_plan(state: RecoveryState, workers: list[int], length: int,
         assert layout is not None  # allocate only returns counts that fit
         row = (workers[p:p + length * dp:dp] if stage_major
                else workers[p * length:(p + 1) * length])
-        # the job's shape on these workers, from a shared placeholder pipeline
-        pipelines.append(placeholder_pipeline(layout, m, 0).on_workers(row))
+        pipelines.append(pipeline_on(layout, m, row))
     new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=tuple(pipelines),
                              micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
