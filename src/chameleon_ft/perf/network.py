@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
 
 from chameleon_ft.spec.cluster import ClusterSpec
 from chameleon_ft.spec.config import Config
@@ -35,6 +36,11 @@ class Topology:
     def num_workers(self) -> int:
         """Workers of the whole fleet, spare nodes included (``[cluster] spare_nodes``)."""
         return self.cluster.total_nodes * self.workers_per_node
+
+    @cached_property
+    def all_workers(self) -> frozenset[int]:
+        """Every worker id of the fleet, as one set (built once per topology)."""
+        return frozenset(range(self.num_workers))
 
     @property
     def num_nodes(self) -> int:

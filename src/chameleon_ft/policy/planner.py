@@ -247,7 +247,6 @@ class Planner:
         self.config = config
         self._profile = profile if profile is not None else build_profile(config)
         self._topology = Topology.from_config(config)
-        self._everyone = frozenset(range(self._topology.num_workers))
         self.policy = _check_policy(policy if policy is not None else config.policy.name)
         self._estimator = estimator_for(self._profile, self._topology)
         self._initial_plan = initial_plan(config, self._profile)
@@ -346,7 +345,7 @@ class Planner:
     # ------------------------------------------------------------------ checks
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
         n = self._topology.num_workers
-        if (type(workers) is frozenset and workers <= self._everyone
+        if (type(workers) is frozenset and workers <= self._topology.all_workers
                 and set(map(type, workers)) <= {int}):
             return workers  # a set of the cluster's workers already (the simulator's)
         items = list(workers)

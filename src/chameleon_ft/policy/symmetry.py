@@ -300,6 +300,8 @@ class CanonicalForm:
     """The canonical id of each original pipeline's first stage."""
     _idle: Mapping[int, int]
     """The canonical id of each worker the plan does not name."""
+    _everyone: frozenset[int]
+    """Every worker of the cluster (:attr:`Topology.all_workers`)."""
 
     def __getitem__(self, worker: int) -> int:
         """``worker``'s canonical id."""
@@ -322,9 +324,8 @@ class CanonicalForm:
     def rename_alive(self, alive: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The canonical ids of ``alive`` and of the cluster's other workers, renaming only
         the latter (few): the live ones are every other id."""
-        everyone = _everyone(len(self.back))
-        dead = self.rename(everyone - alive)
-        return everyone - dead, dead
+        dead = self.rename(self._everyone - alive)
+        return self._everyone - dead, dead
 
     def answer(self, candidate: Candidate, original: ExecutionPlan,
                stored: ExecutionPlan | None = None) -> Candidate:
@@ -354,19 +355,6 @@ class CanonicalForm:
             return rename_candidate(candidate, back, original, known=known)
 
         return named
-
-
-_EVERYONE: dict[int, frozenset[int]] = {}
-
-
-def _everyone(num_workers: int) -> frozenset[int]:
-    """``frozenset(range(num_workers))``, built once per cluster size."""
-    found = _EVERYONE.get(num_workers)
-    if found is None:
-        if len(_EVERYONE) > 64:
-            _EVERYONE.clear()
-        found = _EVERYONE[num_workers] = frozenset(range(num_workers))
-    return found
 
 
 _CANONICAL_PIPELINES: dict[tuple[int, int, int], tuple[Any, Pipeline]] = {}
@@ -490,7 +478,7 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     """
     if topology.workers_per_node != 1:
         return None
-    everyone = _everyone(topology.num_workers)
+    everyone = topology.all_workers
     rows = plan.worker_rows()
     named = frozenset(chain.from_iterable(rows))
     if len(named) != sum(map(len, rows)) or not named <= everyone:
@@ -514,7 +502,8 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     first = dict(zip(order, accumulate(map(len, ordered[:-1]), initial=0), strict=True))
     start = list(map(first.__getitem__, range(len(order))))
     form = CanonicalForm(plan=plan, back=(*back, *rest), order=tuple(order), _named=where,
-                         _start=start, _idle=dict(zip(rest, count(len(back)))))
+                         _start=start, _idle=dict(zip(rest, count(len(back)))),
+                         _everyone=everyone)
     position = {p: k for k, p in enumerate(order)}
     reroutes = tuple(sorted(
         (Reroute(position[r.pipeline], r.stage, tuple((form[w], n) for w, n in r.shares))
