@@ -454,6 +454,22 @@ def test_peak_activation_is_the_orders_peak(stages: int, data: st.DataObject, m:
 
 # ---------------------------------------------------------------- the compiled scheduler
 
+def drawn_damage(plan: ExecutionPlan, data: st.DataObject, ideal: bool, *,
+                 dead: tuple[int, int], speeds: list[float]
+                 ) -> tuple[ExecutionPlan, Topology, dict[int, float] | None]:
+    """``plan`` with ``dead[0]`` to ``dead[1]`` drawn workers rerouted (as it is when some
+    stage would lose every replica), its links (free, or two workers a node), and either
+    unit speeds or a speed drawn from ``speeds`` for every worker."""
+    with contextlib.suppress(ValueError):  # some stage lost every replica
+        plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
+                                                     min_size=dead[0], max_size=dead[1])))
+    workers = sum(pipe.num_stages for pipe in plan.pipelines)
+    topology = free_links(workers) if ideal else real_links(workers)
+    drawn = data.draw(st.none() | st.fixed_dictionaries(
+        {w: st.sampled_from(speeds) for w in plan.workers}))
+    return plan, topology, drawn
+
+
 @pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(1, 8), st.data(),
@@ -466,13 +482,8 @@ def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
     v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
     profile, plan = folded_plan(lengths, m, schedule, defer, v,
                                 fwd_s=data.draw(st.sampled_from([1.0, 0.3, 1.7])))
-    with contextlib.suppress(ValueError):  # some stage lost every replica
-        plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
-                                                     min_size=1, max_size=3)))
-    workers = sum(lengths)
-    topology = free_links(workers) if ideal else real_links(workers)
-    speeds = data.draw(st.none() | st.fixed_dictionaries(
-        {w: st.sampled_from([0.5, 0.8, 1.0, 1.3]) for w in plan.workers}))
+    plan, topology, speeds = drawn_damage(plan, data, ideal, dead=(1, 3),
+                                          speeds=[0.5, 0.8, 1.0, 1.3])
     for variant in schedule_module.schedule_variants(plan, range(plan.num_pipelines), v):
         graph = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
                                             variant)
@@ -497,13 +508,7 @@ def test_copied_pipelines_build_the_graph_stage_by_stage_would(
     pipeline stage by stage, with reroutes, deferred W's, speeds and two workers a node."""
     v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
     profile, plan = folded_plan(sorted(lengths), m, schedule, defer, v)
-    with contextlib.suppress(ValueError):  # some stage lost every replica
-        plan = reroute_plan(plan, data.draw(st.lists(st.sampled_from(list(plan.workers)),
-                                                     min_size=0, max_size=2)))
-    workers = sum(lengths)
-    topology = free_links(workers) if ideal else real_links(workers)
-    speeds = data.draw(st.none() | st.fixed_dictionaries(
-        {w: st.sampled_from([0.5, 1.0]) for w in plan.workers}))
+    plan, topology, speeds = drawn_damage(plan, data, ideal, dead=(0, 2), speeds=[0.5, 1.0])
     for variant in schedule_module.schedule_variants(plan, range(plan.num_pipelines), v):
         copied = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
                                              variant)
