@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,8 +12,10 @@ from hypothesis import strategies as st
 
 from chameleon_ft.perf import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.plan import pipeline_on, placeholder_pipeline
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import match_workers, schedule_migration
+from chameleon_ft.recovery.restorer import assign_workers
 from chameleon_ft.spec.cluster import ClusterSpec
 
 
@@ -111,3 +114,49 @@ def test_migration_fails_without_replica() -> None:
     plan = ExecutionPlan(num_layers=2, pipelines=(Pipeline((Stage(0, 0, 2),), 1),))
     with pytest.raises(ValueError, match="layer 1 has no live replica"):
         schedule_migration(plan, {0: range(0, 1)}, profile, _topology())
+
+
+@settings(max_examples=60, deadline=None)
+@given(held=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=7),
+       wanted=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 3)), min_size=1,
+                       max_size=7))
+def test_matching_reads_ranges_as_the_sets_they_hold(held: list[tuple[int, int]],
+                                                    wanted: list[tuple[int, int]]) -> None:
+    # survivors (and slots) given as range objects, some of them shared, match exactly as
+    # the same layers given as sets
+    wanted = wanted[:len(held)]
+    ranges = {b: range(b[0], min(6, b[0] + b[1])) for b in set(held) | set(wanted)}
+    as_ranges = match_workers([ranges[b] for b in held], [ranges[b] for b in wanted],
+                              [1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    as_sets = match_workers([set(ranges[b]) for b in held], [set(ranges[b]) for b in wanted],
+                            [1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    assert as_ranges == as_sets
+
+
+@pytest.mark.parametrize("dead", [0, 5, 11, 14])
+def test_assigned_pipelines_are_the_source_plans_where_equal(dead: int) -> None:
+    # Five pipelines of three stages; one worker dies and four pipelines are re-formed from
+    # the survivors: with the source plan given, every new pipeline equal to one of its
+    # pipelines is that very object, and the plan and bytes moved are those without it.
+    layout = ((0, 2), (2, 4), (4, 6))
+    source = ExecutionPlan(num_layers=6, pipelines=tuple(
+        pipeline_on(layout, 4, range(3 * p, 3 * p + 3)) for p in range(5)))
+    skeleton = ExecutionPlan(num_layers=6, pipelines=tuple(
+        placeholder_pipeline(layout, 5, p * 3) for p in range(4)))
+    held = {w: layers for w, layers in source.layers_by_worker.items() if w != dead}
+    skeleton_4mb = replace(skeleton, pipelines=tuple(
+        placeholder_pipeline(layout, 4, p * 3) for p in range(4)))
+    for shape in (skeleton, skeleton_4mb):
+        plain, moved = assign_workers(shape, held, [1.0] * 6)
+        reused, moved_reused = assign_workers(shape, held, [1.0] * 6, source)
+        assert reused == plain and moved_reused == moved
+        equal = [pipe for pipe in plain.pipelines if pipe in source.pipelines]
+        kept = [pipe for pipe in reused.pipelines
+                if any(pipe is old for old in source.pipelines)]
+        assert len(kept) == len(equal)
+        # five micro-batches match no pipeline; four do wherever the matching kept one
+        # (the survivors of a pipeline before the dead one's keep their stages)
+        if shape is skeleton:
+            assert not kept
+        else:
+            assert len(kept) == {0: 0, 5: 1, 11: 3, 14: 4}[dead]

@@ -381,13 +381,8 @@ def _filled_in_id_order(state: RecoveryState, split: _Split,
 def _runs(lengths: Sequence[int], counts: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
     """``(length, micro-batches, how many in a row)`` of consecutive equal pipelines: a
     split's pipelines in order, compactly (a cache key)."""
-    out: list[tuple[int, int, int]] = []
-    for length, m in zip(lengths, counts, strict=True):
-        if out and out[-1][:2] == (length, m):
-            out[-1] = (length, m, out[-1][2] + 1)
-        else:
-            out.append((length, m, 1))
-    return tuple(out)
+    return tuple((length, m, len(list(run)))  # each run counted at C speed
+                 for (length, m), run in itertools.groupby(zip(lengths, counts, strict=True)))
 
 
 def placement_free_price(state: RecoveryState, lengths: Sequence[int],
@@ -425,7 +420,7 @@ def _placements(state: RecoveryState, shape: ExecutionPlan,
     whose loss would be fatal (a node holding every replica of a stage can only be
     followed by a restart).
     """
-    placements = [assign_workers(shape, held, layer_bytes)]
+    placements = [assign_workers(shape, held, layer_bytes, state.plan)]
     if len({tuple((st.first_layer, st.end_layer) for st in pipe.stages)
             for pipe in shape.pipelines}) == 1:
         packed = pack_stage_major(shape, held, layer_bytes)
@@ -476,7 +471,8 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
         for step, split, layouts in unmatched:
             if step != fastest:
                 continue
-            new_plan, moved = assign_workers(_shape(state, split, layouts), held, layer_bytes)
+            new_plan, moved = assign_workers(_shape(state, split, layouts), held, layer_bytes,
+                                             state.plan)
             new_plan.validate()
             if best is None or moved < best[1]:
                 best = (step, moved, new_plan, state.estimate(new_plan), split.lengths)

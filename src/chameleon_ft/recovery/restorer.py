@@ -18,13 +18,12 @@ import itertools
 import operator
 from collections import defaultdict, deque
 from collections.abc import Collection, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from chameleon_ft.perf.coloring import pair_rounds
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.plan import ExecutionPlan, Pipeline
 from chameleon_ft.profile import Profile
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
@@ -67,7 +66,7 @@ def load_matching() -> tuple[Any, Any]:
     return numpy, linear_sum_assignment
 
 
-def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet[int]],
+def match_workers(held: Sequence[Collection[int]], wanted: Sequence[Collection[int]],
                   layer_bytes: Sequence[float]) -> Matching:
     """Assign survivors (``held``: the layers each holds) to slots (``wanted``) moving the
     fewest bytes.
@@ -78,8 +77,8 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
     small when most survivors keep their stage (thousands of workers, one failure).
 
     Args:
-        held: per survivor, the layers it holds (empty for a new or idle worker); survivors
-            (and slots) may share one set object, checked once.
+        held: per survivor, the layers it holds (a set, a range: any collection; empty for
+            a new or idle worker); survivors (and slots) may share one object, read once.
         wanted: per slot, the layers the slot needs.
         layer_bytes: bytes per layer (parameters plus optimizer state).
 
@@ -140,14 +139,7 @@ def match_workers(held: Sequence[AbstractSet[int]], wanted: Sequence[AbstractSet
                     moved_bytes=moved)
 
 
-def _as_frozensets(objects: list[Collection[int]]) -> list[frozenset[int]]:
-    """``objects`` as frozen sets, one per distinct object."""
-    distinct = dict(zip(map(id, objects), objects, strict=True))
-    as_set = {key: frozenset(obj) for key, obj in distinct.items()}
-    return list(map(as_set.__getitem__, map(id, objects)))
-
-
-def _by_object(sets: Sequence[AbstractSet[int]]) -> dict[int, list[int]]:
+def _by_object(sets: Sequence[Collection[int]]) -> dict[int, list[int]]:
     """The indices of each distinct object of ``sets`` (by identity), increasing: a plan's
     table shares its range objects, so there are few."""
     by_object: dict[int, list[int]] = defaultdict(list)
@@ -156,7 +148,7 @@ def _by_object(sets: Sequence[AbstractSet[int]]) -> dict[int, list[int]]:
     return by_object
 
 
-def _by_set(sets: Sequence[AbstractSet[int]], by_object: dict[int, list[int]]
+def _by_set(sets: Sequence[Collection[int]], by_object: dict[int, list[int]]
             ) -> dict[frozenset[int], list[int]]:
     """The indices of each distinct set (:func:`_by_object` merged by value), increasing."""
     out: dict[frozenset[int], list[int]] = {}
@@ -169,7 +161,8 @@ def _by_set(sets: Sequence[AbstractSet[int]], by_object: dict[int, list[int]]
 
 
 def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
-                   layer_bytes: Sequence[float]) -> tuple[ExecutionPlan, float]:
+                   layer_bytes: Sequence[float], source: ExecutionPlan | None = None
+                   ) -> tuple[ExecutionPlan, float]:
     """Put real workers into a plan whose stage workers are placeholders.
 
     Args:
@@ -177,30 +170,49 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
             ids are ignored. It must have no reroutes.
         held: every live worker (idle ones too) and the layers it holds now.
         layer_bytes: bytes per layer that move when a layer migrates.
+        source: the plan the survivors run now: a new pipeline equal to one of its
+            pipelines (the same workers, layout and micro-batches: most of them, after a
+            few failures of a large job) is that very pipeline object, not a copy.
 
     Returns:
         The plan with survivors matched to slots, and the bytes that must move.
     """
     workers = sorted(held)
-    # One frozen set per distinct holding object (a plan's table shares its range objects)
-    # and per distinct stage range: frozenset() of a frozenset is the set itself, so the
-    # matching neither copies nor re-hashes them per worker; built at C speed.
-    held_sets = _as_frozensets(list(map(held.__getitem__, workers)))
-    wanted = _as_frozensets(list(itertools.chain.from_iterable(
-        pipe.layer_ranges for pipe in skeleton.pipelines)))
-    matching = match_workers(held_sets, wanted, layer_bytes)
+    # The holdings and stage ranges as they are (a plan's table shares its range objects):
+    # the matching reads each distinct object once, as a set, and no worker's one by one.
+    wanted = list(itertools.chain.from_iterable(pipe.layer_ranges
+                                                for pipe in skeleton.pipelines))
+    matching = match_workers(list(map(held.__getitem__, workers)), wanted, layer_bytes)
     worker_of_slot = [0] * len(wanted)  # the matching fills every slot
     assignment = matching.assignment
     deque(map(worker_of_slot.__setitem__, assignment.values(),
               map(workers.__getitem__, assignment)), maxlen=0)
+    plan = ExecutionPlan(num_layers=skeleton.num_layers,
+                         pipelines=_filled(skeleton, worker_of_slot, source),
+                         micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
+    return plan, matching.moved_bytes
+
+
+def _filled(skeleton: ExecutionPlan, worker_of_slot: list[int],
+            source: ExecutionPlan | None) -> tuple[Pipeline, ...]:
+    """The skeleton's pipelines on the workers of their slots (in slot order); a pipeline
+    of ``source`` that equals one of them is taken as it is (:func:`assign_workers`)."""
+    where = source.stage_of_worker if source is not None else {}
     pipelines = []
     slot = 0
     for pipe in skeleton.pipelines:
-        pipelines.append(pipe.on_workers(worker_of_slot[slot:slot + len(pipe.stages)]))
-        slot += len(pipe.stages)
-    plan = ExecutionPlan(num_layers=skeleton.num_layers, pipelines=tuple(pipelines),
-                         micro_batch=skeleton.micro_batch, schedule=skeleton.schedule)
-    return plan, matching.moved_bytes
+        end = slot + len(pipe.stages)
+        row = tuple(worker_of_slot[slot:end])
+        slot = end
+        found = where.get(row[0]) if row else None
+        if found is not None and found[1] == 0 and source is not None:
+            old = source.pipelines[found[0]]
+            if (old.num_microbatches == pipe.num_microbatches and old.workers == row
+                    and (old.layer_ranges is pipe.layer_ranges or old.layout == pipe.layout)):
+                pipelines.append(old)
+                continue
+        pipelines.append(pipe.on_workers(row))
+    return tuple(pipelines)
 
 
 def fatal_nodes(plan: ExecutionPlan, topology: Topology) -> frozenset[int]:
