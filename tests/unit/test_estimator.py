@@ -396,3 +396,31 @@ def test_an_estimate_read_per_layout_is_the_worker_by_worker_one(slow: bool,
         assert dict(est.peak_memory_bytes) == peaks
         assert est.max_memory_bytes == max(peaks.values())
         assert est.breakdown.idle_s == max(0.0, idle / len(peaks))
+
+
+def test_lone_pipelines_read_in_bulk_estimate_as_one_by_one() -> None:
+    """With one worker per node and no slow worker the lone pipelines' rows are looked up
+    once per (layout, micro-batches) and built in bulk: every figure, the critical path's
+    included, equals the brute-force estimate's (each pipeline simulated and read on its
+    own, components in order), with reroutes and pipelines of several layouts."""
+    profile = uniform_profile(8, fwd_s=0.1, param_bytes=1e8)
+    plan = ExecutionPlan.uniform(dp=4, pp=4, num_layers=8, num_microbatches=8)
+    topo = topology(20, ideal=False, per_node=1)
+    mixed, worker = [], 0
+    halves, thirds = ((0, 4), (4, 8)), ((0, 3), (3, 6), (6, 8))
+    quarters = ((0, 2), (2, 4), (4, 6), (6, 8))
+    # the first pipeline the shortest: the critical one comes later
+    for layout, m in ((halves, 1), (thirds, 2), (quarters, 3), (halves, 1), (thirds, 2)):
+        mixed.append(Pipeline(tuple(Stage(worker + s, lo, hi)
+                                    for s, (lo, hi) in enumerate(layout)), m))
+        worker += len(layout)
+    plans = [plan, reroute_plan(plan, [plan.pipelines[2].workers[1]]),
+             reroute_plan(plan, plan.pipelines[0].workers),
+             ExecutionPlan(num_layers=8, pipelines=tuple(mixed))]
+    for q in plans:
+        bulk = Estimator(profile, topo).estimate(q)
+        one_by_one = Estimator(profile, topo).estimate(q, brute_force=True)
+        assert bulk.step_s == one_by_one.step_s
+        assert bulk.breakdown == one_by_one.breakdown
+        assert dict(bulk.peak_memory_bytes) == dict(one_by_one.peak_memory_bytes)
+        assert bulk.bubble_fraction == one_by_one.bubble_fraction

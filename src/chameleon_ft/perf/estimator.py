@@ -46,6 +46,8 @@ from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile, chunk_sums
 
 _WORKERS_OF = operator.attrgetter("workers")
+_RANGES_OF = operator.attrgetter("layer_ranges")
+_ITEM_0, _ITEM_1, _ITEM_2, _ITEM_3, _ITEM_4 = map(operator.itemgetter, range(5))
 _MICROBATCHES = operator.attrgetter("num_microbatches")
 _LAYOUT_OF = operator.attrgetter("layout")
 
@@ -474,7 +476,16 @@ class Estimator:
         by_timeline: dict[int, tuple[tuple[float, ...], ...]] = {}
         latest = -math.inf
         critical = (0.0, 0.0, 0.0)
-        for group, lone in _components(plan):
+        components = _components(plan)
+        bulk = (not speeds and not brute_force and self.topology.workers_per_node == 1)
+        if bulk:  # the lone pipelines in bulk, the critical one by the same rule
+            latest, ending = self._lone_rows(plan, components, rows)
+            components = [(group, lone) for group, lone in components if not lone]
+            # the last component (in order) with the longest makespan is the critical one
+            critical_at = (-math.inf, -1)
+            if ending is not None:
+                critical_at = (ending[1].makespan_s, ending[0])
+        for group, lone in components:
             if lone:
                 # A lone pipeline: its shared timeline read by stage, once per timeline.
                 p = group[0]
@@ -502,10 +513,53 @@ class Estimator:
                         tuple(map(tl.finish_s.__getitem__, workers)),
                         tuple([tl.busy_s.get(w, 0.0) for w in workers]),
                         tuple([tl.peak_activation_bytes.get(w, 0.0) for w in workers])))
-            if tl.makespan_s >= critical[0]:
+            if bulk:
+                if (tl.makespan_s, group[0]) >= critical_at:
+                    critical_at, ending = (tl.makespan_s, group[0]), (group[0], tl)
+            elif tl.makespan_s >= critical[0]:
                 critical = (tl.makespan_s, tl.critical_compute_s, tl.critical_p2p_s)
+        if bulk and ending is not None:
+            tl = ending[1]
+            critical = (tl.makespan_s, tl.critical_compute_s, tl.critical_p2p_s)
         rows.sort(key=lambda row: row.pipeline)
         return rows, latest, critical
+
+    def _lone_rows(self, plan: ExecutionPlan, components: list[tuple[list[int], bool]],
+                   rows: list[_Row]) -> tuple[float, tuple[int, Timeline] | None]:
+        """The rows of the lone pipelines of ``components`` (appended to ``rows``), at unit
+        speed with one worker per node, where a pipeline's timeline depends only on its
+        layout and micro-batches: it is looked up once per shared (range row,
+        micro-batches) and the rows are built at C speed. Returns the latest finish of
+        those timelines and the last lone pipeline (in component order, which is pipeline
+        order) with the longest makespan, with its timeline."""
+        pipelines = plan.pipelines
+        lone = [group[0] for group, alone in components if alone]
+        if not lone:
+            return -math.inf, None
+        pipes = list(map(pipelines.__getitem__, lone))
+        ranges = list(map(_RANGES_OF, pipes))
+        shapes = list(zip(map(id, ranges), map(_MICROBATCHES, pipes), strict=True))
+        first = dict(zip(reversed(shapes), reversed(lone), strict=True))  # lowest index
+        found: dict[tuple[int, int], tuple[Any, ...]] = {}
+        latest = -math.inf
+        for shape, p in first.items():
+            pipe = pipelines[p]
+            tl = self._canonical_pipeline(plan, p, {}, False)
+            stages = range(len(pipe.stages))
+            figures = tuple(tuple(map(by_stage.__getitem__, stages))
+                            for by_stage in (tl.finish_s, tl.busy_s,
+                                             tl.peak_activation_bytes))
+            latest = max(latest, max(figures[0], default=latest))
+            found[shape] = (tl, (id(tl), shape[0]), *figures)
+        looked_up = list(map(found.__getitem__, shapes))
+        rows.extend(map(_Row, lone, map(_ITEM_1, looked_up), map(_ITEM_0, looked_up),
+                        map(_WORKERS_OF, pipes), ranges, map(_ITEM_2, looked_up),
+                        map(_ITEM_3, looked_up), map(_ITEM_4, looked_up)))
+        # the longest makespan, the last pipeline that has it
+        longest = max(entry[0].makespan_s for entry in found.values())
+        last = max(p for p, entry in zip(lone, looked_up, strict=True)
+                   if entry[0].makespan_s == longest)
+        return latest, (last, found[shapes[lone.index(last)]][0])
 
     def _estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float],
                   brute_force: bool) -> Estimate:
