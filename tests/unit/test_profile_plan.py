@@ -163,6 +163,25 @@ def test_plan_is_a_value() -> None:
     assert hash(plan) == hash(ExecutionPlan.from_dict(plan.to_dict()))
 
 
+def test_a_pipeline_put_on_workers_is_the_one_built_directly() -> None:
+    """``Pipeline.on_workers`` fills the new pipeline's slots itself (not through the
+    dataclass's constructor): every field is set, and the pipeline equals, hashes and
+    reads like one built stage by stage, frozen as well."""
+    source = Pipeline((Stage(0, 0, 2), Stage(1, 2, 3), Stage(2, 3, 6)), 4)
+    moved = source.on_workers([7, 5, 9], num_microbatches=3)
+    built = Pipeline((Stage(7, 0, 2), Stage(5, 2, 3), Stage(9, 3, 6)), 3)
+    assert {f.name for f in dataclasses.fields(Pipeline)} == {
+        "stages", "num_microbatches", "_layout", "_hash", "_table"}
+    assert moved == built and hash(moved) == hash(built) and repr(moved) == repr(built)
+    assert (moved.workers, moved.layout, moved.layer_ranges) == (
+        built.workers, built.layout, built.layer_ranges)
+    assert source.on_workers([0, 1, 2]) == source
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved.num_microbatches = 5  # type: ignore[misc]
+    with pytest.raises(ValueError, match="workers: 2 given"):
+        source.on_workers([1, 2])
+
+
 def test_file_profile_through_the_config(tmp_path: Path) -> None:
     from chameleon_ft.profile import build_profile
     from chameleon_ft.spec import config_from_mapping

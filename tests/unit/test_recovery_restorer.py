@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections import defaultdict
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from chameleon_ft.plan.plan import pipeline_on, placeholder_pipeline
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import match_workers, schedule_migration
 from chameleon_ft.recovery.restorer import assign_workers
+from chameleon_ft.recovery.types import Migration
 from chameleon_ft.spec.cluster import ClusterSpec
 
 
@@ -160,3 +162,25 @@ def test_assigned_pipelines_are_the_source_plans_where_equal(dead: int) -> None:
             assert not kept
         else:
             assert len(kept) == {0: 0, 5: 1, 11: 3, 14: 4}[dead]
+
+
+def test_a_migrations_slots_are_listed_when_read() -> None:
+    """A scheduled migration lists its plan's live slots only when first read: the same
+    slots as listed eagerly, and it compares, hashes, pickles and serialises as the eager
+    :class:`Migration` with the same fields."""
+    profile = uniform_profile(8, param_bytes=1e9, optimizer_bytes=2e9)
+    held = {0: range(0, 2), 1: range(2, 4), 2: range(4, 6),
+            4: range(0, 2), 5: range(2, 4), 6: range(4, 6), 7: range(6, 8)}
+    plan = ExecutionPlan(num_layers=8, pipelines=(
+        Pipeline((Stage(4, 0, 2), Stage(5, 2, 4), Stage(6, 4, 6), Stage(7, 6, 8)), 4),
+        Pipeline((Stage(0, 0, 3), Stage(1, 3, 6), Stage(2, 6, 8)), 2)))
+    lazy = schedule_migration(plan, held, profile, _topology())
+    assert "slots" not in vars(lazy)
+    expected = ((4, 0, 0), (5, 0, 1), (6, 0, 2), (7, 0, 3), (0, 1, 0), (1, 1, 1), (2, 1, 2))
+    eager = Migration(slots=expected, moved_bytes=lazy.moved_bytes,
+                      transfers=lazy.transfers, rounds=lazy.rounds, time_s=lazy.time_s)
+    assert lazy.slots == expected and lazy.slots is lazy.slots
+    assert lazy == eager and eager == lazy and hash(lazy) == hash(eager)
+    assert lazy != replace(eager, time_s=eager.time_s + 1.0)
+    assert pickle.loads(pickle.dumps(lazy)) == eager
+    assert lazy.to_dict() == eager.to_dict()

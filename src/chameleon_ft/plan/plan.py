@@ -255,12 +255,14 @@ class Pipeline:
         if len(row) != len(ranges):
             raise ValueError(f"workers: {len(row)} given for a pipeline of {len(ranges)} "
                              "stages")
-        keys = list(zip(row, map(_START, ranges), map(_STOP, ranges), strict=True))
-        known = list(map(_STAGES.get, keys))  # the shared stages (:func:`shared_stage`)
+        # the shared stages (:func:`shared_stage`), looked up at C speed
+        known = tuple(map(_STAGES.get, zip(row, map(_START, ranges), map(_STOP, ranges),
+                                           strict=True)))
         if all(known):
-            stages = cast("tuple[Stage, ...]", tuple(known))
+            stages = cast("tuple[Stage, ...]", known)
         else:
-            stages = tuple([st or shared_stage(*key) for st, key in zip(known, keys, strict=True)])
+            stages = tuple([st or shared_stage(w, layers.start, layers.stop)
+                            for st, w, layers in zip(known, row, ranges, strict=True)])
         return _with_rows(stages, self.num_microbatches if num_microbatches is None
                           else num_microbatches, (row, ranges, end), self._layout)
 
@@ -268,11 +270,23 @@ class Pipeline:
 def _with_rows(stages: tuple[Stage, ...], num_microbatches: int, table: _Table,
                layout: tuple[tuple[int, int], ...] | None) -> Pipeline:
     """A pipeline of ``stages`` that starts with its table and layout, known already
-    (:func:`_pipeline_table`, :attr:`Pipeline.layout`)."""
-    pipe = Pipeline(stages, num_microbatches)
-    object.__setattr__(pipe, "_table", table)
-    object.__setattr__(pipe, "_layout", layout)
+    (:func:`_pipeline_table`, :attr:`Pipeline.layout`): ``Pipeline(stages,
+    num_microbatches)`` with those two fields set, its slots filled directly (re-plans of
+    thousands of workers build pipelines by the hundred; the frozen dataclass's own
+    constructor sets each field through ``object.__setattr__`` in Python)."""
+    pipe = _NEW_PIPELINE(Pipeline)
+    _SET_STAGES(pipe, stages)
+    _SET_MICROBATCHES(pipe, num_microbatches)
+    _SET_LAYOUT(pipe, layout)
+    _SET_HASH(pipe, None)
+    _SET_TABLE(pipe, table)
     return pipe
+
+
+_NEW_PIPELINE = object.__new__
+_SET_STAGES, _SET_MICROBATCHES, _SET_LAYOUT, _SET_HASH, _SET_TABLE = (
+    vars(Pipeline)[name].__set__
+    for name in ("stages", "num_microbatches", "_layout", "_hash", "_table"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import itertools
 import operator
 from collections import defaultdict, deque
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from chameleon_ft.perf.coloring import pair_rounds
@@ -303,19 +303,22 @@ def _first_holders(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
     return {layer: [worker] for layer, worker in first.items()}
 
 
-def _slots(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
-           ) -> tuple[list[tuple[int, int, int]], list[tuple[int, range, Collection[int]]]]:
+def _slots(plan: ExecutionPlan) -> tuple[tuple[int, int, int], ...]:
     """Every live slot ``(worker, pipeline, stage)`` of ``plan`` in order (a rerouted
-    stage's worker is dead: nothing moves to it), and ``(worker, layers, held layers)`` of
-    the slots whose worker lacks some layer of its stage, in the same order. Both come from
-    the plan's own tables at C speed: most workers keep their stage, and the plans share
-    range objects, so only workers that do not hold their stage's very range object are
-    looked at one by one."""
+    stage's worker is dead: nothing moves to it), from the plan's own table at C speed."""
     where = plan.stage_of_worker  # the live slots, pipeline by pipeline, in stage order
-    stage_layers = plan.layers_by_worker
-    workers = list(where)
-    slots = list(zip(workers, map(_PIPELINE, where.values()), map(_STAGE, where.values()),
+    return tuple(zip(where, map(_PIPELINE, where.values()), map(_STAGE, where.values()),
                      strict=True))
+
+
+def _lacking(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
+             ) -> list[tuple[int, range, Collection[int]]]:
+    """``(worker, layers, held layers)`` of each live slot of ``plan`` whose worker lacks
+    some layer of its stage, in slot order. Most workers keep their stage, and the plans
+    share range objects, so only workers that do not hold their stage's very range object
+    are looked at one by one."""
+    stage_layers = plan.layers_by_worker  # the live slots' workers, in slot order
+    workers = list(stage_layers)
     held_by = held.get
     lacking: list[tuple[int, range, Collection[int]]] = []
     for worker in itertools.compress(workers, map(operator.is_not, map(held_by, workers),
@@ -325,7 +328,48 @@ def _slots(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
         if not (isinstance(have, range) and have.step == 1
                 and have.start <= layers.start and layers.stop <= have.stop):
             lacking.append((worker, layers, have))
-    return slots, lacking
+    return lacking
+
+
+class _PlanSlots:
+    """A :class:`PlannedMigration`'s ``slots``, listed from its plan when first read (a
+    non-data descriptor: the listed value, kept in the instance, is read from then on)."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        state = obj.__dict__
+        found = state.get("slots")
+        if found is None:  # two threads may both list it: the same value
+            found = state["slots"] = _slots(state["_plan"])
+        return found
+
+
+class PlannedMigration(Migration):
+    """A :class:`Migration` whose ``slots`` (every live slot of the new plan: 8,192 on the
+    65k job, read by reports and the runtime, never by a decision) are listed from the plan
+    when first read. Compares and hashes as a :class:`Migration` with the same fields."""
+
+    slots = _PlanSlots()
+
+    @classmethod
+    def of(cls, plan: ExecutionPlan, moved_bytes: float, transfers: tuple[Transfer, ...],
+           rounds: tuple[tuple[int, ...], ...], time_s: float) -> PlannedMigration:
+        """The migration into ``plan`` with these figures."""
+        out = object.__new__(cls)
+        for name, value in (("moved_bytes", moved_bytes), ("transfers", transfers),
+                            ("rounds", rounds), ("time_s", time_s)):
+            object.__setattr__(out, name, value)
+        out.__dict__["_plan"] = plan
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Migration):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(Migration))
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(Migration)))
 
 
 _PIPELINE = operator.itemgetter(0)
@@ -363,8 +407,7 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     sent_bytes: dict[int, float] = defaultdict(float)
     transfers: list[Transfer] = []
     moved = 0.0
-    slots, lacking = _slots(plan, held)
-    for worker, layers, have in lacking:
+    for worker, layers, have in _lacking(plan, held):
         dst_node = topology.node_of(worker)
         for layer in layers:
             if layer in have:
@@ -390,8 +433,8 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     for members in round_lists:
         time_s += max(topology.p2p_s(transfers[i].src, transfers[i].dst, transfers[i].num_bytes)
                       for i in members)
-    return Migration(slots=tuple(slots), moved_bytes=moved, transfers=tuple(transfers),
-                     rounds=tuple(tuple(r) for r in round_lists), time_s=time_s)
+    return PlannedMigration.of(plan, moved, tuple(transfers),
+                               tuple(tuple(r) for r in round_lists), time_s)
 
 
 def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
