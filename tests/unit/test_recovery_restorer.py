@@ -16,7 +16,7 @@ from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.plan.plan import pipeline_on, placeholder_pipeline
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import match_workers, schedule_migration
-from chameleon_ft.recovery.restorer import assign_workers
+from chameleon_ft.recovery.restorer import _by_object, _by_rows, assign_workers
 from chameleon_ft.recovery.types import Migration
 from chameleon_ft.spec.cluster import ClusterSpec
 
@@ -184,3 +184,31 @@ def test_a_migrations_slots_are_listed_when_read() -> None:
     assert lazy != replace(eager, time_s=eager.time_s + 1.0)
     assert pickle.loads(pickle.dumps(lazy)) == eager
     assert lazy.to_dict() == eager.to_dict()
+
+
+def _one_by_one(sets: list[range]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, obj in enumerate(sets):
+        out.setdefault(id(obj), []).append(i)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30)), min_size=0,
+                     max_size=12),
+       rows=st.lists(st.tuples(st.sampled_from([(0, 1, 2), (2, 1, 0), (3, 1), (0, 0, 1)]),
+                               st.integers(1, 4)), min_size=0, max_size=8))
+def test_objects_are_indexed_in_runs_as_one_by_one(runs: list[tuple[int, int]],
+                                                   rows: list[tuple[tuple[int, ...], int]]
+                                                   ) -> None:
+    # long runs of one object (survivors in id order) and short ones alike, and pipelines'
+    # range rows in runs of one row object (a row naming an object twice included): the
+    # indices of each object, in order of first appearance, are the one-by-one ones
+    objects = [range(k, k + 2) for k in range(4)]
+    sets = [objects[k] for k, n in runs for _ in range(n)]
+    by_object = _by_object(sets)
+    assert list(by_object.items()) == list(_one_by_one(sets).items())
+    row_objects = {shape: tuple(objects[k] for k in shape) for shape, _ in rows}
+    chained_rows = [row_objects[shape] for shape, n in rows for _ in range(n)]
+    chained = list(itertools.chain.from_iterable(chained_rows))
+    assert list(_by_rows(chained_rows).items()) == list(_one_by_one(chained).items())

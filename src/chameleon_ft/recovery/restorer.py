@@ -88,11 +88,18 @@ def match_workers(held: Sequence[Collection[int]], wanted: Sequence[Collection[i
     Raises:
         ValueError: when there are more slots than survivors or a layer index is unknown.
     """
+    return _match(held, wanted, layer_bytes, (_by_object(held), _by_object(wanted)))
+
+
+def _match(held: Sequence[Collection[int]], wanted: Sequence[Collection[int]],
+           layer_bytes: Sequence[float], groups: tuple[dict[int, list[int]], ...]
+           ) -> Matching:
+    """:func:`match_workers` with the indices of each distinct object of ``held`` and of
+    ``wanted`` (:func:`_by_object`) given."""
     if len(wanted) > len(held):
         raise ValueError(f"wanted: {len(wanted)} slots but only {len(held)} workers to fill "
                          "them")
     num_layers = len(layer_bytes)
-    groups = _by_object(held), _by_object(wanted)
     for name, sets, by_object in (("held", held, groups[0]), ("wanted", wanted, groups[1])):
         for indices in by_object.values():  # each object once
             layers = sets[indices[0]]
@@ -135,16 +142,43 @@ def match_workers(held: Sequence[Collection[int]], wanted: Sequence[Collection[i
             i, j = rest_rows[int(r)], rest_cols[int(c)]
             slot_of[i] = j
             moved += _missing_bytes(held[i], wanted[j], layer_bytes)
-    return Matching(assignment={i: j for i, j in enumerate(slot_of) if j >= 0},
+    return Matching(assignment=dict(itertools.compress(  # the matched, at C speed
+        enumerate(slot_of), map(operator.ge, slot_of, itertools.repeat(0)))),
                     moved_bytes=moved)
 
 
 def _by_object(sets: Sequence[Collection[int]]) -> dict[int, list[int]]:
-    """The indices of each distinct object of ``sets`` (by identity), increasing: a plan's
-    table shares its range objects, so there are few."""
+    """The indices of each distinct object of ``sets`` (by identity), increasing, objects in
+    order of first appearance: a plan's table shares its range objects, so there are few,
+    and where they come in long runs (survivors in id order on a stage-major layout) the
+    runs are added whole."""
+    ids = list(map(id, sets))
     by_object: dict[int, list[int]] = defaultdict(list)
-    for i, obj_id in enumerate(map(id, sets)):
-        by_object[obj_id].append(i)
+    ends = list(itertools.compress(range(1, len(ids)), map(operator.ne, ids, ids[1:])))
+    if not ids or len(ends) * 8 > len(ids):  # none, or short runs: one index at a time
+        for i, obj_id in enumerate(ids):
+            by_object[obj_id].append(i)
+        return by_object
+    for start, end in zip([0, *ends], [*ends, len(ids)], strict=True):
+        by_object[ids[start]].extend(range(start, end))
+    return by_object
+
+
+def _by_rows(rows: Sequence[Sequence[Collection[int]]]) -> dict[int, list[int]]:
+    """:func:`_by_object` of the rows chained (each row one pipeline's stage ranges): runs of
+    pipelines sharing one row object are added stage by stage, every ``len(row)``-th
+    index at once."""
+    by_object: dict[int, list[int]] = defaultdict(list)
+    slot = 0
+    for _, run in itertools.groupby(rows, key=id):
+        count = len(run_rows := list(run))
+        row = run_rows[0]
+        length = len(row)
+        if len(set(map(id, row))) != length:  # an object twice in a row: index by index
+            return _by_object(list(itertools.chain.from_iterable(rows)))
+        for s, obj in enumerate(row):
+            by_object[id(obj)].extend(range(slot + s, slot + length * count, length))
+        slot += length * count
     return by_object
 
 
@@ -180,9 +214,10 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
     workers = sorted(held)
     # The holdings and stage ranges as they are (a plan's table shares its range objects):
     # the matching reads each distinct object once, as a set, and no worker's one by one.
-    wanted = list(itertools.chain.from_iterable(pipe.layer_ranges
-                                                for pipe in skeleton.pipelines))
-    matching = match_workers(list(map(held.__getitem__, workers)), wanted, layer_bytes)
+    rows = [pipe.layer_ranges for pipe in skeleton.pipelines]
+    wanted = list(itertools.chain.from_iterable(rows))
+    holdings = list(map(held.__getitem__, workers))
+    matching = _match(holdings, wanted, layer_bytes, (_by_object(holdings), _by_rows(rows)))
     worker_of_slot = [0] * len(wanted)  # the matching fills every slot
     assignment = matching.assignment
     deque(map(worker_of_slot.__setitem__, assignment.values(),
