@@ -164,9 +164,9 @@ def test_plan_is_a_value() -> None:
 
 
 def test_a_pipeline_put_on_workers_is_the_one_built_directly() -> None:
-    """``Pipeline.on_workers`` fills the new pipeline's slots itself (not through the
-    dataclass's constructor): every field is set, and the pipeline equals, hashes and
-    reads like one built stage by stage, frozen as well."""
+    """``Pipeline.on_workers`` (and ``with_microbatches``) fill the new pipeline's slots
+    themselves (not through the dataclass's constructor): every field is set, and the
+    pipeline equals, hashes and reads like one built stage by stage, frozen as well."""
     source = Pipeline((Stage(0, 0, 2), Stage(1, 2, 3), Stage(2, 3, 6)), 4)
     moved = source.on_workers([7, 5, 9], num_microbatches=3)
     built = Pipeline((Stage(7, 0, 2), Stage(5, 2, 3), Stage(9, 3, 6)), 3)
@@ -176,6 +176,10 @@ def test_a_pipeline_put_on_workers_is_the_one_built_directly() -> None:
     assert (moved.workers, moved.layout, moved.layer_ranges) == (
         built.workers, built.layout, built.layer_ranges)
     assert source.on_workers([0, 1, 2]) == source
+    assert source.with_microbatches(4) is source
+    fewer = source.with_microbatches(2)
+    assert fewer == Pipeline(source.stages, 2) and fewer.stages is source.stages
+    assert hash(fewer) == hash(Pipeline(source.stages, 2)) and fewer.layout == source.layout
     with pytest.raises(dataclasses.FrozenInstanceError):
         moved.num_microbatches = 5  # type: ignore[misc]
     with pytest.raises(ValueError, match="workers: 2 given"):

@@ -240,6 +240,13 @@ class Pipeline:
         """Stages in this pipeline."""
         return len(self.stages)
 
+    def with_microbatches(self, num_microbatches: int) -> Pipeline:
+        """This pipeline running ``num_microbatches``: itself when it already does, else a
+        pipeline of the very same stages that starts with this one's table and layout."""
+        if num_microbatches == self.num_microbatches:
+            return self
+        return _with_rows(self.stages, num_microbatches, _pipeline_table(self), self.layout)
+
     def on_workers(self, workers: Iterable[int],
                    num_microbatches: int | None = None) -> Pipeline:
         """This pipeline's stages on ``workers`` (one per stage, in stage order), with its

@@ -7,7 +7,6 @@ import dataclasses
 import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from itertools import repeat
 
 from chameleon_ft.plan.plan import ExecutionPlan, Reroute
 
@@ -71,21 +70,15 @@ def reroute_plan(
     dead_set = set(dead)
     dead_list = dead_stages(plan, dead_set)
     skip = set(dead_list)
-    load: dict[int, float] = {}
-    pipeline_of: dict[int, int] = {}
-    damaged = {p for p, _ in dead_list}
-    for p, pipe in enumerate(plan.pipelines):
-        own = float(pipe.num_microbatches)
-        if p not in damaged:  # every stage live: its workers in bulk
-            load.update(zip(pipe.workers, repeat(own)))
-            pipeline_of.update(zip(pipe.workers, repeat(p)))
-            continue
-        for s, st in enumerate(pipe.stages):
-            if (p, s) not in skip:
-                load[st.worker] = own
-                pipeline_of[st.worker] = p
     peers_of_range = _live_peers(plan, {plan.pipelines[p].layout[s] for p, s in dead_list},
                                  skip)
+    # Each peer's work so far (its own pipeline's micro-batches) and pipeline: only the
+    # peers are ever looked up, not every live worker.
+    load: dict[int, float] = {}
+    pipeline_of: dict[int, int] = {}
+    for holders in peers_of_range.values():
+        pipeline_of.update((w, q) for q, w in holders)
+        load.update((w, float(plan.pipelines[q].num_microbatches)) for q, w in holders)
     extra: dict[int, int] = defaultdict(int)
     # Foreign micro-batches per pipeline; a pipeline with a dead stage of its own already
     # waits on peers, so it counts as having taken all of its micro-batches.

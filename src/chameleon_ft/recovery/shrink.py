@@ -46,7 +46,7 @@ def candidates(state: RecoveryState, failed: frozenset[int]) -> list[Candidate]:
                            f"{plan.num_microbatches} micro-batches within device memory")]
     new_plan = ExecutionPlan(
         num_layers=plan.num_layers,
-        pipelines=tuple(Pipeline(pipe.stages, m) for pipe, m in zip(kept, counts, strict=True)),
+        pipelines=tuple(map(Pipeline.with_microbatches, kept, counts)),
         micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
     est = state.estimate(new_plan)
@@ -87,15 +87,16 @@ def grow(state: RecoveryState) -> Candidate:
     added = [tuple(Stage(idle[s * count + k if stage_major else k * length + s], lo, hi)
                    for s, (lo, hi) in enumerate(layout))
              for k in range(count)]
-    stages = [pipe.stages for pipe in plan.pipelines] + added
-    _, counts = allocate([tuple((st.first_layer, st.end_layer) for st in ss) for ss in stages],
+    _, counts = allocate([pipe.layout for pipe in plan.pipelines] + [layout] * count,
                          plan.num_microbatches, state.templates.step_s)
     if not counts:
         return infeasible(Strategy.SHRINK, "the grown pipelines cannot hold the global batch "
                                            "within device memory")
     new_plan = ExecutionPlan(
         num_layers=plan.num_layers,
-        pipelines=tuple(Pipeline(ss, m) for ss, m in zip(stages, counts, strict=True)),
+        pipelines=(*map(Pipeline.with_microbatches, plan.pipelines, counts),
+                   *(Pipeline(ss, m) for ss, m in zip(added, counts[plan.num_pipelines:],
+                                                      strict=True))),
         reroutes=(), micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
     return copy_in(state, Strategy.SHRINK, new_plan,
