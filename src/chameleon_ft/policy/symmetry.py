@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate, chain, count, repeat
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import Any
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
-from chameleon_ft.recovery.types import Candidate, Migration, Transfer
+from chameleon_ft.recovery.types import Candidate, LazyFields, Migration, Transfer
 
 
 def canonical_renaming(plan: ExecutionPlan, failed: frozenset[int], alive: frozenset[int],
@@ -106,62 +106,20 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
     )
 
 
-class _RenamedField:
-    """A field of a :class:`_LazilyRenamed` copy: renamed at its first read, then an
-    ordinary attribute (a non-data descriptor yields to the instance's own value)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        state = obj.__dict__
-        lazy = state.get("_lazy")
-        if lazy is not None:  # two threads may both fill: they store the same values
-            state.update(obj._fill(*lazy))
-            state.pop("_lazy", None)
-        return state[self._name]
-
-
-class _LazilyRenamed:
+class _LazilyRenamed(LazyFields):
     """A copy of a frozen dataclass whose fields naming workers are renamed when first read.
 
     A decision renames only its winner back to the caller's workers, and most readers (the
     simulator, the policy's ranking) read its figures, never its per-worker tables: renaming
     those (2,048 entries and every all-reduce bucket on the 16k job) was the largest part of
-    a cache hit. The copy compares and hashes as the base class does, field by field, so it
-    is interchangeable with an eagerly renamed one.
+    a cache hit. The copy compares and hashes as the base class does (:class:`LazyFields`).
     """
-
-    _base: ClassVar[type]
-    _renamed: ClassVar[tuple[str, ...]]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for name in cls._renamed:
-            setattr(cls, name, _RenamedField(name))
 
     @classmethod
     def of(cls, source: Any, renaming: Mapping[int, int]) -> Any:
-        """A copy of ``source`` whose ``_renamed`` fields ``renaming`` renames lazily."""
-        out = object.__new__(cls)
-        for f in fields(source):
-            if f.name not in cls._renamed:
-                object.__setattr__(out, f.name, getattr(source, f.name))
-        out.__dict__["_lazy"] = (source, renaming)
-        return out
-
-    def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, self._base):
-            return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self._base))
-
-    def __hash__(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in fields(self._base)))
+        """A copy of ``source`` whose ``_lazy_fields`` ``renaming`` renames lazily."""
+        return cls.lazily({f.name: getattr(source, f.name) for f in fields(source)
+                           if f.name not in cls._lazy_fields}, source, renaming)
 
 
 def _renamed_workers(ws: tuple[int, ...], renaming: Mapping[int, int]) -> tuple[int, ...]:
@@ -172,7 +130,7 @@ def _renamed_workers(ws: tuple[int, ...], renaming: Mapping[int, int]) -> tuple[
 
 class _RenamedEstimate(_LazilyRenamed, Estimate):
     _base = Estimate
-    _renamed = ("peak_memory_bytes", "sync_rounds", "tie_workers")
+    _lazy_fields = ("peak_memory_bytes", "sync_rounds", "tie_workers")
 
     def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
         get = renaming.get
@@ -191,7 +149,7 @@ class _RenamedEstimate(_LazilyRenamed, Estimate):
 
 class _RenamedMigration(_LazilyRenamed, Migration):
     _base = Migration
-    _renamed = ("slots", "transfers")
+    _lazy_fields = ("slots", "transfers")
 
     def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
         get = renaming.get

@@ -18,7 +18,7 @@ import itertools
 import operator
 from collections import defaultdict, deque
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from chameleon_ft.perf.coloring import pair_rounds
@@ -28,6 +28,7 @@ from chameleon_ft.profile import Profile
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,
+    LazyFields,
     Migration,
     RecoveryState,
     Strategy,
@@ -366,45 +367,24 @@ def _lacking(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
     return lacking
 
 
-class _PlanSlots:
-    """A :class:`PlannedMigration`'s ``slots``, listed from its plan when first read (a
-    non-data descriptor: the listed value, kept in the instance, is read from then on)."""
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        state = obj.__dict__
-        found = state.get("slots")
-        if found is None:  # two threads may both list it: the same value
-            found = state["slots"] = _slots(state["_plan"])
-        return found
-
-
-class PlannedMigration(Migration):
+class PlannedMigration(LazyFields, Migration):
     """A :class:`Migration` whose ``slots`` (every live slot of the new plan: 8,192 on the
     65k job, read by reports and the runtime, never by a decision) are listed from the plan
     when first read. Compares and hashes as a :class:`Migration` with the same fields."""
 
-    slots = _PlanSlots()
+    _base = Migration
+    _lazy_fields = ("slots",)
 
     @classmethod
     def of(cls, plan: ExecutionPlan, moved_bytes: float, transfers: tuple[Transfer, ...],
            rounds: tuple[tuple[int, ...], ...], time_s: float) -> PlannedMigration:
         """The migration into ``plan`` with these figures."""
-        out = object.__new__(cls)
-        for name, value in (("moved_bytes", moved_bytes), ("transfers", transfers),
-                            ("rounds", rounds), ("time_s", time_s)):
-            object.__setattr__(out, name, value)
-        out.__dict__["_plan"] = plan
-        return out
+        return cls.lazily(  # type: ignore[no-any-return]
+            {"moved_bytes": moved_bytes, "transfers": transfers, "rounds": rounds,
+             "time_s": time_s}, plan)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Migration):
-            return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(Migration))
-
-    def __hash__(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in fields(Migration)))
+    def _fill(self, *args: Any) -> dict[str, Any]:
+        return {"slots": _slots(*args)}
 
 
 _PIPELINE = operator.itemgetter(0)

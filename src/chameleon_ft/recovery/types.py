@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from functools import cached_property
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan
@@ -70,6 +70,63 @@ class Transfer:
         """A JSON-ready form."""
         return {"layer": self.layer, "src": self.src, "dst": self.dst, "part": self.part,
                 "num_parts": self.num_parts, "num_bytes": self.num_bytes}
+
+
+class _LazyField:
+    """A field of a :class:`LazyFields` object: computed at its first read (with the other
+    lazy fields), then an ordinary attribute (a non-data descriptor yields to the
+    instance's own value)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        state = obj.__dict__
+        lazy = state.get("_lazy")
+        if lazy is not None:  # two threads may both fill: they store the same values
+            state.update(obj._fill(*lazy))
+            state.pop("_lazy", None)
+        return state[self._name]
+
+
+class LazyFields:
+    """Mixed into a subclass of a frozen dataclass (``_base``) whose ``_lazy_fields`` are
+    computed by :meth:`_fill` when first read: a per-worker table that most readers never
+    read (thousands of entries on a large job) costs nothing until one does. The object
+    compares and hashes as ``_base`` does, field by field, so it is interchangeable with
+    one built eagerly."""
+
+    _base: ClassVar[type]
+    _lazy_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls._lazy_fields:
+            setattr(cls, name, _LazyField(name))
+
+    @classmethod
+    def lazily(cls, given: Mapping[str, Any], *args: Any) -> Any:
+        """An object with the fields ``given`` set now and the lazy ones filled from
+        ``_fill(*args)`` at the first read of any."""
+        out = object.__new__(cls)
+        for name, value in given.items():
+            object.__setattr__(out, name, value)
+        out.__dict__["_lazy"] = args
+        return out
+
+    def _fill(self, *args: Any) -> dict[str, Any]:
+        """The lazy fields' values."""
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self._base):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self._base))
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self._base)))
 
 
 @dataclass(frozen=True, slots=True)
