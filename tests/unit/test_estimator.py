@@ -400,9 +400,10 @@ def test_an_estimate_read_per_layout_is_the_worker_by_worker_one(slow: bool,
 
 def test_lone_pipelines_read_in_bulk_estimate_as_one_by_one() -> None:
     """With one worker per node and no slow worker the lone pipelines' rows are looked up
-    once per (layout, micro-batches) and built in bulk: every figure, the critical path's
-    included, equals the brute-force estimate's (each pipeline simulated and read on its
-    own, components in order), with reroutes and pipelines of several layouts."""
+    once per (layout, micro-batches) and built in bulk: every figure equals the brute-force
+    estimate's (each pipeline simulated and read on its own), and the critical path is the
+    last component with the longest makespan, with reroutes and pipelines of several
+    layouts."""
     profile = uniform_profile(8, fwd_s=0.1, param_bytes=1e8)
     plan = ExecutionPlan.uniform(dp=4, pp=4, num_layers=8, num_microbatches=8)
     topo = topology(20, ideal=False, per_node=1)
@@ -424,3 +425,10 @@ def test_lone_pipelines_read_in_bulk_estimate_as_one_by_one() -> None:
         assert bulk.breakdown == one_by_one.breakdown
         assert dict(bulk.peak_memory_bytes) == dict(one_by_one.peak_memory_bytes)
         assert bulk.bubble_fraction == one_by_one.bubble_fraction
+        # the critical path: the last component, in pipeline order, with the longest
+        # makespan, read from the timelines themselves
+        timelines = Estimator(profile, topo).timelines(q, brute_force=True, with_ops=False)
+        longest = max(tl.makespan_s for tl in timelines)
+        critical = [tl for tl in timelines if tl.makespan_s == longest][-1]
+        assert (bulk.breakdown.compute_s, bulk.breakdown.p2p_s) == (
+            critical.critical_compute_s, critical.critical_p2p_s)

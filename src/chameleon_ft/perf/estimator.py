@@ -47,7 +47,7 @@ from chameleon_ft.profile.profile import Profile, chunk_sums
 
 _WORKERS_OF = operator.attrgetter("workers")
 _RANGES_OF = operator.attrgetter("layer_ranges")
-_ITEM_0, _ITEM_1, _ITEM_2, _ITEM_3, _ITEM_4 = map(operator.itemgetter, range(5))
+_ITEM_0, _ITEM_1, _ITEM_2 = map(operator.itemgetter, range(3))
 _MICROBATCHES = operator.attrgetter("num_microbatches")
 _LAYOUT_OF = operator.attrgetter("layout")
 
@@ -473,93 +473,72 @@ class Estimator:
         pipeline order; the latest finish of any simulated worker; and the critical
         component's (makespan, compute, transfers)."""
         rows: list[_Row] = []
-        by_timeline: dict[int, tuple[tuple[float, ...], ...]] = {}
-        latest = -math.inf
-        critical = (0.0, 0.0, 0.0)
         components = _components(plan)
-        bulk = (not speeds and not brute_force and self.topology.workers_per_node == 1)
-        if bulk:  # the lone pipelines in bulk, the critical one by the same rule
-            latest, ending = self._lone_rows(plan, components, rows)
-            components = [(group, lone) for group, lone in components if not lone]
-            # the last component (in order) with the longest makespan is the critical one
-            critical_at = (-math.inf, -1)
-            if ending is not None:
-                critical_at = (ending[1].makespan_s, ending[0])
+        latest, ending = self._lone_rows(plan, [group[0] for group, lone in components if lone],
+                                         speeds, brute_force, rows)
         for group, lone in components:
             if lone:
-                # A lone pipeline: its shared timeline read by stage, once per timeline.
-                p = group[0]
+                continue
+            tl = self._component(plan, group, speeds, brute_force, with_ops=False)
+            latest = max(latest, max(tl.finish_s.values(), default=latest))
+            dead = plan.reroute_map
+            for p in group:
                 pipe = plan.pipelines[p]
-                tl = self._canonical_pipeline(plan, p, speeds, brute_force)
-                figures = by_timeline.get(id(tl))  # every tl is kept by its rows
-                if figures is None:
-                    stages = range(len(pipe.stages))
-                    figures = by_timeline[id(tl)] = tuple(
-                        tuple(map(by_stage.__getitem__, stages))
-                        for by_stage in (tl.finish_s, tl.busy_s, tl.peak_activation_bytes))
-                    latest = max(latest, max(figures[0], default=latest))
-                rows.append(_Row(p, (id(tl), id(pipe.layer_ranges)), tl, pipe.workers,
-                                 pipe.layer_ranges, *figures))
-            else:
-                tl = self._component(plan, group, speeds, brute_force, with_ops=False)
-                latest = max(latest, max(tl.finish_s.values(), default=latest))
-                dead = plan.reroute_map
-                for p in group:
-                    pipe = plan.pipelines[p]
-                    live = [s for s in range(len(pipe.stages)) if (p, s) not in dead]
-                    workers = tuple([pipe.workers[s] for s in live])
-                    rows.append(_Row(
-                        p, None, tl, workers, tuple([pipe.layer_ranges[s] for s in live]),
-                        tuple(map(tl.finish_s.__getitem__, workers)),
-                        tuple([tl.busy_s.get(w, 0.0) for w in workers]),
-                        tuple([tl.peak_activation_bytes.get(w, 0.0) for w in workers])))
-            if bulk:
-                if (tl.makespan_s, group[0]) >= critical_at:
-                    critical_at, ending = (tl.makespan_s, group[0]), (group[0], tl)
-            elif tl.makespan_s >= critical[0]:
-                critical = (tl.makespan_s, tl.critical_compute_s, tl.critical_p2p_s)
-        if bulk and ending is not None:
+                live = [s for s in range(len(pipe.stages)) if (p, s) not in dead]
+                workers = tuple([pipe.workers[s] for s in live])
+                rows.append(_Row(
+                    p, None, tl, workers, tuple([pipe.layer_ranges[s] for s in live]),
+                    tuple(map(tl.finish_s.__getitem__, workers)),
+                    tuple([tl.busy_s.get(w, 0.0) for w in workers]),
+                    tuple([tl.peak_activation_bytes.get(w, 0.0) for w in workers])))
+            # the critical component: the last, in pipeline order, with the longest makespan
+            if ending is None or (tl.makespan_s, group[0]) >= (ending[1].makespan_s, ending[0]):
+                ending = (group[0], tl)
+        critical = (0.0, 0.0, 0.0)
+        if ending is not None:
             tl = ending[1]
             critical = (tl.makespan_s, tl.critical_compute_s, tl.critical_p2p_s)
         rows.sort(key=lambda row: row.pipeline)
         return rows, latest, critical
 
-    def _lone_rows(self, plan: ExecutionPlan, components: list[tuple[list[int], bool]],
-                   rows: list[_Row]) -> tuple[float, tuple[int, Timeline] | None]:
-        """The rows of the lone pipelines of ``components`` (appended to ``rows``), at unit
-        speed with one worker per node, where a pipeline's timeline depends only on its
-        layout and micro-batches: it is looked up once per shared (range row,
-        micro-batches) and the rows are built at C speed. Returns the latest finish of
-        those timelines and the last lone pipeline (in component order, which is pipeline
-        order) with the longest makespan, with its timeline."""
-        pipelines = plan.pipelines
-        lone = [group[0] for group, alone in components if alone]
+    def _lone_rows(self, plan: ExecutionPlan, lone: list[int], speeds: Mapping[int, float],
+                   brute_force: bool, rows: list[_Row]
+                   ) -> tuple[float, tuple[int, Timeline] | None]:
+        """The rows of the lone pipelines ``lone`` (pipelines without reroutes, in order),
+        appended to ``rows``: each pipeline's shared timeline, read by stage once per
+        timeline, the rows built at C speed. At unit speed with one worker per node a
+        timeline depends only on the layout and micro-batches, so it is looked up once per
+        shared (range row, micro-batches). Returns the latest finish of those timelines and
+        the last of the pipelines with the longest makespan, with its timeline."""
         if not lone:
             return -math.inf, None
+        pipelines = plan.pipelines
         pipes = list(map(pipelines.__getitem__, lone))
         ranges = list(map(_RANGES_OF, pipes))
-        shapes = list(zip(map(id, ranges), map(_MICROBATCHES, pipes), strict=True))
-        first = dict(zip(reversed(shapes), reversed(lone), strict=True))  # lowest index
-        found: dict[tuple[int, int], tuple[Any, ...]] = {}
+        if not speeds and not brute_force and self.topology.workers_per_node == 1:
+            shapes = list(zip(map(id, ranges), map(_MICROBATCHES, pipes), strict=True))
+            first = dict(zip(reversed(shapes), reversed(lone), strict=True))  # lowest index
+            of_shape = {shape: self._canonical_pipeline(plan, p, speeds, brute_force)
+                        for shape, p in first.items()}
+            timelines = list(map(of_shape.__getitem__, shapes))
+        else:
+            timelines = [self._canonical_pipeline(plan, p, speeds, brute_force) for p in lone]
+        ids = list(map(id, timelines))  # every timeline is kept by its rows
+        figures: dict[int, tuple[tuple[float, ...], ...]] = {}
         latest = -math.inf
-        for shape, p in first.items():
-            pipe = pipelines[p]
-            tl = self._canonical_pipeline(plan, p, {}, False)
+        for key, (tl, pipe) in dict(zip(ids, zip(timelines, pipes, strict=True), strict=True)).items():
             stages = range(len(pipe.stages))
-            figures = tuple(tuple(map(by_stage.__getitem__, stages))
-                            for by_stage in (tl.finish_s, tl.busy_s,
-                                             tl.peak_activation_bytes))
-            latest = max(latest, max(figures[0], default=latest))
-            found[shape] = (tl, (id(tl), shape[0]), *figures)
-        looked_up = list(map(found.__getitem__, shapes))
-        rows.extend(map(_Row, lone, map(_ITEM_1, looked_up), map(_ITEM_0, looked_up),
-                        map(_WORKERS_OF, pipes), ranges, map(_ITEM_2, looked_up),
-                        map(_ITEM_3, looked_up), map(_ITEM_4, looked_up)))
-        # the longest makespan, the last pipeline that has it
-        longest = max(entry[0].makespan_s for entry in found.values())
-        last = max(p for p, entry in zip(lone, looked_up, strict=True)
-                   if entry[0].makespan_s == longest)
-        return latest, (last, found[shapes[lone.index(last)]][0])
+            found = figures[key] = tuple(tuple(map(by_stage.__getitem__, stages))
+                                         for by_stage in (tl.finish_s, tl.busy_s,
+                                                          tl.peak_activation_bytes))
+            latest = max(latest, max(found[0], default=latest))
+        looked_up = list(map(figures.__getitem__, ids))
+        rows.extend(map(_Row, lone, zip(ids, map(id, ranges), strict=True), timelines,
+                        map(_WORKERS_OF, pipes), ranges, map(_ITEM_0, looked_up),
+                        map(_ITEM_1, looked_up), map(_ITEM_2, looked_up)))
+        longest = max(tl.makespan_s for tl in timelines)
+        last = max(p for p, tl in zip(lone, timelines, strict=True) if tl.makespan_s == longest)
+        return latest, (last, timelines[lone.index(last)])
 
     def _estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float],
                   brute_force: bool) -> Estimate:
