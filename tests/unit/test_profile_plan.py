@@ -186,6 +186,36 @@ def test_a_pipeline_put_on_workers_is_the_one_built_directly() -> None:
         source.on_workers([1, 2])
 
 
+def test_a_placed_pipeline_looks_its_stages_up_only_when_read() -> None:
+    """A pipeline put on workers keeps its workers and ranges as a table and looks its
+    stage objects up at the first read of ``stages`` (re-plans build hundreds of pipelines
+    that are only read through their tables): until then equality, hashing, the tables and
+    a change of micro-batches work without them; once read they are the shared stages, and
+    the pipeline pickles, copies and ``replace``-s like one built directly."""
+    import copy
+    import pickle
+
+    from chameleon_ft.plan.plan import shared_stage
+
+    slot = vars(Pipeline)["stages"]  # the stored stages, unset until read
+    source = Pipeline((Stage(0, 0, 2), Stage(1, 2, 3), Stage(2, 3, 6)), 4)
+    moved = source.on_workers([7, 5, 9])
+    fewer = moved.with_microbatches(2)
+    built = Pipeline((Stage(7, 0, 2), Stage(5, 2, 3), Stage(9, 3, 6)), 2)
+    assert fewer == built and hash(fewer) == hash(built) and fewer.table is moved.table
+    assert (moved.workers, moved.layout, moved.num_stages) == ((7, 5, 9), source.layout, 3)
+    for unread in (moved, fewer):
+        with pytest.raises(AttributeError):
+            slot.__get__(unread)
+    assert moved.stages == built.stages and moved.stages[1] is shared_stage(5, 2, 3)
+    assert slot.__get__(moved) is moved.stages  # kept once read
+    for twin in (pickle.loads(pickle.dumps(fewer)), copy.deepcopy(fewer),
+                 dataclasses.replace(fewer, num_microbatches=2)):
+        assert twin == built and twin.stages == built.stages and repr(twin) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved.stages = built.stages  # type: ignore[misc]
+
+
 def test_file_profile_through_the_config(tmp_path: Path) -> None:
     from chameleon_ft.profile import build_profile
     from chameleon_ft.spec import config_from_mapping

@@ -208,7 +208,7 @@ class Pipeline:
         if self._hash is not None and other._hash is not None and self._hash != other._hash:
             return False
         return (self.num_microbatches == other.num_microbatches
-                and (self.stages is other.stages
+                and (self._table is other._table
                      or (self.workers == other.workers and self.layout == other.layout)))
 
     @property
@@ -229,6 +229,14 @@ class Pipeline:
         return (table if table is not None else _pipeline_table(self))[0]
 
     @property
+    def table(self) -> _Table:
+        """The stage workers, their layer ranges and the end of the layers they cover, as
+        one tuple kept with the pipeline (:func:`_pipeline_table`): pipelines of the same
+        stages with other micro-batch counts share it."""
+        table = self._table
+        return table if table is not None else _pipeline_table(self)
+
+    @property
     def layer_ranges(self) -> tuple[range, ...]:
         """Each stage's layer range, in stage order: one shared range object per distinct
         ``(first, end)`` (built on first use, kept with the pipeline)."""
@@ -238,21 +246,24 @@ class Pipeline:
     @property
     def num_stages(self) -> int:
         """Stages in this pipeline."""
-        return len(self.stages)
+        return len(_pipeline_table(self)[0])
 
     def with_microbatches(self, num_microbatches: int) -> Pipeline:
         """This pipeline running ``num_microbatches``: itself when it already does, else a
         pipeline of the very same stages that starts with this one's table and layout."""
         if num_microbatches == self.num_microbatches:
             return self
-        return _with_rows(self.stages, num_microbatches, _pipeline_table(self), self.layout)
+        table = _pipeline_table(self)
+        if type(self) is _PlacedPipeline:  # its stages stay unbuilt
+            return _with_rows(None, num_microbatches, table, self._layout)
+        return _with_rows(self.stages, num_microbatches, table, self.layout)
 
     def on_workers(self, workers: Iterable[int],
                    num_microbatches: int | None = None) -> Pipeline:
         """This pipeline's stages on ``workers`` (one per stage, in stage order), with its
         micro-batch count unless ``num_microbatches`` is given. The new pipeline starts
         with this one's layer ranges and layout (a renamed or re-placed pipeline does not
-        rebuild them stage by stage).
+        rebuild them stage by stage); its stage objects are looked up when first read.
 
         Raises:
             ValueError: when ``workers`` does not name one worker per stage.
@@ -262,27 +273,58 @@ class Pipeline:
         if len(row) != len(ranges):
             raise ValueError(f"workers: {len(row)} given for a pipeline of {len(ranges)} "
                              "stages")
-        # the shared stages (:func:`shared_stage`), looked up at C speed
-        known = tuple(map(_STAGES.get, zip(row, map(_START, ranges), map(_STOP, ranges),
-                                           strict=True)))
-        if all(known):
-            stages = cast("tuple[Stage, ...]", known)
-        else:
-            stages = tuple([st or shared_stage(w, layers.start, layers.stop)
-                            for st, w, layers in zip(known, row, ranges, strict=True)])
-        return _with_rows(stages, self.num_microbatches if num_microbatches is None
+        return _with_rows(None, self.num_microbatches if num_microbatches is None
                           else num_microbatches, (row, ranges, end), self._layout)
 
 
-def _with_rows(stages: tuple[Stage, ...], num_microbatches: int, table: _Table,
+def _stages_of(row: tuple[int, ...], ranges: tuple[range, ...]) -> tuple[Stage, ...]:
+    """The shared stages (:func:`shared_stage`) of workers ``row`` on ``ranges``, looked up
+    at C speed."""
+    known = tuple(map(_STAGES.get, zip(row, map(_START, ranges), map(_STOP, ranges),
+                                       strict=True)))
+    if all(known):
+        return cast("tuple[Stage, ...]", known)
+    return tuple([st or shared_stage(w, layers.start, layers.stop)
+                  for st, w, layers in zip(known, row, ranges, strict=True)])
+
+
+class _PlacedPipeline(Pipeline):
+    """A pipeline put on workers (:meth:`Pipeline.on_workers`) whose stage objects are
+    looked up when :attr:`stages` is first read: re-plans of thousands of workers build
+    pipelines by the hundred and most are read through their table only."""
+
+    __slots__ = ()
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        try:
+            return _GET_STAGES(self)  # type: ignore[no-any-return]
+        except AttributeError:
+            row, ranges, _ = _TABLE_OF(self)
+            stages = _stages_of(row, ranges)
+            _SET_STAGES(self, stages)
+            return stages
+
+    @stages.setter
+    def stages(self, stages: tuple[Stage, ...]) -> None:  # unpickling, replace()
+        _SET_STAGES(self, stages)
+
+    def __repr__(self) -> str:  # as the pipeline built directly
+        return f"Pipeline(stages={self.stages!r}, num_microbatches={self.num_microbatches!r})"
+
+
+def _with_rows(stages: tuple[Stage, ...] | None, num_microbatches: int, table: _Table,
                layout: tuple[tuple[int, int], ...] | None) -> Pipeline:
     """A pipeline of ``stages`` that starts with its table and layout, known already
     (:func:`_pipeline_table`, :attr:`Pipeline.layout`): ``Pipeline(stages,
     num_microbatches)`` with those two fields set, its slots filled directly (re-plans of
     thousands of workers build pipelines by the hundred; the frozen dataclass's own
-    constructor sets each field through ``object.__setattr__`` in Python)."""
-    pipe = _NEW_PIPELINE(Pipeline)
-    _SET_STAGES(pipe, stages)
+    constructor sets each field through ``object.__setattr__`` in Python). ``stages``
+    ``None``: the stages the table describes, looked up when first read
+    (:class:`_PlacedPipeline`)."""
+    pipe = _NEW_PIPELINE(Pipeline if stages is not None else _PlacedPipeline)
+    if stages is not None:
+        _SET_STAGES(pipe, stages)
     _SET_MICROBATCHES(pipe, num_microbatches)
     _SET_LAYOUT(pipe, layout)
     _SET_HASH(pipe, None)
@@ -291,6 +333,7 @@ def _with_rows(stages: tuple[Stage, ...], num_microbatches: int, table: _Table,
 
 
 _NEW_PIPELINE = object.__new__
+_GET_STAGES = vars(Pipeline)["stages"].__get__
 _SET_STAGES, _SET_MICROBATCHES, _SET_LAYOUT, _SET_HASH, _SET_TABLE = (
     vars(Pipeline)[name].__set__
     for name in ("stages", "num_microbatches", "_layout", "_hash", "_table"))
@@ -817,14 +860,11 @@ def sharing_stages(plan: ExecutionPlan, source: ExecutionPlan) -> ExecutionPlan:
     changed = False
     for pipe in plan.pipelines:
         old = known.get(pipe.workers)
-        if old is None or old.stages is pipe.stages or old.stages != pipe.stages:
-            pipelines.append(pipe)
-        elif old.num_microbatches == pipe.num_microbatches:
-            pipelines.append(old)  # the very pipeline
-            changed = True
-        else:
-            pipelines.append(_with_rows(old.stages, pipe.num_microbatches,
-                                        _pipeline_table(old), old.layout))
+        if (old is None or _pipeline_table(old) is _pipeline_table(pipe)
+                or old.layout != pipe.layout):
+            pipelines.append(pipe)  # new, or sharing the stages already
+        else:  # the very pipeline, or its stages with this pipeline's micro-batches
+            pipelines.append(old.with_microbatches(pipe.num_microbatches))
             changed = True
     return replace(plan, pipelines=tuple(pipelines)) if changed else plan
 

@@ -67,8 +67,10 @@ def _keeps_nodes(renaming: Mapping[int, int], topology: Topology) -> bool:
     return len(set(image.values())) == len(image)
 
 
-_Known = tuple[Mapping[int, Pipeline], Mapping[int, tuple[Stage, ...]]]
-"""Pipelines (and stage tuples) whose renamed form is already known, by object id."""
+_Known = tuple[Mapping[int, Pipeline], Mapping[int, Pipeline]]
+"""Pipelines whose renamed form is already known, by the id of the pipeline object and by
+the id of its table (:meth:`Pipeline.table`, shared by the same stages with other
+micro-batch counts)."""
 
 
 def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
@@ -81,15 +83,15 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
     def w(worker: int) -> int:
         return renaming.get(worker, worker)
 
-    same, same_stages = known if known is not None else ({}, {})
+    same, same_table = known if known is not None else ({}, {})
 
     def pipeline(pipe: Pipeline) -> Pipeline:
         found = same.get(id(pipe))
         if found is not None:
             return found
-        stages = same_stages.get(id(pipe.stages))
-        if stages is not None:
-            return Pipeline(stages, pipe.num_microbatches)
+        found = same_table.get(id(pipe.table))
+        if found is not None:
+            return found.with_microbatches(pipe.num_microbatches)
         if renaming.keys().isdisjoint(pipe.workers):
             return pipe  # most pipelines keep their workers: reuse them as they are
         get = renaming.get
@@ -178,7 +180,7 @@ def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> Executio
     # A live worker that no rerouted stage names sits in one row: the plan's own table
     # says which; any other first worker needs every row (the last row naming it wins).
     live, dead = original.stage_of_worker, original.dead_workers
-    firsts = [pipe.stages[0].worker for pipe in plan.pipelines]
+    firsts = [row[0] for row in plan.worker_rows()]
     if all(w in live and w not in dead for w in firsts):
         where = [live[w][0] for w in firsts]
     else:
@@ -307,8 +309,7 @@ class CanonicalForm:
                 pairs = list(zip(source.pipelines, self.order, strict=True))
                 maps.append((dict(enumerate(self.back)),
                              ({id(pipe): original.pipelines[p] for pipe, p in pairs},
-                              {id(pipe.stages): original.pipelines[p].stages
-                               for pipe, p in pairs})))
+                              {id(pipe.table): original.pipelines[p] for pipe, p in pairs})))
             back, known = maps[0]
             return rename_candidate(candidate, back, original, known=known)
 
