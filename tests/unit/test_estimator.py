@@ -432,3 +432,43 @@ def test_lone_pipelines_read_in_bulk_estimate_as_one_by_one() -> None:
         critical = [tl for tl in timelines if tl.makespan_s == longest][-1]
         assert (bulk.breakdown.compute_s, bulk.breakdown.p2p_s) == (
             critical.critical_compute_s, critical.critical_p2p_s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_components_are_the_pipelines_reroutes_link(seed: int) -> None:
+    """The pipelines simulated together are exactly those that reroutes link (a rerouted
+    pipeline and the pipelines of its peers, transitively), every other pipeline on its
+    own and lone; groups in the order of their first pipelines, each in pipeline order."""
+    import random
+
+    from chameleon_ft.perf.estimator import _components
+
+    rng = random.Random(seed)
+    for _ in range(10):
+        pipes = even_pipelines(8, [2] * rng.randint(3, 9), 2)
+        plan = ExecutionPlan(num_layers=8, pipelines=pipes)
+        for _ in range(rng.randint(0, 4)):
+            try:
+                plan = reroute_plan(plan, set(plan.dead_workers) | {rng.choice(plan.workers)})
+            except ValueError:
+                break
+        links = {p: {p} for p in range(plan.num_pipelines)}
+        for r in plan.reroutes:
+            for w, _ in r.shares:
+                q = plan.stage_of_worker[w][0]
+                links[r.pipeline].add(q)
+                links[q].add(r.pipeline)
+        expected, seen = [], set()
+        for p in range(plan.num_pipelines):
+            if p in seen:
+                continue
+            group, todo = set(), [p]
+            while todo:
+                q = todo.pop()
+                if q not in group:
+                    group.add(q)
+                    todo.extend(links[q])
+            seen |= group
+            rerouted = {r.pipeline for r in plan.reroutes}
+            expected.append((sorted(group), len(group) == 1 and p not in rerouted))
+        assert _components(plan) == expected

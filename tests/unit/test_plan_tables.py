@@ -98,3 +98,34 @@ def test_sharing_stages_takes_the_source_pipelines() -> None:
     assert plan.pipelines[1].num_microbatches == 3
     assert plan.pipelines[2] is twin[2]
     assert plan == ExecutionPlan(num_layers=6, pipelines=tuple(twin))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plans_sharing_their_pipelines_read_one_kept_table(seed: int) -> None:
+    """A plan and its reroutes share their pipelines: each plan's worker tables are the
+    kept table of every stage without that plan's own dead workers, equal (items and
+    order) to the tables of the same plan built on a copy of the pipelines, whichever
+    plan of the family asked first; a plan naming a worker twice is still refused."""
+    rng = random.Random(seed)
+    for _ in range(10):
+        plan = random_plan(rng)
+        family = [ExecutionPlan(num_layers=plan.num_layers, pipelines=plan.pipelines,
+                                reroutes=plan.reroutes[:k])
+                  for k in range(len(plan.reroutes) + 1)]
+        rng.shuffle(family)
+        for member in family:
+            alone = ExecutionPlan(num_layers=member.num_layers,
+                                  pipelines=tuple(list(member.pipelines)),
+                                  reroutes=member.reroutes)
+            assert alone.pipelines is not member.pipelines
+            dead = member.dead_workers
+            live = [(st.worker, (p, s), st.layers) for p, s, st in member.iter_stages()
+                    if st.worker not in dead]
+            assert list(member.stage_of_worker.items()) == [(w, at) for w, at, _ in live]
+            assert list(member.layers_by_worker.items()) == [(w, r) for w, _, r in live]
+            assert list(alone.stage_of_worker.items()) == list(member.stage_of_worker.items())
+            assert list(alone.layers_by_worker.items()) == list(member.layers_by_worker.items())
+    first = plan.pipelines[0]
+    twice = ExecutionPlan(num_layers=plan.num_layers, pipelines=(first, first))
+    with pytest.raises(ValueError, match=r"twice|more than once"):
+        twice.validate()

@@ -201,26 +201,36 @@ def _conflicts(met: Iterable[list[int]]) -> list[tuple[int, int]]:
 
 def _components(plan: ExecutionPlan) -> list[tuple[list[int], bool]]:
     """Pipelines that must be simulated together: linked by reroutes (union-find), each
-    group with whether it is a lone pipeline without reroutes (shared by its look-alikes)."""
-    parent = list(range(plan.num_pipelines))
+    group with whether it is a lone pipeline without reroutes (shared by its look-alikes),
+    in the order of their first pipelines. Only the few pipelines that reroutes touch are
+    joined; every other one is a group of its own."""
+    parent: dict[int, int] = {}
 
     def find(x: int) -> int:
-        while parent[x] != x:
+        while parent.setdefault(x, x) != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
     for r in plan.reroutes:
+        find(r.pipeline)
         for worker, _ in r.shares:
             q, _ = plan.stage_of_worker[worker]
             a, b = find(r.pipeline), find(q)
             if a != b:
                 parent[a] = b
-    groups: dict[int, list[int]] = {}
-    for p in range(plan.num_pipelines):
-        groups.setdefault(find(p), []).append(p)
+    joined: dict[int, list[int]] = {}
+    for p in sorted(parent):
+        joined.setdefault(find(p), []).append(p)
+    lead = {group[0]: group for group in joined.values()}  # by its first pipeline
     rerouted = {r.pipeline for r in plan.reroutes}
-    return [(group, len(group) == 1 and group[0] not in rerouted) for group in groups.values()]
+    out: list[tuple[list[int], bool]] = []
+    for p in range(plan.num_pipelines):
+        if p not in parent:
+            out.append(([p], True))  # untouched by any reroute
+        elif p in lead:
+            out.append((lead[p], len(lead[p]) == 1 and p not in rerouted))
+    return out
 
 
 CACHED_PLAN_WORKERS = 2 ** 21

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, TypeVar, cast
@@ -146,6 +146,25 @@ def pipeline_on(layout: tuple[tuple[int, int], ...], num_microbatches: int,
     put on them from the shared placeholder pipeline (its layer ranges and layout are not
     rebuilt stage by stage)."""
     return placeholder_pipeline(layout, num_microbatches, 0).on_workers(workers)
+
+
+def _range_rows(tables: list[_Table]) -> list[tuple[range, ...]]:
+    """Each table's layer ranges (the values of :attr:`ExecutionPlan.layers_by_worker`)."""
+    return list(map(_ROW_RANGES, tables))
+
+
+def _position_rows(tables: list[_Table]) -> list[tuple[tuple[int, int], ...]]:
+    """Each table's ``(pipeline, stage)`` positions (those of
+    :attr:`ExecutionPlan.stage_of_worker`)."""
+    return list(map(_position_row, itertools.count(), map(len, map(_ROW_WORKERS, tables))))
+
+
+_WHOLE_TABLES: dict[tuple[int, str], tuple[tuple[Any, ...], dict[int, Any] | None]] = {}
+"""``worker -> value`` over every stage of a tuple of pipelines, dead ones included, by
+(the tuple's id, the table's kind), kept with the tuple (:meth:`ExecutionPlan._live_table`);
+``None`` when a worker is named twice. The oldest entry goes at :data:`_WHOLE_TABLES_MAX`."""
+
+_WHOLE_TABLES_MAX = 32
 
 
 def _position_row(pipeline: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -491,8 +510,7 @@ class ExecutionPlan:
     @cached_property
     def layers_by_worker(self) -> dict[int, range]:
         """The layer range each live worker holds."""
-        tables = self._tables()
-        return self._live_table(tables, list(map(_ROW_RANGES, tables)))
+        return self._live_table(self._tables(), "layers", _range_rows)
 
     @cached_property
     def stage_of_worker(self) -> dict[int, tuple[int, int]]:
@@ -501,8 +519,7 @@ class ExecutionPlan:
 
     def _live_positions_of(self, tables: list[_Table]) -> dict[int, tuple[int, int]]:
         """``worker -> (pipeline, stage)`` for every live stage of the pipelines' tables."""
-        return self._live_table(tables, list(map(_position_row, itertools.count(),
-                                                 map(len, map(_ROW_WORKERS, tables)))))
+        return self._live_table(tables, "positions", _position_rows)
 
     def _tables(self) -> list[_Table]:
         """Each pipeline's table (:func:`_pipeline_table`), read at C speed where built."""
@@ -511,14 +528,43 @@ class ExecutionPlan:
             tables = list(map(_pipeline_table, self.pipelines))
         return tables
 
-    def _live_table(self, tables: list[_Table], value_rows: list[Sequence[_V]]
+    def _live_table(self, tables: list[_Table], kind: str,
+                    rows_of: Callable[[list[_Table]], Sequence[Sequence[_V]]]
                     ) -> dict[int, _V]:
-        """``worker -> value_rows[p][s]`` for every live stage ``s`` of every pipeline
+        """``worker -> rows_of(tables)[p][s]`` for every live stage ``s`` of every pipeline
         ``p`` (``tables``: the pipelines' :meth:`_tables`), in stage order, built as one
         dictionary from the chained rows at C speed (a worker named twice keeps its first
-        place and its last value); a rerouted pipeline's dead stages are left out."""
-        worker_rows: list[Sequence[int]] = list(map(_ROW_WORKERS, tables))
+        place and its last value); a rerouted pipeline's dead stages are left out.
+
+        The table of every stage is kept per tuple of pipelines and ``kind`` (a few):
+        plans that differ only in their reroutes (a rerouted plan and the plan it
+        reroutes, a re-join that hands stages back) share their pipelines, and each
+        copies the kept table without its dead workers instead of building it anew.
+        """
+        pipelines = self.pipelines
+        key = (id(pipelines), kind)
+        found = _WHOLE_TABLES.get(key)
+        if found is not None and found[0] is pipelines:  # kept with it: the id is its own
+            whole: dict[int, _V] | None = found[1]
+        else:
+            whole = dict(zip(itertools.chain.from_iterable(map(_ROW_WORKERS, tables)),
+                             itertools.chain.from_iterable(rows_of(tables)), strict=True))
+            if len(whole) != sum(map(len, map(_ROW_WORKERS, tables))):
+                whole = None  # a worker named twice: built below, stage by stage
+            if len(_WHOLE_TABLES) >= _WHOLE_TABLES_MAX:
+                del _WHOLE_TABLES[next(iter(_WHOLE_TABLES))]  # the oldest
+            _WHOLE_TABLES[key] = (pipelines, whole)
         dead = self.reroute_map
+        if whole is not None:
+            if not dead:
+                return whole
+            kept = whole.copy()
+            for p, s in dead:
+                if 0 <= p < len(tables) and 0 <= s < len(tables[p][0]):
+                    del kept[tables[p][0][s]]  # each worker named once
+            return kept
+        worker_rows: list[Sequence[int]] = list(map(_ROW_WORKERS, tables))
+        value_rows: list[Sequence[_V]] = list(rows_of(tables))
         for p in sorted({p for p, _ in dead if 0 <= p < len(worker_rows)}):
             live = [s for s in range(len(worker_rows[p])) if (p, s) not in dead]
             worker_rows[p] = [worker_rows[p][s] for s in live]

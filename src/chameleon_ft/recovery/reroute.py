@@ -20,7 +20,6 @@ backwards (ReCycle defers only what memory allows; here it is all or nothing).
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import chain, filterfalse
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan
@@ -43,8 +42,7 @@ def dead_stages(state: RecoveryState) -> list[tuple[int, int]]:
 
 def dead_workers(state: RecoveryState) -> set[int]:
     """Workers named by the current plan's stages that are not alive (old and new dead)."""
-    return set(filterfalse(state.alive.__contains__,
-                           chain.from_iterable(state.plan.worker_rows())))
+    return set(state.named_dead())
 
 
 def _spread(state: RecoveryState, headroom: dict[int, float] | None,

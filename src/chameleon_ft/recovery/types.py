@@ -6,6 +6,7 @@ scores them. Everything here is an immutable value so decisions can be cached an
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -290,11 +291,21 @@ class RecoveryState:
             del held[w]
         return MappingProxyType(held)
 
+    def named_dead(self) -> frozenset[int]:
+        """Workers the current plan names (a rerouted stage's dead one too) that are not
+        alive, old and new dead; computed once per state (every rerouting asks)."""
+        return self._named_dead
+
+    @cached_property
+    def _named_dead(self) -> frozenset[int]:
+        return frozenset(itertools.filterfalse(
+            self.alive.__contains__, itertools.chain.from_iterable(self.plan.worker_rows())))
+
     def missing_layers(self) -> list[int]:
         """Layers with no live replica."""
         covered = [False] * self.plan.num_layers
-        held = self.held_layers().values()
-        for layers in {id(layers): layers for layers in held}.values():  # each object once
+        held = list(self.held_layers().values())
+        for layers in dict(zip(map(id, held), held, strict=True)).values():  # each object once
             for layer in layers:
                 covered[layer] = True
         return [i for i, c in enumerate(covered) if not c]
