@@ -212,3 +212,26 @@ def test_objects_are_indexed_in_runs_as_one_by_one(runs: list[tuple[int, int]],
     chained_rows = [row_objects[shape] for shape, n in rows for _ in range(n)]
     chained = list(itertools.chain.from_iterable(chained_rows))
     assert list(_by_rows(chained_rows).items()) == list(_one_by_one(chained).items())
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 8])
+def test_sources_are_ranked_as_sorting_them_all(per_node: int) -> None:
+    """A migration's sources of a layer are the first of all its live replicas by (on
+    another node than the receiver, bytes sent so far, worker id), as a full sort ranks
+    them, whatever the replicas, the receiver and the bytes already sent (zero included)."""
+    import random
+
+    from chameleon_ft.recovery.restorer import _first_sources
+
+    rng = random.Random(per_node)
+    cluster = ClusterSpec(num_nodes=64 // per_node, devices_per_node=per_node,
+                          intra_node_gb_per_s=100.0, inter_node_gb_per_s=10.0)
+    topology = Topology(cluster=cluster, workers_per_node=per_node)
+    for _ in range(300):
+        sources = sorted(rng.sample(range(64), rng.randint(1, 40)))
+        dst = rng.randrange(64)
+        sent = {w: rng.choice([0.0, 1.0, 2.5, 7.0]) for w in rng.sample(range(64), 12)}
+        parts = rng.randint(1, min(4, len(sources)))
+        ranked = sorted(sources, key=lambda w: (w // per_node != dst // per_node,
+                                                sent.get(w, 0.0), w))[:parts]
+        assert _first_sources(sources, parts, dst // per_node, sent, topology) == ranked

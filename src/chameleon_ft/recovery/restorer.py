@@ -14,10 +14,11 @@ Two steps (docs/design.md section 3.3, the paper's Restorer and Figure 3):
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 from collections import defaultdict, deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,22 +292,31 @@ def pack_stage_major(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]
     return plan, moved
 
 
-def _holders_of_layers(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
-    """Each layer's live holders, in worker order (workers holding the same layers are
-    gathered first: few distinct holdings on thousands of workers)."""
-    holders: dict[int, list[int]] = defaultdict(list)
-    by_holding = _workers_by_holding(held)
-    if by_holding is None:  # unhashable layer collections: one worker at a time
-        for worker in sorted(held):
-            for layer in held[worker]:
-                holders[layer].append(worker)
-        return holders
-    for layers, workers in by_holding.items():
-        for layer in layers:
-            holders[layer].extend(workers)
-    for workers in holders.values():
-        workers.sort()
-    return holders
+class _LayerHolders:
+    """Each layer's live holders, in worker order, gathered when the layer is first asked
+    for: a migration asks for the few layers some worker lacks, not for all of them (on
+    the 65k job each of 126 layers has about 500 holders). Workers holding the same layers
+    are grouped first (few distinct holdings on thousands of workers)."""
+
+    def __init__(self, held: Mapping[int, Collection[int]]) -> None:
+        self._held = held
+        self._by_holding = _workers_by_holding(held)
+        self._known: dict[int, list[int]] = {}
+
+    def get(self, layer: int, default: list[int]) -> list[int]:
+        """``layer``'s holders, increasing (``default`` when none)."""
+        found = self._known.get(layer)
+        if found is None:
+            if self._by_holding is None:  # unhashable layer collections: one at a time
+                found = [w for w in sorted(self._held) if layer in self._held[w]]
+            else:
+                found = []
+                for layers, workers in self._by_holding.items():
+                    if layer in layers:
+                        found.extend(workers)
+                found.sort()
+            self._known[layer] = found
+        return found or default
 
 
 def _workers_by_holding(held: Mapping[int, Collection[int]]
@@ -324,11 +334,13 @@ def _workers_by_holding(held: Mapping[int, Collection[int]]
 
 def _first_holders(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
     """Each layer's first live holder (the lowest id), as the one-worker list that
-    :func:`_holders_of_layers` starts with: Oobleck copies from it alone, so the other
+    :class:`_LayerHolders` starts with: Oobleck copies from it alone, so the other
     holders are not gathered and sorted."""
     by_holding = _workers_by_holding(held)
     if by_holding is None:
-        return {layer: workers[:1] for layer, workers in _holders_of_layers(held).items()}
+        holders = _LayerHolders(held)
+        return {layer: holders.get(layer, [])[:1]
+                for layer in sorted({x for layers in held.values() for x in layers})}
     first: dict[int, int] = {}
     for layers, workers in by_holding.items():
         lowest = min(workers)
@@ -354,11 +366,11 @@ def _lacking(plan: ExecutionPlan, held: Mapping[int, Collection[int]]
     share range objects, so only workers that do not hold their stage's very range object
     are looked at one by one."""
     stage_layers = plan.layers_by_worker  # the live slots' workers, in slot order
-    workers = list(stage_layers)
     held_by = held.get
     lacking: list[tuple[int, range, Collection[int]]] = []
-    for worker in itertools.compress(workers, map(operator.is_not, map(held_by, workers),
-                                                  map(stage_layers.__getitem__, workers))):
+    for worker in itertools.compress(stage_layers, map(operator.is_not,
+                                                       map(held_by, stage_layers),
+                                                       stage_layers.values())):
         layers = stage_layers[worker]
         have = held_by(worker, ())
         if not (isinstance(have, range) and have.step == 1
@@ -418,8 +430,9 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
     Raises:
         ValueError: when a needed layer has no live replica.
     """
-    holders = _first_holders(held) if first_source else _holders_of_layers(held)
-    sent_bytes: dict[int, float] = defaultdict(float)
+    holders: _LayerHolders | dict[int, list[int]] = (
+        _first_holders(held) if first_source else _LayerHolders(held))
+    sent_bytes: dict[int, float] = {}
     transfers: list[Transfer] = []
     moved = 0.0
     for worker, layers, have in _lacking(plan, held):
@@ -437,10 +450,9 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                 parts, chosen = 1, sources[:1]
             else:
                 parts = min(max_parts, len(sources))
-                chosen = sorted(sources, key=lambda w: (topology.node_of(w) != dst_node,
-                                                        sent_bytes[w], w))[:parts]
+                chosen = _first_sources(sources, parts, dst_node, sent_bytes, topology)
             for part, src in enumerate(chosen):
-                sent_bytes[src] += size / parts
+                sent_bytes[src] = sent_bytes.get(src, 0.0) + size / parts
                 transfers.append(Transfer(layer=layer, src=src, dst=worker, part=part,
                                           num_parts=parts, num_bytes=size / parts))
     round_lists = pair_rounds([(t.src, t.dst) for t in transfers]) if transfers else []
@@ -450,6 +462,28 @@ def schedule_migration(plan: ExecutionPlan, held: Mapping[int, Collection[int]],
                       for i in members)
     return PlannedMigration.of(plan, moved, tuple(transfers),
                                tuple(tuple(r) for r in round_lists), time_s)
+
+
+def _first_sources(sources: list[int], parts: int, dst_node: int,
+                   sent_bytes: Mapping[int, float], topology: Topology) -> list[int]:
+    """The first ``parts`` of ``sources`` (increasing worker ids) ranked by (on another
+    node than the receiver, bytes sent so far, worker id): ranked from the few that can
+    come first, not all of them (hundreds of replicas per layer on the 65k job). Those
+    are the sources on the receiver's node, those that have sent bytes, and the first
+    ``parts`` of the others in id order (the others tie on the first two keys)."""
+    def key(w: int) -> tuple[bool, float, int]:
+        return (topology.node_of(w) != dst_node, sent_bytes.get(w, 0.0), w)
+
+    def among(workers: Iterable[int]) -> Iterator[int]:  # those of ``sources``, by bisection
+        for w in workers:
+            i = bisect.bisect_left(sources, w)
+            if i < len(sources) and sources[i] == w:
+                yield w
+
+    special = set(among(topology.workers_of_node(dst_node)))
+    special.update(among(w for w, sent in sent_bytes.items() if sent != 0.0))
+    plain = itertools.islice((w for w in sources if w not in special), parts)
+    return sorted([*special, *plain], key=key)[:parts]
 
 
 def copy_in(state: RecoveryState, strategy: Strategy, new_plan: ExecutionPlan,
