@@ -21,15 +21,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 MEMORY = {"memory_checkpoint": True}
 STEPS = 8
+SETUP_SLACK_S = 8.0
+"""Deadline of collectives and group set-up in these runs (the shared job's is 2 s)."""
 
 
 def _reloads_after_killing(tmp_path: Path, reference: Any,
                            workers: tuple[int, ...]) -> list[dict[str, Any]]:
     """Kill ``workers`` at step 5, check the run against the failure-free one (every step
-    once, float64 parameters, no process left) and return its reloads' events."""
+    once, float64 parameters, no process left) and return its reloads' events.
+
+    The reloads counted are those of the kill alone: the groups' set-up deadline has more
+    slack than the shared job's 2 s (a survivor that joined a generation's groups later
+    than that on a loaded 2-core machine was declared failed, and its restart changed
+    which layers came from memory); killed workers are seen by their exits, so the wait
+    costs nothing here."""
     report, params, pids = run_job(
         tmp_path, policy="dynamic", steps=STEPS, recovery=MEMORY,
-        faults=tuple(f"rank={w},step=5,kind=kill,phase=forward" for w in workers))
+        faults=tuple(f"rank={w},step=5,kind=kill,phase=forward" for w in workers),
+        collective_timeout_s=SETUP_SLACK_S)
     assert not [pid for pid in pids if alive(pid)]
     assert [s["step"] for s in report["steps"]] == list(range(STEPS)), report["events"]
     assert max_abs_diff(params, reference("float64", steps=STEPS)[1]) < 1e-9
