@@ -14,7 +14,7 @@ from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import reroute
-from chameleon_ft.recovery.transition import build_s, comm_s, plan_groups
+from chameleon_ft.recovery.transition import build_s, comm_s, pipeline_groups, plan_groups
 from chameleon_ft.sim.scenarios import preset_scenario
 from chameleon_ft.spec.config import load_config
 from chameleon_ft.spec.recovery import RecoverySpec
@@ -104,6 +104,56 @@ def test_a_fresh_set_of_groups_costs_the_same_summed_per_class(tp: int, world: b
         old = None if not world else uniform()
         expected = charged_one_by_one(plan, spec, tp, world)
         assert comm_s(old, plan, spec, tp=tp, everything=world, per_layer=True) == expected
+
+
+def charged_changed(old: ExecutionPlan | None, new: ExecutionPlan,
+                    spec: RecoverySpec) -> float:
+    """comm_s of creating the groups of ``new`` that ``old`` lacks, worker by worker: the
+    pipelines' groups in pipeline order, then the buckets in the order of the set of
+    ``new``'s holder tuples (the order the sums are added in)."""
+    kept = plan_groups(old) if old is not None else frozenset()
+    busy: dict[int, float] = {}
+    groups = [*pipeline_groups(new),
+              *(frozenset(h) for h in set(new.holders_by_layer) if len(h) > 1)]
+    for group in groups:
+        if group not in kept:
+            cost = spec.comm_init_s + spec.comm_per_rank_s * len(group)
+            for w in group:
+                busy[w] = busy.get(w, 0.0) + cost
+    return max(busy.values(), default=0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_changed_groups_cost_the_same_summed_per_range(seed: int) -> None:
+    """Only the groups a plan lacks are created; the busiest worker's sum, added up per
+    layer range for the buckets, is exactly the sum charged worker by worker, for plans of
+    mixed layouts, shuffled workers and rerouted stages, from another plan or from none."""
+    import random
+
+    from plan_shapes import even_pipelines
+
+    spec = RecoverySpec(comm_init_s=0.37, comm_per_rank_s=0.013)
+    rng = random.Random(seed)
+    for _ in range(15):
+        lengths = [rng.choice([2, 3, 4]) for _ in range(rng.randint(2, 7))]
+        pipes = even_pipelines(12, lengths, 2)
+        workers = list(range(sum(lengths) + 3))
+        rng.shuffle(workers)
+        it = iter(workers)
+        plan = ExecutionPlan(num_layers=12, pipelines=tuple(
+            Pipeline(tuple(Stage(next(it), st.first_layer, st.end_layer) for st in p.stages),
+                     p.num_microbatches) for p in pipes))
+        family = [plan]
+        for _ in range(3):
+            try:
+                family.append(reroute_plan(family[-1], set(family[-1].dead_workers)
+                                           | {rng.choice(family[-1].workers)}))
+            except ValueError:
+                break
+        for new in family:
+            for old in (None, *family):
+                expected = charged_changed(old, new, spec)
+                assert comm_s(old, new, spec, tp=1) == expected
 
 
 def test_a_full_rebuild_costs_the_costliest_range() -> None:

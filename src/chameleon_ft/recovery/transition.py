@@ -168,18 +168,72 @@ def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, t
             charge(workers, len(workers) * tp)
     if per_layer:
         # a holder set shared by several layers is one group per layer
-        buckets = [frozenset(h) for h in new.holders_by_layer if len(h) > 1]
+        distinct = [h for h in new.holders_by_layer if len(h) > 1]
     else:
-        buckets = [frozenset(h) for h in set(new.holders_by_layer) if len(h) > 1]
+        distinct = [h for h in set(new.holders_by_layer) if len(h) > 1]
+    buckets = list(map(frozenset, distinct))
     if runtime:
         for group in buckets:
             charge(group, len(group), first_exchange=False)
         return max(busy.values(), default=0.0)
     kept = plan_groups(old) if old is not None and not everything else frozenset()
-    for group in [*pipeline_groups(new), *buckets]:
+    for group in pipeline_groups(new):
         if group not in kept:
             charge(group, len(group))
-    return max(busy.values(), default=0.0)
+    if per_layer:
+        for group in buckets:
+            if group not in kept:
+                charge(group, len(group))
+        return max(busy.values(), default=0.0)
+    changed = [(holders, spec.comm_init_s + spec.comm_per_rank_s * len(group))
+               for holders, group in zip(distinct, buckets, strict=True) if group not in kept]
+    return _busiest(new, busy, changed)
+
+
+def _busiest(new: ExecutionPlan, busy: Mapping[int, float],
+             changed: list[tuple[tuple[int, ...], float]]) -> float:
+    """The busiest worker's sum once the ``changed`` all-reduce buckets (holders, cost) are
+    charged in order after the pipeline groups (``busy``: each charged worker's sum so
+    far). A bucket's members are the live workers whose layer range meets its layers, so
+    the workers of one range pay the same bucket costs: they are added up once per range
+    (in charge order, the same additions as worker by worker), then once more for each
+    worker a pipeline group charged (a larger start gives no smaller sum). On the 65k job
+    a re-plan's changed buckets hold thousands of workers and its changed pipelines a few
+    dozen."""
+    if not changed:
+        return max(busy.values(), default=0.0)
+    # each bucket's layers: the layers whose holders are its holders (the plan shares
+    # one tuple between layers with the same holders: each object is hashed once)
+    by_object: dict[int, list[int]] = {}
+    for layer, holders in enumerate(new.holders_by_layer):
+        by_object.setdefault(id(holders), []).append(layer)
+    layers_of: dict[tuple[int, ...], list[int]] = {}
+    for layers in by_object.values():
+        layers_of.setdefault(new.holders_by_layer[layers[0]], []).extend(layers)
+    by_range: dict[int, range] = {}  # the live stages' ranges, each object once
+    rows = new.range_rows()
+    dead = new.reroute_map
+    rerouted = {p for p, _ in dead}
+    intact = [row for p, row in enumerate(rows) if p not in rerouted] if dead else rows
+    for row in dict(zip(map(id, intact), intact, strict=True)).values():  # few row objects
+        by_range.update(zip(map(id, row), row, strict=True))
+    for p in rerouted:
+        by_range.update((id(r), r) for s, r in enumerate(rows[p]) if (p, s) not in dead)
+    costs = {key: [cost for holders, cost in changed
+                   if any(map(layers.__contains__, layers_of[holders]))]
+             for key, layers in by_range.items()}
+    best = 0.0
+    for paid in costs.values():
+        total = 0.0
+        for cost in paid:
+            total += cost
+        best = max(best, total)
+    by_worker = new.layers_by_worker
+    for worker, total in busy.items():
+        for cost in costs[id(by_worker[worker])]:
+            total += cost
+        best = max(best, total)
+    return best
 
 
 def _fresh_comm_s(new: ExecutionPlan, spec: RecoverySpec, tp: int, world: bool
