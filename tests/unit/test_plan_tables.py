@@ -129,3 +129,17 @@ def test_plans_sharing_their_pipelines_read_one_kept_table(seed: int) -> None:
     twice = ExecutionPlan(num_layers=plan.num_layers, pipelines=(first, first))
     with pytest.raises(ValueError, match=r"twice|more than once"):
         twice.validate()
+
+
+def test_pipelines_built_afresh_compare_by_their_stages() -> None:
+    """Equality reads the pipelines' tables, built on first use: two pipelines fresh from
+    the constructor (no table, no hash yet) are equal exactly when their stages and
+    micro-batches are, whichever is compared first."""
+    for first, second, equal in (
+            (((0, 0, 2), (1, 2, 4)), ((0, 0, 2), (1, 2, 4)), True),
+            (((0, 0, 2), (1, 2, 4)), ((0, 0, 2), (2, 2, 4)), False),
+            (((0, 0, 2), (1, 2, 4)), ((0, 0, 3), (1, 3, 4)), False)):
+        a = Pipeline(tuple(Stage(*st) for st in first), 2)
+        b = Pipeline(tuple(Stage(*st) for st in second), 2)
+        assert (a == b) is equal and (b == a) is equal
+        assert (Pipeline(a.stages, 2) == Pipeline(a.stages, 3)) is False

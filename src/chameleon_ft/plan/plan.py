@@ -227,7 +227,7 @@ class Pipeline:
         if self._hash is not None and other._hash is not None and self._hash != other._hash:
             return False
         return (self.num_microbatches == other.num_microbatches
-                and (self._table is other._table
+                and (self.table is other.table
                      or (self.workers == other.workers and self.layout == other.layout)))
 
     @property
