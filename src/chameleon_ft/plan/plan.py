@@ -552,7 +552,9 @@ class ExecutionPlan:
             if len(whole) != sum(map(len, map(_ROW_WORKERS, tables))):
                 whole = None  # a worker named twice: built below, stage by stage
             if len(_WHOLE_TABLES) >= _WHOLE_TABLES_MAX:
-                del _WHOLE_TABLES[next(iter(_WHOLE_TABLES))]  # the oldest
+                # the oldest; a planner preparing decisions on another thread may have
+                # taken it out already
+                _WHOLE_TABLES.pop(next(iter(_WHOLE_TABLES)), None)
             _WHOLE_TABLES[key] = (pipelines, whole)
         dead = self.reroute_map
         if whole is not None:
