@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from chameleon_ft.perf import Bucket, Topology
-from chameleon_ft.perf.estimator import Breakdown, Estimate
+from chameleon_ft.perf.estimator import Breakdown, Estimate, Estimator
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
 from chameleon_ft.policy.symmetry import (
@@ -18,7 +18,8 @@ from chameleon_ft.policy.symmetry import (
     canonical_renaming,
     rename_plan,
 )
-from chameleon_ft.recovery.types import Migration, Transfer
+from chameleon_ft.recovery.reroute import rerouted_plan
+from chameleon_ft.recovery.types import Migration, Strategy, Transfer
 from chameleon_ft.spec import ClusterSpec, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +73,36 @@ def test_renaming_only_where_the_node_structure_allows() -> None:
     assert renaming == {2: 0, 5: 3, 0: 2, 3: 5}
     # idle workers or reroutes: no renaming
     assert canonical_renaming(plan, frozenset({3}), frozenset({0, 1}), topo) is None
+    # pipeline-major dp 4 x pp 2 on nodes of 4 workers: pipelines (0, 1) and (2, 3) share
+    # node 0. Moving pipeline 2 (workers 4, 5) first would put workers 0, 1 on node 1 and
+    # leave 2, 3 on node 0: the nodes map one to one, but node 0 is split, so it is refused
+    halves = ExecutionPlan.uniform(dp=4, pp=2, num_layers=4, num_microbatches=8,
+                                   placement="pipeline-major")
+    nodes_of_four = Topology(ClusterSpec(num_nodes=2, devices_per_node=4), 4)
+    assert canonical_renaming(halves, frozenset({5}), frozenset(range(8)) - {5},
+                              nodes_of_four) is None
+
+
+def test_an_answer_to_a_pipeline_sharing_a_node_is_the_direct_one() -> None:
+    """Pipelines that share nodes with others (pipeline-major, two per node): a failure of
+    a pipeline that is not first is answered as a direct computation answers it (the
+    rerouted micro-batches go to the peer on the failed worker's node, not to the one on
+    the node of the pipeline it would have been renamed to), priced as its own plan."""
+    config = load_config(ROOT / "examples/paper32.toml")
+    planner = Planner(config)
+    first = planner.initial_plan
+    plan = ExecutionPlan.uniform(dp=config.job.dp, pp=config.job.pp,
+                                 num_layers=first.num_layers,
+                                 num_microbatches=first.num_microbatches,
+                                 placement="pipeline-major")
+    decision = planner.decide(plan, [9])  # stage 1 of pipeline 2, on node 1 with pipeline 3
+    rerouted = next(c for c in decision.candidates if c.strategy == Strategy.RECYCLE)
+    state = planner.recovery_state(plan, frozenset(plan.workers) - {9})
+    direct = rerouted_plan(state, defer=True)
+    assert not isinstance(direct, str) and rerouted.plan is not None
+    assert rerouted.plan.reroutes == direct[0].reroutes
+    assert rerouted.step_s == Estimator(planner.profile, planner.topology).estimate(
+        rerouted.plan).step_s
 
 
 def test_a_renamed_answer_names_the_tied_sum_s_workers_as_a_direct_one() -> None:

@@ -58,12 +58,16 @@ def canonical_renaming(plan: ExecutionPlan, failed: frozenset[int], alive: froze
 
 
 def _keeps_nodes(renaming: Mapping[int, int], topology: Topology) -> bool:
-    """Whether workers share a node after the renaming exactly when they did before."""
+    """Whether the renaming (every other worker keeps its id) moves each node's workers onto
+    one node's: only then are the links between any two workers the same after it. A
+    node whose workers are renamed only in part (the rest keeping their ids, on that
+    node) is split, so the renaming is refused."""
     image: dict[int, int] = {}
-    for w, v in renaming.items():
-        node, new_node = topology.node_of(w), topology.node_of(v)
-        if image.setdefault(node, new_node) != new_node:
+    for node in {topology.node_of(w) for w in renaming}:
+        targets = {topology.node_of(renaming.get(w, w)) for w in topology.workers_of_node(node)}
+        if len(targets) != 1:
             return False
+        image[node] = targets.pop()
     return len(set(image.values())) == len(image)
 
 
