@@ -155,12 +155,16 @@ def _by_object(sets: Sequence[Collection[int]]) -> dict[int, list[int]]:
     and where they come in long runs (survivors in id order on a stage-major layout) the
     runs are added whole."""
     ids = list(map(id, sets))
-    by_object: dict[int, list[int]] = defaultdict(list)
     ends = list(itertools.compress(range(1, len(ids)), map(operator.ne, ids, ids[1:])))
-    if not ids or len(ends) * 8 > len(ids):  # none, or short runs: one index at a time
-        for i, obj_id in enumerate(ids):
-            by_object[obj_id].append(i)
-        return by_object
+    if not ids or len(ends) * 8 > len(ids):
+        # Short runs: the indices sorted by object (a stable sort keeps each object's in
+        # order) and cut where the object changes, at C speed; then the objects by first
+        # index.
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        groups = [list(run) for _, run in itertools.groupby(order, key=ids.__getitem__)]
+        groups.sort(key=operator.itemgetter(0))
+        return {ids[group[0]]: group for group in groups}
+    by_object: dict[int, list[int]] = defaultdict(list)
     for start, end in zip([0, *ends], [*ends, len(ids)], strict=True):
         by_object[ids[start]].extend(range(start, end))
     return by_object
