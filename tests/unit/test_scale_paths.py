@@ -10,16 +10,18 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
 
 from chameleon_ft.perf import Topology
 from chameleon_ft.perf.coloring import conflict_edges
-from chameleon_ft.perf.estimator import Estimator, _bucket_conflicts, sync_buckets
+from chameleon_ft.perf.estimator import Estimate, Estimator, _bucket_conflicts, sync_buckets
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
-from chameleon_ft.policy.symmetry import interchangeable_form, rename_plan
+from chameleon_ft.policy.symmetry import carried_estimate, interchangeable_form, rename_plan
 from chameleon_ft.recovery.types import Strategy
 from chameleon_ft.sim.report import report_json
 from chameleon_ft.sim.runner import run_scenario
@@ -64,6 +66,48 @@ def test_equivalent_states_share_one_canonical_form(planner: Planner) -> None:
     assert form_c is not None
     assert (form_c.plan, form_c.rename(frozenset({c}))) != (form_a.plan,
                                                             form_a.rename(frozenset({a})))
+
+
+def test_an_estimate_carried_into_canonical_names_is_the_direct_one(planner: Planner) -> None:
+    """A rerouted plan's estimate carried to its canonical form (the same plan renamed,
+    pipelines reordered) has the canonical plan's own step time, memory and breakdown; its
+    per-worker tables are computed for the canonical plan at their first read, and it
+    pickles as a plain estimate. A decision keeps its chosen plan's estimate, so the next
+    event's form starts from it."""
+    topo = planner.topology
+    everyone = frozenset(range(topo.num_workers))
+    rng = random.Random(5)
+    fresh = Estimator(planner.profile, topo)
+    for _ in range(4):
+        dead = frozenset(rng.sample(planner.initial_plan.workers, 2))
+        plan = reroute_plan(planner.initial_plan, dead)
+        failed = frozenset(rng.sample(plan.workers, 1))
+        form = interchangeable_form(plan, everyone - dead - failed, (failed,), topo)
+        assert form is not None
+        direct = Estimator(planner.profile, topo).estimate(form.plan)
+        computed: list[Estimate] = []
+
+        def compute(canonical: ExecutionPlan = form.plan,
+                    log: list[Estimate] = computed) -> Estimate:
+            log.append(fresh.uncached(canonical))
+            return log[-1]
+
+        carried = carried_estimate(fresh.estimate(plan), compute)
+        assert (carried.step_s, carried.max_memory_bytes, carried.memory_fits) == (
+            direct.step_s, direct.max_memory_bytes, direct.memory_fits)
+        assert carried.bubble_fraction == pytest.approx(direct.bubble_fraction, rel=1e-12)
+        assert not computed
+        assert carried.peak_memory_bytes == direct.peak_memory_bytes and len(computed) == 1
+        assert (carried.sync_rounds, carried.tie_workers) == (direct.sync_rounds,
+                                                              direct.tie_workers)
+        again = pickle.loads(pickle.dumps(carried))
+        assert type(again) is Estimate and again == carried
+    own = Planner(CONFIG, profile=planner.profile)  # the module's planner's cache untouched
+    plan = own.initial_plan
+    decision = own.decide(plan, [plan.pipelines[2].stages[1].worker], detail=False)
+    kept = own._estimator.known(decision.plan)
+    assert kept is not None and kept.step_s == decision.chosen.step_s
+    assert kept.step_s == fresh.estimate(decision.plan).step_s
 
 
 def test_a_canonical_form_renames_the_whole_state_consistently(planner: Planner) -> None:

@@ -477,6 +477,25 @@ class Estimator:
                 self._plans.popitem(last=False)
         return result
 
+    def known(self, plan: ExecutionPlan) -> Estimate | None:
+        """``plan``'s kept estimate at unit speed, ``None`` when none is kept."""
+        return self._plans.get((plan, ()))
+
+    def remember(self, plan: ExecutionPlan, estimate: Estimate) -> None:
+        """Keep ``estimate`` as ``plan``'s at unit speed, unless one is kept already: one
+        carried over from the same plan in other worker names (``policy/symmetry.py``)."""
+        key = (plan, ())
+        if key not in self._plans:
+            self._plans[key] = estimate
+            if len(self._plans) > self._cache_size:
+                self._plans.popitem(last=False)
+
+    def uncached(self, plan: ExecutionPlan) -> Estimate:
+        """``plan``'s estimate at unit speed computed now, whatever is kept for it (its
+        pipelines' timelines are still looked up)."""
+        with gc_paused():
+            return self._estimate(plan, {}, False)
+
     def _rows(self, plan: ExecutionPlan, speeds: Mapping[int, float], brute_force: bool
               ) -> tuple[list[_Row], float, tuple[float, float, float]]:
         """Each pipeline's live stages with their simulated figures (:class:`_Row`), in

@@ -42,6 +42,7 @@ from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score
 from chameleon_ft.policy.symmetry import (
     canonical_renaming,
+    carried_estimate,
     interchangeable_form,
     rename_candidate,
 )
@@ -447,6 +448,7 @@ class Planner:
             # keyed by the few workers not alive (the live ones are every other id)
             canon_alive, canon_dead = form.rename_alive(alive)
             canon_marked = form.rename(marked)
+            self._carry(plan, form.plan)
             key = (form.plan, canon_marked, canon_dead, kind)
             raw, hit, search_s, stored = self._lookup_exact(
                 key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
@@ -464,6 +466,15 @@ class Planner:
             canon_marked, wanted)
         back = {v: k for k, v in renaming.items()}
         return _Found(raw, hit, search_s, lambda c: rename_candidate(c, back, plan))
+
+    def _carry(self, plan: ExecutionPlan, canonical: ExecutionPlan) -> None:
+        """Keep ``plan``'s estimate, when one is kept, as ``canonical``'s (the same plan
+        renamed: :func:`carried_estimate`): the current plan of each event is estimated
+        once, not again in each event's canonical names."""
+        known = self._estimator.known(plan)
+        if known is not None:
+            self._estimator.remember(canonical, carried_estimate(
+                known, functools.partial(self._estimator.uncached, canonical)))
 
     def _lookup_exact(self, key: _CacheKey, state: RecoveryState, marked: frozenset[int],
                       wanted: tuple[Strategy, ...]
@@ -903,6 +914,10 @@ class Planner:
             # Only the winner is renamed to the caller's workers; the others keep their
             # prices (see ``detail``).
             named = back(best)
+            if named.plan is not None and named.estimate is not None:
+                # the next event's canonical form starts from this plan's estimate
+                self._estimator.remember(named.plan, carried_estimate(
+                    named.estimate, functools.partial(self._estimator.uncached, named.plan)))
             scored = tuple(named if c is best else _priced_only(c) for c in scored)
             best = named
         assert best.plan is not None

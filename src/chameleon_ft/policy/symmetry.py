@@ -170,6 +170,31 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
     return _RenamedEstimate.of(est, renaming)  # type: ignore[no-any-return]
 
 
+class _CarriedEstimate(LazyFields, Estimate):
+    _base = Estimate
+    _lazy_fields = ("peak_memory_bytes", "sync_rounds", "tie_workers")
+
+    def _fill(self, compute: Callable[[], Estimate]) -> dict[str, Any]:
+        computed = compute()
+        return {name: getattr(computed, name) for name in self._lazy_fields}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled whole, as a plain estimate (the computation is not sent along)
+        return (Estimate, tuple(getattr(self, f.name) for f in fields(Estimate)))
+
+
+def carried_estimate(estimate: Estimate, compute: Callable[[], Estimate]) -> Estimate:
+    """The estimate of a plan that is ``estimate``'s plan with its workers renamed and its
+    pipelines maybe reordered, by a renaming that keeps each node's workers on one node
+    (so every link is the same): its step time, memory verdict and breakdown are
+    ``estimate``'s; its per-worker tables are ``compute()``'s, the plan's own estimate,
+    computed when one is first read (which of several peers of reroutes peaks highest
+    follows the pipelines' order, which the renaming may change)."""
+    return _CarriedEstimate.lazily(  # type: ignore[no-any-return]
+        {f.name: getattr(estimate, f.name) for f in fields(Estimate)
+         if f.name not in _CarriedEstimate._lazy_fields}, compute)
+
+
 def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migration:
     """``migration`` in other worker names (renamed when first read)."""
     return _RenamedMigration.of(migration, renaming)  # type: ignore[no-any-return]
