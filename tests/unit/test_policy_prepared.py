@@ -35,11 +35,12 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, thr
     started, release = threading.Event(), threading.Event()
     search = dynamic.search
 
-    def held_search(state: RecoveryState) -> dynamic.SearchResult | None:
+    def held_search(state: RecoveryState, beaten: dynamic.Beaten | None = None
+                    ) -> dynamic.SearchResult | str | None:
         if threading.current_thread().name == PREPARING and not release.is_set():
             started.set()
             release.wait(30)
-        return search(state)
+        return search(state, beaten)
 
     monkeypatch.setattr(dynamic, "search", held_search)
     yield started, release

@@ -15,6 +15,7 @@ from chameleon_ft.policy import (
     expected_work,
     mean_horizon_s,
     score,
+    score_ceiling,
     work_in_window,
     worker_rate_per_s,
 )
@@ -69,6 +70,29 @@ def test_expected_work_closed_form_matches_integral(c: Candidate) -> None:
     assert expected_work(c, 256, mean) == pytest.approx(numeric, rel=1e-6)
     single = cand(2.0, 30.0)
     assert expected_work(single, 256, mean) == pytest.approx(128 * mean * math.exp(-30 / mean))
+
+
+@pytest.mark.parametrize("expected", [True, False])
+def test_the_score_ceiling_bounds_slower_later_and_two_phase_candidates(
+        expected: bool) -> None:
+    """``score_ceiling`` is a one-phase candidate's score, and no candidate at least as
+    slow, with at least its transition, or switching to such a plan after a faster first
+    phase's transition, scores more."""
+    batch, step, floor = 64, 2.0, 30.0
+    for horizon in (10.0, 600.0, 3600.0, math.inf if expected else 1e6):
+        ceiling = score_ceiling(batch, step, floor, horizon_s=horizon, expected=expected)
+        assert ceiling == pytest.approx(candidate_score(cand(step, floor), batch,
+                                                        horizon_s=horizon, expected=expected),
+                                        rel=1e-12)
+        for slower, later in ((step, floor), (2.5, floor), (step, 90.0), (3.0, 400.0)):
+            assert candidate_score(cand(slower, later), batch, horizon_s=horizon,
+                                   expected=expected) <= ceiling * (1 + 1e-12)
+        # a first phase at the first candidate's speed, then the slower plan: no more than
+        # the first candidate alone
+        first = cand(1.5, floor)
+        two = cand(step, floor, interim_step_s=1.5, interim_s=300.0, switch_s=5.0)
+        assert candidate_score(two, batch, horizon_s=horizon, expected=expected) <= (
+            candidate_score(first, batch, horizon_s=horizon, expected=expected) * (1 + 1e-12))
 
 
 def test_infeasible_scores_zero() -> None:

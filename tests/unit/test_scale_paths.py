@@ -190,6 +190,43 @@ def test_lean_decisions_choose_as_the_full_ones(planner: Planner) -> None:
         assert [c for c in lean.candidates if c.plan is not None] == [lean.chosen]
 
 
+def test_lean_decisions_stop_beaten_re_plans_and_choose_as_the_full_ones(
+        planner: Planner) -> None:
+    """A lean Chameleon decision (``detail=False``) stops a dynamic search whose fastest
+    plan cannot beat the first candidate (a failure's rerouting, a rejoin's keep); over
+    random failures and rejoins it chooses exactly what a full decision chooses, and some
+    searches of each kind were stopped."""
+    rng = random.Random(1)
+    stopped = {"fail": 0, "rejoin": 0}
+
+    def both(kind: str, plan: ExecutionPlan, workers: list[int], alive: set[int]
+             ) -> ExecutionPlan:
+        decisions = []
+        for detail in (False, True):
+            fresh = Planner(CONFIG, profile=planner.profile)
+            decide = fresh.decide if kind == "fail" else fresh.decide_rejoin
+            decisions.append(decide(plan, workers, alive=alive, detail=detail, now_s=100.0,
+                                    hide_search=True))
+        lean, full = decisions
+        assert (lean.strategy, lean.plan, lean.chosen.step_s, lean.transition_s) == (
+            full.strategy, full.plan, full.chosen.step_s, full.transition_s)
+        dyn = next(c for c in lean.candidates if c.strategy == Strategy.DYNAMIC)
+        stopped[kind] += not dyn.feasible and "too slow" in dyn.reason
+        return lean.plan
+
+    for _ in range(12):
+        plan, alive, dead = planner.initial_plan, set(range(24)), []
+        for _ in range(rng.choice([1, 2, 3])):
+            worker = rng.choice(sorted(set(plan.workers) & alive))
+            alive.discard(worker)
+            dead.append(worker)
+            plan = both("fail", plan, [worker], alive)
+        returned = rng.choice(dead)
+        alive.add(returned)
+        both("rejoin", plan, [returned], alive)
+    assert stopped["fail"] > 0 and stopped["rejoin"] > 0, stopped
+
+
 def test_shared_component_timelines_equal_direct_simulation(planner: Planner) -> None:
     plan = planner.initial_plan
     cached = Estimator(planner.profile, planner.topology)

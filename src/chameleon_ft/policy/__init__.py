@@ -9,10 +9,11 @@ from chameleon_ft.policy.score import (
     candidate_score,
     expected_work,
     score,
+    score_ceiling,
     work_in_window,
 )
 from chameleon_ft.recovery.types import Candidate, Migration, Strategy, Transfer
 
 __all__ = ["Candidate", "Decision", "Migration", "Planner", "Strategy", "Transfer",
            "break_even_horizon_s", "candidate_score", "expected_work", "mean_horizon_s",
-           "score", "work_in_window", "worker_rate_per_s"]
+           "score", "score_ceiling", "work_in_window", "worker_rate_per_s"]

@@ -39,7 +39,7 @@ from typing import Any
 from chameleon_ft.perf import Estimate, Topology, estimator_for
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
-from chameleon_ft.policy.score import candidate_score
+from chameleon_ft.policy.score import candidate_score, score_ceiling
 from chameleon_ft.policy.symmetry import (
     canonical_renaming,
     carried_estimate,
@@ -53,6 +53,7 @@ from chameleon_ft.recovery.restorer import copy_in, fatal_nodes, load_matching
 from chameleon_ft.recovery.templates import Templates
 from chameleon_ft.recovery.transition import (
     lost_progress_s,
+    lost_step_s,
     memory_load_s,
     memory_lost_progress_s,
 )
@@ -72,6 +73,13 @@ _ORDER = {s: i for i, s in enumerate(
     (Strategy.KEEP, Strategy.REROUTE, Strategy.RECYCLE, Strategy.SWAP,
      Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC, Strategy.SHRINK, Strategy.RESTART))}
 """Final tie-break between equal scores: cheaper, less disruptive strategies first."""
+
+_Bar = Callable[[Candidate, RecoveryState], "dynamic.Beaten | None"]
+"""A decision's first candidate (in canonical names, with its state) -> the test it sets
+for the dynamic search, or ``None`` when it sets none."""
+_BEATEN_MARGIN = 1e-6
+"""Relative margin of :meth:`Planner._beaten_by`: far above float noise and the 9 digits
+step times are compared to (``dynamic._rounded``)."""
 
 _FAILURE_BUILDERS = {Strategy.REROUTE: reroute.candidates,
                      Strategy.RECYCLE: reroute.recycle_candidates,
@@ -410,29 +418,32 @@ class Planner:
 
     # ------------------------------------------------------------------ candidates
     def _build(self, kind: str, strategy: Strategy, state: RecoveryState,
-               marked: frozenset[int]) -> Candidate:
+               marked: frozenset[int], beaten: dynamic.Beaten | None = None) -> Candidate:
         """One strategy's candidate from the current plan, not yet scored.
 
         ``kind`` is ``fail`` (``marked``: the newly failed workers; restart priced with the
         default lost work) or ``rejoin`` (``marked``: the returned workers): ``keep``, a
         dynamic re-plan over every live worker (announced, so without detection),
         ``reroute`` (ReCycle's re-join: returned workers take their stages back) or
-        ``shrink`` (TorchFT's: idle workers form whole new replicas).
+        ``shrink`` (TorchFT's: idle workers form whole new replicas). ``beaten``: a
+        dynamic search's test of its fastest step (:meth:`_beaten_by`).
         """
         if kind == "fail":
+            if strategy == Strategy.DYNAMIC:
+                return dynamic.candidates(state, marked, beaten=beaten)[0]
             return _FAILURE_BUILDERS[strategy](state, marked)[0]
         if strategy == Strategy.KEEP:
             return candidate_from_estimate(Strategy.KEEP, state.plan,
                                            self._estimator.estimate(state.plan), {},
                                            "keep the current plan; returned workers stay idle")
         if strategy == Strategy.DYNAMIC:
-            return dynamic.candidates(state, frozenset(), failure=False)[0]
+            return dynamic.candidates(state, frozenset(), failure=False, beaten=beaten)[0]
         if strategy == Strategy.SHRINK:
             return shrink.grow(state)
         return self._reroute_back(state, marked, strategy)
 
     def _lookup(self, kind: str, state: RecoveryState, marked: frozenset[int],
-                wanted: tuple[Strategy, ...]) -> _Found:
+                wanted: tuple[Strategy, ...], bar: _Bar | None = None) -> _Found:
         """The ``wanted`` candidates for an event, from the cache when an equivalent event
         was priced.
 
@@ -440,7 +451,8 @@ class Planner:
         when workers are interchangeable (one per node), else a failure of a plan of
         identical pipelines. The candidates come back in the canonical names, with the
         function that renames one back (renaming is the costly part of a cache hit on
-        2,048 workers, so a caller renames only what it returns).
+        2,048 workers, so a caller renames only what it returns). ``bar``: see
+        :meth:`_lookup_exact`.
         """
         plan, alive = state.plan, state.alive
         form = interchangeable_form(plan, alive, (marked,), self._topology)
@@ -451,19 +463,20 @@ class Planner:
             self._carry(plan, form.plan)
             key = (form.plan, canon_marked, canon_dead, kind)
             raw, hit, search_s, stored = self._lookup_exact(
-                key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted)
+                key, replace(state, plan=form.plan, alive=canon_alive), canon_marked, wanted,
+                bar)
             return _Found(raw, hit, search_s, form.answerer(plan, stored))
         renaming = (canonical_renaming(plan, marked, alive, self._topology)
                     if kind == "fail" else None)
         if not renaming:  # not symmetric, or already canonical
             raw, hit, search_s, _ = self._lookup_exact((plan, marked, alive, kind), state,
-                                                       marked, wanted)
+                                                       marked, wanted, bar)
             return _Found(raw, hit, search_s, None)
         canon_marked = frozenset(renaming.get(w, w) for w in marked)
         canon_alive = frozenset(renaming.get(w, w) for w in alive)
         raw, hit, search_s, _ = self._lookup_exact(
             (plan, canon_marked, canon_alive, kind), replace(state, alive=canon_alive),
-            canon_marked, wanted)
+            canon_marked, wanted, bar)
         back = {v: k for k, v in renaming.items()}
         return _Found(raw, hit, search_s, lambda c: rename_candidate(c, back, plan))
 
@@ -477,10 +490,14 @@ class Planner:
                 known, functools.partial(self._estimator.uncached, canonical)))
 
     def _lookup_exact(self, key: _CacheKey, state: RecoveryState, marked: frozenset[int],
-                      wanted: tuple[Strategy, ...]
+                      wanted: tuple[Strategy, ...], bar: _Bar | None = None
                       ) -> tuple[tuple[Candidate, ...], bool, float, ExecutionPlan]:
         """The ``wanted`` candidates of ``key`` (priced now when missing), whether all came
-        from the cache, the seconds spent, and the plan they were computed from."""
+        from the cache, the seconds spent, and the plan they were computed from.
+
+        ``bar`` turns the first wanted candidate into a test for the dynamic search
+        (:meth:`_beaten_by`); a search that test stopped depends on this call's scoring,
+        so it is not kept."""
         start = time.perf_counter()
         entry = self._cache.get(key)
         if entry is None:
@@ -488,6 +505,7 @@ class Planner:
         found = entry.candidates
         missing = [s for s in wanted if s not in found]
         out = []
+        beaten = None
         for strategy in wanted:
             if strategy in found:
                 # Precomputed while healthy: the search is hidden behind training.
@@ -495,8 +513,13 @@ class Planner:
                 out.append(_with_term(cached, "search_s", 0.0)
                            if strategy == Strategy.DYNAMIC else cached)
             else:
-                found[strategy] = self._build(key[3], strategy, state, marked)
-                out.append(found[strategy])
+                built = self._build(key[3], strategy, state, marked,
+                                    beaten if strategy == Strategy.DYNAMIC else None)
+                if beaten is None or built.feasible or strategy != Strategy.DYNAMIC:
+                    found[strategy] = built
+                out.append(built)
+            if bar is not None and strategy == wanted[0]:
+                beaten = bar(out[-1], state)
         self._cache.put(key, entry)
         return tuple(out), not missing, time.perf_counter() - start, entry.plan
 
@@ -657,7 +680,10 @@ class Planner:
         every = self._failure_strategies()
         own = () if chosen_policy == "chameleon" else self._own(chosen_policy)
         wanted = own if not compare and own else tuple(dict.fromkeys((*every, *own)))
-        found = self._lookup("fail", state, failed_set, wanted)
+        bar = (self._beaten_by(failure=True, horizon_s=horizon, num_live=len(alive_set),
+                               now_s=now_s)
+               if chosen_policy == "chameleon" and not detail else None)
+        found = self._lookup("fail", state, failed_set, wanted, bar)
         if not set(every) <= set(wanted) and not all(c.feasible for c in found.candidates):
             # The policy's own strategy is infeasible: it falls back on restart, or on the
             # best of all when restart is infeasible too.
@@ -744,7 +770,10 @@ class Planner:
                      else self._workers("alive", alive) | returned_set)
         state = self._state(plan, alive_set, None)
         wanted = self._rejoin(chosen_policy)
-        found = self._lookup("rejoin", state, returned_set, wanted)
+        bar = (self._beaten_by(failure=False, horizon_s=horizon, num_live=len(alive_set),
+                               now_s=now_s)
+               if chosen_policy == "chameleon" and not detail else None)
+        found = self._lookup("rejoin", state, returned_set, wanted, bar)
         raw, back = _detail(found, detail, hide_search)
         start = time.perf_counter()
         by_strategy = {c.strategy: c for c in raw}
@@ -858,17 +887,56 @@ class Planner:
         risk = (batch / candidate.step_s) * len(fatal) * exposure_s
         return replace(candidate, score=max(0.0, candidate.score - risk / window_s))
 
-    def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
-                horizon_s: float | None, num_live: int, now_s: float, search_s: float,
-                cache_hit: bool, back: Callable[[Candidate], Candidate] | None = None,
-                num_idle: int = 0) -> Decision:
+    def _window(self, horizon_s: float | None, num_live: int, now_s: float
+                ) -> tuple[float, bool]:
+        """The window candidates are scored over, and whether it is expected (exponential
+        with that mean) rather than given."""
         # The next change of plan is a failure of a worker in use: idle workers beyond the
         # job's layout (warm spares) fail without changing it.
         num_live = min(num_live, self.config.num_workers)
         if horizon_s is None:
             horizon_s = self.config.policy.horizon_s
-        expected = horizon_s is None
-        window = self.horizon(num_live=num_live, now_s=now_s) if horizon_s is None else horizon_s
+        if horizon_s is None:
+            return self.horizon(num_live=num_live, now_s=now_s), True
+        return horizon_s, False
+
+    def _beaten_by(self, *, failure: bool, horizon_s: float | None, num_live: int,
+                   now_s: float) -> _Bar:
+        """The bar a decision's first candidate (a failure's rerouting, a rejoin's keep)
+        sets for its dynamic re-plan: a search whose fastest plan scores below it however
+        short its transition stops before matching survivors (``dynamic.search``).
+
+        Exact: the re-plan scores at most :func:`score_ceiling` of its step and of the
+        terms it surely pays (a failure's detection and lost step); the two-phase
+        candidate that starts with the first one then switches to the re-plan trains no
+        faster than the first alone; and the fragility term only lowers scores. So when
+        the first candidate has no fatal node (no fragility lowers it) neither can win.
+        """
+        window, expected = self._window(horizon_s, num_live, now_s)
+        detect_s = self.config.recovery.detect_s
+
+        def bar(first: Candidate, state: RecoveryState) -> dynamic.Beaten | None:
+            if (not first.feasible or first.plan is None
+                    or fatal_nodes(first.plan, self._topology)):
+                return None
+            batch = state.plan.global_batch
+            best = candidate_score(first, batch, horizon_s=window, expected=expected)
+            floor_s = (detect_s + lost_step_s(state.estimate(state.plan).step_s)
+                       if failure else 0.0)
+
+            def beaten(step_s: float) -> bool:
+                return (score_ceiling(batch, step_s, floor_s, horizon_s=window,
+                                      expected=expected)
+                        < best * (1.0 - _BEATEN_MARGIN))
+            return beaten
+        return bar
+
+    def _choose(self, candidates: tuple[Candidate, ...], *, plan: ExecutionPlan, policy: str,
+                horizon_s: float | None, num_live: int, now_s: float, search_s: float,
+                cache_hit: bool, back: Callable[[Candidate], Candidate] | None = None,
+                num_idle: int = 0) -> Decision:
+        window, expected = self._window(horizon_s, num_live, now_s)
+        num_live = min(num_live, self.config.num_workers)
         batch = plan.global_batch
         scored = tuple(replace(c, score=candidate_score(c, batch, horizon_s=window,
                                                         expected=expected))

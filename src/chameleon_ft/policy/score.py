@@ -99,6 +99,20 @@ def candidate_score(candidate: Candidate, global_batch: float, *, horizon_s: flo
     return work_in_window(candidate, global_batch, horizon_s) / horizon_s
 
 
+def score_ceiling(global_batch: float, step_s: float, transition_s: float, *,
+                  horizon_s: float, expected: bool) -> float:
+    """The score (:func:`candidate_score`) of a one-phase candidate with ``step_s`` and
+    ``transition_s``: no candidate whose step is at least ``step_s`` and whose transition is
+    at least ``transition_s`` scores more (a second phase of that step, a longer
+    transition or the policy's fragility term only lower it)."""
+    rate = global_batch / step_s
+    if expected:
+        return rate if math.isinf(horizon_s) else rate * math.exp(-transition_s / horizon_s)
+    if horizon_s <= 0:
+        return 0.0
+    return rate * max(0.0, horizon_s - transition_s) / horizon_s
+
+
 def break_even_horizon_s(slow_step_s: float, fast_step_s: float,
                          fast_transition_s: float, slow_transition_s: float = 0.0) -> float:
     """The window beyond which the faster-but-costlier candidate wins under Eq. 8.

@@ -434,16 +434,25 @@ _Best = tuple[float, float, ExecutionPlan, Estimate, tuple[int, ...]]
 """(step seconds, bytes moved, plan, its estimate, its pipeline lengths)."""
 
 
+Beaten = Callable[[float], bool]
+"""Whether a plan of a given step time cannot beat a candidate already priced."""
+
+BEATEN = "beaten"
+"""What :func:`search` returns when its fastest shape cannot beat a candidate already
+priced (its ``beaten`` test)."""
+
+
 def _fastest_plan(state: RecoveryState, priced: list[_Split],
-                  held: Mapping[int, Collection[int]],
-                  layer_bytes: Sequence[float]) -> _Best | None:
+                  held: Mapping[int, Collection[int]], layer_bytes: Sequence[float],
+                  beaten: Beaten | None = None) -> _Best | str | None:
     """The fastest whole plan over the priced splits' shapes that fits memory (ties: fewer
     bytes moved); ``None`` when none fits.
 
     Placement matters to an estimate only through which links a transfer crosses; with
     one worker per node, one node, or free links, every filling of a shape prices the
     same (:func:`placement_free_price`), so the Hungarian matching runs only for the
-    shapes that win.
+    shapes that win. There, a fastest step that ``beaten`` rejects ends the search before
+    any matching (:data:`BEATEN`).
     """
     placement_free = state.topology.placement_free
     best: _Best | None = None
@@ -468,6 +477,8 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
                     best = (est.step_s, moved, new_plan, est, split.lengths)
     if unmatched:
         fastest = min(step for step, _, _ in unmatched)
+        if best is None and beaten is not None and beaten(fastest):
+            return BEATEN
         for step, split, layouts in unmatched:
             if step != fastest:
                 continue
@@ -479,8 +490,11 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
     return best
 
 
-def search(state: RecoveryState) -> SearchResult | None:
-    """The best dynamic plan over ``state.alive``; ``None`` when nothing fits.
+def search(state: RecoveryState, beaten: Beaten | None = None
+           ) -> SearchResult | str | None:
+    """The best dynamic plan over ``state.alive``; ``None`` when nothing fits;
+    :data:`BEATEN` when ``beaten`` (a test of a step time) rejects the fastest shape's step
+    before any survivor is matched to it (one worker per node, or free links only).
 
     The survivors must hold every layer between them (checked by :func:`candidates`).
     """
@@ -498,9 +512,9 @@ def search(state: RecoveryState) -> SearchResult | None:
     held = dict(zip(state.alive, map(by_worker.get, state.alive, itertools.repeat(range(0))),
                     strict=True))
     layer_bytes = [layer.state_bytes for layer in state.profile.layers]
-    best = _fastest_plan(state, _to_price(exact), held, layer_bytes)
-    if best is None:
-        return None
+    best = _fastest_plan(state, _to_price(exact), held, layer_bytes, beaten)
+    if best is None or isinstance(best, str):
+        return best
     _, _, new_plan, est, lengths_of_plan = best
     new_plan = sharing_stages(new_plan, state.plan)
     migration = schedule_migration(new_plan, held, state.profile, state.topology,
@@ -511,13 +525,17 @@ def search(state: RecoveryState) -> SearchResult | None:
 
 
 def candidates(state: RecoveryState, failed: frozenset[int], *,
-               failure: bool = True) -> list[Candidate]:
+               failure: bool = True, beaten: Beaten | None = None
+               ) -> list[Candidate]:
     """The best dynamic plan, priced, or why there is none.
 
     Args:
         state: the job and the current plan; ``state.alive`` excludes ``failed``.
         failed: the newly failed workers.
         failure: answering a failure rather than a re-join (see :func:`dynamic_candidate`).
+        beaten: whether a plan of a given step time cannot beat a candidate already priced
+            (:meth:`Planner.decide`): such a search stops before matching survivors, and
+            the candidate is infeasible, beaten.
 
     Returns:
         One candidate (feasible or not).
@@ -525,11 +543,14 @@ def candidates(state: RecoveryState, failed: frozenset[int], *,
     missing = state.missing_layers()
     if missing:
         return [infeasible(Strategy.DYNAMIC, f"layer {missing[0]} has no live replica")]
-    result = search(state)
+    result = search(state, beaten)
     if result is None:
         return [infeasible(Strategy.DYNAMIC,
                            f"no arrangement of the {len(state.alive)} survivors into pipelines "
                            "fits device memory")]
+    if isinstance(result, str):
+        return [infeasible(Strategy.DYNAMIC, "its fastest plan is too slow to beat a "
+                           "candidate already priced, whatever its transition")]
     return [dynamic_candidate(state, result, failure=failure)]
 
 
