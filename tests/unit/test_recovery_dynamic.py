@@ -12,6 +12,7 @@ import pytest
 
 from chameleon_ft.perf import estimate
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import LayerCost, Profile
 from chameleon_ft.recovery import dynamic
@@ -301,3 +302,37 @@ def test_search_splits_micro_batches_as_the_moves_do(
                         lambda layouts, total, step_s, known=None:
                         templates_module.allocate_by_moves(layouts, total, step_s))
     assert results() == fast
+
+
+def test_intact_pipelines_are_counted_by_length_in_order_of_first_intact_one() -> None:
+    """Pipelines that lost nothing (no rerouted stage, every stage worker alive), counted
+    by length in the order their lengths first appear among them: as a walk over every
+    pipeline counts them, on mixed lengths, reroutes and dead workers."""
+    planner = Planner(load_config(Path(__file__).parents[2] / "examples" / "paper32.toml"))
+    layers = planner.initial_plan.num_layers
+    rng = random.Random(3)
+    for _ in range(20):
+        lengths = [rng.choice([2, 4]) for _ in range(6)]
+        pipelines, worker = [], 0
+        for n in lengths:
+            bounds = [round(layers * k / n) for k in range(n + 1)]
+            pipelines.append(Pipeline(tuple(Stage(worker + s, bounds[s], bounds[s + 1])
+                                            for s in range(n)), 4))
+            worker += n
+        plan = ExecutionPlan(num_layers=layers, pipelines=tuple(pipelines))
+        rerouted = frozenset(rng.sample(plan.workers, rng.choice([0, 1])))
+        if rerouted and lengths.count(len(plan.pipelines[plan.stage_of_worker[
+                next(iter(rerouted))][0]].stages)) > 1:  # a peer of its layout exists
+            plan = reroute_plan(plan, rerouted)
+        else:
+            rerouted = frozenset()
+        dead = rerouted | frozenset(rng.sample(plan.workers, rng.choice([0, 1, 2])))
+        alive = frozenset(range(worker)) - dead
+        state = planner.recovery_state(plan, alive)
+        expected: dict[int, int] = {}
+        for p, pipe in enumerate(plan.pipelines):
+            hit = any((p, s) in plan.reroute_map for s in range(pipe.num_stages))
+            if not hit and all(w in alive for w in pipe.workers):
+                expected[pipe.num_stages] = expected.get(pipe.num_stages, 0) + 1
+        found = dynamic._intact_lengths(state)
+        assert found == expected and list(found) == list(expected)

@@ -148,15 +148,17 @@ def _affine_fit(templates: Templates, length: int, m: int) -> tuple[float, float
 
 def _intact_lengths(state: RecoveryState) -> dict[int, int]:
     """Pipelines of the current plan that lost nothing, counted by length."""
-    alive = state.alive.__contains__
-    damaged = {p for p, _ in state.plan.reroute_map}
-    damaged.update(p for p, workers in enumerate(state.plan.worker_rows())
-                   if not all(map(alive, workers)))
-    out: dict[int, int] = {}
-    for p, pipe in enumerate(state.plan.pipelines):
-        if p not in damaged:
-            out[pipe.num_stages] = out.get(pipe.num_stages, 0) + 1
-    return out
+    plan = state.plan
+    where = plan.stage_of_worker
+    # damaged: rerouted, or naming a worker not alive (a rerouted stage's is rerouted)
+    damaged = {p for p, _ in plan.reroute_map}
+    damaged.update(where[w][0] for w in state.named_dead() if w in where)
+    lengths = list(map(len, plan.worker_rows()))
+    for p in damaged:
+        lengths[p] = 0
+    counts = Counter(lengths)  # at C speed, lengths in order of first intact pipeline
+    counts.pop(0, None)
+    return dict(counts)
 
 
 def _anchored(intact: dict[int, int], num_alive: int,
@@ -373,9 +375,11 @@ def _shape(state: RecoveryState, split: _Split,
 
 def _filled_in_id_order(state: RecoveryState, split: _Split,
                         layouts: tuple[Layout, ...] | None,
-                        held: Mapping[int, Collection[int]]) -> ExecutionPlan:
-    """The shape of ``split`` with ``layouts`` filled with the live workers in id order."""
-    return _in_id_order(_shape(state, split, layouts), held)
+                        holdings: Callable[[], Mapping[int, Collection[int]]]
+                        ) -> ExecutionPlan:
+    """The shape of ``split`` with ``layouts`` filled with the live workers in id order
+    (``holdings()``: every live worker's layers)."""
+    return _in_id_order(_shape(state, split, layouts), holdings())
 
 
 def _runs(lengths: Sequence[int], counts: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
@@ -443,7 +447,8 @@ priced (its ``beaten`` test)."""
 
 
 def _fastest_plan(state: RecoveryState, priced: list[_Split],
-                  held: Mapping[int, Collection[int]], layer_bytes: Sequence[float],
+                  holdings: Callable[[], Mapping[int, Collection[int]]],
+                  layer_bytes: Sequence[float],
                   beaten: Beaten | None = None) -> _Best | str | None:
     """The fastest whole plan over the priced splits' shapes that fits memory (ties: fewer
     bytes moved); ``None`` when none fits.
@@ -462,11 +467,11 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
             if placement_free:
                 step_s, fits = placement_free_price(
                     state, split.lengths, split.counts, layouts,
-                    functools.partial(_filled_in_id_order, state, split, layouts, held))
+                    functools.partial(_filled_in_id_order, state, split, layouts, holdings))
                 if fits:
                     unmatched.append((_rounded(step_s), split, layouts))
                 continue
-            for new_plan, moved in _placements(state, _shape(state, split, layouts), held,
+            for new_plan, moved in _placements(state, _shape(state, split, layouts), holdings(),
                                                layer_bytes):
                 new_plan.validate()
                 est = state.estimate(new_plan)
@@ -482,8 +487,8 @@ def _fastest_plan(state: RecoveryState, priced: list[_Split],
         for step, split, layouts in unmatched:
             if step != fastest:
                 continue
-            new_plan, moved = assign_workers(_shape(state, split, layouts), held, layer_bytes,
-                                             state.plan)
+            new_plan, moved = assign_workers(_shape(state, split, layouts), holdings(),
+                                             layer_bytes, state.plan)
             new_plan.validate()
             if best is None or moved < best[1]:
                 best = (step, moved, new_plan, state.estimate(new_plan), split.lengths)
@@ -509,15 +514,20 @@ def search(state: RecoveryState, beaten: Beaten | None = None
     if not exact:
         return None
     by_worker = state.plan.layers_by_worker
-    held = dict(zip(state.alive, map(by_worker.get, state.alive, itertools.repeat(range(0))),
-                    strict=True))
+
+    @functools.cache
+    def holdings() -> Mapping[int, Collection[int]]:
+        """Every live worker's layers (read only once a shape is matched)."""
+        return dict(zip(state.alive, map(by_worker.get, state.alive, itertools.repeat(range(0))),
+                        strict=True))
+
     layer_bytes = [layer.state_bytes for layer in state.profile.layers]
-    best = _fastest_plan(state, _to_price(exact), held, layer_bytes, beaten)
+    best = _fastest_plan(state, _to_price(exact), holdings, layer_bytes, beaten)
     if best is None or isinstance(best, str):
         return best
     _, _, new_plan, est, lengths_of_plan = best
     new_plan = sharing_stages(new_plan, state.plan)
-    migration = schedule_migration(new_plan, held, state.profile, state.topology,
+    migration = schedule_migration(new_plan, holdings(), state.profile, state.topology,
                                    max_parts=state.config.recovery.migration_max_parts)
     return SearchResult(plan=new_plan, estimate=est, migration=migration,
                         lengths=lengths_of_plan, num_partitions=num_partitions,
