@@ -13,6 +13,7 @@ from chameleon_ft.perf.estimator import Breakdown, Estimate, Estimator
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
 from chameleon_ft.policy.symmetry import (
+    _Inverse,
     _rename_estimate,
     _rename_migration,
     canonical_renaming,
@@ -153,3 +154,17 @@ def test_a_lazily_renamed_estimate_and_migration_read_as_eager_copies() -> None:
             eager, Migration) else dataclasses.replace(lazy, step_s=1.0) == eager
     assert _rename_estimate(est, renaming) != est
     assert hash(_rename_migration(migration, {})) == hash(migration)
+
+
+def test_a_renaming_back_read_by_index_reads_as_its_dict() -> None:
+    back = (3, 0, 2, 1)
+    inverse = _Inverse(back)
+    as_dict = dict(enumerate(back))
+    assert dict(inverse) == as_dict and len(inverse) == 4
+    for k in (-1, 0, 3, 4, 7):
+        assert inverse.get(k, k) == as_dict.get(k, k)
+        assert (k in inverse) == (k in as_dict)
+    with pytest.raises(KeyError):
+        inverse[4]
+    assert rename_plan(ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4),
+                       inverse).worker_rows() == [(3, 2), (0, 1)]

@@ -10,7 +10,9 @@ every single failure is one of 16 cached problems instead of 2,048.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate, chain, count, repeat
 from operator import attrgetter
@@ -90,9 +92,6 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
     same, same_table = known if known is not None else ({}, {})
 
     def pipeline(pipe: Pipeline) -> Pipeline:
-        found = same.get(id(pipe))
-        if found is not None:
-            return found
         found = same_table.get(id(pipe.table))
         if found is not None:
             return found.with_microbatches(pipe.num_microbatches)
@@ -101,9 +100,14 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
         get = renaming.get
         return pipe.on_workers(map(get, pipe.workers, pipe.workers))
 
+    # the known pipelines looked up at C speed, the others one by one
+    pipes = plan.pipelines
+    found: list[Pipeline | None] = list(map(same.get, map(id, pipes)))
+    for p in itertools.compress(range(len(pipes)), map(operator.not_, found)):
+        found[p] = pipeline(pipes[p])
     return ExecutionPlan(
         num_layers=plan.num_layers,
-        pipelines=tuple(pipeline(pipe) for pipe in plan.pipelines),
+        pipelines=tuple(found),  # type: ignore[arg-type]  # every entry filled above
         reroutes=tuple(Reroute(r.pipeline, r.stage, tuple((w(x), n) for x, n in r.shares))
                        for r in plan.reroutes),
         micro_batch=plan.micro_batch,
@@ -330,19 +334,47 @@ class CanonicalForm:
                  ) -> Callable[[Candidate], Candidate]:
         """:meth:`answer` for several candidates of one state: the renaming back and the
         original pipelines are looked up once, at the first candidate."""
-        maps: list[tuple[dict[int, int], _Known]] = []
+        maps: list[tuple[Mapping[int, int], _Known]] = []
 
         def named(candidate: Candidate) -> Candidate:
             if not maps:
                 source = stored if stored is not None else self.plan
                 pairs = list(zip(source.pipelines, self.order, strict=True))
-                maps.append((dict(enumerate(self.back)),
+                maps.append((_Inverse(self.back),
                              ({id(pipe): original.pipelines[p] for pipe, p in pairs},
                               {id(pipe.table): original.pipelines[p] for pipe, p in pairs})))
             back, known = maps[0]
             return rename_candidate(candidate, back, original, known=known)
 
         return named
+
+
+class _Inverse(Mapping[int, int]):
+    """A form's renaming back (canonical id -> worker) read from its tuple by index: the
+    ids are ``0 .. n - 1``, so no dict of every worker is built for the few an answer
+    renames."""
+
+    __slots__ = ("_back",)
+
+    def __init__(self, back: tuple[int, ...]) -> None:
+        self._back = back
+
+    def __getitem__(self, canonical: int) -> int:
+        if 0 <= canonical < len(self._back):
+            return self._back[canonical]
+        raise KeyError(canonical)
+
+    def get(self, canonical: int, default: Any = None) -> Any:
+        return self._back[canonical] if 0 <= canonical < len(self._back) else default
+
+    def __contains__(self, canonical: object) -> bool:
+        return isinstance(canonical, int) and 0 <= canonical < len(self._back)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._back)))
+
+    def __len__(self) -> int:
+        return len(self._back)
 
 
 _CANONICAL_PIPELINES: dict[tuple[int, int, int], tuple[Any, Pipeline]] = {}
