@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.reroute import _live_peers
 from chameleon_ft.policy import Planner
 from chameleon_ft.spec.config import Config, config_from_mapping
 
@@ -100,3 +103,26 @@ def test_reroute_infeasible_when_peers_run_out_of_memory() -> None:
     for c in decision.candidates:
         if c.feasible:
             assert c.peak_memory_bytes <= 4.5 * GIB
+
+
+def test_live_peers_are_every_other_holder_of_a_range_in_pipeline_order() -> None:
+    """Mixed layouts (two rows of range objects, interleaved), skipped stages: the holders
+    of each wanted range, as a walk over every stage lists them."""
+    rng = random.Random(7)
+    for _ in range(20):
+        pipelines, worker = [], 0
+        for _ in range(9):
+            bounds = rng.choice([(0, 4, 8), (0, 2, 8), (0, 4, 8)])
+            pipelines.append(Pipeline(tuple(Stage(worker + s, bounds[s], bounds[s + 1])
+                                            for s in range(2)), 2))
+            worker += 2
+        plan = ExecutionPlan(num_layers=8, pipelines=tuple(pipelines))
+        wanted = {(0, 4), (4, 8), (2, 8), (0, 2), (1, 3)}
+        skip = {(rng.randrange(9), rng.randrange(2)) for _ in range(rng.randrange(4))}
+        expected: dict[tuple[int, int], list[tuple[int, int]]] = {b: [] for b in wanted}
+        for p, pipe in enumerate(plan.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                key = (stage.first_layer, stage.end_layer)
+                if key in wanted and (p, s) not in skip:
+                    expected[key].append((p, stage.worker))
+        assert _live_peers(plan, wanted, skip) == expected

@@ -3,8 +3,11 @@ live workers holding the same layers in other pipelines (docs/design.md section 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import itertools
+import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
@@ -30,16 +33,30 @@ def _live_peers(plan: ExecutionPlan, wanted: set[tuple[int, int]], skip: set[tup
     in ``skip``), as ``(pipeline, worker)`` in pipeline order. Pipelines of one layout share
     a row of range objects: where a range sits in a row is looked up once per row."""
     out: dict[tuple[int, int], list[tuple[int, int]]] = {bounds: [] for bounds in wanted}
-    positions: dict[int, list[tuple[tuple[int, int], int]]] = {}
-    for p, pipe in enumerate(plan.pipelines):
-        row = pipe.layer_ranges
-        found = positions.get(id(row))  # every row lives as long as the plan
-        if found is None:
-            where = {(r.start, r.stop): s for s, r in enumerate(row)}
-            found = positions[id(row)] = [(b, where[b]) for b in wanted if b in where]
-        for bounds, s in found:
-            if (p, s) not in skip:
-                out[bounds].append((p, pipe.workers[s]))
+    rows, workers = plan.range_rows(), plan.worker_rows()
+    ids = list(map(id, rows))
+    # the pipelines of each row object in order (a stable sort at C speed): a wanted range
+    # sits at one position of a row, so its holders in those pipelines are read at once
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    merged: set[tuple[int, int]] = set()
+    for _, run in itertools.groupby(order, key=ids.__getitem__):
+        group = list(run)
+        where = {(r.start, r.stop): s for s, r in enumerate(rows[group[0]])}
+        for bounds in wanted:
+            s = where.get(bounds)
+            if s is None:
+                continue
+            found = list(zip(group, map(operator.itemgetter(s),
+                                        map(workers.__getitem__, group)), strict=True))
+            for p in sorted((q for q, t in skip if t == s), reverse=True):
+                i = bisect.bisect_left(group, p)
+                if i < len(group) and group[i] == p:
+                    del found[i]
+            if out[bounds]:
+                merged.add(bounds)
+            out[bounds] += found
+    for bounds in merged:
+        out[bounds].sort()  # in pipeline order (one entry per pipeline)
     return out
 
 
