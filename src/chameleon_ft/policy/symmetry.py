@@ -97,8 +97,7 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
             return found.with_microbatches(pipe.num_microbatches)
         if renaming.keys().isdisjoint(pipe.workers):
             return pipe  # most pipelines keep their workers: reuse them as they are
-        get = renaming.get
-        return pipe.on_workers(map(get, pipe.workers, pipe.workers))
+        return pipe.on_workers(_renamed_all(pipe.workers, renaming))
 
     # the known pipelines looked up at C speed, the others one by one
     pipes = plan.pipelines
@@ -132,10 +131,18 @@ class _LazilyRenamed(LazyFields):
                            if f.name not in cls._lazy_fields}, source, renaming)
 
 
+def _renamed_all(ws: Sequence[int], renaming: Mapping[int, int]) -> Iterator[int]:
+    """``ws`` renamed (ids the renaming does not name keep theirs), at C speed: a renaming
+    back (:class:`_Inverse`) is read by index."""
+    if isinstance(renaming, _Inverse):
+        return map(renaming.back.__getitem__, ws)
+    return map(renaming.get, ws, ws)
+
+
 def _renamed_workers(ws: tuple[int, ...], renaming: Mapping[int, int]) -> tuple[int, ...]:
     if renaming.keys().isdisjoint(ws):
         return ws
-    return tuple(sorted(map(renaming.get, ws, ws)))
+    return tuple(sorted(_renamed_all(ws, renaming)))
 
 
 class _RenamedEstimate(_LazilyRenamed, Estimate):
@@ -143,14 +150,12 @@ class _RenamedEstimate(_LazilyRenamed, Estimate):
     _lazy_fields = ("peak_memory_bytes", "sync_rounds", "tie_workers")
 
     def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
-        get = renaming.get
-
         def bucket(b: Bucket) -> Bucket:
             renamed = _renamed_workers(b.workers, renaming)
             return b if renamed is b.workers else Bucket(renamed, b.layers)
 
         peaks = source.peak_memory_bytes
-        return {"peak_memory_bytes": dict(zip(map(get, peaks, peaks), peaks.values(),
+        return {"peak_memory_bytes": dict(zip(_renamed_all(list(peaks), renaming), peaks.values(),
                                               strict=True)),
                 "sync_rounds": tuple(tuple(bucket(b) for b in group)
                                      for group in source.sync_rounds),
@@ -354,27 +359,28 @@ class _Inverse(Mapping[int, int]):
     ids are ``0 .. n - 1``, so no dict of every worker is built for the few an answer
     renames."""
 
-    __slots__ = ("_back",)
+    __slots__ = ("back",)
 
     def __init__(self, back: tuple[int, ...]) -> None:
-        self._back = back
+        self.back = back
+        """Each canonical id's worker (every id of the cluster is one)."""
 
     def __getitem__(self, canonical: int) -> int:
-        if 0 <= canonical < len(self._back):
-            return self._back[canonical]
+        if 0 <= canonical < len(self.back):
+            return self.back[canonical]
         raise KeyError(canonical)
 
     def get(self, canonical: int, default: Any = None) -> Any:
-        return self._back[canonical] if 0 <= canonical < len(self._back) else default
+        return self.back[canonical] if 0 <= canonical < len(self.back) else default
 
     def __contains__(self, canonical: object) -> bool:
-        return isinstance(canonical, int) and 0 <= canonical < len(self._back)
+        return isinstance(canonical, int) and 0 <= canonical < len(self.back)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(len(self._back)))
+        return iter(range(len(self.back)))
 
     def __len__(self) -> int:
-        return len(self._back)
+        return len(self.back)
 
 
 _CANONICAL_PIPELINES: dict[tuple[int, int, int], tuple[Any, Pipeline]] = {}
