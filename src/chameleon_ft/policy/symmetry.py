@@ -180,6 +180,8 @@ def _rename_estimate(est: Estimate, renaming: Mapping[int, int]) -> Estimate:
 
 
 class _CarriedEstimate(LazyFields, Estimate):
+    """An estimate carried over from a renamed plan (:func:`carried_estimate`)."""
+
     _base = Estimate
     _lazy_fields = ("peak_memory_bytes", "sync_rounds", "tie_workers")
 
@@ -364,8 +366,7 @@ class _Inverse(Mapping[int, int]):
     __slots__ = ("back",)
 
     def __init__(self, back: tuple[int, ...]) -> None:
-        self.back = back
-        """Each canonical id's worker (every id of the cluster is one)."""
+        self.back = back  # each canonical id's worker (every id of the cluster is one)
 
     def __getitem__(self, canonical: int) -> int:
         if 0 <= canonical < len(self.back):
