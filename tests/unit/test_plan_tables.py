@@ -50,6 +50,11 @@ def test_tables_are_their_definitions(seed: int) -> None:
         holders = tuple(tuple(sorted(st.worker for _, _, st in live if layer in st.layers))
                         for layer in range(plan.num_layers))
         assert plan.holders_by_layer == holders
+        # the all-reduce buckets: each distinct holders tuple's layers, in layer order
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for layer, h in enumerate(holders):
+            buckets.setdefault(h, []).append(layer)
+        assert list(plan.layers_by_holders.items()) == list(buckets.items())
         # validation keeps its worker table: the same pairs, in the same order
         fresh = ExecutionPlan(num_layers=plan.num_layers, pipelines=plan.pipelines,
                               reroutes=plan.reroutes)

@@ -126,17 +126,8 @@ def sync_buckets(plan: ExecutionPlan, profile: Profile) -> list[tuple[Bucket, fl
     Returns:
         ``(bucket, gradient bytes per device)`` pairs, in layer order.
     """
-    by_holders: dict[tuple[int, ...], list[int]] = {}
-    # The plan shares one holders tuple between layers with the same holders: hash each
-    # tuple object once (thousands of workers each), not once per layer.
-    by_object: dict[int, list[int]] = {}
-    for layer, holders in enumerate(plan.holders_by_layer):
-        layers = by_object.get(id(holders))
-        if layers is None:
-            layers = by_object[id(holders)] = by_holders.setdefault(holders, [])
-        layers.append(layer)
     out = []
-    for holders, layers in by_holders.items():
+    for holders, layers in plan.layers_by_holders.items():
         grad_bytes = sum(profile.layers[i].param_bytes for i in layers)
         out.append((Bucket(holders, tuple(layers)), grad_bytes))
     return out

@@ -619,6 +619,22 @@ class ExecutionPlan:
             out.append(holders)
         return tuple(out)
 
+    @cached_property
+    def layers_by_holders(self) -> dict[tuple[int, ...], list[int]]:
+        """The layers of each distinct holders tuple (:attr:`holders_by_layer`), in layer
+        order, the tuples in the order of their first layer: the all-reduce buckets. Read,
+        not changed, by its callers."""
+        by_holders: dict[tuple[int, ...], list[int]] = {}
+        # The plan shares one holders tuple between layers with the same holders: each
+        # tuple object (thousands of workers) is hashed once, not once per layer.
+        by_object: dict[int, list[int]] = {}
+        for layer, holders in enumerate(self.holders_by_layer):
+            layers = by_object.get(id(holders))
+            if layers is None:
+                layers = by_object[id(holders)] = by_holders.setdefault(holders, [])
+            layers.append(layer)
+        return by_holders
+
     def fatal_nodes(self, workers_per_node: int) -> frozenset[int]:
         """Nodes (``worker // workers_per_node``) whose loss leaves some layer without a
         live replica: the single node holding every replica of a layer. Kept with the plan

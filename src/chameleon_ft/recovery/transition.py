@@ -202,14 +202,7 @@ def _busiest(new: ExecutionPlan, busy: Mapping[int, float],
     dozen."""
     if not changed:
         return max(busy.values(), default=0.0)
-    # each bucket's layers: the layers whose holders are its holders (the plan shares
-    # one tuple between layers with the same holders: each object is hashed once)
-    by_object: dict[int, list[int]] = {}
-    for layer, holders in enumerate(new.holders_by_layer):
-        by_object.setdefault(id(holders), []).append(layer)
-    layers_of: dict[tuple[int, ...], list[int]] = {}
-    for layers in by_object.values():
-        layers_of.setdefault(new.holders_by_layer[layers[0]], []).extend(layers)
+    layers_of = new.layers_by_holders  # each bucket's layers
     by_range: dict[int, range] = {}  # the live stages' ranges, each object once
     rows = new.range_rows()
     dead = new.reroute_map
