@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from chameleon_ft.perf import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.plan.plan import pipeline_on, placeholder_pipeline
+from chameleon_ft.plan.plan import indices_by_object, pipeline_on, placeholder_pipeline
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import match_workers, schedule_migration
-from chameleon_ft.recovery.restorer import _by_object, _by_rows, assign_workers
+from chameleon_ft.recovery.restorer import _by_rows, assign_workers
 from chameleon_ft.recovery.types import Migration
 from chameleon_ft.spec.cluster import ClusterSpec
 
@@ -206,7 +206,7 @@ def test_objects_are_indexed_in_runs_as_one_by_one(runs: list[tuple[int, int]],
     # indices of each object, in order of first appearance, are the one-by-one ones
     objects = [range(k, k + 2) for k in range(4)]
     sets = [objects[k] for k, n in runs for _ in range(n)]
-    by_object = _by_object(sets)
+    by_object = indices_by_object(sets)
     assert list(by_object.items()) == list(_one_by_one(sets).items())
     row_objects = {shape: tuple(objects[k] for k in shape) for shape, _ in rows}
     chained_rows = [row_objects[shape] for shape, n in rows for _ in range(n)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import operator
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -72,6 +73,27 @@ _ROW_END = operator.itemgetter(2)
 _MICROBATCHES_OF = operator.attrgetter("num_microbatches")
 _START = operator.attrgetter("start")
 _STOP = operator.attrgetter("stop")
+
+
+def indices_by_object(items: Sequence[object]) -> dict[int, list[int]]:
+    """The indices of each distinct object of ``items`` (by identity), increasing, objects
+    in order of first appearance: plans share their range objects and range rows, so there
+    are few, and where they come in long runs (survivors in id order on a stage-major
+    layout) the runs are added whole."""
+    ids = list(map(id, items))
+    ends = list(itertools.compress(range(1, len(ids)), map(operator.ne, ids, ids[1:])))
+    if not ids or len(ends) * 8 > len(ids):
+        # Short runs: the indices sorted by object (a stable sort keeps each object's in
+        # order) and cut where the object changes, at C speed; then the objects by first
+        # index.
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        groups = [list(run) for _, run in itertools.groupby(order, key=ids.__getitem__)]
+        groups.sort(key=operator.itemgetter(0))
+        return {ids[group[0]]: group for group in groups}
+    by_object: dict[int, list[int]] = defaultdict(list)
+    for start, end in zip([0, *ends], [*ends, len(ids)], strict=True):
+        by_object[ids[start]].extend(range(start, end))
+    return by_object
 
 
 def _pipeline_table(pipe: Pipeline) -> _Table:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from chameleon_ft.plan.plan import ExecutionPlan, Reroute
+from chameleon_ft.plan.plan import ExecutionPlan, Reroute, indices_by_object
 
 
 def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int]]:
@@ -34,13 +33,10 @@ def _live_peers(plan: ExecutionPlan, wanted: set[tuple[int, int]], skip: set[tup
     a row of range objects: where a range sits in a row is looked up once per row."""
     out: dict[tuple[int, int], list[tuple[int, int]]] = {bounds: [] for bounds in wanted}
     rows, workers = plan.range_rows(), plan.worker_rows()
-    ids = list(map(id, rows))
-    # the pipelines of each row object in order (a stable sort at C speed): a wanted range
-    # sits at one position of a row, so its holders in those pipelines are read at once
-    order = sorted(range(len(ids)), key=ids.__getitem__)
     merged: set[tuple[int, int]] = set()
-    for _, run in itertools.groupby(order, key=ids.__getitem__):
-        group = list(run)
+    # the pipelines of each row object, in order: a wanted range sits at one position of
+    # a row, so its holders in those pipelines are read at once
+    for group in indices_by_object(rows).values():
         where = {(r.start, r.stop): s for s, r in enumerate(rows[group[0]])}
         for bounds in wanted:
             s = where.get(bounds)

@@ -25,6 +25,7 @@ from typing import Any
 from chameleon_ft.perf.coloring import pair_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline
+from chameleon_ft.plan.plan import indices_by_object
 from chameleon_ft.profile import Profile
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
@@ -90,14 +91,15 @@ def match_workers(held: Sequence[Collection[int]], wanted: Sequence[Collection[i
     Raises:
         ValueError: when there are more slots than survivors or a layer index is unknown.
     """
-    return _match(held, wanted, layer_bytes, (_by_object(held), _by_object(wanted)))
+    return _match(held, wanted, layer_bytes,
+                  (indices_by_object(held), indices_by_object(wanted)))
 
 
 def _match(held: Sequence[Collection[int]], wanted: Sequence[Collection[int]],
            layer_bytes: Sequence[float], groups: tuple[dict[int, list[int]], ...]
            ) -> Matching:
     """:func:`match_workers` with the indices of each distinct object of ``held`` and of
-    ``wanted`` (:func:`_by_object`) given."""
+    ``wanted`` (:func:`indices_by_object`) given."""
     if len(wanted) > len(held):
         raise ValueError(f"wanted: {len(wanted)} slots but only {len(held)} workers to fill "
                          "them")
@@ -149,31 +151,10 @@ def _match(held: Sequence[Collection[int]], wanted: Sequence[Collection[int]],
                     moved_bytes=moved)
 
 
-def _by_object(sets: Sequence[Collection[int]]) -> dict[int, list[int]]:
-    """The indices of each distinct object of ``sets`` (by identity), increasing, objects in
-    order of first appearance: a plan's table shares its range objects, so there are few,
-    and where they come in long runs (survivors in id order on a stage-major layout) the
-    runs are added whole."""
-    ids = list(map(id, sets))
-    ends = list(itertools.compress(range(1, len(ids)), map(operator.ne, ids, ids[1:])))
-    if not ids or len(ends) * 8 > len(ids):
-        # Short runs: the indices sorted by object (a stable sort keeps each object's in
-        # order) and cut where the object changes, at C speed; then the objects by first
-        # index.
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        groups = [list(run) for _, run in itertools.groupby(order, key=ids.__getitem__)]
-        groups.sort(key=operator.itemgetter(0))
-        return {ids[group[0]]: group for group in groups}
-    by_object: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip([0, *ends], [*ends, len(ids)], strict=True):
-        by_object[ids[start]].extend(range(start, end))
-    return by_object
-
-
 def _by_rows(rows: Sequence[Sequence[Collection[int]]]) -> dict[int, list[int]]:
-    """:func:`_by_object` of the rows chained (each row one pipeline's stage ranges): runs of
-    pipelines sharing one row object are added stage by stage, every ``len(row)``-th
-    index at once."""
+    """:func:`indices_by_object` of the rows chained (each row one pipeline's stage ranges):
+    runs of pipelines sharing one row object are added stage by stage, every
+    ``len(row)``-th index at once."""
     by_object: dict[int, list[int]] = defaultdict(list)
     slot = 0
     for _, run in itertools.groupby(rows, key=id):
@@ -181,7 +162,7 @@ def _by_rows(rows: Sequence[Sequence[Collection[int]]]) -> dict[int, list[int]]:
         row = run_rows[0]
         length = len(row)
         if len(set(map(id, row))) != length:  # an object twice in a row: index by index
-            return _by_object(list(itertools.chain.from_iterable(rows)))
+            return indices_by_object(list(itertools.chain.from_iterable(rows)))
         for s, obj in enumerate(row):
             by_object[id(obj)].extend(range(slot + s, slot + length * count, length))
         slot += length * count
@@ -190,7 +171,8 @@ def _by_rows(rows: Sequence[Sequence[Collection[int]]]) -> dict[int, list[int]]:
 
 def _by_set(sets: Sequence[Collection[int]], by_object: dict[int, list[int]]
             ) -> dict[frozenset[int], list[int]]:
-    """The indices of each distinct set (:func:`_by_object` merged by value), increasing."""
+    """The indices of each distinct set (:func:`indices_by_object` merged by value),
+    increasing."""
     out: dict[frozenset[int], list[int]] = {}
     for indices in by_object.values():
         found = out.setdefault(frozenset(sets[indices[0]]), indices)
@@ -223,7 +205,8 @@ def assign_workers(skeleton: ExecutionPlan, held: Mapping[int, Collection[int]],
     rows = [pipe.layer_ranges for pipe in skeleton.pipelines]
     wanted = list(itertools.chain.from_iterable(rows))
     holdings = list(map(held.__getitem__, workers))
-    matching = _match(holdings, wanted, layer_bytes, (_by_object(holdings), _by_rows(rows)))
+    matching = _match(holdings, wanted, layer_bytes,
+                      (indices_by_object(holdings), _by_rows(rows)))
     worker_of_slot = [0] * len(wanted)  # the matching fills every slot
     assignment = matching.assignment
     deque(map(worker_of_slot.__setitem__, assignment.values(),
