@@ -463,10 +463,15 @@ class Estimator:
         with gc_paused():  # see gcpause.py: the graphs are many small containers
             result = self._estimate(plan, speeds, brute_force)
         if not brute_force:
-            self._plans[key] = result
-            if len(self._plans) > self._cache_size:
-                self._plans.popitem(last=False)
+            self._keep(key, result)
         return result
+
+    def _keep(self, key: tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
+              estimate: Estimate) -> None:
+        """Keep a whole-plan estimate, dropping the oldest beyond the cache size."""
+        self._plans[key] = estimate
+        if len(self._plans) > self._cache_size:
+            self._plans.popitem(last=False)
 
     def known(self, plan: ExecutionPlan) -> Estimate | None:
         """``plan``'s kept estimate at unit speed, ``None`` when none is kept."""
@@ -477,9 +482,7 @@ class Estimator:
         carried over from the same plan in other worker names (``policy/symmetry.py``)."""
         key = (plan, ())
         if key not in self._plans:
-            self._plans[key] = estimate
-            if len(self._plans) > self._cache_size:
-                self._plans.popitem(last=False)
+            self._keep(key, estimate)
 
     def uncached(self, plan: ExecutionPlan) -> Estimate:
         """``plan``'s estimate at unit speed computed now, whatever is kept for it (its

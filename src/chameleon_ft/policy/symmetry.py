@@ -10,12 +10,10 @@ every single failure is one of 16 cached problems instead of 2,048.
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from itertools import accumulate, chain, count, repeat
-from operator import attrgetter
+from itertools import accumulate, chain, compress, count, repeat
+from operator import attrgetter, not_
 from typing import Any
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
@@ -102,7 +100,7 @@ def rename_plan(plan: ExecutionPlan, renaming: Mapping[int, int],
     # the known pipelines looked up at C speed, the others one by one
     pipes = plan.pipelines
     found: list[Pipeline | None] = list(map(same.get, map(id, pipes)))
-    for p in itertools.compress(range(len(pipes)), map(operator.not_, found)):
+    for p in compress(range(len(pipes)), map(not_, found)):
         found[p] = pipeline(pipes[p])
     return ExecutionPlan(
         num_layers=plan.num_layers,
@@ -168,7 +166,10 @@ class _RenamedMigration(_LazilyRenamed, Migration):
 
     def _fill(self, source: Any, renaming: Mapping[int, int]) -> dict[str, Any]:
         get = renaming.get
-        return {"slots": tuple([(get(x, x), p, s) for x, p, s in source.slots]),
+        slots = source.slots
+        return {"slots": tuple(zip(_renamed_all([x for x, _, _ in slots], renaming),
+                                   [p for _, p, _ in slots], [s for _, _, s in slots],
+                                   strict=True)),
                 "transfers": tuple([Transfer(t.layer, get(t.src, t.src), get(t.dst, t.dst),
                                              t.part, t.num_parts, t.num_bytes)
                                     for t in source.transfers])}
