@@ -300,6 +300,33 @@ def test_shrink_readmits_healed_replicas(planner: Planner) -> None:
     assert keep.strategy == "keep"
 
 
+def test_readmitted_replicas_keep_a_dead_stage_rerouted(planner: Planner) -> None:
+    """Regression: re-admitting replicas into a rerouted plan dropped its reroutes, so the
+    grown plan ran a stage on a worker that was still dead (and priced it as live)."""
+    plan = planner.initial_plan
+    dead = plan.pipelines[2].stages[0].worker
+    shrunk_away = plan.pipelines[5].stages[0].worker
+    everyone = frozenset(range(planner.topology.num_workers))
+    # a pipeline is dropped, then a stage of another is rerouted; the dropped pipeline's
+    # worker returns while ``dead`` stays dead
+    shrunk = planner.decide(plan, [shrunk_away], policy="shrink", horizon_s=3600.0).plan
+    rerouted = planner.decide(shrunk, [dead], policy="reroute", horizon_s=3600.0).plan
+    assert dead in rerouted.dead_workers
+    alive = everyone - {dead}
+    back = planner.decide_rejoin(rerouted, [shrunk_away], alive=alive, policy="shrink",
+                                 horizon_s=3600.0)
+    grown = back.plan
+    assert back.strategy == "shrink"
+    grown.validate(num_microbatches=plan.num_microbatches)
+    assert set(grown.workers) <= alive
+    assert dead in grown.dead_workers
+    assert grown.num_pipelines == rerouted.num_pipelines + 1
+    # the returned worker of the rerouted stage takes it back
+    both = planner.decide_rejoin(rerouted, [shrunk_away, dead], alive=everyone,
+                                 policy="shrink", horizon_s=3600.0).plan
+    assert dead in both.workers and not both.reroutes
+
+
 def test_topology_of_the_grid_is_one_worker_per_node() -> None:
     assert Topology.from_config(CONFIG).workers_per_node == 1
 

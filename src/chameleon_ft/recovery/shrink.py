@@ -8,7 +8,10 @@ back, :func:`grow` re-admits whole replicas made of idle workers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.recovery.reroute import dead_stages
 from chameleon_ft.recovery.restorer import copy_in
 from chameleon_ft.recovery.templates import allocate
@@ -61,7 +64,9 @@ def grow(state: RecoveryState) -> Candidate:
     the others train on, and join at a step boundary (the caller makes it two-phase).
 
     Pipelines are placed over the idle workers in id order as the job's ``placement``
-    says; the global batch is re-split over all pipelines (``templates.allocate``).
+    says; the global batch is re-split over all pipelines (``templates.allocate``). A
+    stage the current plan reroutes stays rerouted while its worker is dead, its
+    micro-batches spread again over its peers (a returned one takes its stage back).
 
     Args:
         state: the job and the current plan; ``state.alive`` includes the returned workers.
@@ -98,6 +103,13 @@ def grow(state: RecoveryState) -> Candidate:
                    *(Pipeline(ss, m) for ss, m in zip(added, counts[plan.num_pipelines:],
                                                       strict=True))),
         reroutes=(), micro_batch=plan.micro_batch, schedule=plan.schedule)
+    still_dead = plan.dead_workers - state.alive
+    if still_dead:
+        try:
+            rerouted = reroute_plan(new_plan, still_dead)
+        except ValueError as exc:
+            return infeasible(Strategy.SHRINK, str(exc).removeprefix("reroute: "))
+        new_plan = replace(rerouted, defer_weight_grad=plan.defer_weight_grad)
     new_plan.validate()
     return copy_in(state, Strategy.SHRINK, new_plan,
                    f"re-admit {count} healed pipeline(s), {new_plan.num_pipelines} in all")
