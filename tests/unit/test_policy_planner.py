@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chameleon_ft.policy import Planner
+from chameleon_ft.policy.horizon import prior_worker_rate_per_s
 from chameleon_ft.policy.score import break_even_horizon_s
 from chameleon_ft.spec.config import Config, config_from_mapping, load_config
 
@@ -219,6 +220,24 @@ def test_expected_horizon_shrinks_with_observed_failures() -> None:
     later = planner.decide(plan, [5], now_s=30.0)
     assert later.horizon_s < first.horizon_s
     assert planner.num_failure_events == 4
+
+
+def test_hours_with_few_live_workers_count_as_few_workers_exposed() -> None:
+    """Regression: the rate counted every worker of the cluster as exposed since time 0, so
+    a job that ran on a few workers for a day waiting for repairs expected hours of calm
+    when the rest came back."""
+    config = small_config()
+    day = 24 * 3600.0
+    prior = 1 / prior_worker_rate_per_s(config.policy, workers_per_node=4)
+    for live in (1, 3):
+        planner = Planner(config)
+        plan = planner.initial_plan
+        planner.decide(plan, [4], now_s=600.0)
+        # node 0 fails; ``live`` of node 1's other workers are alive for the rest of the day
+        planner.decide(plan, [0, 1, 2, 3], alive=range(5, 5 + live), now_s=1200.0)
+        exposure = 8 * 600 + 7 * 600 + live * (day - 1200)
+        assert planner.horizon(num_live=8, now_s=day) == pytest.approx(
+            (prior + exposure) / 3 / 8)
 
 
 def test_decision_is_json_ready(paper32: Planner) -> None:

@@ -19,6 +19,7 @@ from chameleon_ft.policy import (
     work_in_window,
     worker_rate_per_s,
 )
+from chameleon_ft.policy.horizon import LiveExposure
 from chameleon_ft.spec.recovery import LLAMA3_NODE_MTBF_HOURS, PolicySpec
 
 
@@ -106,21 +107,35 @@ def test_infeasible_scores_zero() -> None:
 def test_failure_rate_prior_and_update() -> None:
     spec = PolicySpec()
     assert spec.node_mtbf_hours == pytest.approx(6335, rel=1e-3)
-    prior = worker_rate_per_s(spec, workers_per_node=8, num_workers=32, num_failures=0,
-                              now_s=0.0)
+    prior = worker_rate_per_s(spec, workers_per_node=8, num_failures=0, exposure_worker_s=0.0)
     assert prior == pytest.approx(1 / (LLAMA3_NODE_MTBF_HOURS * 3600 * 8))
     # one failure at t = 0 doubles the rate; a long quiet run lowers it
-    assert worker_rate_per_s(spec, workers_per_node=8, num_workers=32, num_failures=1,
-                             now_s=0.0) == pytest.approx(2 * prior)
-    quiet = worker_rate_per_s(spec, workers_per_node=8, num_workers=32, num_failures=0,
-                              now_s=1e8)
+    assert worker_rate_per_s(spec, workers_per_node=8, num_failures=1,
+                             exposure_worker_s=0.0) == pytest.approx(2 * prior)
+    quiet = worker_rate_per_s(spec, workers_per_node=8, num_failures=0,
+                              exposure_worker_s=32 * 1e8)
     assert quiet < prior
     # many failures in a short time push the rate towards the observed one
-    busy = worker_rate_per_s(spec, workers_per_node=8, num_workers=32, num_failures=50,
-                             now_s=3600 * 24 * 30)
+    busy = worker_rate_per_s(spec, workers_per_node=8, num_failures=50,
+                             exposure_worker_s=32 * 3600 * 24 * 30)
     assert busy > 10 * prior
-    with pytest.raises(ValueError, match="now_s"):
-        worker_rate_per_s(spec, workers_per_node=8, num_workers=32, num_failures=0, now_s=-1)
+    with pytest.raises(ValueError, match="exposure_worker_s"):
+        worker_rate_per_s(spec, workers_per_node=8, num_failures=0, exposure_worker_s=-1)
+
+
+def test_exposure_counts_live_workers_only() -> None:
+    exposure = LiveExposure(16)
+    assert exposure.at(100.0) == 1600.0  # every worker alive from time 0
+    exposure.observe(100.0, 8)
+    exposure.observe(1100.0, 0)  # 8 live for 1,000 s, then none (the job is down)
+    assert exposure.at(1100.0) == 1600.0 + 8000.0
+    assert exposure.at(90_000.0) == 9600.0  # dead workers cannot fail: no exposure
+    exposure.observe(90_000.0, 20)  # back, with spares: at most the job's 16 count
+    assert exposure.at(90_010.0) == 9600.0 + 160.0
+    exposure.observe(50.0, 4)  # a what-if decision in the past adds nothing
+    assert exposure.at(90_010.0) == 9600.0 + 40.0
+
+
 
 
 def test_mean_horizon_and_repair_cap() -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 from chameleon_ft.perf import Estimate, Topology, estimator_for
 from chameleon_ft.plan import ExecutionPlan, initial_plan
-from chameleon_ft.policy.horizon import mean_horizon_s, worker_rate_per_s
+from chameleon_ft.policy.horizon import LiveExposure, mean_horizon_s, worker_rate_per_s
 from chameleon_ft.policy.score import candidate_score, score_ceiling
 from chameleon_ft.policy.symmetry import (
     canonical_renaming,
@@ -268,6 +268,8 @@ class Planner:
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
+        self._exposure = LiveExposure(config.num_workers)
+        """Live worker-seconds so far, from the live workers each decision is told."""
         self._stop: Callable[[], bool] | None = None
         """While :meth:`precompute` runs: whether to stop (asked before every estimate)."""
         start = time.perf_counter()
@@ -614,8 +616,8 @@ class Planner:
         """The failure-rate estimate of one worker at ``now_s`` (``horizon.py``)."""
         return worker_rate_per_s(self.config.policy,
                                  workers_per_node=self._topology.workers_per_node,
-                                 num_workers=self.config.num_workers,
-                                 num_failures=len(self._failure_events), now_s=now_s)
+                                 num_failures=len(self._failure_events),
+                                 exposure_worker_s=self._exposure.at(now_s))
 
     def horizon(self, *, num_live: int, now_s: float) -> float:
         """The expected time to the next change for ``num_live`` workers (``horizon.py``)."""
@@ -722,6 +724,7 @@ class Planner:
             raise ValueError(f"now_s: must be >= 0, got {now_s}")
         alive_set = (frozenset(plan.workers) if alive is None
                      else self._workers("alive", alive)) - failed_set
+        self._exposure.observe(now_s, len(alive_set))
         if not alive_set:
             raise ValueError("failed: no worker is left alive")
         return failed_set, alive_set
@@ -768,6 +771,7 @@ class Planner:
         chosen_policy = _check_policy(policy if policy is not None else self.policy)
         alive_set = (frozenset(plan.workers) | returned_set if alive is None
                      else self._workers("alive", alive) | returned_set)
+        self._exposure.observe(now_s, len(alive_set))
         state = self._state(plan, alive_set, None)
         wanted = self._rejoin(chosen_policy)
         bar = (self._beaten_by(failure=False, horizon_s=horizon, num_live=len(alive_set),

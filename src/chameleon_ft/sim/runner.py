@@ -173,7 +173,8 @@ def make_policy(name: str, planner: Planner, config: Config, *, bamboo_tax: floa
 POLICY_GROUPS = (("chameleon", "oracle"),)
 """Policies run together on one planner; every other policy forms the second group.
 Chameleon runs first on its planner, so its failure-rate estimate counts exactly the
-failures it saw (fixed policies ignore scores, the oracle passes the true horizon), and
+failures and live worker-seconds it saw (fixed policies ignore scores; the oracle passes
+the true horizon, and its fragility term reads the rate over Chameleon's whole run), and
 the oracle reuses most of its candidates. The fixed-strategy policies, Bamboo and Oobleck
 share the second planner (ReCycle first there: its candidates are among Chameleon's, and
 ReCycle's and reroute's re-joins share theirs). On ``llama3-16k`` the two units take
