@@ -249,6 +249,7 @@ class RecoveryState:
     topology: Topology
     plan: ExecutionPlan
     alive: frozenset[int]
+    """Every live worker, idle ones too: workers of ``topology`` (the planner checks)."""
     templates: Templates
     estimate: EstimateFn
     since_checkpoint_s: float | None = None
@@ -303,6 +304,10 @@ class RecoveryState:
 
     def missing_layers(self) -> list[int]:
         """Layers with no live replica."""
+        # Every pipeline holds every layer, and one without a dead worker holds them all
+        # alive: with fewer dead workers in the cluster than pipelines, none is missing.
+        if self.topology.num_workers - len(self.alive) < self.plan.num_pipelines:
+            return []
         covered = [False] * self.plan.num_layers
         held = list(self.held_layers().values())
         for layers in dict(zip(map(id, held), held, strict=True)).values():  # each object once
