@@ -10,9 +10,10 @@ every single failure is one of 16 cached problems instead of 2,048.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from itertools import accumulate, chain, compress, count, repeat
+from itertools import accumulate, chain, compress, count, filterfalse, repeat
 from operator import attrgetter, not_
 from typing import Any
 
@@ -303,6 +304,10 @@ class CanonicalForm:
     """The canonical id of each worker the plan does not name."""
     _everyone: frozenset[int]
     """Every worker of the cluster (:attr:`Topology.all_workers`)."""
+    _alive: frozenset[int] = frozenset()
+    """The live workers the form was made for."""
+    _dead: frozenset[int] = frozenset()
+    """The cluster's other workers (few), found once by the form."""
 
     def __getitem__(self, worker: int) -> int:
         """``worker``'s canonical id."""
@@ -325,7 +330,7 @@ class CanonicalForm:
     def rename_alive(self, alive: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The canonical ids of ``alive`` and of the cluster's other workers, renaming only
         the latter (few): the live ones are every other id."""
-        dead = self.rename(self._everyone - alive)
+        dead = self.rename(self._dead if alive is self._alive else self._everyone - alive)
         return self._everyone - dead, dead
 
     def answer(self, candidate: Candidate, original: ExecutionPlan,
@@ -431,12 +436,16 @@ class _Shapes:
     def __init__(self, plan: ExecutionPlan) -> None:
         pipelines = plan.pipelines
         rows = plan.range_rows()
-        keys = list(zip(map(id, rows), map(_MICROBATCHES_OF, pipelines), strict=True))
-        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+        ids = list(map(id, rows))
+        counts = list(map(_MICROBATCHES_OF, pipelines))
+        single = ids.count(ids[0]) == len(ids) and counts.count(counts[0]) == len(counts)
+        keys = [] if single else list(zip(ids, counts, strict=True))
+        first = ({(ids[0], counts[0]): 0} if single
+                 else dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True)))
         values = {key: (pipelines[p].layout, key[1]) for key, p in first.items()}
         by_value = {v: i for i, v in enumerate(sorted(set(values.values())))}
         rank = {key: by_value[v] for key, v in values.items()}
-        self.ranks = list(map(rank.__getitem__, keys))
+        self.ranks = [0] * len(ids) if single else list(map(rank.__getitem__, keys))
         """Each pipeline's rank among the distinct shapes."""
         self.exact = len(rank) == len(by_value)
         """Whether every shape has one row (else :meth:`canonical` does not cache)."""
@@ -490,9 +499,26 @@ def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: li
             q, s = live[w]
             hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
     hosted = {p: sorted(hosts) for p, hosts in hosting.items()}
-    num = plan.num_pipelines
-    keys = list(zip(lite, map(hosted.get, range(num), repeat([])), range(num), strict=True))
-    return sorted(range(num), key=keys.__getitem__)
+    # A plain pipeline (no special worker, no reroute of its own or of others) has the key
+    # ((rank, (), ()), [], index): it comes before every other pipeline of its rank, and
+    # plain ones of one rank come by index. So the plain ones are sorted by rank alone
+    # (at C speed) and the few others, sorted by their whole keys, go after those of
+    # their rank.
+    marked = touched.union(hosted)
+    others = sorted((lite[p], hosted.get(p, []), p) for p in marked)
+    plain = list(filterfalse(marked.__contains__, range(plan.num_pipelines)))
+    if any(ranks):
+        plain.sort(key=ranks.__getitem__)
+    plain_ranks = list(map(ranks.__getitem__, plain))
+    order: list[int] = []
+    done = 0
+    for key in others:
+        end = bisect_right(plain_ranks, key[0][0], done)
+        order.extend(plain[done:end])
+        order.append(key[2])
+        done = end
+    order.extend(plain[done:])
+    return order
 
 
 def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
@@ -513,15 +539,21 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
         return None
     everyone = topology.all_workers
     rows = plan.worker_rows()
-    named = frozenset(chain.from_iterable(rows))
-    if len(named) != sum(map(len, rows)) or not named <= everyone:
+    # The plan's live stages' table (kept with the plan: the engine and the estimator read
+    # it too) and its rerouted stages' dead workers name every worker the plan names.
+    live = plan.stage_of_worker
+    rerouted = {plan.pipelines[r.pipeline].stages[r.stage].worker: (r.pipeline, r.stage)
+                for r in plan.reroutes}
+    if (len(live) + len(rerouted) != sum(map(len, rows))
+            or not rerouted.keys().isdisjoint(live.keys())
+            or not live.keys() <= everyone or not rerouted.keys() <= everyone):
         return None  # a worker named twice, or outside the cluster: not a valid plan
-    where: _Named = (plan.stage_of_worker,
-                     {plan.pipelines[r.pipeline].stages[r.stage].worker: (r.pipeline, r.stage)
-                      for r in plan.reroutes})
-    # Workers whose status is not "alive, unmarked": few.
+    where: _Named = (live, rerouted)
+    # Workers whose status is not "alive, unmarked": few. The cluster's dead are few too,
+    # found in one pass; the named ones among them are looked up one by one.
+    dead = everyone - alive
     special = set().union(*marks)
-    special.update(named - alive)
+    special.update(w for w in dead if w in live or w in rerouted)
 
     def status(w: int) -> tuple[bool, ...]:
         return (w in alive, *(w in m for m in marks))
@@ -531,12 +563,17 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     # workers numbered pipeline by pipeline in canonical order, then the idle ones
     ordered = list(map(rows.__getitem__, order))
     back = list(chain.from_iterable(ordered))
-    rest = sorted(everyone - named, key=lambda w: (tuple(not x for x in status(w)), w))
+    # The workers the plan does not name: its dead ones, and the idle live ones (counted
+    # from the sizes; looked for among every live worker only when there are some).
+    unnamed = [w for w in dead if w not in live and w not in rerouted]
+    if len(everyone) - len(back) > len(unnamed):
+        unnamed.extend(w for w in alive.difference(live) if w not in rerouted)
+    rest = sorted(unnamed, key=lambda w: (tuple(not x for x in status(w)), w))
     first = dict(zip(order, accumulate(map(len, ordered[:-1]), initial=0), strict=True))
     start = list(map(first.__getitem__, range(len(order))))
     form = CanonicalForm(plan=plan, back=(*back, *rest), order=tuple(order), _named=where,
                          _start=start, _idle=dict(zip(rest, count(len(back)))),
-                         _everyone=everyone)
+                         _everyone=everyone, _alive=alive, _dead=frozenset(dead))
     position = {p: k for k, p in enumerate(order)}
     reroutes = tuple(sorted(
         (Reroute(position[r.pipeline], r.stage, tuple((form[w], n) for w, n in r.shares))
