@@ -43,6 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
@@ -173,9 +174,10 @@ def _anchored(intact: dict[int, int], num_alive: int,
     return out
 
 
-def _rebuilt(intact: dict[int, int], lengths: Sequence[int]) -> int:
-    """Pipelines of a partition that cannot reuse an intact pipeline of the same length."""
-    return sum(max(0, c - intact.get(n, 0)) for n, c in Counter(lengths).items())
+def _rebuilt(intact: dict[int, int], by_length: Mapping[int, int]) -> int:
+    """Pipelines of a partition (``by_length``: its pipelines of each length) that cannot
+    reuse an intact pipeline of the same length."""
+    return sum(max(0, c - intact.get(n, 0)) for n, c in by_length.items())
 
 
 def _rounded(step_s: float) -> float:
@@ -261,18 +263,20 @@ def _ranked_partitions(templates: Templates, num_alive: int, lengths: tuple[int,
     return list(pool), count
 
 
-def _allocated(templates: Templates, lengths: tuple[int, ...],
-               num_microbatches: int) -> tuple[float, list[int]]:
+def _allocated(templates: Templates, lengths: tuple[int, ...], num_microbatches: int
+               ) -> tuple[float, list[int], Mapping[int, int]]:
     """:func:`allocate` over pipelines of ``lengths``, remembered per templates: the split
     depends on nothing else, and the same partitions come back at every failure that
-    leaves the same number of survivors."""
+    leaves the same number of survivors. With it, the partition's pipelines of each
+    length (counted once, not at every search that shortlists it)."""
     key = ("allocate", lengths, num_microbatches)
     found = templates.memo.get(key)
     if found is None:
         step_s, counts = allocate(list(lengths), num_microbatches, templates.length_step_s,
                                   known=templates.priced_steps)
-        found = templates.memo[key] = (step_s, tuple(counts))
-    return found[0], list(found[1])
+        found = templates.memo[key] = (step_s, tuple(counts),
+                                       MappingProxyType(Counter(lengths)))
+    return found[0], list(found[1]), found[2]
 
 
 def max_length(state: RecoveryState) -> int:
@@ -330,9 +334,9 @@ def _exact_splits(templates: Templates, shortlisted: Sequence[tuple[int, ...]],
     in shortlist order; partitions that cannot split the micro-batches are left out."""
     out = []
     for lengths in shortlisted:
-        step_s, counts = _allocated(templates, lengths, num_microbatches)
+        step_s, counts, by_length = _allocated(templates, lengths, num_microbatches)
         if counts:
-            out.append(_Split(step_s, _rebuilt(intact, lengths), len(set(lengths)),
+            out.append(_Split(step_s, _rebuilt(intact, by_length), len(by_length),
                               sum(lengths), lengths, counts))
     return out
 
