@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from chameleon_ft.plan import ExecutionPlan
@@ -280,7 +280,7 @@ def _build_prefix(profile: Profile, layer_build_s: float, rate: float) -> tuple[
 
 
 def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Profile,
-            spec: RecoverySpec) -> float:
+            spec: RecoverySpec, old: ExecutionPlan | None = None) -> float:
     """Seconds until every worker of ``new`` has built the layers it did not hold.
 
     Args:
@@ -289,6 +289,9 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
             reconfiguration that re-instantiates every layer).
         profile: each layer's static bytes.
         spec: ``layer_build_s`` and ``layer_build_gb_per_s``.
+        old: the plan before the change, whose live stages' workers hold their layers:
+            a pipeline ``new`` keeps from it whole (the same stages, none rerouted in
+            ``old``) builds nothing and is not looked at.
 
     Returns:
         The busiest worker's build time.
@@ -300,12 +303,7 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
         for wanted in set(new.layers_by_worker.values()):
             busiest = max(busiest, prefix[wanted.stop] - prefix[wanted.start])
         return busiest
-    by_worker = new.layers_by_worker
-    haves = list(map(held.get, by_worker, itertools.repeat(())))
-    # most workers keep their stage, the very range object (the plans share them): the
-    # others are found at C speed
-    for have, wanted in itertools.compress(zip(haves, by_worker.values(), strict=True),
-                                           map(operator.is_not, haves, by_worker.values())):
+    for have, wanted in _changed_stages(new, held, old):
         if have == wanted:
             continue
         total = prefix[wanted.stop] - prefix[wanted.start]
@@ -318,6 +316,34 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
             total -= sum(prefix[i + 1] - prefix[i] for i in wanted if i in have)
         busiest = max(busiest, total)
     return busiest
+
+
+def _changed_stages(new: ExecutionPlan, held: Mapping[int, Collection[int]],
+                    old: ExecutionPlan | None) -> Iterator[tuple[Collection[int], range]]:
+    """``(held, wanted)`` of every live stage of ``new`` whose worker may lack layers: not
+    holding the very range object it wants (plans share them), and outside the pipelines
+    ``new`` keeps whole from ``old`` (:func:`build_s`); found at C speed."""
+    if old is None:
+        by_worker = new.layers_by_worker
+        workers: Iterable[int] = by_worker
+        wants: Iterable[range] = by_worker.values()
+    else:
+        # a pipeline is its row of workers and its row of ranges (each object its own)
+        gone = {r.pipeline for r in old.reroutes}
+        kept = {pair for p, pair in enumerate(zip(map(id, old.worker_rows()),
+                                                  map(id, old.range_rows()), strict=True))
+                if p not in gone}
+        rows = list(zip(new.worker_rows(), new.range_rows(), strict=True))
+        changed = [p for p, (w, r) in enumerate(rows) if (id(w), id(r)) not in kept]
+        dead = new.reroute_map
+        stages = [(w, want) for p in changed
+                  for s, (w, want) in enumerate(zip(*rows[p], strict=True))
+                  if (p, s) not in dead]
+        workers = [w for w, _ in stages]
+        wants = [want for _, want in stages]
+    haves = list(map(held.get, workers, itertools.repeat(())))
+    return itertools.compress(zip(haves, wants, strict=True),
+                              map(operator.is_not, haves, wants))
 
 
 def rebuild_terms(spec: RecoverySpec, *, old: ExecutionPlan | None, new: ExecutionPlan,
@@ -345,7 +371,7 @@ def rebuild_terms(spec: RecoverySpec, *, old: ExecutionPlan | None, new: Executi
     """
     if spec.rebuild_s is not None:
         return {"rebuild_s": spec.rebuild_s}
-    build = build_s(new, {} if everything else held, profile, spec)
+    build = build_s(new, {} if everything else held, profile, spec, old)
     return {"comm_s": comm_s(old, new, spec, tp=tp, everything=everything,
                              per_layer=per_layer),
             "build_s": 0.0 if build_in_background else build,
