@@ -723,7 +723,9 @@ class Planner:
         if now_s < 0 or math.isnan(now_s):
             raise ValueError(f"now_s: must be >= 0, got {now_s}")
         alive_set = (frozenset(plan.workers) if alive is None
-                     else self._workers("alive", alive)) - failed_set
+                     else self._workers("alive", alive))
+        if not failed_set.isdisjoint(alive_set):
+            alive_set -= failed_set
         self._exposure.observe(now_s, len(alive_set))
         if not alive_set:
             raise ValueError("failed: no worker is left alive")
@@ -769,8 +771,10 @@ class Planner:
         if now_s < 0 or math.isnan(now_s):
             raise ValueError(f"now_s: must be >= 0, got {now_s}")
         chosen_policy = _check_policy(policy if policy is not None else self.policy)
-        alive_set = (frozenset(plan.workers) | returned_set if alive is None
-                     else self._workers("alive", alive) | returned_set)
+        alive_set = (frozenset(plan.workers) if alive is None
+                     else self._workers("alive", alive))
+        if not returned_set <= alive_set:
+            alive_set |= returned_set
         self._exposure.observe(now_s, len(alive_set))
         state = self._state(plan, alive_set, None)
         wanted = self._rejoin(chosen_policy)
