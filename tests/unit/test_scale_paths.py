@@ -5,13 +5,18 @@
 - rerouted components simulated once per shape, bucket conflicts from layer ranges;
 - ``decide(compare=False, detail=False)``: the same choice as the full decision;
 - the simulator's parallel units: the same report with one process or two;
-- shrink's re-join re-admits whole replicas.
+- shrink's re-join re-admits whole replicas;
+- passes skipped at 65k GPUs (missing layers by a count, the canonical order sorting only
+  the pipelines that differ, builds looked for in changed pipelines only) agree with the
+  passes over every worker.
 """
 
 from __future__ import annotations
 
 import pickle
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -21,7 +26,14 @@ from chameleon_ft.perf.estimator import Estimate, Estimator, _bucket_conflicts, 
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
-from chameleon_ft.policy.symmetry import carried_estimate, interchangeable_form, rename_plan
+from chameleon_ft.policy.symmetry import (
+    _canonical_order,
+    _Shapes,
+    carried_estimate,
+    interchangeable_form,
+    rename_plan,
+)
+from chameleon_ft.recovery.transition import build_s
 from chameleon_ft.recovery.types import Strategy
 from chameleon_ft.sim.report import report_json
 from chameleon_ft.sim.runner import run_scenario
@@ -373,3 +385,109 @@ def test_fragile_plans_are_priced_by_the_restart_they_risk() -> None:
     assert discounted >= 1
     with pytest.raises(ValueError, match="node_failure_share"):
         config_from_mapping({**tables, "policy": {"node_failure_share": 1.5}})
+
+
+def _states(planner: Planner, seed: int, count: int
+            ) -> list[tuple[ExecutionPlan, frozenset[int], frozenset[int]]]:
+    """Random ``(plan, alive, failed)``: rerouted and re-planned plans (pipelines of
+    several lengths), dead and idle workers, whole stages lost."""
+    rng = random.Random(seed)
+    everyone = frozenset(range(planner.topology.num_workers))
+    out = []
+    for trial in range(count):
+        plan = planner.initial_plan
+        dead = frozenset(rng.sample(plan.workers, rng.choice([1, 2, 3])))
+        if trial % 3 == 1:
+            plan = reroute_plan(plan, dead)
+        elif trial % 3 == 2:
+            plan = planner.decide(plan, dead, policy="dynamic", horizon_s=1e6).plan
+        failed = frozenset(rng.sample(plan.workers, rng.choice([1, 2])))
+        if trial % 4 == 3:  # every replica of a stage
+            stage = rng.randrange(len(plan.pipelines[0].stages))
+            failed = frozenset(pipe.stages[stage].worker for pipe in plan.pipelines
+                               if stage < len(pipe.stages))
+        out.append((plan, everyone - dead - failed, failed))
+    return out
+
+
+def test_missing_layers_counted_or_looked_up_agree(planner: Planner) -> None:
+    """With fewer dead workers than pipelines no layer is missing (a count); otherwise the
+    layers are looked up: both agree with the layers no live worker holds."""
+    for plan, alive, _ in _states(planner, 3, 24):
+        state = planner._state(plan, alive, None)
+        held = {layer for w in alive for layer in plan.layers_by_worker.get(w, ())}
+        expected = [layer for layer in range(plan.num_layers) if layer not in held]
+        assert state.missing_layers() == expected
+    plan = planner.initial_plan
+    whole = frozenset(pipe.stages[1].worker for pipe in plan.pipelines)
+    state = planner._state(plan, frozenset(range(planner.topology.num_workers)) - whole, None)
+    assert state.missing_layers() == list(plan.pipelines[0].stages[1].layers)
+
+
+def _order_by_whole_keys(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: list[int],
+                         named: tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]],
+                         special: set[int], status: Callable[[int], tuple[bool, ...]]
+                         ) -> list[int]:
+    """The canonical order as first written: every pipeline sorted by its whole key (the
+    reference the faster order is checked against)."""
+    own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for r in plan.reroutes:
+        own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
+    lite: list[tuple[Any, ...]] = [(rank, (), ()) for rank in ranks]
+    live, dead = named
+    touched = set(own)
+    for w in special:
+        found = live.get(w) or dead.get(w)
+        if found is not None:
+            touched.add(found[0])
+    for p in touched:
+        statuses = (tuple(status(w) for w in rows[p]) if not special.isdisjoint(rows[p])
+                    else ())
+        lite[p] = (ranks[p], statuses, tuple(sorted(own.get(p, ()))))
+    hosting: dict[int, list[tuple[Any, ...]]] = {}
+    for r in plan.reroutes:
+        for i, (w, n) in enumerate(r.shares):
+            q, s = live[w]
+            hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
+    keys = [(lite[p], sorted(hosting.get(p, [])), p) for p in range(plan.num_pipelines)]
+    return sorted(range(plan.num_pipelines), key=keys.__getitem__)
+
+
+def test_canonical_order_sorts_as_the_whole_keys(planner: Planner) -> None:
+    for plan, alive, failed in _states(planner, 7, 30):
+        rows = plan.worker_rows()
+        ranks = _Shapes(plan).ranks
+        named = (dict(plan.stage_of_worker),
+                 {plan.pipelines[r.pipeline].stages[r.stage].worker: (r.pipeline, r.stage)
+                  for r in plan.reroutes})
+        special = set(failed) | (set(plan.workers) | plan.dead_workers) - alive
+
+        def status(w: int, alive: frozenset[int] = alive,
+                   failed: frozenset[int] = failed) -> tuple[bool, ...]:
+            return (w in alive, w in failed)
+
+        assert _canonical_order(plan, rows, ranks, named, special, status) == (
+            _order_by_whole_keys(plan, rows, ranks, named, special, status))
+
+
+def test_builds_looked_for_in_changed_pipelines_only_are_all_of_them(planner: Planner) -> None:
+    """``build_s`` skipping the pipelines a plan keeps whole from the old one gives the
+    build time of looking at every worker: on re-plans, reroutes, shrinks, re-joins that
+    hand a rerouted stage back and re-joins that re-admit replicas."""
+    spec, profile = planner.config.recovery, planner.profile
+    everyone = frozenset(range(planner.topology.num_workers))
+    pairs = []
+    for plan, alive, failed in _states(planner, 9, 18):
+        decision = planner.decide(plan, failed, alive=alive, horizon_s=1e6)
+        pairs.extend((plan, alive, c.plan) for c in decision.candidates if c.plan is not None)
+        back = planner.decide_rejoin(decision.plan, failed, alive=alive | failed,
+                                     horizon_s=1e6)
+        pairs.extend((decision.plan, alive | failed, c.plan) for c in back.candidates
+                     if c.plan is not None)
+    rerouted = reroute_plan(planner.initial_plan, {3})
+    pairs.append((rerouted, everyone, reroute_plan(rerouted, set())))  # stage 3 handed back
+    assert any(build_s(new, planner._state(old, alive, None).held_layers(), profile, spec) > 0
+               for old, alive, new in pairs)
+    for old, alive, new in pairs:
+        held = planner._state(old, alive, None).held_layers()
+        assert build_s(new, held, profile, spec, old) == build_s(new, held, profile, spec)
