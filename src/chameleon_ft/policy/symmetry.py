@@ -14,7 +14,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate, chain, compress, count, filterfalse, repeat
-from operator import attrgetter, not_
+from operator import attrgetter, itemgetter, not_
 from typing import Any
 
 from chameleon_ft.perf import Bucket, Estimate, Topology
@@ -213,6 +213,9 @@ def _rename_migration(migration: Migration, renaming: Mapping[int, int]) -> Migr
     return _RenamedMigration.of(migration, renaming)  # type: ignore[no-any-return]
 
 
+_FIRST = itemgetter(0)
+
+
 def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> ExecutionPlan:
     """Put a renamed plan's pipelines back where ``original`` has them, when the plan keeps
     the original pipelines (a reroute does): pipeline ``p`` of the answer is then pipeline
@@ -222,24 +225,24 @@ def _in_original_order(plan: ExecutionPlan, original: ExecutionPlan) -> Executio
     # A live worker that no rerouted stage names sits in one row: the plan's own table
     # says which; any other first worker needs every row (the last row naming it wins).
     live, dead = original.stage_of_worker, original.dead_workers
-    firsts = [row[0] for row in plan.worker_rows()]
-    if all(w in live and w not in dead for w in firsts):
-        where = [live[w][0] for w in firsts]
+    firsts = list(map(_FIRST, plan.worker_rows()))
+    if all(map(live.__contains__, firsts)) and dead.isdisjoint(firsts):
+        where = list(map(_FIRST, map(live.__getitem__, firsts)))
     else:
         index: dict[int, int] = {}
         for p, row in enumerate(original.worker_rows()):
             index.update(zip(row, repeat(p)))
         where = [index.get(w, -1) for w in firsts]
-    if sorted(where) != list(range(plan.num_pipelines)):
+    # the answer's pipeline t goes to place where[t]: ``where`` must be a permutation
+    by_place = sorted(range(len(where)), key=where.__getitem__)
+    if list(map(where.__getitem__, by_place)) != list(range(plan.num_pipelines)):
         return plan
-    pipelines: list[Pipeline | None] = [None] * plan.num_pipelines
-    for t, p in enumerate(where):
-        pipelines[p] = plan.pipelines[t]
-    assert all(pipe is not None for pipe in pipelines)
-    return replace(plan, pipelines=tuple(p for p in pipelines if p is not None),
-                   reroutes=tuple(sorted((replace(r, pipeline=where[r.pipeline])
-                                          for r in plan.reroutes),
-                                         key=lambda r: (r.pipeline, r.stage))))
+    reroutes = tuple(sorted((replace(r, pipeline=where[r.pipeline]) for r in plan.reroutes),
+                            key=lambda r: (r.pipeline, r.stage)))
+    if by_place == where and reroutes == plan.reroutes:
+        return plan  # in place already
+    return replace(plan, pipelines=tuple(map(plan.pipelines.__getitem__, by_place)),
+                   reroutes=reroutes)
 
 
 def rename_candidate(candidate: Candidate, renaming: Mapping[int, int],
