@@ -544,10 +544,14 @@ class ExecutionPlan:
         return self._live_table(tables, "positions", _position_rows)
 
     def _tables(self) -> list[_Table]:
-        """Each pipeline's table (:func:`_pipeline_table`), read at C speed where built."""
-        tables = list(map(_TABLE_OF, self.pipelines))
-        if None in tables:
-            tables = list(map(_pipeline_table, self.pipelines))
+        """Each pipeline's table (:func:`_pipeline_table`), read at C speed where built, and
+        kept with the plan (every reader only reads it)."""
+        tables: list[_Table] | None = self.__dict__.get("_kept_tables")
+        if tables is None:
+            tables = list(map(_TABLE_OF, self.pipelines))
+            if None in tables:
+                tables = list(map(_pipeline_table, self.pipelines))
+            self.__dict__["_kept_tables"] = tables
         return tables
 
     def _live_table(self, tables: list[_Table], kind: str,
