@@ -20,6 +20,7 @@ import operator
 from collections import defaultdict, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from chameleon_ft.perf.coloring import pair_rounds
@@ -308,15 +309,34 @@ class _LayerHolders:
 
 def _workers_by_holding(held: Mapping[int, Collection[int]]
                         ) -> dict[Collection[int], list[int]] | None:
-    """The workers of each distinct holding, in ``held``'s order; ``None`` when a holding
-    is not hashable."""
-    by_holding: dict[Collection[int], list[int]] = defaultdict(list)
+    """The workers of each distinct holding, holdings in order of first appearance in
+    ``held`` (the workers of one holding in no particular order); ``None`` when a holding
+    is not hashable.
+
+    A plan's workers share their range objects, so they are grouped by object at C speed
+    and only each distinct object is hashed. The last answer for a read-only ``held`` is
+    kept (a decision's candidates migrate from one state's holdings)."""
+    last = _LAST_BY_HOLDING[0]
+    if last is not None and last[0] is held:
+        return last[1]
+    workers = list(held)
+    values = list(held.values())
+    by_holding: dict[Collection[int], list[int]] = {}
     try:
-        for worker, layers in held.items():
-            by_holding[layers].append(worker)  # TypeError for an unhashable holding
+        for indices in indices_by_object(values).values():
+            group = by_holding.setdefault(values[indices[0]], [])  # TypeError: unhashable
+            group.extend(map(workers.__getitem__, indices))
     except TypeError:
         return None
+    if isinstance(held, MappingProxyType):
+        _LAST_BY_HOLDING[0] = (held, by_holding)
     return by_holding
+
+
+_LAST_BY_HOLDING: list[tuple[Mapping[int, Collection[int]],
+                             dict[Collection[int], list[int]]] | None] = [None]
+"""The last read-only holdings :func:`_workers_by_holding` grouped, with the grouping
+(whose lists no reader changes), replaced whole."""
 
 
 def _first_holders(held: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
