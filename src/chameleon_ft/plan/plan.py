@@ -607,22 +607,21 @@ class ExecutionPlan:
         by_range: dict[range, list[int]] = {}
         dead = self.reroute_map
         rerouted = {p for p, _ in dead}
-        # Pipelines of one layout share their range row: their worker rows are gathered
-        # stage by stage at C speed (a transposition), the rerouted ones worker by worker.
-        intact: dict[int, tuple[tuple[range, ...], list[tuple[int, ...]]]] = {}
-        for p, pipe in enumerate(self.pipelines):
-            workers, ranges, _ = _pipeline_table(pipe)
-            if p not in rerouted:
-                found_row = intact.get(id(ranges))
-                if found_row is None:
-                    intact[id(ranges)] = (ranges, [workers])
-                else:
-                    found_row[1].append(workers)
-                continue
+        tables = self._tables()
+        for p in sorted(rerouted):  # few: worker by worker
+            workers, ranges, _ = tables[p]
             for s, (worker, layers) in enumerate(zip(workers, ranges, strict=True)):
                 if (p, s) not in dead:
                     by_range.setdefault(layers, []).append(worker)
-        for ranges, rows in intact.values():
+        # Pipelines of one layout share their range row (grouped by it at C speed): their
+        # worker rows are gathered stage by stage at C speed too (a transposition).
+        range_rows = list(map(_ROW_RANGES, tables))
+        for indices in indices_by_object(range_rows).values():
+            intact = [p for p in indices if p not in rerouted] if rerouted else indices
+            if not intact:
+                continue
+            ranges = range_rows[intact[0]]
+            rows = list(map(_ROW_WORKERS, map(tables.__getitem__, intact)))
             for layers, column in zip(ranges, zip(*rows, strict=True), strict=True):
                 found = by_range.get(layers)
                 if found is None:
@@ -640,8 +639,8 @@ class ExecutionPlan:
             key = tuple(ranges_of_layer)
             holders = known.get(key)
             if holders is None:
-                holders = known[key] = tuple(sorted(
-                    [w for layers in ranges_of_layer for w in by_range[layers]]))
+                holders = known[key] = tuple(sorted(itertools.chain.from_iterable(
+                    map(by_range.__getitem__, ranges_of_layer))))
             out.append(holders)
         return tuple(out)
 
