@@ -109,8 +109,9 @@ def plan_groups(plan: ExecutionPlan) -> frozenset[Group]:
     Returns:
         The groups' member sets.
     """
-    # Few distinct holder sets, so this stays cheap on thousands of workers.
-    buckets = {frozenset(h) for h in set(plan.holders_by_layer) if len(h) > 1}
+    # Few distinct holder sets, so this stays cheap on thousands of workers (each distinct
+    # tuple is hashed once, for the estimator's buckets too).
+    buckets = {frozenset(h) for h in plan.layers_by_holders if len(h) > 1}
     return frozenset(pipeline_groups(plan)) | buckets
 
 
@@ -318,6 +319,25 @@ def build_s(new: ExecutionPlan, held: Mapping[int, Collection[int]], profile: Pr
     return busiest
 
 
+def _whole_pipelines(plan: ExecutionPlan) -> frozenset[tuple[int, int]]:
+    """The pipelines of ``plan`` without a rerouted stage, each as the ids of its row of
+    workers and its row of ranges (objects it keeps alive); the last plan's are kept (a
+    decision prices every candidate from one plan)."""
+    last = _LAST_WHOLE[0]
+    if last is not None and last[0] is plan:
+        return last[1]
+    gone = {r.pipeline for r in plan.reroutes}
+    whole = frozenset(pair for p, pair in enumerate(zip(map(id, plan.worker_rows()),
+                                                        map(id, plan.range_rows()), strict=True))
+                      if p not in gone)
+    _LAST_WHOLE[0] = (plan, whole)
+    return whole
+
+
+_LAST_WHOLE: list[tuple[ExecutionPlan, frozenset[tuple[int, int]]] | None] = [None]
+"""The last plan :func:`_whole_pipelines` read, with its answer, replaced whole."""
+
+
 def _changed_stages(new: ExecutionPlan, held: Mapping[int, Collection[int]],
                     old: ExecutionPlan | None) -> Iterator[tuple[Collection[int], range]]:
     """``(held, wanted)`` of every live stage of ``new`` whose worker may lack layers: not
@@ -328,11 +348,7 @@ def _changed_stages(new: ExecutionPlan, held: Mapping[int, Collection[int]],
         workers: Iterable[int] = by_worker
         wants: Iterable[range] = by_worker.values()
     else:
-        # a pipeline is its row of workers and its row of ranges (each object its own)
-        gone = {r.pipeline for r in old.reroutes}
-        kept = {pair for p, pair in enumerate(zip(map(id, old.worker_rows()),
-                                                  map(id, old.range_rows()), strict=True))
-                if p not in gone}
+        kept = _whole_pipelines(old)
         rows = list(zip(new.worker_rows(), new.range_rows(), strict=True))
         changed = [p for p, (w, r) in enumerate(rows) if (id(w), id(r)) not in kept]
         dead = new.reroute_map
