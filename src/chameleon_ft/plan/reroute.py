@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -19,10 +20,12 @@ def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int
     A stage rerouted before whose worker is not in ``dead`` (it came back) is live again.
     """
     dead_set = set(dead)
+    rows = plan.worker_rows()
     out: list[tuple[int, int]] = []
-    for p, workers in enumerate(plan.worker_rows()):
-        if not dead_set.isdisjoint(workers):
-            out.extend((p, s) for s, w in enumerate(workers) if w in dead_set)
+    # the few pipelines with a dead worker found at C speed
+    for p in itertools.compress(range(len(rows)), map(operator.not_,
+                                                      map(dead_set.isdisjoint, rows))):
+        out.extend((p, s) for s, w in enumerate(rows[p]) if w in dead_set)
     return out
 
 
@@ -117,7 +120,12 @@ def reroute_plan(
             first = load[w] if headroom is None else (extra[w] + 1) / headroom[w]
             return first, taken[pipeline_of[w]]
 
-        heap = [(key(w), w) for w in peers]
+        if headroom is None:  # the first keys read at C speed
+            firsts = zip(map(load.__getitem__, peers),
+                         map(taken.__getitem__, map(pipeline_of.__getitem__, peers)), strict=True)
+            heap = list(zip(firsts, peers, strict=True))
+        else:
+            heap = [(key(w), w) for w in peers]
         heapq.heapify(heap)
         for _ in range(plan.pipelines[p].num_microbatches):
             _, w = heapq.heappop(heap)
