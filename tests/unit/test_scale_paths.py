@@ -33,6 +33,7 @@ from chameleon_ft.policy.symmetry import (
     interchangeable_form,
     rename_plan,
 )
+from chameleon_ft.recovery.restorer import _workers_by_holding
 from chameleon_ft.recovery.transition import build_s
 from chameleon_ft.recovery.types import Strategy
 from chameleon_ft.sim.report import report_json
@@ -491,3 +492,25 @@ def test_builds_looked_for_in_changed_pipelines_only_are_all_of_them(planner: Pl
     for old, alive, new in pairs:
         held = planner._state(old, alive, None).held_layers()
         assert build_s(new, held, profile, spec, old) == build_s(new, held, profile, spec)
+
+
+def test_holdings_grouped_by_object_are_grouped_by_value(planner: Planner) -> None:
+    """The workers of each holding, grouped by range object first, are those of each
+    distinct holding by value, holdings in order of first appearance; equal ranges that
+    are distinct objects fall in one group, and a dict with equal contents but other
+    values is grouped anew, not read from the last answer."""
+    for plan, alive, _ in _states(planner, 13, 12):
+        held = planner._state(plan, alive, None).held_layers()
+        expected: dict[object, set[int]] = {}
+        for w, layers in held.items():
+            expected.setdefault(layers, set()).add(w)
+        grouped = _workers_by_holding(held)
+        assert grouped is not None
+        assert list(grouped) == list(expected)
+        assert {k: set(v) for k, v in grouped.items()} == expected
+        assert _workers_by_holding(held) is grouped  # the same read-only holdings
+    copies = {0: range(0, 2), 1: range(0, 2), 2: range(2, 4)}  # equal ranges, two objects
+    assert _workers_by_holding(copies) == {range(0, 2): [0, 1], range(2, 4): [2]}
+    copies[1] = range(2, 4)
+    assert _workers_by_holding(copies) == {range(0, 2): [0], range(2, 4): [1, 2]}
+    assert _workers_by_holding({0: [1, 2]}) is None  # an unhashable holding
