@@ -81,19 +81,20 @@ def indices_by_object(items: Sequence[object]) -> dict[int, list[int]]:
     are few, and where they come in long runs (survivors in id order on a stage-major
     layout) the runs are added whole."""
     ids = list(map(id, items))
-    ends = list(itertools.compress(range(1, len(ids)), map(operator.ne, ids, ids[1:])))
-    if not ids or len(ends) * 8 > len(ids):
-        # Short runs: the indices sorted by object (a stable sort keeps each object's in
-        # order) and cut where the object changes, at C speed; then the objects by first
-        # index.
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        groups = [list(run) for _, run in itertools.groupby(order, key=ids.__getitem__)]
-        groups.sort(key=operator.itemgetter(0))
-        return {ids[group[0]]: group for group in groups}
-    by_object: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip([0, *ends], [*ends, len(ids)], strict=True):
-        by_object[ids[start]].extend(range(start, end))
-    return by_object
+    head = ids[:257]  # how long the runs are, judged from the first items
+    if ids and sum(map(operator.ne, head, head[1:])) * 8 <= len(head):
+        ends = list(itertools.compress(range(1, len(ids)), map(operator.ne, ids, ids[1:])))
+        if len(ends) * 8 <= len(ids):
+            by_object: dict[int, list[int]] = defaultdict(list)
+            for start, end in zip([0, *ends], [*ends, len(ids)], strict=True):
+                by_object[ids[start]].extend(range(start, end))
+            return by_object
+    # Short runs: index by index (on 8,192 items 2.5x faster than sorting the indices by
+    # object with a key function and cutting the runs).
+    grouped: dict[int, list[int]] = defaultdict(list)
+    for index, key in enumerate(ids):
+        grouped[key].append(index)
+    return grouped
 
 
 def _pipeline_table(pipe: Pipeline) -> _Table:

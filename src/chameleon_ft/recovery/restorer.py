@@ -309,23 +309,18 @@ class _LayerHolders:
 
 def _workers_by_holding(held: Mapping[int, Collection[int]]
                         ) -> dict[Collection[int], list[int]] | None:
-    """The workers of each distinct holding, holdings in order of first appearance in
-    ``held`` (the workers of one holding in no particular order); ``None`` when a holding
+    """The workers of each distinct holding, in ``held``'s order; ``None`` when a holding
     is not hashable.
 
-    A plan's workers share their range objects, so they are grouped by object at C speed
-    and only each distinct object is hashed. The last answer for a read-only ``held`` is
-    kept (a decision's candidates migrate from one state's holdings)."""
+    The last answer for a read-only ``held`` is kept (a decision's candidates migrate from
+    one state's holdings)."""
     last = _LAST_BY_HOLDING[0]
     if last is not None and last[0] is held:
         return last[1]
-    workers = list(held)
-    values = list(held.values())
-    by_holding: dict[Collection[int], list[int]] = {}
+    by_holding: dict[Collection[int], list[int]] = defaultdict(list)
     try:
-        for indices in indices_by_object(values).values():
-            group = by_holding.setdefault(values[indices[0]], [])  # TypeError: unhashable
-            group.extend(map(workers.__getitem__, indices))
+        for worker, layers in held.items():
+            by_holding[layers].append(worker)  # TypeError for an unhashable holding
     except TypeError:
         return None
     if isinstance(held, MappingProxyType):
