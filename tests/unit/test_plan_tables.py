@@ -148,3 +148,14 @@ def test_pipelines_built_afresh_compare_by_their_stages() -> None:
         b = Pipeline(tuple(Stage(*st) for st in second), 2)
         assert (a == b) is equal and (b == a) is equal
         assert (Pipeline(a.stages, 2) == Pipeline(a.stages, 3)) is False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_distinct_holders_make_the_set_of_every_layers_holders(seed: int) -> None:
+    """The all-reduce buckets are charged in the order of ``set(holders_by_layer)``; the
+    distinct tuples added one by one in first-layer order make that very set, in that very
+    order (a repeated insertion changes nothing), so the transition hashes each once."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        plan = random_plan(rng)
+        assert list(set(list(plan.layers_by_holders))) == list(set(plan.holders_by_layer))

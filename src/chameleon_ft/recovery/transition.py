@@ -171,7 +171,10 @@ def _comm_s(old: ExecutionPlan | None, new: ExecutionPlan, spec: RecoverySpec, t
         # a holder set shared by several layers is one group per layer
         distinct = [h for h in new.holders_by_layer if len(h) > 1]
     else:
-        distinct = [h for h in set(new.holders_by_layer) if len(h) > 1]
+        # the distinct tuples (each hashed once) added in first-layer order, one by one
+        # (not as a dict, which sizes the set at once), make the very set, in the very
+        # order, of every layer's tuple added: a repeated insertion changes nothing
+        distinct = [h for h in set(list(new.layers_by_holders)) if len(h) > 1]
     buckets = list(map(frozenset, distinct))
     if runtime:
         for group in buckets:
