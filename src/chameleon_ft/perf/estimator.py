@@ -237,6 +237,10 @@ def default_cache_size(num_workers: int) -> int:
     return max(64, min(4096, CACHED_PLAN_WORKERS // max(1, num_workers)))
 
 
+_PlanKey = tuple[ExecutionPlan, tuple[tuple[int, float], ...]]
+"""A whole-plan estimate's key: the plan and the workers' speeds (none: unit speed)."""
+
+
 class Estimator:
     """Estimates plans for one profile and topology, memoising identical pipelines.
 
@@ -253,8 +257,10 @@ class Estimator:
             cache_size = default_cache_size(topology.num_workers)
         self.profile = profile
         self.topology = topology
-        self._plans: OrderedDict[tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
-                                 Estimate] = OrderedDict()
+        self._plans: OrderedDict[_PlanKey, tuple[_PlanKey, Estimate]] = OrderedDict()
+        """Whole-plan estimates, least recently used first, each kept with its own key: an
+        equal plan built anew finds it with one comparison of thousands of pipelines, and
+        the move to the end looks the kept key up, itself, at once."""
         self._pipelines: dict[tuple[Any, ...], Timeline] = {}
         self._pipeline_keys: dict[int, tuple[Any, str, tuple[Any, ...]]] = {}
         self._components: OrderedDict[tuple[Any, ...], Timeline] = OrderedDict()
@@ -458,24 +464,24 @@ class Estimator:
         if not brute_force:
             hit = self._plans.get(key)
             if hit is not None:
-                self._plans.move_to_end(key)
-                return hit
+                self._plans.move_to_end(hit[0])
+                return hit[1]
         with gc_paused():  # see gcpause.py: the graphs are many small containers
             result = self._estimate(plan, speeds, brute_force)
         if not brute_force:
             self._keep(key, result)
         return result
 
-    def _keep(self, key: tuple[ExecutionPlan, tuple[tuple[int, float], ...]],
-              estimate: Estimate) -> None:
+    def _keep(self, key: _PlanKey, estimate: Estimate) -> None:
         """Keep a whole-plan estimate, dropping the oldest beyond the cache size."""
-        self._plans[key] = estimate
+        self._plans[key] = (key, estimate)
         if len(self._plans) > self._cache_size:
             self._plans.popitem(last=False)
 
     def known(self, plan: ExecutionPlan) -> Estimate | None:
         """``plan``'s kept estimate at unit speed, ``None`` when none is kept."""
-        return self._plans.get((plan, ()))
+        found = self._plans.get((plan, ()))
+        return found[1] if found is not None else None
 
     def remember(self, plan: ExecutionPlan, estimate: Estimate) -> None:
         """Keep ``estimate`` as ``plan``'s at unit speed, unless one is kept already: one
