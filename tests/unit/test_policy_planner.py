@@ -146,6 +146,11 @@ def test_bad_input_is_a_clear_error() -> None:
         planner.decide(plan, frozenset({99}))
     with pytest.raises(ValueError, match=r"^alive: worker True is not in the cluster"):
         planner.decide(plan, [1], alive=frozenset({True, 2, 3}))
+    # most of the cluster (checked by the workers it leaves out) is checked the same
+    for odd, name in ((True, "True"), (5.0, "5.0"), (99, "99")):
+        alive = frozenset({0, 2, 3, 4, 6, 7, odd})
+        with pytest.raises(ValueError, match=rf"^alive: worker {name} is not in the cluster"):
+            planner.decide(plan, [1], alive=alive)
     with pytest.raises(ValueError, match=r"^horizon_s:"):
         planner.decide(plan, [1], horizon_s=-5.0)
     with pytest.raises(ValueError, match=r"^policy:"):

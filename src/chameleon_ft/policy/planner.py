@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -184,6 +185,12 @@ class _Entry:
     candidates: dict[Strategy, Candidate] = field(default_factory=dict)
 
 
+def _only_ints(workers: Collection[object]) -> bool:
+    """Whether every item is a plain ``int`` (not a bool, not a float equal to one),
+    checked at C speed."""
+    return operator.countOf(map(type, workers), int) == len(workers)
+
+
 class DecisionCache:
     """Decisions' candidates by event, the least recently used dropped first.
 
@@ -268,6 +275,8 @@ class Planner:
             pipeline_estimate=self._pipeline_estimate,
             num_microbatches=self._initial_plan.num_microbatches)
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
+        self._others: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+        """The last set of workers checked whole, and the cluster's other workers."""
         self._exposure = LiveExposure(config.num_workers)
         """Live worker-seconds so far, from the live workers each decision is told."""
         self._stop: Callable[[], bool] | None = None
@@ -356,9 +365,19 @@ class Planner:
     # ------------------------------------------------------------------ checks
     def _workers(self, field: str, workers: Iterable[int]) -> frozenset[int]:
         n = self._topology.num_workers
-        if (type(workers) is frozenset and workers <= self._topology.all_workers
-                and set(map(type, workers)) <= {int}):
-            return workers  # a set of the cluster's workers already (the simulator's)
+        if type(workers) is frozenset:  # a set of the cluster's workers already?
+            everyone = self._topology.all_workers
+            if len(workers) * 2 <= len(everyone):  # few: looked up one by one
+                if workers <= everyone and _only_ints(workers):
+                    return workers
+            else:
+                # Most of the cluster (the simulator's live workers): the cluster's other
+                # workers, found once, say that it is its workers (``n - k`` of them
+                # leave ``k``), and are kept for the event's canonical form.
+                others = everyone - workers
+                if len(others) == len(everyone) - len(workers) and _only_ints(workers):
+                    self._others = (workers, others)
+                    return workers
         items = list(workers)
         if set(map(type, items)) <= {int} and (not items or (min(items) >= 0
                                                             and max(items) < n)):
@@ -457,7 +476,9 @@ class Planner:
         :meth:`_lookup_exact`.
         """
         plan, alive = state.plan, state.alive
-        form = interchangeable_form(plan, alive, (marked,), self._topology)
+        others = self._others
+        form = interchangeable_form(plan, alive, (marked,), self._topology,
+                                    dead=others[1] if others[0] is alive else None)
         if form is not None:
             # keyed by the few workers not alive (the live ones are every other id)
             canon_alive, canon_dead = form.rename_alive(alive)

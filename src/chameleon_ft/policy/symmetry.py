@@ -526,7 +526,8 @@ def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: li
 
 def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
                          marks: tuple[frozenset[int], ...],
-                         topology: Topology) -> CanonicalForm | None:
+                         topology: Topology, *,
+                         dead: frozenset[int] | None = None) -> CanonicalForm | None:
     """The canonical form of ``(plan, alive, marks)`` when workers are interchangeable.
 
     Args:
@@ -534,6 +535,7 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
         alive: every live worker.
         marks: worker sets the answer depends on (the newly failed, the returned).
         topology: the cluster; the form exists only with one worker per node.
+        dead: the cluster's workers not in ``alive``, when the caller has them.
 
     Returns:
         The form, or ``None`` when workers are not interchangeable.
@@ -554,7 +556,8 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     where: _Named = (live, rerouted)
     # Workers whose status is not "alive, unmarked": few. The cluster's dead are few too,
     # found in one pass; the named ones among them are looked up one by one.
-    dead = everyone - alive
+    if dead is None:
+        dead = everyone - alive
     special = set().union(*marks)
     special.update(w for w in dead if w in live or w in rerouted)
 
