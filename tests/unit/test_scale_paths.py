@@ -514,3 +514,24 @@ def test_holdings_grouped_by_object_are_grouped_by_value(planner: Planner) -> No
     copies[1] = range(2, 4)
     assert _workers_by_holding(copies) == {range(0, 2): [0], range(2, 4): [1, 2]}
     assert _workers_by_holding({0: [1, 2]}) is None  # an unhashable holding
+
+
+def test_own_plans_skip_the_cluster_check_with_the_same_form(planner: Planner) -> None:
+    """A plan the planner handed out is known as its own (its workers are not checked to
+    be the cluster's again) and gets the form a checked plan gets; a plan naming a worker
+    outside the cluster gets none unless called its own."""
+    topo = planner.topology
+    everyone = frozenset(range(topo.num_workers))
+    own = Planner(CONFIG, profile=planner.profile)
+    plan = own.initial_plan
+    decision = own.decide(plan, [plan.pipelines[1].stages[0].worker], detail=False)
+    issued = decision.plan
+    assert own._issued.get(id(issued)) is issued and own._issued.get(id(plan)) is plan
+    failed = frozenset({issued.pipelines[0].stages[1].worker})
+    alive = everyone - failed - {plan.pipelines[1].stages[0].worker}
+    checked = interchangeable_form(issued, alive, (failed,), topo)
+    trusted = interchangeable_form(issued, alive, (failed,), topo, own=True)
+    assert checked is not None and trusted is not None
+    assert (checked.plan, checked.back) == (trusted.plan, trusted.back)
+    outside = rename_plan(issued, {issued.pipelines[2].stages[0].worker: topo.num_workers})
+    assert interchangeable_form(outside, alive, (failed,), topo) is None

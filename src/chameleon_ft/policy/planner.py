@@ -32,6 +32,7 @@ import math
 import operator
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
@@ -277,6 +278,10 @@ class Planner:
         self._failure_events: set[tuple[float, frozenset[int]]] = set()
         self._others: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         """The last set of workers checked whole, and the cluster's other workers."""
+        self._issued: weakref.WeakValueDictionary[int, ExecutionPlan] = (
+            weakref.WeakValueDictionary({id(self._initial_plan): self._initial_plan}))
+        """Plans this planner made and handed out, by identity (while they live): their
+        workers are the cluster's, so a decision from one need not check them again."""
         self._exposure = LiveExposure(config.num_workers)
         """Live worker-seconds so far, from the live workers each decision is told."""
         self._stop: Callable[[], bool] | None = None
@@ -478,7 +483,8 @@ class Planner:
         plan, alive = state.plan, state.alive
         others = self._others
         form = interchangeable_form(plan, alive, (marked,), self._topology,
-                                    dead=others[1] if others[0] is alive else None)
+                                    dead=others[1] if others[0] is alive else None,
+                                    own=self._issued.get(id(plan)) is plan)
         if form is not None:
             # keyed by the few workers not alive (the live ones are every other id)
             canon_alive, canon_dead = form.rename_alive(alive)
@@ -1018,6 +1024,9 @@ class Planner:
             scored = tuple(named if c is best else _priced_only(c) for c in scored)
             best = named
         assert best.plan is not None
+        for issued in (best.plan, best.interim_plan):
+            if issued is not None:
+                self._issued[id(issued)] = issued
         return Decision(strategy=str(best.strategy), plan=best.plan, candidates=scored,
                         reason=reason, transition_s=best.transition_s, horizon_s=window,
                         search_s=search_s, cache_hit=cache_hit, migration=best.migration,

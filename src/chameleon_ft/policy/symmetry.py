@@ -526,8 +526,8 @@ def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: li
 
 def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
                          marks: tuple[frozenset[int], ...],
-                         topology: Topology, *,
-                         dead: frozenset[int] | None = None) -> CanonicalForm | None:
+                         topology: Topology, *, dead: frozenset[int] | None = None,
+                         own: bool = False) -> CanonicalForm | None:
     """The canonical form of ``(plan, alive, marks)`` when workers are interchangeable.
 
     Args:
@@ -536,6 +536,8 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
         marks: worker sets the answer depends on (the newly failed, the returned).
         topology: the cluster; the form exists only with one worker per node.
         dead: the cluster's workers not in ``alive``, when the caller has them.
+        own: ``plan`` is one the caller made of the cluster's workers: they are not
+            checked to be the cluster's again.
 
     Returns:
         The form, or ``None`` when workers are not interchangeable.
@@ -549,9 +551,10 @@ def interchangeable_form(plan: ExecutionPlan, alive: frozenset[int],
     live = plan.stage_of_worker
     rerouted = {plan.pipelines[r.pipeline].stages[r.stage].worker: (r.pipeline, r.stage)
                 for r in plan.reroutes}
-    if (len(live) + len(rerouted) != sum(map(len, rows))
-            or not rerouted.keys().isdisjoint(live.keys())
-            or not live.keys() <= everyone or not rerouted.keys() <= everyone):
+    twice = (len(live) + len(rerouted) != sum(map(len, rows))
+             or not rerouted.keys().isdisjoint(live.keys()))
+    outside = not own and (not live.keys() <= everyone or not rerouted.keys() <= everyone)
+    if twice or outside:
         return None  # a worker named twice, or outside the cluster: not a valid plan
     where: _Named = (live, rerouted)
     # Workers whose status is not "alive, unmarked": few. The cluster's dead are few too,
