@@ -257,6 +257,7 @@ class Estimator:
             cache_size = default_cache_size(topology.num_workers)
         self.profile = profile
         self.topology = topology
+        self._held: tuple[ExecutionPlan, Estimate] | None = None
         self._plans: OrderedDict[_PlanKey, tuple[_PlanKey, Estimate]] = OrderedDict()
         """Whole-plan estimates, least recently used first, each kept with its own key: an
         equal plan built anew finds it with one comparison of thousands of pipelines, and
@@ -479,9 +480,19 @@ class Estimator:
             self._plans.popitem(last=False)
 
     def known(self, plan: ExecutionPlan) -> Estimate | None:
-        """``plan``'s kept estimate at unit speed, ``None`` when none is kept."""
+        """``plan``'s kept estimate at unit speed (the one :meth:`hold` holds for it, else
+        the cache's), ``None`` when none is kept."""
+        held = self._held
+        if held is not None and held[0] is plan:
+            return held[1]
         found = self._plans.get((plan, ()))
         return found[1] if found is not None else None
+
+    def hold(self, plan: ExecutionPlan, estimate: Estimate) -> None:
+        """Hold ``estimate`` as ``plan``'s for :meth:`known`, by identity, until the next
+        hold: a decision's winner, which the next event asks for as it is (a plan of
+        thousands of pipelines is not hashed to be kept in the cache)."""
+        self._held = (plan, estimate)
 
     def remember(self, plan: ExecutionPlan, estimate: Estimate) -> None:
         """Keep ``estimate`` as ``plan``'s at unit speed, unless one is kept already: one

@@ -1019,7 +1019,7 @@ class Planner:
             named = back(best)
             if named.plan is not None and named.estimate is not None:
                 # the next event's canonical form starts from this plan's estimate
-                self._estimator.remember(named.plan, carried_estimate(
+                self._estimator.hold(named.plan, carried_estimate(
                     named.estimate, functools.partial(self._estimator.uncached, named.plan)))
             scored = tuple(named if c is best else _priced_only(c) for c in scored)
             best = named
