@@ -345,7 +345,7 @@ def _changed_stages(new: ExecutionPlan, held: Mapping[int, Collection[int]],
                     old: ExecutionPlan | None) -> Iterator[tuple[Collection[int], range]]:
     """``(held, wanted)`` of every live stage of ``new`` whose worker may lack layers: not
     holding the very range object it wants (plans share them), and outside the pipelines
-    ``new`` keeps whole from ``old`` (:func:`build_s`); found at C speed."""
+    ``new`` keeps whole from ``old`` (:func:`build_s`), those told by their rows' identity."""
     if old is None:
         by_worker = new.layers_by_worker
         workers: Iterable[int] = by_worker
