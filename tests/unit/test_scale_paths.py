@@ -16,7 +16,6 @@ from __future__ import annotations
 import pickle
 import random
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -28,6 +27,7 @@ from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.policy.symmetry import (
     _canonical_order,
+    _pipeline_keys,
     _Shapes,
     carried_estimate,
     interchangeable_form,
@@ -431,26 +431,8 @@ def _order_by_whole_keys(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks
                          ) -> list[int]:
     """The canonical order as first written: every pipeline sorted by its whole key (the
     reference the faster order is checked against)."""
-    own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-    for r in plan.reroutes:
-        own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
-    lite: list[tuple[Any, ...]] = [(rank, (), ()) for rank in ranks]
-    live, dead = named
-    touched = set(own)
-    for w in special:
-        found = live.get(w) or dead.get(w)
-        if found is not None:
-            touched.add(found[0])
-    for p in touched:
-        statuses = (tuple(status(w) for w in rows[p]) if not special.isdisjoint(rows[p])
-                    else ())
-        lite[p] = (ranks[p], statuses, tuple(sorted(own.get(p, ()))))
-    hosting: dict[int, list[tuple[Any, ...]]] = {}
-    for r in plan.reroutes:
-        for i, (w, n) in enumerate(r.shares):
-            q, s = live[w]
-            hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
-    keys = [(lite[p], sorted(hosting.get(p, [])), p) for p in range(plan.num_pipelines)]
+    lite, hosted, _ = _pipeline_keys(plan, rows, ranks, named, special, status)
+    keys = [(lite[p], hosted.get(p, []), p) for p in range(plan.num_pipelines)]
     return sorted(range(plan.num_pipelines), key=keys.__getitem__)
 
 

@@ -476,12 +476,14 @@ class _Shapes:
 _Named = tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]]
 
 
-def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: list[int],
-                     named: _Named, special: set[int],
-                     status: Callable[[int], tuple[bool, ...]]) -> list[int]:
-    """The pipelines of ``plan`` in canonical order: by shape rank (cheap), then by the
-    status of their stages (only pipelines with a ``special`` worker have one), then by
-    their own reroutes, then by what they host of others' reroutes; ties by index."""
+def _pipeline_keys(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: list[int],
+                   named: _Named, special: set[int],
+                   status: Callable[[int], tuple[bool, ...]]
+                   ) -> tuple[list[tuple[Any, ...]], dict[int, list[tuple[Any, ...]]], set[int]]:
+    """Each pipeline's key up to its index, in two parts: ``(rank, statuses of its stages,
+    its own reroutes)``, and, for the pipelines hosting others' reroutes, what they host,
+    sorted; then the pipelines whose first part is more than ``(rank, (), ())`` (a
+    ``special`` worker, or reroutes of their own)."""
     own: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     for r in plan.reroutes:
         own.setdefault(r.pipeline, []).append((r.stage, tuple(n for _, n in r.shares)))
@@ -501,7 +503,17 @@ def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: li
         for i, (w, n) in enumerate(r.shares):
             q, s = live[w]
             hosting.setdefault(q, []).append((s, lite[r.pipeline], r.stage, i, n))
-    hosted = {p: sorted(hosts) for p, hosts in hosting.items()}
+    return lite, {p: sorted(hosts) for p, hosts in hosting.items()}, touched
+
+
+def _canonical_order(plan: ExecutionPlan, rows: list[tuple[int, ...]], ranks: list[int],
+                     named: _Named, special: set[int],
+                     status: Callable[[int], tuple[bool, ...]]) -> list[int]:
+    """The pipelines of ``plan`` in canonical order: by shape rank (cheap), then by the
+    status of their stages (only pipelines with a ``special`` worker have one), then by
+    their own reroutes, then by what they host of others' reroutes; ties by index
+    (:func:`_pipeline_keys`)."""
+    lite, hosted, touched = _pipeline_keys(plan, rows, ranks, named, special, status)
     # A plain pipeline (no special worker, no reroute of its own or of others) has the key
     # ((rank, (), ()), [], index): it comes before every other pipeline of its rank, and
     # plain ones of one rank come by index. So the plain ones are sorted by rank alone
