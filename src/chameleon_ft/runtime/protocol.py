@@ -242,6 +242,9 @@ class JobInfo:
     also copied into a worker's memory on another node."""
     workers_per_node: int = 1
     """Workers per node (``worker // workers_per_node`` is a worker's node)."""
+    nccl_semantics: bool = False
+    """Run gloo groups behind NCCL's completion semantics (``worker.nccl_like``): how the
+    tests exercise the NCCL path on CPU."""
 
     def to_json(self) -> str:
         """Serialise."""

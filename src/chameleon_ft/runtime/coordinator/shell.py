@@ -122,6 +122,8 @@ class Coordinator:
         trace: a failure trace to replay in wall-clock time (``runtime/replay.py``).
         tensorboard: also write TensorBoard event files under ``out_dir/tensorboard``
             (needs the ``tensorboard`` package).
+        nccl_semantics: the workers' gloo groups complete their operations as NCCL's do
+            (``worker.nccl_like``): how the tests run the NCCL completion path on CPU.
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
@@ -134,7 +136,7 @@ class Coordinator:
                  hooks: Hooks | None = None, model: Any = None, data: Any = None,
                  optimizer: Any = None, lr_schedule: Any = None,
                  log_every: int | None = None, trace: TraceDriver | None = None,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, nccl_semantics: bool = False) -> None:
         """Prepare a job (nothing starts until :meth:`run`; the arguments are the class's).
 
         Raises:
@@ -151,6 +153,8 @@ class Coordinator:
         self.device = resolve_device(self.train.device)
         self.backend = resolve_backend(self.train.backend, self.device)
         self.hooks = hooks or Hooks()
+        self.nccl_semantics = nccl_semantics
+        """The workers' gloo groups complete operations as NCCL's do (tests)."""
         self.decide: Decide | None = decide
         self.host, self.port = host, port
         self.book = FaultBook(self.job.faults)

@@ -1,26 +1,64 @@
 """A generation's process groups: built eagerly from the store under the generation's
-prefix, warmed up, and torn down at once when the generation ends.
+prefix, under a deadline, warmed up, and torn down at once when the generation ends.
 
 Gloo note: ``ProcessGroupGloo.abort()`` does not wake operations already waiting, but a
 receive that times out closes its pair, and the peer's pending operations on that pair
 then fail at once. :func:`break_connections` uses that to tear a generation down.
+
+NCCL note: a communicator is aborted (``abort()``), which ends its pending kernels; an
+abort that does not return within its deadline, or raises, leaves the process unable to
+trust its device, so the worker exits (``EXIT_ABORT_STUCK``) and is replaced like any
+dead worker. Communicators are created non-blocking where the library allows it, so that
+an abort also interrupts one still connecting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.worker.comm import Comm, CommError
+from chameleon_ft.runtime.worker.exits import EXIT_ABORT_STUCK, exit_now
+from chameleon_ft.runtime.worker.nccl_like import NcclLikeGroup
 
 BREAK_TAG = 2_000_000_000
 """Tag of the throw-away receive that closes a pair (never sent by anyone)."""
 WARMUP_TAG = 1_500_000_000
+SETUP_LOOK_S = 0.01
+"""How often a set-up in progress is checked for its deadline and an abort."""
+
+NCCL_ENVIRONMENT: Mapping[str, str] = {
+    # The watchdog only aborts a communicator that failed or timed out and leaves the
+    # process alone (its default, 3, ends the process: one dead peer would end every
+    # survivor); the worker sees the failure as the operation's error and recovers.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # wait() stays non-blocking; the worker polls completion under its own deadline.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    # The worker bounds its aborts itself (an abort that hangs ends the process, see
+    # break_connections); the monitor would kill it on a timer of its own, 8 minutes.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+"""What a worker sets before it creates any NCCL communicator (docs/design.md 4.3)."""
+
+
+def set_nccl_environment(environ: dict[str, str] | Any = None) -> None:
+    """Put :data:`NCCL_ENVIRONMENT` into ``environ`` (the process's, by default).
+
+    Set unconditionally: recovery depends on these values (a user's
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` would turn one failure into every worker's)."""
+    target = os.environ if environ is None else environ
+    for key, value in NCCL_ENVIRONMENT.items():
+        target[key] = value
 
 
 def resolve_device(name: str) -> str:
@@ -57,7 +95,8 @@ def worker_device(device: str, local_index: int, backend: str) -> torch.device:
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, *, backend: str,
-               timeout_s: float, address: str) -> dist.ProcessGroup:
+               timeout_s: float, address: str, device: torch.device | None = None,
+               nccl_like: bool = False) -> Any:
     """A process group built directly from the store under ``prefix`` (eager connection).
 
     Args:
@@ -68,27 +107,46 @@ def make_group(store: dist.Store, prefix: str, rank: int, size: int, *, backend:
         backend: ``gloo`` or ``nccl``.
         timeout_s: deadline of every operation of the group.
         address: the interface gloo listens on (workers reach each other over TCP only).
+        device: the worker's device (NCCL binds its communicator to it at once).
+        nccl_like: wrap the gloo group so that it completes operations as NCCL does
+            (:class:`~chameleon_ft.runtime.worker.nccl_like.NcclLikeGroup`, tests).
     """
     prefixed = dist.PrefixStore(prefix, store)
     if backend == "nccl":  # pragma: no cover - needs GPUs
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        return _nccl_group(prefixed, rank, size, timeout_s, device)
     gloo = dist.ProcessGroupGloo._Options()
     gloo._timeout = timedelta(seconds=timeout_s)
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    return dist.ProcessGroupGloo(prefixed, rank, size, gloo)
+    group = dist.ProcessGroupGloo(prefixed, rank, size, gloo)
+    return NcclLikeGroup(group, rank, size) if nccl_like else group
 
 
-def break_connections(group: dist.ProcessGroup, rank: int, size: int) -> None:
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout_s: float,
+                device: torch.device | None) -> Any:  # pragma: no cover - needs GPUs
+    """An NCCL group whose communicator exists when this returns (bound to ``device``),
+    created non-blocking where the library has the option (an abort interrupts it)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    with contextlib.suppress(AttributeError):
+        opts.config.blocking = 0
+    group = dist.ProcessGroupNCCL(store, rank, size, opts)
+    if device is not None and device.type == "cuda":
+        group.eager_connect_single_device(device)
+    return group
+
+
+def break_connections(group: Any, rank: int, size: int, abort_s: float = 10.0) -> None:
     """Close every pair of ``group`` so that peers blocked on this worker fail now.
 
-    A receive that times out makes gloo close the pair; the peer sees "connection closed"
-    on whatever it is waiting for over that pair.
+    gloo: a receive that times out makes gloo close the pair; the peer sees "connection
+    closed" on whatever it is waiting for over that pair. NCCL: the communicator is
+    aborted within ``abort_s``, or the process exits (``EXIT_ABORT_STUCK``).
     """
-    if group.name() == "nccl":  # pragma: no cover - needs GPUs; NCCL's abort wakes waiters
-        with contextlib.suppress(Exception):
-            group.abort()
+    if isinstance(group, NcclLikeGroup):
+        group.abort()
+        return
+    if group.name() == "nccl":  # pragma: no cover - needs GPUs
+        abort_within(group, abort_s)
         return
     for r in range(size):
         if r == rank:
@@ -97,22 +155,45 @@ def break_connections(group: dist.ProcessGroup, rank: int, size: int) -> None:
             group.recv([torch.zeros(1)], r, BREAK_TAG).wait(timedelta(milliseconds=1))
 
 
+def abort_within(group: Any, abort_s: float) -> None:
+    """``group.abort()`` on a thread of its own; exit the process if it raises or does not
+    return within ``abort_s`` (a communicator that cannot be aborted may hold the device
+    and its peers for ever; a new process can be trusted, this one cannot)."""
+    failed: list[BaseException] = []
+
+    def abort() -> None:
+        try:
+            group.abort()
+        except BaseException as exc:  # reported below: the process then leaves
+            failed.append(exc)
+
+    thread = threading.Thread(target=abort, daemon=True, name="abort")
+    thread.start()
+    thread.join(abort_s)
+    if thread.is_alive() or failed:
+        why = f"raised {failed[0]!r}" if failed else f"did not finish within {abort_s:.1f} s"
+        exit_now(EXIT_ABORT_STUCK, f"chameleon worker: aborting a communicator {why}; "
+                 "exiting (the coordinator replaces this process)")
+
+
 class Generation:
     """The process groups of one generation, and a flag saying it was torn down."""
 
-    def __init__(self, gen: int) -> None:
+    def __init__(self, gen: int, abort_s: float = 10.0) -> None:
         self.gen = gen
-        self.groups: list[tuple[dist.ProcessGroup, int, int]] = []
+        self.abort_s = abort_s
+        """How long aborting one of its NCCL communicators may take."""
+        self.groups: list[tuple[Any, int, int]] = []
         self.broken = False
         self.lock = threading.Lock()
 
-    def add(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    def add(self, group: Any, rank: int, size: int) -> None:
         """Track a group (torn down at once if the generation already ended)."""
         with self.lock:
             self.groups.append((group, rank, size))
             broken = self.broken
         if broken:
-            break_connections(group, rank, size)
+            break_connections(group, rank, size, self.abort_s)
 
     def break_all(self) -> None:
         """Close every pair of every group: peers blocked on this worker fail now."""
@@ -122,7 +203,7 @@ class Generation:
             self.broken = True
             groups = list(self.groups)
         for group, rank, size in groups:
-            break_connections(group, rank, size)
+            break_connections(group, rank, size, self.abort_s)
 
     def close(self) -> None:
         """Tear the groups down and drop them: their sockets and threads go away."""
@@ -145,46 +226,91 @@ def close_later(generation: Generation) -> None:
 def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
           address: str, device: torch.device,
-          extra: list[tuple[int, ...]] | None = None) -> Comm:
+          extra: list[tuple[int, ...]] | None = None, nccl_like: bool = False) -> Comm:
     """Build a generation's groups (the world group, then one per all-reduce bucket and
     per ``extra`` member set this worker belongs to, one group per distinct member set, in
     one global order so no two workers wait on each other in opposite orders), and warm
-    every pair up.
+    every pair and every group up: every communicator the generation needs exists when
+    this returns.
+
+    The set-up runs on a thread of its own and is given up when ``timeout_s`` passes or
+    the generation is aborted (gloo's connection set-up cannot be interrupted and retries
+    for several deadlines when a peer died mid-handshake: a survivor must not sit in a
+    superseded generation meanwhile). What the abandoned thread still builds is torn down
+    as it arrives (the generation is broken by then).
 
     ``extra``: the members of the step's other reductions (tied pairs, the norm:
     ``runtime.step_sync.extra_groups``).
 
     Raises:
-        CommError: when a group cannot be built or warmed up.
+        CommError: when a group cannot be built or warmed up in time, or the generation
+            was aborted meanwhile.
     """
-    gen = generation.gen
-    try:
-        world_group = make_group(store, proto.world_prefix(gen), world.index(me), len(world),
-                                 backend=backend, timeout_s=timeout_s, address=address)
-        generation.add(world_group, world.index(me), len(world))
-        members = sorted({tuple(b[0]) for rnd in rounds for b in rnd
-                          if me in b[0] and len(b[0]) > 1}
-                         | {m for m in extra or () if me in m and len(m) > 1})
-        buckets: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for m in members:
-            group = make_group(store, proto.bucket_prefix(gen, m), m.index(me), len(m),
-                               backend=backend, timeout_s=timeout_s, address=address)
-            generation.add(group, m.index(me), len(m))
-            buckets[m] = group
-    except (RuntimeError, dist.DistError) as exc:
-        raise CommError(f"building the groups of generation {gen} failed: "
-                        f"{str(exc).splitlines()[0][:200]}", None) from None
+    members = sorted({tuple(b[0]) for rnd in rounds for b in rnd
+                      if me in b[0] and len(b[0]) > 1}
+                     | {m for m in extra or () if me in m and len(m) > 1})
+    built: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            world_group = make_group(store, proto.world_prefix(generation.gen),
+                                     world.index(me), len(world), backend=backend,
+                                     timeout_s=timeout_s, address=address, device=device,
+                                     nccl_like=nccl_like)
+            generation.add(world_group, world.index(me), len(world))
+            buckets = {}
+            for m in members:
+                group = make_group(store, proto.bucket_prefix(generation.gen, m), m.index(me),
+                                   len(m), backend=backend, timeout_s=timeout_s,
+                                   address=address, device=device, nccl_like=nccl_like)
+                generation.add(group, m.index(me), len(m))
+                buckets[m] = group
+            built["groups"] = (world_group, buckets)
+        except BaseException as exc:  # handed to the waiting thread
+            built["error"] = exc
+
+    _within(connect, generation, timeout_s)
+    if "error" in built:
+        exc = built["error"]
+        raise CommError(f"building the groups of generation {generation.gen} failed: "
+                        f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
+                        None)
+    world_group, buckets = built["groups"]
     comm = Comm(me, world_group, {w: i for i, w in enumerate(world)}, buckets,
-                stage=backend == "gloo" and device.type == "cuda")
+                stage=backend == "gloo" and device.type == "cuda",
+                polled=nccl_like or backend == "nccl", timeout_s=timeout_s,
+                aborted=lambda: generation.broken)
     warm_up(comm, world, device)
     return comm
 
 
+def _within(connect: Any, generation: Generation, timeout_s: float) -> None:
+    """Run ``connect`` on a thread; return once it returned, or give it up.
+
+    Raises:
+        CommError: the generation was aborted, or ``timeout_s`` passed.
+    """
+    gen = generation.gen
+    thread = threading.Thread(target=connect, daemon=True, name=f"setup-gen{gen}")
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        thread.join(SETUP_LOOK_S)
+        if generation.broken and thread.is_alive():
+            raise CommError(f"generation {gen} was aborted during its set-up", None)
+        if time.monotonic() > deadline and thread.is_alive():
+            generation.break_all()
+            raise CommError(f"building the groups of generation {gen} did not finish "
+                            f"within {timeout_s:.1f} s", None)
+
+
 def warm_up(comm: Comm, world: list[int], device: torch.device) -> None:
-    """Exchange one tiny message with every peer in both directions.
+    """Exchange one tiny message with every peer in both directions, and reduce one
+    number over every bucket group.
 
     Gloo's first transfer on each direction of a pair is slow (hundreds of ms on a loaded
-    2-core machine); paying it here keeps it out of the first step.
+    2-core machine); paying it here keeps it out of the first step. NCCL creates a pair's
+    point-to-point communicator at its first transfer: here, under the set-up's deadline.
     """
     works = []
     for peer in world:
@@ -195,3 +321,5 @@ def warm_up(comm: Comm, world: list[int], device: torch.device) -> None:
         works.append((comm.post_recv(into, peer, WARMUP_TAG, "warm-up"), peer, into))
     for work, peer, _ in works:
         comm.wait(work, peer, "warm-up")
+    for members in sorted(comm.buckets):
+        comm.all_reduce(torch.zeros(1, device=device), members)

@@ -12,8 +12,6 @@ in.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
 import threading
 import time
@@ -23,19 +21,18 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable from here
+    EXIT_COORDINATOR_GONE,
+    EXIT_ERROR,
+    EXIT_FENCED,
+    EXIT_OK,
+    exit_now,
+)
 from chameleon_ft.runtime.worker.groups import Generation
 
-EXIT_OK, EXIT_ERROR, EXIT_COORDINATOR_GONE, EXIT_FENCED = 0, 1, 3, 4
 WAIT_SLICE_S = 0.5
 """Granularity of the worker's waits on the coordinator: each slice it checks that the
 coordinator still answers and that its generation is still current."""
-
-
-def exit_now(code: int, message: str) -> None:
-    """Leave at once (no destructors: abandoned groups could block), saying why."""
-    with contextlib.suppress(Exception):
-        os.write(2, f"{message}\n".encode())
-    os._exit(code)
 
 
 def refused(host: str, port: int) -> bool:

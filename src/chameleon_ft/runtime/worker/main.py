@@ -360,14 +360,15 @@ class Worker:
             if previous is not None:
                 groups.close_later(previous)
             return None
-        generation = groups.Generation(gen)
+        generation = groups.Generation(gen, abort_s=float(d["collective_timeout_s"]))
         self._enter(generation)
         try:
             self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
             comm = groups.build(self.store, generation, self.id, world, d["rounds"],
                                 extra=extra_groups(d), backend=self.backend,
                                 timeout_s=float(d["collective_timeout_s"]),
-                                address=self.address, device=self.device)
+                                address=self.address, device=self.device,
+                                nccl_like=self.job.nccl_semantics)
             self.faults.maybe_fire(d["step"], "recovery", gen)
             self._load_state(gen, d, plan, comm)
             self.store.add(proto.ready_key(gen), 1)
@@ -533,6 +534,7 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     abandoned process groups, which could block on connections to dead peers.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    groups.set_nccl_environment()  # before any communicator exists
     torch.set_num_threads(1)
     # Ctrl-C in a terminal (SIGINT) or a scheduler's SIGTERM reach the whole process
     # group; the coordinator drains the run and tells the workers when to stop, and a
