@@ -107,6 +107,25 @@ def test_hang_detected_within_timeout(tmp_path: Path, reference: Any) -> None:
     assert max_abs_diff(params, ref_params) < 1e-9
 
 
+@pytest.mark.parametrize("phase", ["forward", "optimizer"])
+def test_stalled_device_detected_within_hang_deadline(tmp_path: Path, reference: Any,
+                                                      phase: str) -> None:
+    """The worker's compute never returns while its threads run on (a hung kernel): the
+    heartbeat thread sees the work pending, reports the worker failed at the hang
+    deadline and ends the process."""
+    report, params, pids = run_job(tmp_path, policy="reroute",
+                                   faults=(f"rank=2,step=2,kind=stall,phase={phase}",))
+    _, ref_params = reference("float64")
+    _check_clean(pids)
+    _check_steps(report)
+    (event,) = report["events"]
+    assert event["workers"] == [2]
+    assert "did not complete" in event["cause"]
+    # the tiny job's hang and collective deadlines are 2 s, its heartbeat 0.1 s
+    assert 1.9 <= event["detected_after_s"] <= 2.6  # the hang deadline, not earlier
+    assert max_abs_diff(params, ref_params) < 1e-9
+
+
 def test_error_then_kill_two_failures(tmp_path: Path, reference: Any) -> None:
     report, params, pids = run_job(tmp_path, faults=("rank=0,step=1,kind=error,phase=optimizer",
                                                      "rank=3,step=4,kind=kill,phase=backward"))

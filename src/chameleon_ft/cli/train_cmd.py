@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
     parser.add_argument("--steps", type=int, metavar="N", help="steps to train ([train] steps)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                        help="inject a fault: rank=R,step=S,kind=kill|hang|error|glitch|"
+                        help="inject a fault: rank=R,step=S,kind=kill|hang|stall|error|glitch|"
                              "disk-full|disk-error|read-only[,phase=forward|backward|"
                              "optimizer|recovery|migration|checkpoint]; fires once, the first "
                              "time worker R reaches the phase at a step >= S (disk faults fail "

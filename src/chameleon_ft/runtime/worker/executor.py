@@ -12,7 +12,6 @@ reductions that follow are ``worker.gradients``. Communication goes through
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,6 +20,7 @@ import torch
 
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime.worker.comm import Comm
+from chameleon_ft.runtime.worker.device import DeviceWatch, StepTimer
 from chameleon_ft.runtime.workload.models import StageModel, to_run
 
 FORWARD, BACKWARD = 0, 1
@@ -36,6 +36,8 @@ class Stage(Protocol):
     loss_dtype: torch.dtype
     """What the loss computes in (floating-point targets take it)."""
     device: torch.device
+    watch: DeviceWatch
+    """Where the compute the executor runs or enqueues is marked (the heartbeat reads it)."""
     micro_batch: int
     loss_count: int
     """The loss normaliser: target elements in the whole global batch."""
@@ -60,7 +62,7 @@ class StepResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
     """``(global micro-batch, loss / loss_count)`` of the micro-batches it ended."""
     forward_s: list[float] = field(default_factory=list)
-    """Compute seconds of each forward, without waits."""
+    """Compute seconds of each forward, without waits (on a GPU: measured on the device)."""
     backward_s: list[float] = field(default_factory=list)
 
 
@@ -88,6 +90,7 @@ class StepRun:
         self.max_stages = max(pipe.num_stages for pipe in plan.pipelines)
         self.max_mb = max(pipe.num_microbatches for pipe in plan.pipelines)
         self.seen: set[str] = set()
+        self.timer = StepTimer(worker.device)
 
     def _executor(self, p: int, s: int, m: int) -> int:
         """The worker that runs micro-batch ``m`` of stage ``s`` of pipeline ``p``."""
@@ -112,6 +115,7 @@ class StepRun:
                 self.backward(p, s, m)
         for work, peer, _ in self.sends:
             self.comm.wait(work, peer, "send")
+        self.timer.resolve()
         return self.result
 
     def _samples(self, p: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,18 +133,18 @@ class StepRun:
             self.comm.recv(x, self._executor(p, s - 1, m), self._tag(FORWARD, p, s, m),
                            "activation receive")
             x.requires_grad_(x.is_floating_point())
-        t0 = time.perf_counter()
-        out = self.w.stage(x)
+        y = self._samples(p, m)[1] if last else None
+        with self.timer.time(self.result.forward_s), self.w.watch.computing():
+            out = self.w.stage(x)
+            if y is not None:
+                out = self.w.loss(out, y) / self.w.loss_count
+            payload = out.detach().contiguous()
         if last:
-            _, y = self._samples(p, m)
-            out = self.w.loss(out, y) / self.w.loss_count
-            self.result.losses.append((self.offsets[p] + m, float(out.detach())))
+            self.result.losses.append((self.offsets[p] + m, float(payload)))
         else:
             dst = self._executor(p, s + 1, m)
-            payload = out.detach().contiguous()
             self.sends.append((self.comm.send(payload, dst, self._tag(FORWARD, p, s + 1, m)),
                                dst, payload))
-        self.result.forward_s.append(time.perf_counter() - t0)
         self.inflight[(p, s, m)] = (x, out)
         self._first("forward")
 
@@ -148,18 +152,14 @@ class StepRun:
         """``B(p, s, m)``: gradient from the loss or the next stage, the input's gradient
         to the previous stage."""
         x, out = self.inflight.pop((p, s, m))
-        if s == self.plan.pipelines[p].num_stages - 1:
-            t0 = time.perf_counter()
-            if out.requires_grad:
-                out.backward()
-        else:
+        grad = None
+        if s < self.plan.pipelines[p].num_stages - 1:
             grad = torch.empty_like(out)
             self.comm.recv(grad, self._executor(p, s + 1, m), self._tag(BACKWARD, p, s, m),
                            "gradient receive")
-            t0 = time.perf_counter()
+        with self.timer.time(self.result.backward_s), self.w.watch.computing():
             if out.requires_grad:  # not when every parameter up to here is frozen
                 out.backward(grad)
-        self.result.backward_s.append(time.perf_counter() - t0)
         if s > 0:
             dst = self._executor(p, s - 1, m)
             payload = (x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()

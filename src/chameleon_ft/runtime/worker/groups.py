@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker import device as dev
 from chameleon_ft.runtime.worker.comm import Comm, CommError
 from chameleon_ft.runtime.worker.exits import EXIT_ABORT_STUCK, exit_now
 from chameleon_ft.runtime.worker.nccl_like import NcclLikeGroup
@@ -33,6 +34,7 @@ from chameleon_ft.runtime.worker.nccl_like import NcclLikeGroup
 BREAK_TAG = 2_000_000_000
 """Tag of the throw-away receive that closes a pair (never sent by anyone)."""
 WARMUP_TAG = 1_500_000_000
+CPU = torch.device("cpu")
 SETUP_LOOK_S = 0.01
 """How often a set-up in progress is checked for its deadline and an abort."""
 
@@ -135,7 +137,8 @@ def _nccl_group(store: dist.Store, rank: int, size: int, timeout_s: float,
     return group
 
 
-def break_connections(group: Any, rank: int, size: int, abort_s: float = 10.0) -> None:
+def break_connections(group: Any, rank: int, size: int, abort_s: float = 10.0,
+                      device: torch.device = CPU) -> None:
     """Close every pair of ``group`` so that peers blocked on this worker fail now.
 
     gloo: a receive that times out makes gloo close the pair; the peer sees "connection
@@ -146,7 +149,7 @@ def break_connections(group: Any, rank: int, size: int, abort_s: float = 10.0) -
         group.abort()
         return
     if group.name() == "nccl":  # pragma: no cover - needs GPUs
-        abort_within(group, abort_s)
+        abort_within(group, abort_s, device)
         return
     for r in range(size):
         if r == rank:
@@ -155,7 +158,7 @@ def break_connections(group: Any, rank: int, size: int, abort_s: float = 10.0) -
             group.recv([torch.zeros(1)], r, BREAK_TAG).wait(timedelta(milliseconds=1))
 
 
-def abort_within(group: Any, abort_s: float) -> None:
+def abort_within(group: Any, abort_s: float, device: torch.device = CPU) -> None:
     """``group.abort()`` on a thread of its own; exit the process if it raises or does not
     return within ``abort_s`` (a communicator that cannot be aborted may hold the device
     and its peers for ever; a new process can be trusted, this one cannot)."""
@@ -167,7 +170,7 @@ def abort_within(group: Any, abort_s: float) -> None:
         except BaseException as exc:  # reported below: the process then leaves
             failed.append(exc)
 
-    thread = threading.Thread(target=abort, daemon=True, name="abort")
+    thread = dev.thread(abort, device, "abort")
     thread.start()
     thread.join(abort_s)
     if thread.is_alive() or failed:
@@ -179,10 +182,12 @@ def abort_within(group: Any, abort_s: float) -> None:
 class Generation:
     """The process groups of one generation, and a flag saying it was torn down."""
 
-    def __init__(self, gen: int, abort_s: float = 10.0) -> None:
+    def __init__(self, gen: int, abort_s: float = 10.0, device: torch.device = CPU) -> None:
         self.gen = gen
         self.abort_s = abort_s
         """How long aborting one of its NCCL communicators may take."""
+        self.device = device
+        """The worker's device (threads that set up, abort or close groups work on it)."""
         self.groups: list[tuple[Any, int, int]] = []
         self.broken = False
         self.lock = threading.Lock()
@@ -193,7 +198,7 @@ class Generation:
             self.groups.append((group, rank, size))
             broken = self.broken
         if broken:
-            break_connections(group, rank, size, self.abort_s)
+            break_connections(group, rank, size, self.abort_s, self.device)
 
     def break_all(self) -> None:
         """Close every pair of every group: peers blocked on this worker fail now."""
@@ -203,7 +208,7 @@ class Generation:
             self.broken = True
             groups = list(self.groups)
         for group, rank, size in groups:
-            break_connections(group, rank, size, self.abort_s)
+            break_connections(group, rank, size, self.abort_s, self.device)
 
     def close(self) -> None:
         """Tear the groups down and drop them: their sockets and threads go away."""
@@ -219,8 +224,7 @@ class Generation:
 def close_later(generation: Generation) -> None:
     """Close an old generation's groups off the training thread (breaking a pair waits
     a millisecond per peer)."""
-    threading.Thread(target=generation.close, daemon=True, name=f"close-gen{generation.gen}"
-                     ).start()
+    dev.thread(generation.close, generation.device, f"close-gen{generation.gen}").start()
 
 
 def build(store: dist.Store, generation: Generation, me: int, world: list[int],
@@ -291,7 +295,7 @@ def _within(connect: Any, generation: Generation, timeout_s: float) -> None:
         CommError: the generation was aborted, or ``timeout_s`` passed.
     """
     gen = generation.gen
-    thread = threading.Thread(target=connect, daemon=True, name=f"setup-gen{gen}")
+    thread = dev.thread(connect, generation.device, f"setup-gen{gen}")
     thread.start()
     deadline = time.monotonic() + timeout_s
     while thread.is_alive():

@@ -1,6 +1,14 @@
 """A worker's threads beside training: its heartbeat, the watchdog of its coordinator,
 and the watcher that tears a generation down the moment the coordinator aborts it.
 
+The heartbeat beats only while the worker's device completes its work: once work given
+to the device has been pending for the hang deadline (a hung kernel; on the CPU, where
+the training thread computes itself, compute that has run that long), the heartbeat
+thread reports the worker failed and ends the process, as the coordinator ends a process
+whose heartbeat went silent (nothing in the process can interrupt a hung kernel). On a GPU
+the pending work is the device's own: the worker waits for every receive before it
+enqueues the compute that needs it, so a slow peer never holds a marked kernel back.
+
 No worker outlives its coordinator: one that died leaves nothing listening on its port
 (a connection is refused: exit at once); one that is stopped (SIGSTOP, a debugger, a host
 stuck in swap) or cut off stops answering, and a store request to it may then block for
@@ -12,17 +20,21 @@ in.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.device import DeviceWatch, use_device
 from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable from here
     EXIT_COORDINATOR_GONE,
+    EXIT_DEVICE_STALLED,
     EXIT_ERROR,
     EXIT_FENCED,
     EXIT_OK,
@@ -68,13 +80,18 @@ class Liveness:
         hang_s: the hang deadline (also how long the coordinator may stay silent).
         current: returns the generation this worker takes part in now, if any.
         changed: notified whenever ``current`` changes.
+        watch: the work given to the worker's device.
+        device: the worker's device (the threads work on it).
     """
 
     def __init__(self, worker: int, incarnation: str, host: str, port: int, *,
                  heartbeat_s: float, hang_s: float,
                  current: Callable[[], Generation | None],
-                 changed: threading.Condition) -> None:
+                 changed: threading.Condition, watch: DeviceWatch | None = None,
+                 device: torch.device | None = None) -> None:
         self.worker, self.incarnation = worker, incarnation
+        self.device = device or torch.device("cpu")
+        self.watch = watch or DeviceWatch(self.device)
         self.host, self.port = host, port
         self.heartbeat_s, self.hang_s = heartbeat_s, hang_s
         self.current, self.changed = current, changed
@@ -86,17 +103,39 @@ class Liveness:
         """Start the three threads (daemons: they die with the process)."""
         for target, name in ((self._beat, "heartbeat"), (self._watchdog, "watchdog"),
                              (self._watch_aborts, "abort-watcher")):
-            threading.Thread(target=target, daemon=True, name=name).start()
+            threading.Thread(target=self._on_device, args=(target,), daemon=True,
+                             name=name).start()
+
+    def _on_device(self, target: Callable[[], None]) -> None:
+        use_device(self.device)  # a CUDA call here must not open a context on GPU 0
+        target()
+
+    def _stalled(self, store: dist.TCPStore) -> None:
+        """The device stopped completing its work: report a fatal error (the coordinator
+        sees the death at once, also for a remote worker) and leave."""
+        pending = self.watch.pending_s()
+        why = (f"worker {self.worker}: work given to its device did not complete within "
+               f"{pending:.1f} s (a hung kernel or collective); exiting")
+        gen = self.current()
+        if gen is not None:
+            report = proto.ErrorReport(worker=self.worker, fatal=True, peer=None, message=why)
+            with contextlib.suppress(Exception):
+                index = store.add(proto.error_slot_key(gen.gen), 1) - 1
+                store.set(proto.error_key(gen.gen, index), report.to_json())
+        exit_now(EXIT_DEVICE_STALLED, f"chameleon {why}")
 
     def _beat(self) -> None:
-        """Beat every interval; a refused connection means the coordinator is gone. A slow
-        answer under load is not a death: a beat may time out, only the watchdog decides."""
+        """Beat every interval while the device completes its work; a refused connection
+        means the coordinator is gone. A slow answer under load is not a death: a beat may
+        time out, only the watchdog decides."""
         try:
             store = client(self.host, self.port, max(self.hang_s / 2, 0.2))
         except Exception:
             exit_now(EXIT_COORDINATOR_GONE, self.gone)
         key = proto.heartbeat_key(self.worker, self.incarnation)
         while True:
+            if self.watch.pending_s() > self.hang_s:
+                self._stalled(store)
             try:
                 store.add(key, 1)  # the answer is not used: a late one read later is harmless
                 self.last_ok = time.monotonic()

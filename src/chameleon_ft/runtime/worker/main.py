@@ -49,6 +49,7 @@ from chameleon_ft.runtime.worker.checkpoints import (
     wait_final,
 )
 from chameleon_ft.runtime.worker.comm import Comm, CommError
+from chameleon_ft.runtime.worker.device import DeviceWatch, StepTimer
 from chameleon_ft.runtime.worker.executor import StepResult, StepRun
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
 from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
@@ -124,12 +125,13 @@ class Worker:
         self.held_steps = 0
         self.reserved_gen: int | None = None
         """The generation whose checkpoint memory was reserved (at its first commit)."""
-        self.last_optimizer_s: float | None = None
-        """Seconds of the last optimizer step (reported with the next step's timings)."""
+        self.pending_optimizer_s: list[float] = []
+        """Seconds of the last optimizer step, once read off the device (reported with
+        the next step's timings)."""
         self.last_commit_wait_s: float | None = None
         """Seconds from reporting "reduced" to reading the verdict, last step."""
         self.stage = StageModel(checkpointing=self.checkpointing)
-        self.faults = Faults(self.store, self.id, incarnation)
+        self.faults = Faults(self.store, self.id, incarnation, stall=self.watch.stall)
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
@@ -170,6 +172,10 @@ class Worker:
         self.device = groups.worker_device(self.job.device, local_index, self.backend)
         if self.device.type == "cuda":  # pragma: no cover - needs GPUs
             torch.cuda.set_device(self.device)
+        self.watch = DeviceWatch(self.device)
+        """The compute this worker gives its device (the heartbeat watches it)."""
+        self.optimizer_timer = StepTimer(self.device)
+        """Times the optimizer step (read with the next step's timings)."""
         self.storage = Deadline(self.hang_s, self.job.storage_gb_per_s)
         own_store = functools.partial(client, self.host, self.port, max(5.0, self.hang_s))
         self.memory = MemoryCopies(self.id, self.address, secret, own_store,
@@ -179,7 +185,7 @@ class Worker:
             self.memory.start()
         self.ckpt = CheckpointIO(self.id, shared_folder(self.job.checkpoint_dir,
                                                         self.job.job_id), self.blobs,
-                                 own_store, self.memory)
+                                 own_store, self.memory, self.device)
         if self.job.checkpoint_every > 0 and self.ckpt.folder is not None and \
                 self.ckpt.disk is not None:
             self.ckpt.disk.start()
@@ -315,7 +321,8 @@ class Worker:
         self.store.set(proto.worker_info_key(self.id, self.incarnation), json.dumps(info))
         Liveness(self.id, self.incarnation, self.host, self.port,
                  heartbeat_s=self.job.heartbeat_s, hang_s=self.hang_s,
-                 current=lambda: self.current, changed=self.gen_changed).start()
+                 current=lambda: self.current, changed=self.gen_changed,
+                 watch=self.watch, device=self.device).start()
         gen = 0
         if self.replacement:
             # a repaired worker: the coordinator says from which generation on it follows
@@ -360,7 +367,8 @@ class Worker:
             if previous is not None:
                 groups.close_later(previous)
             return None
-        generation = groups.Generation(gen, abort_s=float(d["collective_timeout_s"]))
+        generation = groups.Generation(gen, abort_s=float(d["collective_timeout_s"]),
+                                       device=self.device)
         self._enter(generation)
         try:
             self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
@@ -461,10 +469,11 @@ class Worker:
         if not self.ckpt.snapshot_taken(self.storage.for_bytes(self.ckpt.pending_bytes)):
             raise RuntimeError(f"worker {self.id}: the checkpoint's copy of its layers did "
                                "not finish")
-        t0 = time.perf_counter()
-        for state in self.layers.values():
-            state.step(step)
-        self.last_optimizer_s = time.perf_counter() - t0
+        optimizer_s: list[float] = []
+        with self.optimizer_timer.time(optimizer_s), self.watch.computing():
+            for state in self.layers.values():
+                state.step(step)
+        self.pending_optimizer_s = optimizer_s
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
@@ -479,9 +488,11 @@ class Worker:
         if result.losses:
             self.store.set(proto.loss_key(gen, step, self.id), json.dumps(result.losses))
         held = self.stage.indices()
+        self.optimizer_timer.resolve()
+        optimizer_s = self.pending_optimizer_s[0] if self.pending_optimizer_s else None
         self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
             {"layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
-             "b_s": result.backward_s, "optimizer_s": self.last_optimizer_s,
+             "b_s": result.backward_s, "optimizer_s": optimizer_s,
              "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
              "rss_peak_bytes": peak_resident_bytes(), "grad_norm_sq": reduced.norm_squared,
              "lr": self.layers[held[0]].lr(step) if held else None}))
