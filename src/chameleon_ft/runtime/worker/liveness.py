@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
-from chameleon_ft.runtime.worker.device import DeviceWatch, use_device
+from chameleon_ft.runtime.worker.device import DeviceWatch, thread
 from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable from here
     EXIT_COORDINATOR_GONE,
     EXIT_DEVICE_STALLED,
@@ -103,12 +103,8 @@ class Liveness:
         """Start the three threads (daemons: they die with the process)."""
         for target, name in ((self._beat, "heartbeat"), (self._watchdog, "watchdog"),
                              (self._watch_aborts, "abort-watcher")):
-            threading.Thread(target=self._on_device, args=(target,), daemon=True,
-                             name=name).start()
-
-    def _on_device(self, target: Callable[[], None]) -> None:
-        use_device(self.device)  # a CUDA call here must not open a context on GPU 0
-        target()
+            # on the worker's device: a CUDA call here must not open a context on GPU 0
+            thread(target, self.device, name).start()
 
     def _stalled(self, store: dist.TCPStore) -> None:
         """The device stopped completing its work: report a fatal error (the coordinator
