@@ -31,7 +31,7 @@ def test_failure_free_run_equals_the_reference(tmp_path: Path, reference: Any) -
 
 
 @pytest.mark.parametrize(("policy", "phase"), [("reroute", "backward"),
-                                               ("dynamic", "forward"),
+                                               ("dynamic", "reduce"),
                                                ("restart", "optimizer")])
 def test_a_kill_is_recovered_exactly(tmp_path: Path, reference: Any, policy: str,
                                      phase: str) -> None:
@@ -44,5 +44,19 @@ def test_a_kill_is_recovered_exactly(tmp_path: Path, reference: Any, policy: str
     (event,) = report["events"]
     assert event["workers"] == [1]
     assert event["strategy"] == policy
+    assert [s["step"] for s in report["steps"]] == list(range(6))
+    assert max_abs_diff(params, ref_params) < 1e-9
+
+
+def test_a_glitch_in_the_all_reduce_is_retried_exactly(tmp_path: Path, reference: Any) -> None:
+    """A transient failure of one worker's all-reduce: its peers' operations hang (no
+    error reaches them) until the coordinator aborts the generation on the report; the
+    generation is redone as it was published."""
+    report, params, pids = run_job(tmp_path, coordinator=NCCL_LIKE,
+                                   faults=("rank=2,step=3,kind=glitch,phase=reduce",))
+    _, ref_params = reference("float64")
+    _clean(pids)
+    assert not report["events"]  # nobody died
+    assert any("retry 1 of" in line for line in report["log"])
     assert [s["step"] for s in report["steps"]] == list(range(6))
     assert max_abs_diff(params, ref_params) < 1e-9

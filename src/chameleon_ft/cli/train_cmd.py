@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, metavar="N", help="steps to train ([train] steps)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
                         help="inject a fault: rank=R,step=S,kind=kill|hang|stall|error|glitch|"
-                             "disk-full|disk-error|read-only[,phase=forward|backward|"
+                             "disk-full|disk-error|read-only[,phase=forward|backward|reduce|"
                              "optimizer|recovery|migration|checkpoint]; fires once, the first "
                              "time worker R reaches the phase at a step >= S (disk faults fail "
                              "its checkpoint write); repeatable")

@@ -61,6 +61,9 @@ class FaultPhase(StrEnum):
     """After the worker's first forward operation of the step."""
     BACKWARD = "backward"
     """After the worker's first backward operation of the step."""
+    REDUCE = "reduce"
+    """When the worker reaches the step's gradient reductions, after its last backward
+    (its peers may already wait in the all-reduce)."""
     OPTIMIZER = "optimizer"
     """After the step was committed, before the worker applies it."""
     RECOVERY = "recovery"
@@ -98,8 +101,8 @@ class Fault:
     """``kill``, ``hang``, ``stall``, ``error``, ``glitch``, or a disk fault (``disk-full``,
     ``disk-error``, ``read-only``)."""
     phase: str = FaultPhase.FORWARD.value
-    """``forward``, ``backward``, ``optimizer``, ``recovery``, ``migration`` or
-    ``checkpoint``."""
+    """``forward``, ``backward``, ``reduce``, ``optimizer``, ``recovery``, ``migration``
+    or ``checkpoint``."""
 
     def __post_init__(self) -> None:
         check_int("rank", self.rank, minimum=0)

@@ -77,6 +77,15 @@ def side_stream(device: torch.device, after: Any) -> Iterator[bool]:
     stream.synchronize()  # pragma: no cover
 
 
+def memory(device: torch.device) -> dict[str, int]:
+    """The device memory this process holds now (reported with each step's timings, so
+    that growth across generations is visible in ``op_times.jsonl``); empty on the CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"device_bytes": int(torch.cuda.memory_allocated(device)),  # pragma: no cover
+            "device_reserved_bytes": int(torch.cuda.memory_reserved(device))}
+
+
 class DeviceWatch:
     """Whether the work given to the device completes.
 

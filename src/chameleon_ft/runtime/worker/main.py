@@ -50,6 +50,7 @@ from chameleon_ft.runtime.worker.checkpoints import (
 )
 from chameleon_ft.runtime.worker.comm import Comm, CommError
 from chameleon_ft.runtime.worker.device import DeviceWatch, StepTimer
+from chameleon_ft.runtime.worker.device import memory as device_memory
 from chameleon_ft.runtime.worker.executor import StepResult, StepRun
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
 from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
@@ -457,6 +458,7 @@ class Worker:
         result = StepRun(self, comm, plan, step,
                          lambda phase: self.faults.maybe_fire(step, phase, gen)
                          ).run(d["ops"].get(str(self.id), []))
+        self.faults.maybe_fire(step, "reduce", gen)
         reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
         self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
@@ -494,7 +496,8 @@ class Worker:
             {"layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
              "b_s": result.backward_s, "optimizer_s": optimizer_s,
              "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
-             "rss_peak_bytes": peak_resident_bytes(), "grad_norm_sq": reduced.norm_squared,
+             "rss_peak_bytes": peak_resident_bytes(), **device_memory(self.device),
+             "grad_norm_sq": reduced.norm_squared,
              "lr": self.layers[held[0]].lr(step) if held else None}))
 
     # ------------------------------------------------------------------ checkpoints
