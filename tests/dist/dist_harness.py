@@ -35,13 +35,15 @@ TINY: dict[str, Any] = {
 
 def tiny_config(model_override: dict[str, Any] | None = None,
                 cluster: dict[str, Any] | None = None,
-                recovery: dict[str, Any] | None = None, **train: Any) -> Any:
+                recovery: dict[str, Any] | None = None,
+                job: dict[str, Any] | None = None, **train: Any) -> Any:
     """The tiny job with ``[train]`` overrides (optionally another ``[model]``, and
-    ``[cluster]`` and ``[recovery]`` overrides such as ``spare_nodes``)."""
+    ``[cluster]``, ``[recovery]`` and ``[job]`` overrides such as ``spare_nodes``)."""
     doc = copy.deepcopy(TINY)
     doc["train"].update(train)
     doc["cluster"].update(cluster or {})
     doc["recovery"].update(recovery or {})
+    doc["job"].update(job or {})
     if model_override is not None:
         doc["model"] = dict(model_override)
     return config_from_mapping(doc)
@@ -53,6 +55,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
             model_override: dict[str, Any] | None = None,
             cluster: dict[str, Any] | None = None,
             recovery: dict[str, Any] | None = None,
+            job: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -67,9 +70,10 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
         cluster: ``[cluster]`` overrides (``spare_nodes``).
         recovery: ``[recovery]`` overrides (``memory_checkpoint``).
+        job: ``[job]`` overrides (``pp``, ``dp``).
         train: ``[train]`` overrides.
     """
-    config = tiny_config(model_override, cluster, recovery, **train)
+    config = tiny_config(model_override, cluster, recovery, job, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 

@@ -78,12 +78,16 @@ def side_stream(device: torch.device, after: Any) -> Iterator[bool]:
 
 
 def memory(device: torch.device) -> dict[str, int]:
-    """The device memory this process holds now (reported with each step's timings, so
-    that growth across generations is visible in ``op_times.jsonl``); empty on the CPU."""
+    """The device memory this process holds now, in its caching allocator, and what the
+    whole device has in use (communicators' buffers included), reported with each step's
+    timings so that growth across generations shows in ``op_times.jsonl``; empty on the
+    CPU."""
     if device.type != "cuda":
         return {}
+    free, total = torch.cuda.mem_get_info(device)  # pragma: no cover - needs GPUs
     return {"device_bytes": int(torch.cuda.memory_allocated(device)),  # pragma: no cover
-            "device_reserved_bytes": int(torch.cuda.memory_reserved(device))}
+            "device_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            "device_used_bytes": int(total - free)}
 
 
 class DeviceWatch:
