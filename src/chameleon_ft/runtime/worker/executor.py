@@ -8,6 +8,11 @@ upstream (a stage whose output needs no gradient, every parameter up to it froze
 no backward but still receives its gradient, as the schedule sends one). The gradients'
 reductions that follow are ``worker.gradients``. Communication goes through
 :class:`~chameleon_ft.runtime.worker.comm.Comm`; the executor never sees a group.
+
+The executor performs the worker's step program (``runtime.traffic.step_program``, built
+once per generation): the actions with, in front of each, the receives to post in each
+sender's order, and behind it the send of its output, posted as soon as the compute that
+produces it ends. The NCCL checker (``runtime.nccl_model``) runs the same programs.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from typing import Any, Protocol
 import torch
 
 from chameleon_ft.plan.plan import ExecutionPlan
+from chameleon_ft.runtime.traffic import Do, Instruction, Kind, Message
 from chameleon_ft.runtime.worker.comm import Comm
 from chameleon_ft.runtime.workload.models import StageModel, to_run
 
 FORWARD, BACKWARD = 0, 1
-"""Tag kinds: activations flow forward, gradients backward."""
+"""Tag kinds: activations flow forward, gradients backward (gloo matches by tag; NCCL
+ignores tags, and the order of the program makes the matching right without them)."""
 
 
 class Stage(Protocol):
@@ -65,7 +72,7 @@ class StepResult:
 
 
 class StepRun:
-    """One step's actions on one worker, with what is in flight between them.
+    """One step's program on one worker, with what is in flight between its actions.
 
     Args:
         worker: the stage, data and numerics.
@@ -82,20 +89,21 @@ class StepRun:
         self.first_action = first_action
         self.offsets = plan.microbatch_offsets()
         self.inflight: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.posted: dict[Message, tuple[Any, torch.Tensor]] = {}
+        """Receives posted and not yet taken: their work and buffer."""
+        self.arrived: dict[tuple[Kind, tuple[int, int, int]], torch.Tensor] = {}
+        """Receives waited for, by kind and key, until their action takes them."""
+        self.output: torch.Tensor | None = None
+        """What the action just computed sends (the next instruction posts it)."""
         self.sends: list[tuple[Any, int, torch.Tensor]] = []
         self.result = StepResult()
-        self.executors: dict[tuple[int, int], tuple[int, ...]] = {}
         self.max_stages = max(pipe.num_stages for pipe in plan.pipelines)
         self.max_mb = max(pipe.num_microbatches for pipe in plan.pipelines)
         self.seen: set[str] = set()
 
-    def _executor(self, p: int, s: int, m: int) -> int:
-        """The worker that runs micro-batch ``m`` of stage ``s`` of pipeline ``p``."""
-        if (p, s) not in self.executors:
-            self.executors[(p, s)] = self.plan.executor(p, s)
-        return self.executors[(p, s)][m]
-
-    def _tag(self, kind: int, p: int, s: int, m: int) -> int:
+    def _tag(self, message: Message) -> int:
+        kind = FORWARD if message.kind is Kind.ACTIVATION else BACKWARD
+        p, s, m = message.key
         return ((kind * self.plan.num_pipelines + p) * self.max_stages + s) * self.max_mb + m
 
     def _first(self, what: str) -> None:
@@ -103,16 +111,49 @@ class StepRun:
             self.seen.add(what)
             self.first_action(what)
 
-    def run(self, actions: Sequence[Sequence[Any]]) -> StepResult:
-        """Run the actions in order, then wait for every send."""
-        for kind, p, s, m in actions:
-            if kind == "F":
-                self.forward(p, s, m)
-            else:
-                self.backward(p, s, m)
-        for work, peer, _ in self.sends:
-            self.comm.wait(work, peer, "send")
+    def run(self, program: Sequence[Instruction]) -> StepResult:
+        """Perform the program's instructions in order (the last waits for every send)."""
+        for ins in program:
+            if ins.do is Do.POST_RECV:
+                self._post(_message(ins))
+            elif ins.do is Do.WAIT_RECV:
+                message = _message(ins)
+                work, buf = self.posted.pop(message)
+                self.comm.wait(work, message.src, f"{message.kind} receive")
+                self.arrived[(message.kind, message.key)] = buf
+            elif ins.do is Do.COMPUTE:
+                assert ins.action is not None
+                kind, p, s, m = ins.action
+                if kind == "F":
+                    self.forward(p, s, m)
+                else:
+                    self.backward(p, s, m)
+            elif ins.do is Do.POST_SEND:
+                self._send(_message(ins))
+            elif ins.do is Do.WAIT_ALL:
+                for work, peer, _ in self.sends:
+                    self.comm.wait(work, peer, "send")
+                self.sends.clear()
         return self.result
+
+    def _post(self, message: Message) -> None:
+        """Post a receive into a buffer of the boundary's shape and dtype."""
+        buf = self.w.boundary_buffer(message.layer)
+        work = self.comm.post_recv(buf, message.src, self._tag(message),
+                                   f"{message.kind} receive")
+        self.posted[message] = (work, buf)
+
+    def _send(self, message: Message) -> None:
+        payload, self.output = self.output, None
+        assert payload is not None, f"nothing computed to send as {message}"
+        self.sends.append((self.comm.send(payload, message.dst, self._tag(message)),
+                           message.dst, payload))
+
+    def _take(self, kind: Kind, p: int, s: int, m: int) -> torch.Tensor:
+        """The received input of an action: the message of ``kind`` into stage ``s``."""
+        buf = self.arrived.pop((kind, (p, s, m)), None)
+        assert buf is not None, f"no {kind} of pipeline {p} stage {s} micro-batch {m} arrived"
+        return buf
 
     def _samples(self, p: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.w.microbatch(self.step, (self.offsets[p] + m) * self.w.micro_batch)
@@ -125,9 +166,7 @@ class StepRun:
         if s == 0:
             x, _ = self._samples(p, m)
         else:
-            x = self.w.boundary_buffer(self.w.stage.indices()[0])
-            self.comm.recv(x, self._executor(p, s - 1, m), self._tag(FORWARD, p, s, m),
-                           "activation receive")
+            x = self._take(Kind.ACTIVATION, p, s, m)
             x.requires_grad_(x.is_floating_point())
         t0 = time.perf_counter()
         out = self.w.stage(x)
@@ -136,10 +175,7 @@ class StepRun:
             out = self.w.loss(out, y) / self.w.loss_count
             self.result.losses.append((self.offsets[p] + m, float(out.detach())))
         else:
-            dst = self._executor(p, s + 1, m)
-            payload = out.detach().contiguous()
-            self.sends.append((self.comm.send(payload, dst, self._tag(FORWARD, p, s + 1, m)),
-                               dst, payload))
+            self.output = out.detach().contiguous()
         self.result.forward_s.append(time.perf_counter() - t0)
         self.inflight[(p, s, m)] = (x, out)
         self._first("forward")
@@ -153,16 +189,20 @@ class StepRun:
             if out.requires_grad:
                 out.backward()
         else:
-            grad = torch.empty_like(out)
-            self.comm.recv(grad, self._executor(p, s + 1, m), self._tag(BACKWARD, p, s, m),
-                           "gradient receive")
+            grad = self._take(Kind.GRADIENT, p, s, m)
+            if grad.shape != out.shape or grad.dtype != out.dtype:
+                raise RuntimeError(f"pipeline {p} stage {s}: the gradient received is "
+                                   f"{tuple(grad.shape)} {grad.dtype}, the stage's output "
+                                   f"{tuple(out.shape)} {out.dtype}")
             t0 = time.perf_counter()
             if out.requires_grad:  # not when every parameter up to here is frozen
                 out.backward(grad)
         self.result.backward_s.append(time.perf_counter() - t0)
         if s > 0:
-            dst = self._executor(p, s - 1, m)
-            payload = (x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()
-            self.sends.append((self.comm.send(payload, dst, self._tag(BACKWARD, p, s - 1, m)),
-                               dst, payload))
+            self.output = (x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()
         self._first("backward")
+
+
+def _message(ins: Instruction) -> Message:
+    assert ins.message is not None, f"{ins.do} without a message"
+    return ins.message

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.traffic import Do, warm_up_program
 from chameleon_ft.runtime.worker.comm import Comm, CommError
 
 BREAK_TAG = 2_000_000_000
@@ -146,10 +147,10 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
           address: str, device: torch.device,
           extra: list[tuple[int, ...]] | None = None) -> Comm:
-    """Build a generation's groups (the world group, then one per all-reduce bucket and
-    per ``extra`` member set this worker belongs to, one group per distinct member set, in
-    one global order so no two workers wait on each other in opposite orders), and warm
-    every pair up.
+    """Build a generation's groups (the two world groups, one per direction of the
+    point-to-point messages, then one per all-reduce bucket and per ``extra`` member set
+    this worker belongs to, one group per distinct member set, in one global order so no
+    two workers wait on each other in opposite orders), and warm every pair up.
 
     ``extra``: the members of the step's other reductions (tied pairs, the norm:
     ``runtime.step_sync.extra_groups``).
@@ -158,10 +159,14 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
         CommError: when a group cannot be built or warmed up.
     """
     gen = generation.gen
+    rank, size = world.index(me), len(world)
     try:
-        world_group = make_group(store, proto.world_prefix(gen), world.index(me), len(world),
-                                 backend=backend, timeout_s=timeout_s, address=address)
-        generation.add(world_group, world.index(me), len(world))
+        worlds = []
+        for prefix in (proto.world_prefix(gen), proto.reverse_world_prefix(gen)):
+            group = make_group(store, prefix, rank, size, backend=backend,
+                               timeout_s=timeout_s, address=address)
+            generation.add(group, rank, size)
+            worlds.append(group)
         members = sorted({tuple(b[0]) for rnd in rounds for b in rnd
                           if me in b[0] and len(b[0]) > 1}
                          | {m for m in extra or () if me in m and len(m) > 1})
@@ -174,24 +179,30 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"building the groups of generation {gen} failed: "
                         f"{str(exc).splitlines()[0][:200]}", None) from None
-    comm = Comm(me, world_group, {w: i for i, w in enumerate(world)}, buckets,
-                stage=backend == "gloo" and device.type == "cuda")
+    comm = Comm(me, worlds[0], {w: i for i, w in enumerate(world)}, buckets,
+                stage=backend == "gloo" and device.type == "cuda", reverse=worlds[1])
     warm_up(comm, world, device)
     return comm
 
 
 def warm_up(comm: Comm, world: list[int], device: torch.device) -> None:
-    """Exchange one tiny message with every peer in both directions.
+    """Exchange one tiny message with every peer on each world group, in the direction
+    the group carries (``runtime.traffic.warm_up_program``, checked by the NCCL model).
 
     Gloo's first transfer on each direction of a pair is slow (hundreds of ms on a loaded
-    2-core machine); paying it here keeps it out of the first step.
+    2-core machine); paying it here keeps it out of the first step. NCCL creates a pair's
+    communicator at its first operation; here, in an order that cannot deadlock.
     """
     works = []
-    for peer in world:
-        if peer == comm.me:
-            continue
-        out, into = torch.zeros(1, device=device), torch.zeros(1, device=device)
-        works.append((comm.send(out, peer, WARMUP_TAG), peer, out))
-        works.append((comm.post_recv(into, peer, WARMUP_TAG, "warm-up"), peer, into))
-    for work, peer, _ in works:
-        comm.wait(work, peer, "warm-up")
+    for ins in warm_up_program(world, comm.me):
+        message = ins.message
+        if ins.do is Do.POST_SEND and message is not None:
+            out = torch.zeros(1, device=device)
+            works.append((comm.send(out, message.dst, WARMUP_TAG), message.dst, out))
+        elif ins.do is Do.POST_RECV and message is not None:
+            into = torch.zeros(1, device=device)
+            works.append((comm.post_recv(into, message.src, WARMUP_TAG, "warm-up"),
+                          message.src, into))
+        elif ins.do is Do.WAIT_ALL:
+            for work, peer, _ in works:
+                comm.wait(work, peer, "warm-up")
