@@ -107,6 +107,12 @@ def world_prefix(gen: int) -> str:
     return f"gen{gen}/world/"
 
 
+def reverse_world_prefix(gen: int) -> str:
+    """The store prefix of generation ``gen``'s second world group (point-to-point
+    messages to a lower worker id; the first carries those to a higher one)."""
+    return f"gen{gen}/world-down/"
+
+
 def bucket_prefix(gen: int, members: tuple[int, ...] | list[int]) -> str:
     """The store prefix of generation ``gen``'s all-reduce group over ``members``."""
     return f"gen{gen}/bucket/{'_'.join(map(str, members))}/"

@@ -19,6 +19,11 @@ Completion follows the backend (docs/design.md 4.3, "Completion on both backends
   through :mod:`~chameleon_ft.runtime.worker.nccl_like`, gloo groups that complete
   operations as NCCL does.
 
+Point-to-point messages travel on two world groups, one per direction (to a higher
+worker id on ``world``, to a lower one on ``reverse``: ``runtime.traffic.channel_of``),
+so each pair's NCCL stream on a group carries one direction only (docs/design.md
+section 4, "Point-to-point traffic").
+
 Every tensor it hands a group lives where that group's backend needs it: on the worker's
 device for NCCL; in host memory for gloo, which moves CPU tensors only (a CUDA tensor is
 staged: copied to the host before a send or an all-reduce, and back after a receive), so
@@ -33,6 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from chameleon_ft.runtime.traffic import UP, channel_of
 
 POLL_SPINS = 64
 """Polls of a pending operation before the poller starts sleeping between looks (most
@@ -80,10 +87,12 @@ class Comm:
 
     Args:
         me: this worker's id.
-        world: the generation's world group (every member: point-to-point traffic).
-        world_rank: each member's rank in ``world``.
+        world: the generation's world group (every member): point-to-point messages to
+            a higher worker id (all of them when ``reverse`` is None).
+        world_rank: each member's rank in ``world`` and ``reverse``.
         buckets: the all-reduce group of each bucket this worker belongs to, by members.
         stage: move CUDA tensors through host memory (gloo).
+        reverse: a second group over the same members: messages to a lower worker id.
         polled: complete operations by polling (NCCL's semantics) instead of a blocking
             ``wait``.
         timeout_s: the deadline of one polled operation (the generation's collective
@@ -93,10 +102,12 @@ class Comm:
 
     def __init__(self, me: int, world: dist.ProcessGroup, world_rank: Mapping[int, int],
                  buckets: Mapping[tuple[int, ...], dist.ProcessGroup],
-                 stage: bool = False, *, polled: bool = False, timeout_s: float = 60.0,
+                 stage: bool = False, reverse: dist.ProcessGroup | None = None, *,
+                 polled: bool = False, timeout_s: float = 60.0,
                  aborted: Callable[[], bool] = _never) -> None:
         self.me = me
         self.world = world
+        self.reverse = reverse
         self.world_rank = dict(world_rank)
         self.buckets = dict(buckets)
         self.stage = stage
@@ -104,13 +115,20 @@ class Comm:
         self.timeout_s = timeout_s
         self.aborted = aborted
 
+    def channel(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The group a message from ``src`` to ``dst`` travels on."""
+        if self.reverse is None or channel_of(src, dst) == UP:
+            return self.world
+        return self.reverse
+
     def _out(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.cpu() if self.stage and tensor.is_cuda else tensor
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Post a send (it fails at once on a pair that is already closed)."""
         try:
-            return self.world.send([self._out(tensor)], self.world_rank[dst], tag)
+            return self.channel(self.me, dst).send([self._out(tensor)], self.world_rank[dst],
+                                                   tag)
         except RuntimeError as exc:
             raise CommError(f"worker {self.me}: send to worker {dst} failed: "
                             f"{_first_line(exc)}", dst) from None
@@ -120,7 +138,7 @@ class Comm:
         host = torch.empty_like(tensor, device="cpu") if self.stage and tensor.is_cuda \
             else tensor
         try:
-            work = self.world.recv([host], self.world_rank[src], tag)
+            work = self.channel(src, self.me).recv([host], self.world_rank[src], tag)
         except RuntimeError as exc:
             raise CommError(f"worker {self.me}: {what} from worker {src} failed: "
                             f"{_first_line(exc)}", src) from None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.traffic import Do, warm_up_program
 from chameleon_ft.runtime.worker import device as dev
 from chameleon_ft.runtime.worker.comm import Comm, CommError
 from chameleon_ft.runtime.worker.exits import EXIT_ABORT_STUCK, exit_now
@@ -231,11 +232,11 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
           address: str, device: torch.device,
           extra: list[tuple[int, ...]] | None = None, nccl_like: bool = False) -> Comm:
-    """Build a generation's groups (the world group, then one per all-reduce bucket and
-    per ``extra`` member set this worker belongs to, one group per distinct member set, in
-    one global order so no two workers wait on each other in opposite orders), and warm
-    every pair and every group up: every communicator the generation needs exists when
-    this returns.
+    """Build a generation's groups (the two world groups, one per direction of the
+    point-to-point messages, then one per all-reduce bucket and per ``extra`` member set
+    this worker belongs to, one group per distinct member set, in one global order so no
+    two workers wait on each other in opposite orders), and warm every pair and every
+    group up: every communicator the generation needs exists when this returns.
 
     The set-up runs on a thread of its own and is given up when ``timeout_s`` passes or
     the generation is aborted (gloo's connection set-up cannot be interrupted and retries
@@ -250,6 +251,7 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
         CommError: when a group cannot be built or warmed up in time, or the generation
             was aborted meanwhile.
     """
+    gen = generation.gen
     members = sorted({tuple(b[0]) for rnd in rounds for b in rnd
                       if me in b[0] and len(b[0]) > 1}
                      | {m for m in extra or () if me in m and len(m) > 1})
@@ -257,35 +259,44 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
 
     def connect() -> None:
         try:
-            world_group = make_group(store, proto.world_prefix(generation.gen),
-                                     world.index(me), len(world), backend=backend,
-                                     timeout_s=timeout_s, address=address, device=device,
-                                     nccl_like=nccl_like)
-            generation.add(world_group, world.index(me), len(world))
-            buckets = {}
-            for m in members:
-                group = make_group(store, proto.bucket_prefix(generation.gen, m), m.index(me),
-                                   len(m), backend=backend, timeout_s=timeout_s,
-                                   address=address, device=device, nccl_like=nccl_like)
-                generation.add(group, m.index(me), len(m))
-                buckets[m] = group
-            built["groups"] = (world_group, buckets)
+            built["groups"] = _connect(store, generation, me, world, members, backend=backend,
+                                       timeout_s=timeout_s, address=address, device=device,
+                                       nccl_like=nccl_like)
         except BaseException as exc:  # handed to the waiting thread
             built["error"] = exc
 
     _within(connect, generation, timeout_s)
     if "error" in built:
         exc = built["error"]
-        raise CommError(f"building the groups of generation {generation.gen} failed: "
+        raise CommError(f"building the groups of generation {gen} failed: "
                         f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
                         None)
-    world_group, buckets = built["groups"]
-    comm = Comm(me, world_group, {w: i for i, w in enumerate(world)}, buckets,
-                stage=backend == "gloo" and device.type == "cuda",
+    worlds, buckets = built["groups"]
+    comm = Comm(me, worlds[0], {w: i for i, w in enumerate(world)}, buckets,
+                stage=backend == "gloo" and device.type == "cuda", reverse=worlds[1],
                 polled=nccl_like or backend == "nccl", timeout_s=timeout_s,
                 aborted=lambda: generation.broken)
     warm_up(comm, world, device)
     return comm
+
+
+def _connect(store: dist.Store, generation: Generation, me: int, world: list[int],
+             members: list[tuple[int, ...]], **options: Any
+             ) -> tuple[list[Any], dict[tuple[int, ...], Any]]:
+    """The generation's two world groups and its bucket groups, each tracked by
+    ``generation`` as soon as it exists (``options``: :func:`make_group`'s)."""
+    gen, rank, size = generation.gen, world.index(me), len(world)
+    worlds = []
+    for prefix in (proto.world_prefix(gen), proto.reverse_world_prefix(gen)):
+        group = make_group(store, prefix, rank, size, **options)
+        generation.add(group, rank, size)
+        worlds.append(group)
+    buckets = {}
+    for m in members:
+        group = make_group(store, proto.bucket_prefix(gen, m), m.index(me), len(m), **options)
+        generation.add(group, m.index(me), len(m))
+        buckets[m] = group
+    return worlds, buckets
 
 
 def _within(connect: Any, generation: Generation, timeout_s: float) -> None:
@@ -309,21 +320,27 @@ def _within(connect: Any, generation: Generation, timeout_s: float) -> None:
 
 
 def warm_up(comm: Comm, world: list[int], device: torch.device) -> None:
-    """Exchange one tiny message with every peer in both directions, and reduce one
-    number over every bucket group.
+    """Exchange one tiny message with every peer on each world group, in the direction
+    the group carries (``runtime.traffic.warm_up_program``, checked by the NCCL model),
+    then reduce one number over every bucket group, in one global order.
 
     Gloo's first transfer on each direction of a pair is slow (hundreds of ms on a loaded
     2-core machine); paying it here keeps it out of the first step. NCCL creates a pair's
-    point-to-point communicator at its first transfer: here, under the set-up's deadline.
+    communicator at its first operation, and a group's at its first collective: here,
+    under the set-up's deadline, in an order that cannot deadlock.
     """
     works = []
-    for peer in world:
-        if peer == comm.me:
-            continue
-        out, into = torch.zeros(1, device=device), torch.zeros(1, device=device)
-        works.append((comm.send(out, peer, WARMUP_TAG), peer, out))
-        works.append((comm.post_recv(into, peer, WARMUP_TAG, "warm-up"), peer, into))
-    for work, peer, _ in works:
-        comm.wait(work, peer, "warm-up")
+    for ins in warm_up_program(world, comm.me):
+        message = ins.message
+        if ins.do is Do.POST_SEND and message is not None:
+            out = torch.zeros(1, device=device)
+            works.append((comm.send(out, message.dst, WARMUP_TAG), message.dst, out))
+        elif ins.do is Do.POST_RECV and message is not None:
+            into = torch.zeros(1, device=device)
+            works.append((comm.post_recv(into, message.src, WARMUP_TAG, "warm-up"),
+                          message.src, into))
+        elif ins.do is Do.WAIT_ALL:
+            for work, peer, _ in works:
+                comm.wait(work, peer, "warm-up")
     for members in sorted(comm.buckets):
         comm.all_reduce(torch.zeros(1, device=device), members)

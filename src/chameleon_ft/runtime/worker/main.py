@@ -4,10 +4,11 @@ The worker loop (docs/design.md section 4):
 
 1. read the directive of generation ``g`` (plan, schedule, migration, what to load, the
    generation's collective deadline, the incarnation of every member);
-2. build the generation's process groups (``worker.groups``): one over every member for
-   point-to-point sends, one per gradient bucket;
+2. build the generation's process groups (``worker.groups``): two over every member for
+   point-to-point sends (one per direction), one per gradient bucket;
 3. receive migrated layers (``worker.migration``) or reload a checkpoint;
-4. run steps (``worker.executor``): the schedule's forward/backward actions, the gradient
+4. run steps (``worker.executor``): the step program (``runtime.traffic``: the schedule's
+   forward/backward actions with their receives and sends, built once), the gradient
    all-reduce rounds, then report "reduced" and wait for the coordinator's verdict; apply
    the optimizer only on ``commit``;
 5. on any communication error: report it, break every connection of the generation (so
@@ -41,6 +42,7 @@ from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import writer_of
+from chameleon_ft.runtime.traffic import Instruction, actions_of, step_program
 from chameleon_ft.runtime.worker import groups
 from chameleon_ft.runtime.worker.checkpoints import (
     CheckpointIO,
@@ -386,8 +388,9 @@ class Worker:
                 previous = None
             if self.id not in plan.workers:
                 return generation  # only a migration source: idle in the new plan
+            program = step_program(plan, actions_of(d["ops"]), self.id, self.job.boundaries)
             for step in range(d["step"], d["steps"]):
-                if not self._run_step(gen, step, plan, d, comm):
+                if not self._run_step(gen, step, plan, d, comm, program):
                     break
         except CommError as exc:
             _debug(f"w{self.id} gen {gen}: {exc}")
@@ -443,8 +446,8 @@ class Worker:
 
     # ------------------------------------------------------------------ one step
     def _run_step(self, gen: int, step: int, plan: ExecutionPlan, d: dict[str, Any],
-                  comm: Comm) -> bool:
-        """Forward/backward per the schedule, all-reduce, vote, and apply on commit.
+                  comm: Comm, program: tuple[Instruction, ...]) -> bool:
+        """Forward/backward per the step program, all-reduce, vote, and apply on commit.
 
         Returns:
             False when the generation ends at this step (aborted, or a planned switch).
@@ -457,7 +460,7 @@ class Worker:
             state.zero_grad()
         result = StepRun(self, comm, plan, step,
                          lambda phase: self.faults.maybe_fire(step, phase, gen)
-                         ).run(d["ops"].get(str(self.id), []))
+                         ).run(program)
         self.faults.maybe_fire(step, "reduce", gen)
         reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
         self._report_step(gen, step, result, reduced)
