@@ -25,7 +25,7 @@ functions the executor, the migration and the warm-up take their order from):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from chameleon_ft.runtime.traffic import (
     actions_of,
     channel_of,
     migration_program,
+    peers_of,
     step_program,
     warm_up_program,
 )
@@ -289,10 +290,13 @@ def check_migration(transfers: Sequence[Sequence[int]],
     return check_programs(programs)
 
 
-def check_warm_up(world: Sequence[int]) -> list[str]:
+def check_warm_up(world: Sequence[int],
+                  peers: Mapping[int, Iterable[int]] | None = None) -> list[str]:
     """The findings on the warm-up of a generation's groups over ``world`` (the pairs'
-    communicators created by it)."""
-    return check_programs({w: warm_up_program(world, w) for w in world}, open_pairs=False)
+    communicators created by it), each worker opening its pairs with ``peers[worker]``
+    (default: every other member)."""
+    return check_programs({w: warm_up_program(world, w, None if peers is None else peers[w])
+                           for w in world}, open_pairs=False)
 
 
 def check_directive(directive: Mapping[str, Any],
@@ -304,8 +308,11 @@ def check_directive(directive: Mapping[str, Any],
         actions = actions_of(directive["ops"])
     except ValueError as exc:
         return [str(exc)]
-    findings = check_warm_up(directive["world"])
     migration = directive.get("migration")
+    transfers = migration["transfers"] if migration else []
+    findings = check_warm_up(directive["world"],
+                             {w: peers_of(plan, actions, transfers, w)
+                              for w in directive["world"]})
     if migration:
         findings += check_migration(migration["transfers"], migration["rounds"])
     return findings + check_step(plan, actions, boundaries)

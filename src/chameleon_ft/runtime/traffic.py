@@ -326,18 +326,45 @@ def migration_program(transfers: Sequence[Transfer], rounds: Sequence[Sequence[i
 
 
 # ---------------------------------------------------------------------- group warm-up
-def warm_up_program(world: Sequence[int], worker: int) -> tuple[Instruction, ...]:
+def peers_of(plan: ExecutionPlan, actions: Mapping[int, Sequence[Action]],
+             transfers: Sequence[Transfer], worker: int) -> frozenset[int]:
+    """The workers ``worker`` exchanges any message with in a generation: the senders and
+    receivers of its step's messages and the other ends of its migration's transfers (the
+    relation is symmetric: whoever sends to a worker is among that worker's peers)."""
+    peers: set[int] = set()
+    for action in actions.get(worker, ()):
+        into, out = received(plan, worker, action), sent(plan, worker, action)
+        peers.update(m.src for m in (into,) if m is not None)
+        peers.update(m.dst for m in (out,) if m is not None)
+    for _, src, dst, _, _ in transfers:
+        if worker in (src, dst):
+            peers.add(dst if src == worker else src)
+    peers.discard(worker)
+    return frozenset(peers)
+
+
+def warm_up_program(world: Sequence[int], worker: int,
+                    peers: Iterable[int] | None = None) -> tuple[Instruction, ...]:
     """One message to every peer on the channel that carries ``worker``'s messages to it
     and one from every peer on the channel that carries the peer's: each group's every
-    pair opened in the one direction it is used in.
+    pair that carries traffic opened in the one direction it is used in.
 
     NCCL creates a pair's communicator at the pair's first operation on a group, both
     sides blocking until the other arrives: each worker opens its pairs in increasing
     peer id, and each pair on the up group before the down group (the lower worker sends
     first, the higher receives first), so no two workers wait for each other in a cycle.
+
+    Args:
+        world: the generation's members.
+        worker: this worker.
+        peers: the workers it exchanges messages with (:func:`peers_of`; default every
+            other member). Only those pairs are opened: a pipeline's traffic connects a
+            worker with a few others, and every pair of a large world would be
+            quadratically many NCCL communicators.
     """
+    wanted = set(world) if peers is None else set(peers) & set(world)
     program = []
-    for peer in sorted(world):
+    for peer in sorted(wanted):
         if peer == worker:
             continue
         out = Instruction(Do.POST_SEND, Message(Kind.WARM_UP, worker, peer))

@@ -18,7 +18,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -231,7 +231,8 @@ def close_later(generation: Generation) -> None:
 def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
           address: str, device: torch.device,
-          extra: list[tuple[int, ...]] | None = None, nccl_like: bool = False) -> Comm:
+          extra: list[tuple[int, ...]] | None = None, nccl_like: bool = False,
+          peers: Iterable[int] | None = None) -> Comm:
     """Build a generation's groups (the two world groups, one per direction of the
     point-to-point messages, then one per all-reduce bucket and per ``extra`` member set
     this worker belongs to, one group per distinct member set, in one global order so no
@@ -245,7 +246,9 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
     as it arrives (the generation is broken by then).
 
     ``extra``: the members of the step's other reductions (tied pairs, the norm:
-    ``runtime.step_sync.extra_groups``).
+    ``runtime.step_sync.extra_groups``). ``peers``: the workers this one exchanges
+    messages with in the generation (``runtime.traffic.peers_of``; default every member):
+    only those pairs are warmed up.
 
     Raises:
         CommError: when a group cannot be built or warmed up in time, or the generation
@@ -276,7 +279,7 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
                 stage=backend == "gloo" and device.type == "cuda", reverse=worlds[1],
                 polled=nccl_like or backend == "nccl", timeout_s=timeout_s,
                 aborted=lambda: generation.broken)
-    warm_up(comm, world, device)
+    warm_up(comm, world, device, peers)
     return comm
 
 
@@ -319,7 +322,8 @@ def _within(connect: Any, generation: Generation, timeout_s: float) -> None:
                             f"within {timeout_s:.1f} s", None)
 
 
-def warm_up(comm: Comm, world: list[int], device: torch.device) -> None:
+def warm_up(comm: Comm, world: list[int], device: torch.device,
+            peers: Iterable[int] | None = None) -> None:
     """Exchange one tiny message with every peer on each world group, in the direction
     the group carries (``runtime.traffic.warm_up_program``, checked by the NCCL model),
     then reduce one number over every bucket group, in one global order.
@@ -330,7 +334,7 @@ def warm_up(comm: Comm, world: list[int], device: torch.device) -> None:
     under the set-up's deadline, in an order that cannot deadlock.
     """
     works = []
-    for ins in warm_up_program(world, comm.me):
+    for ins in warm_up_program(world, comm.me, peers):
         message = ins.message
         if ins.do is Do.POST_SEND and message is not None:
             out = torch.zeros(1, device=device)

@@ -42,7 +42,7 @@ from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import writer_of
-from chameleon_ft.runtime.traffic import Instruction, actions_of, step_program
+from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
 from chameleon_ft.runtime.worker import groups
 from chameleon_ft.runtime.worker.checkpoints import (
     CheckpointIO,
@@ -375,11 +375,14 @@ class Worker:
         self._enter(generation)
         try:
             self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
+            actions = actions_of(d["ops"])
+            transfers = (d.get("migration") or {}).get("transfers", [])
             comm = groups.build(self.store, generation, self.id, world, d["rounds"],
                                 extra=extra_groups(d), backend=self.backend,
                                 timeout_s=float(d["collective_timeout_s"]),
                                 address=self.address, device=self.device,
-                                nccl_like=self.job.nccl_semantics)
+                                nccl_like=self.job.nccl_semantics,
+                                peers=peers_of(plan, actions, transfers, self.id))
             self.faults.maybe_fire(d["step"], "recovery", gen)
             self._load_state(gen, d, plan, comm)
             self.store.add(proto.ready_key(gen), 1)
@@ -388,7 +391,7 @@ class Worker:
                 previous = None
             if self.id not in plan.workers:
                 return generation  # only a migration source: idle in the new plan
-            program = step_program(plan, actions_of(d["ops"]), self.id, self.job.boundaries)
+            program = step_program(plan, actions, self.id, self.job.boundaries)
             for step in range(d["step"], d["steps"]):
                 if not self._run_step(gen, step, plan, d, comm, program):
                     break
