@@ -50,6 +50,11 @@ from chameleon_ft.spec.train import Fault
 __all__ = ["Coordinator", "Event", "Hooks", "StepRecord", "WorkerFailure"]
 
 
+GENERATION_MODES = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
+"""The modes in which a published generation runs: its heartbeats, readiness and votes
+are observed only then."""
+
+
 class WorkerFailure(RuntimeError):
     """Raised when the job cannot continue (every replica gone and no way to restart)."""
 
@@ -402,7 +407,10 @@ class Coordinator:
         if self.signals_fed < len(self.signals):
             self.signals_fed = len(self.signals)
             self.feed(m.StopAsked(self.now(), self.signals[-1]))
-        if mode(self.ctl) not in (Mode.JOINING, Mode.RELAUNCHING):
+        # Only a running generation has members to watch: while workers join (or are
+        # relaunched) the plan's ids may have no process yet, and a stop or a failed start
+        # earlier in this pass may have ended the run before any generation ran.
+        if mode(self.ctl) in GENERATION_MODES:
             beats_due = self._observe_generation(beats_due)
         self.feed(m.Tick(self.now()))
         return beats_due
