@@ -14,12 +14,13 @@ FLAGS = {
                  "--no-repair", "--node-mtbf-hours", "--spare-nodes",
                  "--out", "--policies", "--repair-hours", "--save-trace", "--scenario", "--seed",
                  "--seeds", "--trace"},
-    "train": {"--config", "--dtype", "--fault", "--host", "--job-name", "--json",
+    "train": {"--config", "--drain-timeout", "--dtype", "--fault", "--host", "--job-name",
+              "--json",
               "--log-every", "--out",
               "--policy", "--port", "--rejoin", "--remote-workers", "--resume", "--steps",
               "--tensorboard", "--token", "--trace", "--workers"},
     "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
-               "--job", "--num-workers", "--token"},
+               "--drain-timeout", "--job", "--num-workers", "--token"},
     "prepare-data": {"--input", "--out", "--tokenizer"},
 }
 

@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job token remote workers must know (default: "
                              f"${auth.TOKEN_ENV}; generated and printed when workers may "
                              "join from other hosts)")
+    parser.add_argument("--drain-timeout", type=float, metavar="S",
+                        help="the scheduler's grace between SIGTERM and SIGKILL: a drain lets "
+                             "the step in flight finish while that leaves time to write the "
+                             "final checkpoint ([train] drain_timeout_s, default 30; with "
+                             "Slurm's --signal=B:TERM@S give S)")
     parser.add_argument("--job-name", metavar="NAME",
                         help="the job's name, which workers may check with `--job` "
                              "(default: [model] name)")
@@ -95,6 +100,8 @@ def _config(args: argparse.Namespace) -> Any:
         overrides["dtype"] = args.dtype
     if args.rejoin:
         overrides["rejoin"] = True
+    if args.drain_timeout is not None:
+        overrides["drain_timeout_s"] = args.drain_timeout
     if overrides:
         try:
             train = replace(train, **overrides)

@@ -302,7 +302,7 @@ class Coordinator:
                               deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
         job.ckpt.mark_job(job.job_id)
         self.launcher = Launcher(self.host, self.port, job.secret,
-                                 preload=adapter_modules(job.model))
+                                 preload=adapter_modules(job.model), num_local=job.num_local)
         self.params_m = self._params()
         self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
         old_handlers = self._install_signal_handlers()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import writer_of
@@ -90,7 +91,7 @@ class Worker:
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
                  incarnation: str, secret: bytes, connect_timeout_s: float = 30.0,
-                 replacement: bool = False, local_index: int = 0) -> None:
+                 replacement: bool = False, place: Place | None = None) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -102,14 +103,15 @@ class Worker:
             secret: the job secret that authenticates bulk transfers.
             connect_timeout_s: deadline of connecting and reading the job.
             replacement: a repaired worker rejoining a running job under a dead one's id.
-            local_index: this worker's index among the workers of its host (its GPU).
+            place: where this worker sits on its host, which picks its GPU
+                (default: the first worker of a task running one).
         """
         self.rss_base_bytes = resident_bytes()
         """Resident memory once this worker is set up (before it builds its stage), the
         peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address = host, port, address
-        self._connect(secret, connect_timeout_s, local_index)
+        self._connect(secret, connect_timeout_s, place or Place(0))
         self._open_workload()
         self.micro_batch = self.job.micro_batch
         self.loss_count = self.job.global_batch * self.job.targets_per_sample
@@ -153,7 +155,7 @@ class Worker:
                              f"coordinator's ({self.job.data_digest}); give every host the "
                              "same files")
 
-    def _connect(self, secret: bytes, connect_timeout_s: float, local_index: int) -> None:
+    def _connect(self, secret: bytes, connect_timeout_s: float, place: Place) -> None:
         """The store, the job, the bulk channel, the device and the checkpoint folder."""
         self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=timedelta(seconds=connect_timeout_s))
@@ -167,7 +169,7 @@ class Worker:
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
         self.work: Workload = open_workload(self.job.workload, secret)
         self.backend = groups.resolve_backend(self.job.backend, self.job.device)
-        self.device = groups.worker_device(self.job.device, local_index, self.backend)
+        self.device = groups.worker_device(self.job.device, place, self.backend)
         if self.device.type == "cuda":  # pragma: no cover - needs GPUs
             torch.cuda.set_device(self.device)
         self.storage = Deadline(self.hang_s, self.job.storage_gb_per_s)
@@ -525,7 +527,7 @@ class Worker:
 
 
 def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
-                secret: bytes, replacement: bool = False, local_index: int = 0) -> None:
+                secret: bytes, replacement: bool = False, place: Place | None = None) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
@@ -542,7 +544,7 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     code = EXIT_OK
     try:
         Worker(worker_id, host, port, address=address, incarnation=incarnation,
-               secret=secret, replacement=replacement, local_index=local_index).run()
+               secret=secret, replacement=replacement, place=place).run()
     except InjectedError:
         code = EXIT_ERROR
     except dist.DistStoreError:
