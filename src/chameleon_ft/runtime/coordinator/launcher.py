@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -40,7 +42,31 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
     # coordinator's shape probe (layers on meta) in its child.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "chameleon_ft.runtime.worker.main", *preload])
+    _start_sheltered()
     return ctx
+
+
+def _start_sheltered() -> None:
+    """Start the forkserver (once per process) with SIGTERM blocked in it for good.
+
+    A scheduler stops a job by signalling every process of it (Slurm's ``scancel``, a
+    requeue or a preemption; ``kill`` of a process group), the server included, which
+    would die at once, and with it the pipes that report its children's exit statuses
+    and start new ones, in the middle of the drain the signal asked for (the final
+    checkpoint, the parameters' export). Its processes leave by the coordinator's
+    directive or are killed by pid (SIGKILL); none needs SIGTERM (workers ignore it). The
+    signal is blocked in the calling thread only while the server is spawned (a child
+    keeps the mask across fork and exec, and nothing in the server unblocks it), as
+    multiprocessing protects its own resource tracker: one that arrives meanwhile waits,
+    then reaches this process's handler. The tracker is started first, since starting it
+    unblocks the signal.
+    """
+    multiprocessing.resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class ChildError(RuntimeError):
