@@ -41,6 +41,8 @@ MASTER_ADDR_ENV, MASTER_PORT_ENV = "MASTER_ADDR", "MASTER_PORT"
 the rendezvous address: the coordinator's, when nothing more specific is given."""
 POLL_S = 0.5
 """How often the wait for this host's workers looks at signals and the coordinator."""
+CONNECT_RETRY_S = 0.5
+"""Pause between attempts to reach a coordinator that does not answer yet."""
 DRAIN_TIMEOUT_S = 30.0
 """Default grace after SIGTERM (Slurm's ``KillWait`` default, as ``[train]
 drain_timeout_s``)."""
@@ -64,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address other workers reach this host at (default: the "
                              "interface that reaches the coordinator; never loopback)")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
-                        help="seconds to wait for the coordinator to answer (default 10)")
+                        help="seconds to wait for the coordinator to answer, trying again "
+                             "meanwhile (default 10)")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
                         help="after SIGTERM or SIGINT, how long the workers may wait for the "
                              "coordinator to stop the run (it writes the final checkpoint "
@@ -189,17 +192,24 @@ class Drain:
 
 
 def _connect(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, JobInfo]:
-    """The coordinator's store and its job.
+    """The coordinator's store and its job. A coordinator that does not answer yet (its
+    name not resolved yet, its port not open yet: a cluster starts the tasks of a job in
+    any order) is tried again until ``timeout_s`` has passed.
 
     Raises:
-        ValueError: when nothing answers there, or what answers is no coordinator.
+        ValueError: when nothing answers there in time, or what answers is no coordinator.
     """
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--coordinator: {host}:{port} does not answer ({exc.strerror or exc}); "
-                         "is `chameleon train` running there?") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, timeout_s)):
+                break
+        except OSError as exc:
+            if time.monotonic() + CONNECT_RETRY_S > deadline:
+                raise ValueError(f"--coordinator: {host}:{port} does not answer "
+                                 f"({exc.strerror or exc}); is `chameleon train` running "
+                                 "there?") from None
+            time.sleep(CONNECT_RETRY_S)
     from datetime import timedelta
 
     import torch.distributed as dist
