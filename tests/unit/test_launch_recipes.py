@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from chameleon_ft.cli import COMMANDS, build_parser
 
@@ -179,8 +180,6 @@ def test_the_slurm_script_resumes_drains_and_requeues(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- Kubernetes
 def _manifests() -> list[dict[str, Any]]:
-    yaml = pytest.importorskip("yaml", reason="PyYAML reads the manifests (the hf extra "
-                                              "installs it)")
     return [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
 
 
