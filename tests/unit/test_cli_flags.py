@@ -25,13 +25,17 @@ FLAGS = {
 }
 
 
+COMMON = {"--log-level"}
+"""Flags every command takes (``chameleon_ft.cli.add_log_level``)."""
+
+
 def test_commands_and_flags_are_pinned() -> None:
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     assert set(sub.choices) == set(COMMANDS) == set(FLAGS)
     for name, command in sub.choices.items():
         flags = {o for a in command._actions for o in a.option_strings} - {"-h", "--help"}
-        assert flags == FLAGS[name], name
+        assert flags == FLAGS[name] | COMMON, name
 
 
 def test_required_flags() -> None:

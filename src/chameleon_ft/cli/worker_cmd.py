@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import multiprocessing.connection
 import os
 import signal
@@ -29,12 +30,15 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from chameleon_ft import logs
 from chameleon_ft.runtime import auth, placement
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
     from chameleon_ft.runtime.protocol import JobInfo
+
+_log = logging.getLogger(__name__)
 
 MASTER_ADDR_ENV, MASTER_PORT_ENV = "MASTER_ADDR", "MASTER_PORT"
 """Where ``torch.distributed`` launchers (``torchrun``, Slurm and Kubernetes recipes) put
@@ -234,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
             a refusal (wrong token, another job, a full job).
     """
     env = os.environ  # the CLI's edge: everything below gets values
+    # its lines where they always went: progress on stdout, warnings on stderr
+    logs.configure(args.log_level, sys.stdout, errors=sys.stderr)
     host, port = coordinator_address(args.coordinator, env)
     token = auth.resolve_token(args.token)
     if token is None:
@@ -263,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         _reap(procs, 0.0 if drain.over() else job.hang_timeout_s + 1)
     for worker_id, proc in procs:
-        print(f"worker {worker_id} exited with status {proc.exitcode}", flush=True)
+        _log.info("worker %d exited with status %s", worker_id, proc.exitcode)
     if drain.signal is not None:
         return drain.status
     return 0 if all(proc.exitcode == 0 for _, proc in procs) else 1
@@ -286,12 +292,12 @@ def _start(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo, tok
         place = placement.Place(reply.local_index, task_index=k, task_workers=len(wanted))
         proc = ctx.Process(target=worker_main,
                            args=(reply.worker, host, port, address, reply.incarnation,
-                                 secret, reply.replacement, place),
+                                 secret, reply.replacement, place, logs.current_level()),
                            name=f"chameleon-worker-{reply.worker}")
         proc.start()
         procs.append((reply.worker, proc))
-        print(f"worker {reply.worker} started (pid {proc.pid}), reachable at {address}"
-              + (" (replacement)" if reply.replacement else ""), flush=True)
+        _log.info("worker %d started (pid %s), reachable at %s%s", reply.worker, proc.pid,
+                  address, " (replacement)" if reply.replacement else "")
 
 
 def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
@@ -308,11 +314,11 @@ def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
         multiprocessing.connection.wait(sentinels, timeout=POLL_S)
         if drain.signal is not None and not announced:
             announced = True
-            print(f"{drain.signal} received: waiting up to {drain.timeout_s:g} s for the "
-                  "coordinator to stop the run", file=sys.stderr, flush=True)
+            _log.warning("%s received: waiting up to %g s for the coordinator to stop the "
+                         "run", drain.signal, drain.timeout_s)
         if drain.over():
-            print(f"the workers did not leave within {drain.timeout_s:g} s of "
-                  f"{drain.signal}; stopping them", file=sys.stderr, flush=True)
+            _log.warning("the workers did not leave within %g s of %s; stopping them",
+                         drain.timeout_s, drain.signal)
             return
         try:
             store.add(proto.JOIN_SLOTS_KEY, 0)
@@ -320,8 +326,7 @@ def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
         except Exception:
             silent_since = silent_since or time.monotonic()
             if time.monotonic() - silent_since > 2 * job.hang_timeout_s + 1:
-                print("the coordinator is gone; stopping this host's workers",
-                      file=sys.stderr, flush=True)
+                _log.warning("the coordinator is gone; stopping this host's workers")
                 return
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from chameleon_ft import logs
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime.placement import Place
 
@@ -180,7 +181,7 @@ class Launcher:
             place = Place(w, task_index=w, task_workers=max(self.num_local, w + 1))
             proc = ctx.Process(target=worker_main,
                                args=(w, self.host, self.port, address, incarnation,
-                                     self.secret, replacement, place),
+                                     self.secret, replacement, place, logs.current_level()),
                                daemon=False, name=f"chameleon-worker-{w}")
             proc.start()
             self.procs[w] = Proc(w, incarnation, proc, host=socket.gethostname(),

@@ -13,6 +13,7 @@ change is a pure transition (docs/design.md 4.1).
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from chameleon_ft import logs
 from chameleon_ft.profile import Profile
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
@@ -48,6 +50,14 @@ from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
 
 __all__ = ["Coordinator", "Event", "Hooks", "StepRecord", "WorkerFailure"]
+
+_log = logging.getLogger(__name__)
+
+
+def log_line(message: str) -> None:
+    """The default ``log`` of a coordinator: one of its lines as a record of this module's
+    logger (a warning or a stop at its level, the rest as information)."""
+    _log.log(logs.level_of(message), message)
 
 
 GENERATION_MODES = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
@@ -110,7 +120,8 @@ class Coordinator:
             ``chameleon worker``.
         host: the address the store listens on (and only that one).
         port: store port (0: any free port).
-        log: one-line progress messages.
+        log: receives each one-line progress message (default: :func:`log_line`, this
+            module's logger).
         token: the job token remote workers must prove they know (default: one is
             generated, and printed when workers may join from other hosts).
         job_name: the job's name (workers may name the job they mean to join).
@@ -145,7 +156,7 @@ class Coordinator:
         Raises:
             ValueError: for bad input (see :func:`~.setup.prepare`).
         """
-        self.log = log or (lambda _msg: None)
+        self.log = log if log is not None else log_line
         self.job: Job = prepare(
             config, profile=profile, custom_decide=decide is not None, policy=policy,
             faults=faults, out_dir=out_dir, num_local_workers=num_local_workers, host=host,

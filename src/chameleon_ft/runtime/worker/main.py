@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chameleon_ft import logs
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
@@ -81,9 +83,7 @@ class GenerationOver(RuntimeError):
     """The coordinator moved on past the generation this worker waits in."""
 
 
-def _debug(message: str) -> None:
-    if os.environ.get("CHAMELEON_DEBUG"):
-        print(f"[{time.time():.3f}] {message}", file=sys.stderr, flush=True)
+_log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -308,7 +308,7 @@ class Worker:
             index = self.store.add(proto.error_slot_key(gen), 1) - 1
             self.store.set(proto.error_key(gen, index), report.to_json())
         except Exception as exc:  # the coordinator is gone or slow: the watchdog decides
-            _debug(f"w{self.id}: error report not written: {exc}")
+            _log.debug("error report not written: %s", exc)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -325,8 +325,8 @@ class Worker:
         previous: groups.Generation | None = None
         while True:
             gen, directive = self._directive(gen)
-            _debug(f"w{self.id} read directive {gen} ({directive['action']}, world "
-                   f"{directive.get('world')})")
+            _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
+                       directive.get("world"))
             if directive["action"] == "stop":
                 if previous is not None:
                     previous.close()
@@ -382,7 +382,7 @@ class Worker:
                 if not self._run_step(gen, step, plan, d, comm):
                     break
         except CommError as exc:
-            _debug(f"w{self.id} gen {gen}: {exc}")
+            _log.debug("generation %d: %s", gen, exc)
             self._report(False, exc.peer, str(exc), gen)
             generation.break_all()
         except CorruptCheckpoint as exc:
@@ -527,13 +527,18 @@ class Worker:
 
 
 def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
-                secret: bytes, replacement: bool = False, place: Place | None = None) -> None:
+                secret: bytes, replacement: bool = False, place: Place | None = None,
+                log_level: int = logging.WARNING) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
     coordinator disappeared, 4 when fenced. ``os._exit`` skips the destructors of
     abandoned process groups, which could block on connections to dead peers.
+
+    ``log_level``: this process's records on stderr from that level on (the level of the
+    process that started it), stamped with the worker's id.
     """
+    logs.configure(log_level, sys.stderr, worker=worker_id)  # the process's edge
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     # Ctrl-C in a terminal (SIGINT) or a scheduler's SIGTERM reach the whole process
@@ -550,7 +555,7 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     except dist.DistStoreError:
         code = EXIT_COORDINATOR_GONE
     except BaseException:
-        traceback.print_exc()
+        _log.error("%s", traceback.format_exc().rstrip())
         code = EXIT_ERROR
     finally:
         sys.stdout.flush()
