@@ -103,7 +103,7 @@ def _with_overrides(config: Config, **train: Any) -> Config:
 
 
 def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
-          optimizer: Any = None, lr_schedule: Callable[[int], float] | None = None,
+          optimizer: Callable[..., Any] | None = None, lr_schedule: Any = None,
           out_dir: str | Path | None = None, steps: int | None = None,
           dtype: str | None = None, policy: str | None = None,
           faults: Iterable[Fault | str] = (), resume: bool = False, rejoin: bool | None = None,
@@ -123,7 +123,9 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
             ``loss(output, targets)`` (summed; default token cross-entropy).
         data: a data source: ``microbatch(step, first_sample, size) -> (inputs, targets)``.
         optimizer: ``params -> torch.optim.Optimizer``, built once per layer.
-        lr_schedule: ``step -> learning rate`` (0-based steps).
+        lr_schedule: ``step -> learning rate`` (0-based steps), or a
+            ``torch.optim.lr_scheduler`` class, factory (``optimizer -> scheduler``) or
+            instance (:class:`~chameleon_ft.runtime.workload.schedules.TorchLRSchedule`).
         out_dir: the run directory (default: a new ``runs/train-<time>``).
         steps: overrides ``[train] steps``.
         dtype: overrides ``[train] dtype``.
@@ -132,12 +134,12 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
         resume: continue ``out_dir`` from its newest complete checkpoint.
         rejoin: overrides ``[train] rejoin``.
         log: receives each progress line (default: records of the coordinator's logger,
-            ``chameleon_ft.runtime.coordinator.shell``, which the application's logging
-            configuration routes; where it configured none, they are shown on stdout for
-            the duration of the call, as ``chameleon train`` shows them; ``lambda _: None``
-            silences them).
-        coordinator: further keyword arguments of
-            :class:`~chameleon_ft.runtime.coordinator.shell.Coordinator`.
+            routed by the application's logging; on stdout while it configured none).
+        coordinator: the other keyword arguments of
+            :class:`~chameleon_ft.runtime.coordinator.shell.Coordinator`: ``log_every``,
+            ``tensorboard``, ``num_local_workers``, ``host``, ``port``, ``token``,
+            ``job_name``, ``profile``, ``decide``, ``hooks``, ``check_resources``,
+            ``trace``.
 
     Returns:
         The report (what ``chameleon train --json`` prints).
