@@ -196,9 +196,10 @@ class TrainSpec:
     through host memory, so several workers may share one GPU), ``nccl`` (one GPU per
     worker), or ``auto`` (NCCL when the workers compute on CUDA, else gloo)."""
     device: str = "auto"
-    """Where workers compute: ``cpu``, ``cuda`` (worker ``k`` of a host on that host's GPU
-    ``k mod GPUs``, assigned per host, never from the worker's global id), or ``auto``
-    (CUDA when this host has a GPU)."""
+    """Where workers compute: ``cpu``, ``cuda`` (each worker on the GPU of its node-local
+    index, ``LOCAL_RANK``/``SLURM_LOCALID`` or its order of admission on its host, within
+    ``CUDA_VISIBLE_DEVICES``: ``runtime.placement``; never from its global id), or
+    ``auto`` (CUDA when this host has a GPU)."""
     storage_gb_per_s: float = 0.1
     """Write (and read) bandwidth of the checkpoint folder per worker, GB/s: checkpoint and
     final-state deadlines are the hang deadline plus the bytes over this, at least 10 s.

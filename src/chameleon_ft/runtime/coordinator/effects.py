@@ -211,7 +211,8 @@ def _do_reply(coord: Coordinator, e: m.Reply) -> None:
                                      "at_s": coord.now()})
         coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
         return
-    incarnation, index = coord.launcher.admitted(e.worker, request.host, coord.state.alive)
+    incarnation, index = coord.launcher.admitted(e.worker, request.host, coord.state.alive,
+                                                 request.local_index)
     coord.desk.reply(request, auth.JoinReply(ok=True, worker=e.worker, incarnation=incarnation,
                                              replacement=e.replacement, local_index=index))
     coord.feed(m.Launched(coord.now(), {e.worker: incarnation}, local=False,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.placement import Place, device_index
 from chameleon_ft.runtime.traffic import Do, warm_up_program
 from chameleon_ft.runtime.worker import device as dev
 from chameleon_ft.runtime.worker.comm import Comm, CommError
@@ -78,23 +79,26 @@ def resolve_backend(name: str, device: str = "auto") -> str:
     return name
 
 
-def worker_device(device: str, local_index: int, backend: str) -> torch.device:
-    """The device of the worker with index ``local_index`` on its host.
+def worker_device(device: str, place: Place, backend: str,
+                  num_visible: int | None = None) -> torch.device:
+    """The device of a worker placed at ``place`` on its host (:mod:`~.placement`).
+
+    Args:
+        device: ``cpu`` or ``cuda`` (resolved, see :func:`resolve_device`).
+        place: the worker's node-local index and its place in its task.
+        backend: ``gloo`` or ``nccl``.
+        num_visible: GPUs this process sees (default: ``torch.cuda.device_count()``,
+            which honours ``CUDA_VISIBLE_DEVICES``).
 
     Raises:
-        ValueError: for CUDA on a host without a GPU, or NCCL with more workers on the
-            host than GPUs (NCCL cannot put two ranks of a group on one device).
+        ValueError: for CUDA with no GPU visible, or NCCL with a worker whose node-local
+            index has no GPU of its own (NCCL cannot put two ranks of a group on one
+            device).
     """
     if device != "cuda":
         return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise ValueError("train.device: cuda, but this host has no GPU")
-    if backend == "nccl" and local_index >= count:
-        raise ValueError(f"train.backend: nccl puts one worker on each GPU; worker index "
-                         f"{local_index} on a host with {count}; use backend = \"gloo\" "
-                         "to share GPUs, or fewer workers per host")
-    return torch.device("cuda", local_index % count)
+    count = torch.cuda.device_count() if num_visible is None else num_visible
+    return torch.device("cuda", device_index(place, count, backend))
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, *, backend: str,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -36,9 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chameleon_ft import logs
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import writer_of
@@ -84,9 +87,7 @@ class GenerationOver(RuntimeError):
     """The coordinator moved on past the generation this worker waits in."""
 
 
-def _debug(message: str) -> None:
-    if os.environ.get("CHAMELEON_DEBUG"):
-        print(f"[{time.time():.3f}] {message}", file=sys.stderr, flush=True)
+_log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -94,7 +95,7 @@ class Worker:
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
                  incarnation: str, secret: bytes, connect_timeout_s: float = 30.0,
-                 replacement: bool = False, local_index: int = 0) -> None:
+                 replacement: bool = False, place: Place | None = None) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -106,14 +107,15 @@ class Worker:
             secret: the job secret that authenticates bulk transfers.
             connect_timeout_s: deadline of connecting and reading the job.
             replacement: a repaired worker rejoining a running job under a dead one's id.
-            local_index: this worker's index among the workers of its host (its GPU).
+            place: where this worker sits on its host, which picks its GPU
+                (default: the first worker of a task running one).
         """
         self.rss_base_bytes = resident_bytes()
         """Resident memory once this worker is set up (before it builds its stage), the
         peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address = host, port, address
-        self._connect(secret, connect_timeout_s, local_index)
+        self._connect(secret, connect_timeout_s, place or Place(0))
         self._open_workload()
         self.micro_batch = self.job.micro_batch
         self.loss_count = self.job.global_batch * self.job.targets_per_sample
@@ -158,7 +160,7 @@ class Worker:
                              f"coordinator's ({self.job.data_digest}); give every host the "
                              "same files")
 
-    def _connect(self, secret: bytes, connect_timeout_s: float, local_index: int) -> None:
+    def _connect(self, secret: bytes, connect_timeout_s: float, place: Place) -> None:
         """The store, the job, the bulk channel, the device and the checkpoint folder."""
         self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=timedelta(seconds=connect_timeout_s))
@@ -172,7 +174,7 @@ class Worker:
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
         self.work: Workload = open_workload(self.job.workload, secret)
         self.backend = groups.resolve_backend(self.job.backend, self.job.device)
-        self.device = groups.worker_device(self.job.device, local_index, self.backend)
+        self.device = groups.worker_device(self.job.device, place, self.backend)
         if self.device.type == "cuda":  # pragma: no cover - needs GPUs
             torch.cuda.set_device(self.device)
         self.watch = DeviceWatch(self.device)
@@ -315,7 +317,7 @@ class Worker:
             index = self.store.add(proto.error_slot_key(gen), 1) - 1
             self.store.set(proto.error_key(gen, index), report.to_json())
         except Exception as exc:  # the coordinator is gone or slow: the watchdog decides
-            _debug(f"w{self.id}: error report not written: {exc}")
+            _log.debug("error report not written: %s", exc)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -333,8 +335,8 @@ class Worker:
         previous: groups.Generation | None = None
         while True:
             gen, directive = self._directive(gen)
-            _debug(f"w{self.id} read directive {gen} ({directive['action']}, world "
-                   f"{directive.get('world')})")
+            _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
+                       directive.get("world"))
             if directive["action"] == "stop":
                 if previous is not None:
                     previous.close()
@@ -396,7 +398,7 @@ class Worker:
                 if not self._run_step(gen, step, plan, d, comm, program):
                     break
         except CommError as exc:
-            _debug(f"w{self.id} gen {gen}: {exc}")
+            _log.debug("generation %d: %s", gen, exc)
             self._report(False, exc.peer, str(exc), gen)
             generation.break_all()
         except CorruptCheckpoint as exc:
@@ -546,13 +548,20 @@ class Worker:
 
 
 def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
-                secret: bytes, replacement: bool = False, local_index: int = 0) -> None:
+                secret: bytes, replacement: bool = False, place: Place | None = None,
+                log_level: int = logging.WARNING) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
-    coordinator disappeared, 4 when fenced. ``os._exit`` skips the destructors of
-    abandoned process groups, which could block on connections to dead peers.
+    coordinator disappeared, 4 when fenced, 5 when an NCCL abort could not finish, 6 when
+    the device stopped completing its work (``worker.exits``). ``os._exit`` skips the
+    destructors of abandoned process groups, which could block on connections to dead
+    peers or on kernels that never finish.
+
+    ``log_level``: this process's records on stderr from that level on (the level of the
+    process that started it), stamped with the worker's id.
     """
+    logs.configure(log_level, sys.stderr, worker=worker_id)  # the process's edge
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     groups.set_nccl_environment()  # before any communicator exists
     torch.set_num_threads(1)
@@ -564,13 +573,13 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     code = EXIT_OK
     try:
         Worker(worker_id, host, port, address=address, incarnation=incarnation,
-               secret=secret, replacement=replacement, local_index=local_index).run()
+               secret=secret, replacement=replacement, place=place).run()
     except InjectedError:
         code = EXIT_ERROR
     except dist.DistStoreError:
         code = EXIT_COORDINATOR_GONE
     except BaseException:
-        traceback.print_exc()
+        _log.error("%s", traceback.format_exc().rstrip())
         code = EXIT_ERROR
     finally:
         sys.stdout.flush()
