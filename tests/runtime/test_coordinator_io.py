@@ -175,11 +175,11 @@ def test_one_poll_sees_checkpoints_and_reports_before_deaths_and_votes_before_ti
            "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2},
            "train": {"steps": 60, "dtype": "float64"}}
     coord = Coordinator(config_from_mapping(doc), out_dir=tmp_path, check_resources=False)
-    coord.params_m = coord._params()
-    c = initial(st.start(coord.job.plan0, range(4)), now_s=0.0, params=coord.params_m)
+    coord.settings = coord._settings()
+    c = initial(st.start(coord.job.plan0, range(4)), now_s=0.0, settings=coord.settings)
     c, _ = machine.step(c, m.Launched(0.0, {w: f"i{w}" for w in range(4)}, local=True,
-                                      replacement=False), coord.params_m)
-    c, _ = machine.step(c, m.Registered(0.0, (0, 1, 2, 3)), coord.params_m)
+                                      replacement=False), coord.settings)
+    c, _ = machine.step(c, m.Registered(0.0, (0, 1, 2, 3)), coord.settings)
     coord.control = replace(c, ready_s=0.0)
     fakes = _Fakes(gen=0, step=0)
     coord.bulk = coord.launcher = coord.cs = coord.desk = fakes  # type: ignore[assignment]

@@ -22,7 +22,7 @@ from chameleon_ft.runtime.control import machine
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.members import MAX_FAILED_STARTS
-from chameleon_ft.runtime.control.model import Mode, Params, initial, mode
+from chameleon_ft.runtime.control.model import Mode, Settings, initial, mode
 from chameleon_ft.runtime.protocol import MISSING, ErrorReport
 
 PLAN = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)
@@ -36,7 +36,7 @@ def two_stage(*pipelines: tuple[int, int]) -> ExecutionPlan:
     return ExecutionPlan(num_layers=4, pipelines=pipes)
 
 
-PARAMS = Params(steps=100, num_workers=4, num_local=4, num_layers=4, hang_s=2.0,
+SETTINGS = Settings(steps=100, num_workers=4, num_local=4, num_layers=4, hang_s=2.0,
                 heartbeat_s=0.1, max_retries=2, rejoin=False, join_timeout_s=10.0,
                 initial_plan=PLAN)
 
@@ -68,11 +68,11 @@ class Candidate:
 class Run:
     """A control value driven through observations; every effect is kept."""
 
-    def __init__(self, params: Params = PARAMS, workers: int = 4, step: int = 0) -> None:
-        self.p = params
+    def __init__(self, settings: Settings = SETTINGS, workers: int = 4, step: int = 0) -> None:
+        self.p = settings
         load = st.Load("restore", step) if step else st.INIT
-        self.c = initial(st.start(params.initial_plan, range(workers), step=step, load=load),
-                         now_s=0.0, params=params)
+        self.c = initial(st.start(settings.initial_plan, range(workers), step=step, load=load),
+                         now_s=0.0, settings=settings)
         self.effects: list[m.Effect] = []
         self.now = 0.0
 
@@ -134,7 +134,7 @@ def _mig(layer: int, src: int, dst: int) -> Migration:
 
 def _with_rejoined_worker() -> Run:
     """A run whose last switch folded repaired worker 4 in (nothing committed since)."""
-    run = Run(replace(PARAMS, num_workers=5, num_local=5), workers=5).start()
+    run = Run(replace(SETTINGS, num_workers=5, num_local=5), workers=5).start()
     run.commit(2)
     run.feed(m.RejoinDecision(run.at(), None, "unused"))
     plan = two_stage((0, 2), (1, 4))
@@ -148,7 +148,7 @@ def _with_rejoined_worker() -> Run:
 def test_a_replacement_that_keeps_dying_after_it_joined_is_given_up() -> None:
     """A repaired worker that died after it was up was relaunched for ever (only deaths
     before ``ready`` counted), each cycle a failure and a recovery."""
-    run = Run(replace(PARAMS, rejoin=True), workers=4).start()
+    run = Run(replace(SETTINGS, rejoin=True), workers=4).start()
     run.commit(2)
     run.kill(3)
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
@@ -172,7 +172,7 @@ def test_a_replacement_that_keeps_dying_after_it_joined_is_given_up() -> None:
 
 
 def test_a_repair_that_trained_resets_the_count() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit()
     for _ in range(MAX_FAILED_STARTS + 1):
         run.kill(3)
@@ -208,7 +208,7 @@ def test_a_failure_right_after_a_reload_reloads_again_never_keeps() -> None:
 
 
 def test_two_remote_joiners_never_get_the_same_dead_id() -> None:
-    params = replace(PARAMS, num_local=2, rejoin=True)
+    params = replace(SETTINGS, num_local=2, rejoin=True)
     run = Run(params)
     run.launch(range(2))
     for _ in range(2):
@@ -275,7 +275,7 @@ def test_a_run_that_cannot_go_on_tells_its_workers_to_stop() -> None:
 def test_the_final_holders_are_the_workers_whose_state_is_at_the_last_step() -> None:
     """A worker dropped by a switch keeps the placement it left; once a later plan
     committed, it is not a final holder."""
-    run = Run(replace(PARAMS, steps=7)).start()
+    run = Run(replace(SETTINGS, steps=7)).start()
     run.commit(3)
     run.feed(m.RejoinDecision(run.at(), None, "unused"))
     run.c = replace(run.c, run=st.rejoin_planned(run.c.run, two_stage((0, 2), (1, 2)),
@@ -325,7 +325,7 @@ class RollingBack(Chosen):
 
 
 def test_a_swap_onto_a_wiped_stage_reloads_in_place_on_its_plan() -> None:
-    spares = replace(PARAMS, num_workers=6, num_local=6)
+    spares = replace(SETTINGS, num_workers=6, num_local=6)
     run = Run(spares, workers=6).start()
     assert run.c.run.idle == {4, 5}  # the spare node's workers start idle
     run.commit(5)
@@ -351,7 +351,7 @@ def test_a_hang_is_a_death_after_the_deadline() -> None:
                                   for w in range(4)})
 
     run.feed(beats())
-    run.now += PARAMS.hang_s - PARAMS.heartbeat_s - 0.05
+    run.now += SETTINGS.hang_s - SETTINGS.heartbeat_s - 0.05
     assert not of(run.feed(beats()), m.Failure)
     run.now += 0.1
     (failure,) = of(run.feed(beats()), m.Failure)
@@ -394,7 +394,7 @@ def test_a_failure_during_a_recovery_is_a_failure_of_the_new_generation() -> Non
 
 
 def test_a_repaired_worker_rejoins_at_a_step_boundary() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit()
     run.kill(3)
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
@@ -419,7 +419,7 @@ def test_a_retry_runs_the_recovery_plan_then_escalates_then_stops() -> None:
     run.kill(3)
     recovery = two_stage((0, 2), (1, 2))
     run.answer(Chosen("reroute", recovery))
-    for attempt in range(PARAMS.max_retries + 2):
+    for attempt in range(SETTINGS.max_retries + 2):
         run.feed(m.Errors(run.at(), run.c.run.gen,
                           (ErrorReport(0, False, None, "glitch"),)))
         run.now += 5.0
@@ -427,10 +427,10 @@ def test_a_retry_runs_the_recovery_plan_then_escalates_then_stops() -> None:
         in_flight = run.c.run.next_step
         out = run.feed(m.Absent(run.at(), probe.gen, {}))
         assert m.Abort(probe.gen, in_flight) in out
-        if attempt < PARAMS.max_retries:
+        if attempt < SETTINGS.max_retries:
             assert run.c.run.plan == recovery and run.c.run.retries == attempt + 1
             assert "retry" in logs(out)
-        elif attempt == PARAMS.max_retries:
+        elif attempt == SETTINGS.max_retries:
             assert run.c.run.load == st.INIT and "restarting from the checkpoint" in logs(out)
         else:
             (stop,) = of(out, m.Stop)
@@ -481,7 +481,7 @@ def test_unwritten_and_malformed_reports_do_not_block() -> None:
     run.commit()
     out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
     assert not of(out, m.Failure) and run.c.watch.errors_seen == 0
-    run.now += PARAMS.hang_s + 0.1
+    run.now += SETTINGS.hang_s + 0.1
     out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
     assert "was never written" in logs(out) and of(out, m.Failure)[0].workers == (1,)
     out = run.feed(m.Errors(run.at(), run.c.run.gen, ("malformed",)))
@@ -489,7 +489,7 @@ def test_unwritten_and_malformed_reports_do_not_block() -> None:
 
 
 def test_every_worker_failing_relaunches_them_and_reloads() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit(4)
     out = run.kill(0, 1, 2, 3)
     (launch,) = of(out, m.Launch)
@@ -510,7 +510,7 @@ def test_every_worker_failing_without_rejoin_stops_with_the_reason() -> None:
 
 
 def test_an_idle_workers_death_aborts_nothing() -> None:
-    run = Run(replace(PARAMS, num_workers=5, num_local=5), workers=5).start()
+    run = Run(replace(SETTINGS, num_workers=5, num_local=5), workers=5).start()
     run.commit()
     out = run.kill(4)
     assert not of(out, m.Abort) and of(out, m.Failure)[0].idle
@@ -530,7 +530,7 @@ def test_a_drain_that_outlasts_its_grace_aborts_the_step() -> None:
     run = Run().start()
     run.commit(3)
     run.feed(m.StopAsked(run.at(), "SIGINT"))
-    run.now += PARAMS.drain_grace_s + 0.1
+    run.now += SETTINGS.drain_grace_s + 0.1
     out = run.feed(m.Tick(run.at()))
     assert m.Abort(0, 3) in out and of(out, m.Stop)[0].step == 3
 
@@ -560,7 +560,7 @@ def test_joining_failed_starts_then_deadline() -> None:
             assert stop.bad_input and "3 times" in stop.reason
     late = Run()
     late.launch(range(4))
-    late.now += PARAMS.join_timeout_s + 1
+    late.now += SETTINGS.join_timeout_s + 1
     (stop,) = of(late.feed(m.Tick(late.at())), m.Stop)
     assert stop.bad_input and "only 0 of the 4 workers" in stop.reason
     stopped = Run()
@@ -570,12 +570,12 @@ def test_joining_failed_starts_then_deadline() -> None:
 
 def test_the_relaunched_workers_deadline_and_death() -> None:
     for how in ("tick", "exits", "stop"):
-        run = Run(replace(PARAMS, rejoin=True)).start()
+        run = Run(replace(SETTINGS, rejoin=True)).start()
         run.commit()
         run.kill(0, 1, 2, 3)
         run.launch(range(4), replacement=True)
         if how == "tick":
-            run.now += PARAMS.join_timeout_s + 1
+            run.now += SETTINGS.join_timeout_s + 1
             out = run.feed(m.Tick(run.at()))
         elif how == "exits":
             out = run.feed(m.Exits(run.at(), {1: 1}))
@@ -611,7 +611,7 @@ def test_unexplained_errors_in_a_healthy_generation() -> None:
     assert of(_unexplained(run, {1: None}), m.Decide) and mode(run.c) is Mode.DECIDING
     spent = Run().start()
     spent.commit()
-    spent.c = replace(spent.c, run=replace(spent.c.run, retries=PARAMS.max_retries + 1))
+    spent.c = replace(spent.c, run=replace(spent.c.run, retries=SETTINGS.max_retries + 1))
     assert of(_unexplained(spent, {}), m.Stop)[0].failed
 
 
@@ -626,13 +626,13 @@ def test_a_drain_ends_at_a_death_or_an_unexplained_generation() -> None:
     assert not of(_unexplained(absent, {1: None}), m.Stop)[0].failed
     spent = Run().start()
     spent.commit()
-    spent.c = replace(spent.c, run=replace(spent.c.run, retries=PARAMS.max_retries + 1))
+    spent.c = replace(spent.c, run=replace(spent.c.run, retries=SETTINGS.max_retries + 1))
     spent.feed(m.StopAsked(spent.at(), "SIGTERM"))
     assert of(_unexplained(spent, {}), m.Stop)[0].failed
 
 
-def _recovering(params: Params = PARAMS) -> Run:
-    run = Run(params).start()
+def _recovering(settings: Settings = SETTINGS) -> Run:
+    run = Run(settings).start()
     run.commit()
     run.kill(3)
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
@@ -643,10 +643,10 @@ def _recovering(params: Params = PARAMS) -> Run:
 def test_what_ends_or_interrupts_a_recovery() -> None:
     run = _recovering()
     assert of(run.kill(0, 1, 2), m.Stop)[0].failed  # no rejoin: every worker failed
-    relaunch = _recovering(replace(PARAMS, rejoin=True))
+    relaunch = _recovering(replace(SETTINGS, rejoin=True))
     relaunch.kill(0, 1, 2)
     assert mode(relaunch.c) is Mode.RELAUNCHING
-    last = _recovering(replace(PARAMS, steps=2))
+    last = _recovering(replace(SETTINGS, steps=2))
     assert of(last.commit(), m.Stop)
     for stop in (m.StopAsked(0.0, "SIGINT"), m.TraceEnd(0.0)):
         drained = _recovering()
@@ -655,7 +655,7 @@ def test_what_ends_or_interrupts_a_recovery() -> None:
 
 
 def test_a_relaunched_worker_that_hangs_fails_the_run() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit()
     run.kill(0, 1, 2, 3)
     run.launch(range(4), replacement=True)
@@ -707,7 +707,7 @@ def test_each_transition_names_modes_and_a_known_cause(edge: tuple[Mode, str, Mo
 
 # ---------------------------------------------------------------------- state on disk
 def test_a_checkpoint_is_complete_only_once_its_manifest_is_written() -> None:
-    run = Run(replace(PARAMS, keep_checkpoints=2)).start()
+    run = Run(replace(SETTINGS, keep_checkpoints=2)).start()
     run.commit(10)
     (save,) = of(run.feed(m.CheckpointWritten(run.at(), 10, 0)), m.SaveCheckpoint)
     assert save.accepted and run.c.run.checkpoints == (0,)  # not complete yet

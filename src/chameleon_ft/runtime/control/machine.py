@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import rules
-from chameleon_ft.runtime.control.model import Control, Mode, Params, mode
+from chameleon_ft.runtime.control.model import Control, Mode, Settings, mode
 
 J, T, D, R = Mode.JOINING, Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING
 RL, DR, FN, FL = Mode.RELAUNCHING, Mode.DRAINING, Mode.FINISHED, Mode.FAILED
@@ -51,7 +51,7 @@ def label(before: Mode, obs: m.Observation) -> str:
     return _LABELS.get(type(obs), type(obs).__name__)
 
 
-def step(c: Control, obs: m.Observation, p: Params) -> tuple[Control, list[m.Effect]]:
+def step(c: Control, obs: m.Observation, p: Settings) -> tuple[Control, list[m.Effect]]:
     """Apply one observation: the new control value and the effects to perform, in order.
 
     Observations about a generation that is no longer the running one are ignored, so the

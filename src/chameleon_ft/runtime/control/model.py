@@ -43,7 +43,7 @@ class Mode(StrEnum):
 
 
 @dataclass(frozen=True)
-class Params:
+class Settings:
     """What the step needs to know of the job (fixed for the run)."""
 
     steps: int
@@ -111,10 +111,10 @@ class Control:
     checkpoint_times: Mapping[int, float] = field(default_factory=dict)
 
 
-def initial(run: st.RunState, *, now_s: float, params: Params) -> Control:
+def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
     """The control value of a run whose workers are about to be launched."""
     return Control(run=run, members=mb.empty(), watch=detector.Watch(gen=run.gen),
-                   joining_until_s=now_s + params.join_timeout_s,
+                   joining_until_s=now_s + settings.join_timeout_s,
                    checkpoint_times={run.latest_checkpoint(): now_s})
 
 

@@ -15,13 +15,13 @@ from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, GenInfo, Mode, Params, final_holders, mode
+from chameleon_ft.runtime.control.model import Control, GenInfo, Mode, Settings, final_holders, mode
 
 Out = tuple[Control, list[m.Effect]]
 
 
 # ---------------------------------------------------------------------- shared moves
-def new_generation(c: Control, run: st.RunState, now_s: float, p: Params) -> Out:
+def new_generation(c: Control, run: st.RunState, now_s: float, p: Settings) -> Out:
     """Publish ``run``'s generation (whatever made it): drop checkpoint assemblies of
     abandoned timelines, record the generation, reset what detection remembers."""
     collective_s, raised = p.deadline_of(run.plan, run.migration)
@@ -44,7 +44,7 @@ def fail(c: Control, reason: str, *, bad_input: bool = False) -> Out:
                bad_input=bad_input)]
 
 
-def finish(c: Control, p: Params) -> Out:
+def finish(c: Control, p: Settings) -> Out:
     """Every step committed, or a drain ended: the final generation tells the workers whose
     state is at the committed step to upload it, then everyone leaves."""
     interrupted = c.run.phase is st.Phase.DRAINING and not c.trace_ended
@@ -61,7 +61,7 @@ def _since_checkpoint(c: Control, now_s: float) -> float | None:
     return None if done is None else now_s - done
 
 
-def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Params) -> Out:
+def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Settings) -> Out:
     """Workers died: fence them, abort the generation if they were in it, and recover."""
     s = c.run
     failed = frozenset(dead) & s.alive
@@ -98,7 +98,7 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Params) -> Out:
     return c, effects + more
 
 
-def decide(c: Control, now_s: float, p: Params) -> Out:
+def decide(c: Control, now_s: float, p: Settings) -> Out:
     """Ask the policy, or decide without it (keep an intact placement, reload again)."""
     request = decider.request(c.run)
     if isinstance(request, decider.Decided):
@@ -107,7 +107,7 @@ def decide(c: Control, now_s: float, p: Params) -> Out:
 
 
 def recover(c: Control, ask: decider.Ask | None, decision: decider.DecisionLike,
-            now_s: float, decide_s: float, p: Params) -> Out:
+            now_s: float, decide_s: float, p: Settings) -> Out:
     """Start the generation a decision asks for."""
     c = replace(c, ask=None)
     out = decider.recovery(c.run, ask, decision)
@@ -129,7 +129,7 @@ def recover(c: Control, ask: decider.Ask | None, decision: decider.DecisionLike,
     return c, [resolved, *effects]
 
 
-def relaunch_everything(c: Control, now_s: float, p: Params) -> Out:
+def relaunch_everything(c: Control, now_s: float, p: Settings) -> Out:
     """No worker is left: relaunch every local one and wait (with remote replacements)
     for the initial plan's workers, then reload the last checkpoint."""
     if not p.rejoin:
@@ -141,7 +141,7 @@ def relaunch_everything(c: Control, now_s: float, p: Params) -> Out:
         m.Launch(local, replacement=True)]
 
 
-def restart_everything(c: Control, now_s: float, p: Params) -> Out:
+def restart_everything(c: Control, now_s: float, p: Settings) -> Out:
     """Every worker of the initial plan is back: reload the last checkpoint on it."""
     restored = c.run.latest_checkpoint()
     lost = c.run.next_step - restored
@@ -152,7 +152,7 @@ def restart_everything(c: Control, now_s: float, p: Params) -> Out:
 
 
 # ---------------------------------------------------------------------- observations
-def on_tick(c: Control, obs: m.Tick, p: Params) -> Out:
+def on_tick(c: Control, obs: m.Tick, p: Settings) -> Out:
     """Deadlines: joining, relaunching, draining; errors that stay unexplained; repairs."""
     now = obs.now_s
     k = mode(c)
@@ -181,7 +181,7 @@ def on_tick(c: Control, obs: m.Tick, p: Params) -> Out:
     return c, []
 
 
-def repairs(c: Control, p: Params) -> Out:
+def repairs(c: Control, p: Settings) -> Out:
     """Relaunch dead local workers (``[train] rejoin``) once training runs again; a failure
     trace brings them back with its repair rows instead."""
     if not p.rejoin or p.replay or c.run.phase is not st.Phase.TRAINING:
@@ -193,7 +193,7 @@ def repairs(c: Control, p: Params) -> Out:
                *(m.Log(f"relaunched worker {w} (repair); it rejoins when ready") for w in ids)]
 
 
-def on_exits(c: Control, obs: m.Exits, p: Params) -> Out:
+def on_exits(c: Control, obs: m.Exits, p: Settings) -> Out:
     """Local processes exited: alive workers are dead; others failed to start."""
     statuses = {w: code for w, code in obs.statuses.items()
                 if w in c.members.by_worker and not c.members.by_worker[w].gone}
@@ -228,7 +228,7 @@ def _start_failed(c: Control, statuses: Mapping[int, int]) -> Out:
     return c, effects
 
 
-def on_beats(c: Control, obs: m.Beats, p: Params) -> Out:
+def on_beats(c: Control, obs: m.Beats, p: Settings) -> Out:
     """Heartbeats: hung workers and suspects whose heartbeat stalled are dead."""
     counts = {w: v for w, v in obs.counts.items() if w in c.run.alive}
     beats, dead = detector.check_beats(c.beats, counts, suspects=c.watch.suspects,
@@ -237,7 +237,7 @@ def on_beats(c: Control, obs: m.Beats, p: Params) -> Out:
     return deaths(replace(c, beats=beats), dead, obs.now_s, p)
 
 
-def on_errors(c: Control, obs: m.Errors, p: Params) -> Out:
+def on_errors(c: Control, obs: m.Errors, p: Settings) -> Out:
     """The generation's error reports: fatal ones are deaths, others make suspects."""
     if obs.gen != c.run.gen or obs.gen != c.watch.gen:
         return c, []
@@ -250,14 +250,14 @@ def on_errors(c: Control, obs: m.Errors, p: Params) -> Out:
     return c, [*(m.Log(x) for x in seen.logs), *effects]
 
 
-def on_launched(c: Control, obs: m.Launched, p: Params) -> Out:
+def on_launched(c: Control, obs: m.Launched, p: Settings) -> Out:
     """Processes now hold these ids (a launch, or an admitted remote worker)."""
     members = mb.launched(c.members, obs.incarnations, local=obs.local,
                           replacement=obs.replacement, now_s=obs.now_s)
     return replace(c, members=members), []
 
 
-def on_registered(c: Control, obs: m.Registered, p: Params) -> Out:
+def on_registered(c: Control, obs: m.Registered, p: Settings) -> Out:
     """Members announced themselves: the first generation starts when all are there;
     a replacement comes up idle."""
     members = mb.registered(c.members, obs.workers)
@@ -282,7 +282,7 @@ def on_registered(c: Control, obs: m.Registered, p: Params) -> Out:
     return c, effects
 
 
-def on_ready(c: Control, obs: m.Ready, p: Params) -> Out:
+def on_ready(c: Control, obs: m.Ready, p: Settings) -> Out:
     """Every member of the running generation is ready: older generations are over."""
     if obs.gen != c.run.gen or c.ready_s is not None:
         return c, []
@@ -293,7 +293,7 @@ def on_ready(c: Control, obs: m.Ready, p: Params) -> Out:
     return c, [m.Retire(retired)] if retired else []
 
 
-def on_reduced(c: Control, obs: m.Reduced, p: Params) -> Out:
+def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
     """Every worker of the plan reduced the step in flight: commit it (a step that commits
     shows the generation works: earlier error reports were stale)."""
     s = c.run
@@ -324,7 +324,7 @@ def on_reduced(c: Control, obs: m.Reduced, p: Params) -> Out:
     return replace(c, rejoin_asked=question), [*effects, m.DecideRejoin(*question)]
 
 
-def switch(c: Control, now_s: float, p: Params, effects: list[m.Effect]) -> Out:
+def switch(c: Control, now_s: float, p: Settings, effects: list[m.Effect]) -> Out:
     """The pending plan change happens at this boundary: migrate, then train on it."""
     pending = c.run.pending
     assert pending is not None
@@ -336,7 +336,7 @@ def switch(c: Control, now_s: float, p: Params, effects: list[m.Effect]) -> Out:
     return c, effects + more
 
 
-def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Params) -> Out:
+def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Settings) -> Out:
     """The policy's answer about idle workers: keep them idle, or switch at the next
     boundary to a plan that uses them."""
     s = c.run
@@ -356,14 +356,14 @@ def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Params) -> Out:
     return replace(c, run=run), effects
 
 
-def on_checkpoint_written(c: Control, obs: m.CheckpointWritten, p: Params) -> Out:
+def on_checkpoint_written(c: Control, obs: m.CheckpointWritten, p: Settings) -> Out:
     """Every layer file of a checkpoint is written: write its manifest, unless it belongs
     to an abandoned timeline (or exists already)."""
     accepted = st.checkpoint_acceptable(c.run, obs.step, obs.gen)
     return c, [m.SaveCheckpoint(obs.step, obs.gen, accepted)]
 
 
-def on_checkpoint(c: Control, obs: m.CheckpointDone, p: Params) -> Out:
+def on_checkpoint(c: Control, obs: m.CheckpointDone, p: Settings) -> Out:
     """The manifest is written: the checkpoint is complete (a restart may load it)."""
     run, accepted = st.checkpoint_complete(c.run, obs.step, obs.gen, p.keep_checkpoints)
     if not accepted:
@@ -373,7 +373,7 @@ def on_checkpoint(c: Control, obs: m.CheckpointDone, p: Params) -> Out:
     return replace(c, run=run, checkpoint_times=times), []
 
 
-def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Params) -> Out:
+def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Settings) -> Out:
     """A checkpoint could not be written: drop it (never complete); the previous one
     stays valid and the next is tried as usual."""
     latest = c.run.latest_checkpoint()
@@ -382,7 +382,7 @@ def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Params) -> Out:
                      f"the last complete one holds {latest} steps; training goes on")]
 
 
-def corrupt_fallback(c: Control, corrupt: dict[int, str], now_s: float, p: Params) -> Out:
+def corrupt_fallback(c: Control, corrupt: dict[int, str], now_s: float, p: Settings) -> Out:
     """A worker found the checkpoint the running generation loads corrupt: set it aside
     and load the newest one before it instead (on the same plan)."""
     s = c.run
@@ -400,7 +400,7 @@ def corrupt_fallback(c: Control, corrupt: dict[int, str], now_s: float, p: Param
     return c, effects + more
 
 
-def on_join(c: Control, obs: m.JoinAsked, p: Params) -> Out:
+def on_join(c: Control, obs: m.JoinAsked, p: Settings) -> Out:
     """A remote worker asks to join: a free id, a dead one (re-join), or a refusal."""
     if obs.refusal is not None:
         return c, [m.Reply(None, reason=obs.refusal)]
@@ -411,7 +411,7 @@ def on_join(c: Control, obs: m.JoinAsked, p: Params) -> Out:
     return c, [m.Reply(answer.worker, answer.replacement, answer.reason)]
 
 
-def on_stop(c: Control, obs: m.StopAsked, p: Params) -> Out:
+def on_stop(c: Control, obs: m.StopAsked, p: Settings) -> Out:
     """SIGINT/SIGTERM: drain a running generation; give up joining or relaunching."""
     k = mode(c)
     if k in (Mode.JOINING, Mode.RELAUNCHING):
@@ -424,7 +424,7 @@ def on_stop(c: Control, obs: m.StopAsked, p: Params) -> Out:
                      "checkpoint and stopping")]
 
 
-def on_trace_end(c: Control, obs: m.TraceEnd, p: Params) -> Out:
+def on_trace_end(c: Control, obs: m.TraceEnd, p: Settings) -> Out:
     """A replayed trace ended: stop at the next step boundary, as a drain does (not
     reported as an interruption)."""
     if c.run.phase is not st.Phase.TRAINING or mode(c) is Mode.JOINING:
@@ -434,7 +434,7 @@ def on_trace_end(c: Control, obs: m.TraceEnd, p: Params) -> Out:
     return c, [m.Log("end of trace: stopping at the next step boundary")]
 
 
-def on_relaunch(c: Control, obs: m.Relaunch, p: Params) -> Out:
+def on_relaunch(c: Control, obs: m.Relaunch, p: Settings) -> Out:
     """A replayed repair: relaunch the named local workers whose process is gone."""
     ids = tuple(w for w in obs.workers if w < p.num_local and w not in c.run.alive
                 and w in c.members.by_worker and c.members.by_worker[w].gone)
@@ -445,7 +445,7 @@ def on_relaunch(c: Control, obs: m.Relaunch, p: Params) -> Out:
                      "uses them")]
 
 
-def on_software(c: Control, obs: m.SoftwareFault, p: Params) -> Out:
+def on_software(c: Control, obs: m.SoftwareFault, p: Settings) -> Out:
     """A replayed job-level fault: abort the step in flight; the running plan reloads the
     last checkpoint in the running processes."""
     s = c.run
@@ -466,14 +466,14 @@ def on_software(c: Control, obs: m.SoftwareFault, p: Params) -> Out:
     return c, effects + more
 
 
-def on_decision(c: Control, obs: m.Decision, p: Params) -> Out:
+def on_decision(c: Control, obs: m.Decision, p: Settings) -> Out:
     """The policy answered the question in :attr:`Control.ask`."""
     if c.ask is None:
         return c, []
     return recover(c, c.ask, obs.decision, obs.now_s, obs.decide_s, p)
 
 
-def on_absent(c: Control, obs: m.Absent, p: Params) -> Out:
+def on_absent(c: Control, obs: m.Absent, p: Settings) -> Out:
     """Errors went unexplained: wait for members still in an older set-up, declare absent
     members failed, or redo the generation (boundedly)."""
     s = c.run
@@ -493,7 +493,7 @@ def on_absent(c: Control, obs: m.Absent, p: Params) -> Out:
 
 
 def _wait_for_setup(c: Control, verdict: detector.WaitForSetup, now_s: float,
-                    p: Params) -> Out:
+                    p: Settings) -> Out:
     new = sorted(set(verdict.until_s) - c.watch.waits_logged)
     watch = replace(c.watch, recheck_at_s=now_s + p.heartbeat_s,
                     waits_logged=c.watch.waits_logged | frozenset(new))
@@ -507,7 +507,7 @@ def _wait_for_setup(c: Control, verdict: detector.WaitForSetup, now_s: float,
     return replace(c, watch=watch), effects
 
 
-def _retry(c: Control, now_s: float, p: Params) -> Out:
+def _retry(c: Control, now_s: float, p: Settings) -> Out:
     """Every member joined and still errors no death explains: the generation's own."""
     s = c.run
     summary = "; ".join(dict.fromkeys(c.watch.messages))[:300]
@@ -529,7 +529,7 @@ def _retry(c: Control, now_s: float, p: Params) -> Out:
     return c, effects + more
 
 
-_HANDLERS: dict[type, Callable[[Control, Any, Params], Out]] = {
+_HANDLERS: dict[type, Callable[[Control, Any, Settings], Out]] = {
     m.Tick: on_tick, m.Exits: on_exits, m.Beats: on_beats, m.Errors: on_errors,
     m.Launched: on_launched, m.Registered: on_registered, m.Ready: on_ready,
     m.Reduced: on_reduced, m.CheckpointWritten: on_checkpoint_written,
@@ -540,6 +540,6 @@ _HANDLERS: dict[type, Callable[[Control, Any, Params], Out]] = {
     m.RejoinDecision: on_rejoin_decision, m.Absent: on_absent}
 
 
-def apply(c: Control, obs: m.Observation, p: Params) -> Out:
+def apply(c: Control, obs: m.Observation, p: Settings) -> Out:
     """Dispatch an observation to its handler."""
     return _HANDLERS[type(obs)](c, obs, p)

@@ -33,7 +33,7 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import machine
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, Mode, Params, initial, mode
+from chameleon_ft.runtime.control.model import Control, Mode, Settings, initial, mode
 from chameleon_ft.runtime.coordinator import effects as fx
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
@@ -318,8 +318,8 @@ class Coordinator:
         job.ckpt.mark_job(job.job_id)
         self.launcher = Launcher(self.host, self.port, job.secret,
                                  preload=adapter_modules(job.model), num_local=job.num_local)
-        self.params_m = self._params()
-        self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
+        self.settings = self._settings()
+        self.control = initial(self._start_state(), now_s=self.now(), settings=self.settings)
         old_handlers = self._install_signal_handlers()
         try:
             fx.announce(self)
@@ -351,9 +351,9 @@ class Coordinator:
         older = [s for s in self.job.ckpt.steps() if s <= step]
         return replace(start, checkpoints=tuple(sorted({*older, step})))
 
-    def _params(self) -> Params:
+    def _settings(self) -> Settings:
         job = self.job
-        return Params(
+        return Settings(
             steps=self.train.steps, num_workers=job.num_workers, num_local=job.num_local,
             num_layers=job.num_layers, hang_s=job.hang_s, heartbeat_s=self.train.heartbeat_s,
             max_retries=self.train.max_retries, rejoin=self.train.rejoin,
@@ -473,7 +473,7 @@ class Coordinator:
     def feed(self, obs: m.Observation) -> None:
         """One observation through the control plane, then its effects."""
         before = self.ctl.run.next_step
-        self.control, effects = machine.step(self.ctl, obs, self.params_m)
+        self.control, effects = machine.step(self.ctl, obs, self.settings)
         if self.control.run.next_step < before:
             self.report.rewind(self.control.run.next_step)
         for effect in effects:
