@@ -762,3 +762,38 @@ def test_a_corrupt_checkpoint_falls_back_to_the_one_before_and_is_set_aside() ->
     assert 20 not in run.c.run.checkpoints and not of(out, m.Failure)
     # a report about a checkpoint the generation does not load changes nothing
     assert run.feed(m.Errors(run.at(), gen + 1, (bad,))) == []
+
+
+# ---------------------------------------------------------------------- found by properties
+def test_the_votes_of_a_broken_generation_commit_nothing() -> None:
+    """A step every worker had reduced before a death broke its generation was committed
+    while the policy was being asked (its abort was written already)."""
+    run = Run().start()
+    run.commit(2)
+    run.kill(3)
+    assert mode(run.c) is Mode.DECIDING
+    assert run.feed(m.Reduced(run.at(), 0, 2)) == [] and run.c.run.next_step == 2
+
+
+def test_what_only_a_running_generation_acts_on_is_ignored_while_joining() -> None:
+    """A software fault restarted, and unexplained errors were judged, before any
+    generation was published."""
+    run = Run()
+    run.launch(range(4))
+    for obs in (m.SoftwareFault(run.at()), m.Absent(run.at(), 0, {1: None}),
+                m.Errors(run.at(), 0, (ErrorReport(1, True, None, "x"),)),
+                m.Relaunch(run.at(), (1,)), m.Ready(run.at(), 0)):
+        assert run.feed(obs) == [] and mode(run.c) is Mode.JOINING
+
+
+def test_a_dead_members_late_registration_does_not_bring_it_back() -> None:
+    run = Run(replace(SETTINGS, rejoin=True)).start()
+    run.commit()
+    run.kill(3)
+    run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
+    run.commit()
+    run.feed(m.Tick(run.at()))  # the repair is launched
+    run.launch([3], replacement=True)
+    run.kill(3)  # and dies before it registered
+    assert run.feed(m.Registered(run.at(), (3,))) == []
+    assert 3 not in run.c.run.alive and run.c.members.by_worker[3].gone

@@ -205,6 +205,19 @@ def test_rejoin_ready_then_planned_then_switched() -> None:
     assert s3.plan == plan and 4 not in s3.idle and 3 in s3.world  # 3 sends its state
 
 
+def test_an_idle_worker_that_dies_before_the_switch_stays_dead() -> None:
+    """A re-join folded in every idle worker; one the new plan does not use died before the
+    switch, and the switch brought it back to life (found by the generated sequences of
+    ``test_runtime_control_properties.py``): later decisions could hand it a stage."""
+    s = st.rejoin_ready(_training(), [4, 5])
+    s = st.rejoin_planned(s, _plan((0, 2), (1, 4)), _migration(3, 4), [4, 5])
+    assert s.pending is not None and s.pending.rejoin == (4, 5)
+    s, broken = st.workers_died(s, [5])
+    assert not broken and s.pending is not None and s.pending.rejoin == (4,)
+    s = st.switched(st.committed(s, s.next_step))
+    assert 5 not in s.alive and 5 not in s.idle and 3 in s.world  # 3 sends its state
+
+
 def test_idle_workers_stay_available_to_later_decisions() -> None:
     s = st.rejoin_ready(_training(), [4])
     s, _ = st.workers_died(s, [3])

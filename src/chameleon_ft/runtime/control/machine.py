@@ -64,13 +64,26 @@ def step(c: Control, obs: m.Observation, p: Settings) -> tuple[Control, list[m.E
         # the run is over; checkpoints that complete now still count (the final one is
         # written only when the last step has none)
         if isinstance(obs, m.CheckpointWritten | m.CheckpointDone | m.CheckpointFailed):
-            return rules.apply(c, obs, p)
+            return _guarded(c, obs, p)
         return c, []
-    new, effects = rules.apply(c, obs, p)
+    new, effects = _guarded(c, obs, p)
     edge = transition(before, obs, mode(new))
     if edge is not None and edge not in TRANSITIONS:
         effects.append(m.Log(f"internal: undeclared transition {edge} (please report)"))
     return new, effects
+
+
+def _guarded(c: Control, obs: m.Observation, p: Settings) -> tuple[Control, list[m.Effect]]:
+    """:func:`rules.apply`, whose exception (a defect: the property-based tests look for
+    any) ends the run through the failure path instead of ending the coordinator."""
+    try:
+        return rules.apply(c, obs, p)
+    except Exception as exc:
+        what = f"internal error in the control plane ({type(exc).__name__}: {exc}); please report"
+        if mode(c) in (Mode.FINISHED, Mode.FAILED):
+            return c, [m.Log(what)]
+        new, effects = rules.fail(c, what)
+        return new, [m.Log(what), *effects]
 
 
 def transition(before: Mode, obs: m.Observation, after: Mode) -> tuple[Mode, str, Mode] | None:

@@ -62,18 +62,25 @@ def empty() -> Members:
 
 def launched(members: Members, incarnations: Mapping[int, str], *, local: bool,
              replacement: bool = False, now_s: float = 0.0) -> Members:
-    """New processes hold ``incarnations``' worker ids (launched here or admitted)."""
+    """New processes hold ``incarnations``' worker ids (launched here or admitted). An id
+    whose member is up (registered and not gone) keeps it: no launch or admission hands
+    out such an id, so a report of one is stale."""
     by = dict(members.by_worker)
     for w, inc in incarnations.items():
+        held = by.get(w)
+        if held is not None and held.registered and not held.gone:
+            continue
         by[w] = Member(w, inc, local=local, replacement=replacement, handed_at_s=now_s)
     return replace(members, by_worker=by)
 
 
 def registered(members: Members, workers: Iterable[int]) -> Members:
-    """These members connected and announced themselves."""
+    """These members connected and announced themselves (a member already gone stays
+    gone: its announcement came too late)."""
     by = dict(members.by_worker)
     for w in workers:
-        by[w] = replace(by[w], registered=True)
+        if w in by and not by[w].gone:
+            by[w] = replace(by[w], registered=True)
     return replace(members, by_worker=by)
 
 

@@ -42,6 +42,13 @@ class Mode(StrEnum):
     """Training cannot go on; the workers were told to stop."""
 
 
+PUBLISHED = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
+"""The modes in which a generation is published: its reports, heartbeats, readiness and
+votes are observed (and read) only then."""
+RUNNING = frozenset({Mode.TRAINING, Mode.RECOVERING, Mode.DRAINING})
+"""The modes in which the published generation runs unbroken (no decision awaited)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the step needs to know of the job (fixed for the run)."""

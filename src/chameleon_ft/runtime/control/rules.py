@@ -15,7 +15,16 @@ from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, GenInfo, Mode, Settings, final_holders, mode
+from chameleon_ft.runtime.control.model import (
+    PUBLISHED,
+    RUNNING,
+    Control,
+    GenInfo,
+    Mode,
+    Settings,
+    final_holders,
+    mode,
+)
 
 Out = tuple[Control, list[m.Effect]]
 
@@ -229,7 +238,10 @@ def _start_failed(c: Control, statuses: Mapping[int, int]) -> Out:
 
 
 def on_beats(c: Control, obs: m.Beats, p: Settings) -> Out:
-    """Heartbeats: hung workers and suspects whose heartbeat stalled are dead."""
+    """Heartbeats: hung workers and suspects whose heartbeat stalled are dead (no process
+    holds a worker id before the first workers joined)."""
+    if mode(c) is Mode.JOINING:
+        return c, []
     counts = {w: v for w, v in obs.counts.items() if w in c.run.alive}
     beats, dead = detector.check_beats(c.beats, counts, suspects=c.watch.suspects,
                                        now_s=obs.now_s, hang_s=p.hang_s,
@@ -238,14 +250,19 @@ def on_beats(c: Control, obs: m.Beats, p: Settings) -> Out:
 
 
 def on_errors(c: Control, obs: m.Errors, p: Settings) -> Out:
-    """The generation's error reports: fatal ones are deaths, others make suspects."""
-    if obs.gen != c.run.gen or obs.gen != c.watch.gen:
+    """The generation's error reports: fatal ones are deaths, others make suspects, and a
+    checkpoint the generation loads found corrupt is set aside before the deaths are
+    answered (a restart decided for them must not load it again)."""
+    if obs.gen != c.run.gen or obs.gen != c.watch.gen or mode(c) not in PUBLISHED:
         return c, []
     seen = detector.read_errors(c.watch, obs.slots, alive=c.run.alive, now_s=obs.now_s,
                                 hang_s=p.hang_s)
-    c, effects = deaths(replace(c, watch=seen.watch), seen.deaths, obs.now_s, p)
-    if seen.corrupt and obs.gen == c.run.gen:
-        c, more = corrupt_fallback(c, seen.corrupt, obs.now_s, p)
+    c, effects = set_aside(replace(c, watch=seen.watch), seen.corrupt)
+    marked = [e for e in effects if isinstance(e, m.MarkCorrupt)]
+    c, more = deaths(c, seen.deaths, obs.now_s, p)
+    effects += more
+    if marked and c.run.gen == obs.gen and mode(c) in RUNNING:
+        c, more = corrupt_fallback(c, marked[0], obs.now_s, p)  # nobody died meanwhile
         effects += more
     return c, [*(m.Log(x) for x in seen.logs), *effects]
 
@@ -262,6 +279,8 @@ def on_registered(c: Control, obs: m.Registered, p: Settings) -> Out:
     a replacement comes up idle."""
     members = mb.registered(c.members, obs.workers)
     c = replace(c, members=members)
+    workers = [w for w in obs.workers if w in members.by_worker
+               and members.by_worker[w].registered and not members.by_worker[w].gone]
     k = mode(c)
     if k is Mode.JOINING:
         if sum(1 for x in members.by_worker.values() if x.registered) < p.num_workers:
@@ -269,7 +288,7 @@ def on_registered(c: Control, obs: m.Registered, p: Settings) -> Out:
         c = replace(c, joining_until_s=None)
         return new_generation(c, c.run, obs.now_s, p)
     effects: list[m.Effect] = []
-    up = [w for w in sorted(obs.workers) if members.by_worker[w].replacement
+    up = [w for w in sorted(workers) if members.by_worker[w].replacement
           and w not in c.run.alive]
     if up:
         c = replace(c, members=mb.made_ready(c.members, up), run=st.rejoin_ready(c.run, up))
@@ -284,7 +303,7 @@ def on_registered(c: Control, obs: m.Registered, p: Settings) -> Out:
 
 def on_ready(c: Control, obs: m.Ready, p: Settings) -> Out:
     """Every member of the running generation is ready: older generations are over."""
-    if obs.gen != c.run.gen or c.ready_s is not None:
+    if obs.gen != c.run.gen or c.ready_s is not None or mode(c) not in PUBLISHED:
         return c, []
     retired = tuple((g, i.first_step, i.last_step, i.world) for g, i in sorted(c.gens.items())
                     if g < obs.gen)
@@ -297,8 +316,8 @@ def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
     """Every worker of the plan reduced the step in flight: commit it (a step that commits
     shows the generation works: earlier error reports were stale)."""
     s = c.run
-    if obs.gen != s.gen or obs.step != s.next_step or mode(c) is Mode.JOINING:
-        return c, []
+    if obs.gen != s.gen or obs.step != s.next_step or mode(c) not in RUNNING:
+        return c, []  # a broken generation's votes came too late: it was aborted
     draining = s.phase is st.Phase.DRAINING
     end = s.switch_due or draining
     info = c.gens.get(s.gen)
@@ -382,19 +401,25 @@ def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Settings) -> Ou
                      f"the last complete one holds {latest} steps; training goes on")]
 
 
-def corrupt_fallback(c: Control, corrupt: dict[int, str], now_s: float, p: Settings) -> Out:
-    """A worker found the checkpoint the running generation loads corrupt: set it aside
-    and load the newest one before it instead (on the same plan)."""
+def set_aside(c: Control, corrupt: Mapping[int, str]) -> Out:
+    """A worker found the checkpoint the running generation loads corrupt: forget it (it
+    is never loaded again) and have it set aside on disk."""
     s = c.run
     if s.load is None or s.load.kind != "restore" or s.load.step not in corrupt:
         return c, []
     bad = s.load.step
-    run = st.checkpoint_corrupt(s, bad)
-    run = st.recovered(run, st.Recovery("restart", s.plan,
-                                        restored_step=run.latest_checkpoint(bad - 1)))
+    return replace(c, run=st.checkpoint_corrupt(s, bad)), [m.MarkCorrupt(bad, corrupt[bad])]
+
+
+def corrupt_fallback(c: Control, bad: m.MarkCorrupt, now_s: float, p: Settings) -> Out:
+    """The running generation loads a checkpoint just set aside as corrupt: load the newest
+    one before it instead, on the same plan."""
+    s = c.run
+    run = st.recovered(s, st.Recovery("restart", s.plan,
+                                      restored_step=s.latest_checkpoint(bad.step - 1)))
     effects: list[m.Effect] = [
-        m.Abort(s.gen, s.next_step), m.MarkCorrupt(bad, corrupt[bad]),
-        m.Log(f"warning: the checkpoint after {bad} steps is corrupt ({corrupt[bad]}); "
+        m.Abort(s.gen, s.next_step),
+        m.Log(f"warning: the checkpoint after {bad.step} steps is corrupt ({bad.reason}); "
               f"loading the one after {run.next_step} steps instead")]
     c, more = new_generation(replace(c, recovering=True), run, now_s, p)
     return c, effects + more
@@ -435,7 +460,10 @@ def on_trace_end(c: Control, obs: m.TraceEnd, p: Settings) -> Out:
 
 
 def on_relaunch(c: Control, obs: m.Relaunch, p: Settings) -> Out:
-    """A replayed repair: relaunch the named local workers whose process is gone."""
+    """A replayed repair: relaunch the named local workers whose process is gone (while a
+    generation is published: joining and relaunching start every worker anyway)."""
+    if mode(c) not in PUBLISHED:
+        return c, []
     ids = tuple(w for w in obs.workers if w < p.num_local and w not in c.run.alive
                 and w in c.members.by_worker and c.members.by_worker[w].gone)
     if not ids:
@@ -447,7 +475,10 @@ def on_relaunch(c: Control, obs: m.Relaunch, p: Settings) -> Out:
 
 def on_software(c: Control, obs: m.SoftwareFault, p: Settings) -> Out:
     """A replayed job-level fault: abort the step in flight; the running plan reloads the
-    last checkpoint in the running processes."""
+    last checkpoint in the running processes (a generation must run: one broken by a
+    failure is being recovered already)."""
+    if mode(c) not in RUNNING:
+        return c, []
     s = c.run
     try:
         run = st.software_restart(s)
@@ -477,7 +508,7 @@ def on_absent(c: Control, obs: m.Absent, p: Settings) -> Out:
     """Errors went unexplained: wait for members still in an older set-up, declare absent
     members failed, or redo the generation (boundedly)."""
     s = c.run
-    if obs.gen != s.gen:
+    if obs.gen != s.gen or mode(c) not in RUNNING:
         return c, []
     verdict = detector.judge_unexplained(
         obs.setup, world=s.world, gen=s.gen,

@@ -168,6 +168,8 @@ def workers_died(state: RunState, dead: Iterable[int]) -> tuple[RunState, bool]:
     pending = state.pending
     if pending is not None and pending.workers & gone:
         pending = None
+    elif pending is not None and set(pending.rejoin) & gone:  # an idle worker it folds in
+        pending = replace(pending, rejoin=tuple(w for w in pending.rejoin if w not in gone))
     new = replace(state, alive=state.alive - gone, idle=state.idle - gone, pending=pending,
                   stateless=state.stateless | gone)
     return new, bool(gone & state.world)
@@ -326,10 +328,10 @@ def switched(state: RunState) -> RunState:
     pending = state.pending
     if pending is None:
         raise ValueError("no switch is pending")
-    alive = state.alive | frozenset(pending.rejoin)
+    # the workers it folds in are idle, so alive already (one that died since is not)
     return replace(state, gen=state.gen + 1, plan=pending.plan, migration=pending.migration,
-                   load=None, pending=None, alive=alive,
-                   idle=alive - world_of(pending.plan, pending.migration))
+                   load=None, pending=None,
+                   idle=state.alive - world_of(pending.plan, pending.migration))
 
 
 def rejoin_ready(state: RunState, workers: Iterable[int]) -> RunState:

@@ -33,7 +33,7 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import machine
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, Mode, Settings, initial, mode
+from chameleon_ft.runtime.control.model import PUBLISHED, Control, Mode, Settings, initial, mode
 from chameleon_ft.runtime.coordinator import effects as fx
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
@@ -58,11 +58,6 @@ def log_line(message: str) -> None:
     """The default ``log`` of a coordinator: one of its lines as a record of this module's
     logger (a warning or a stop at its level, the rest as information)."""
     _log.log(logs.level_of(message), message)
-
-
-GENERATION_MODES = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
-"""The modes in which a published generation runs: its heartbeats, readiness and votes
-are observed only then."""
 
 
 class WorkerFailure(RuntimeError):
@@ -425,7 +420,7 @@ class Coordinator:
         # Only a running generation has members to watch: while workers join (or are
         # relaunched) the plan's ids may have no process yet, and a stop or a failed start
         # earlier in this pass may have ended the run before any generation ran.
-        if mode(self.ctl) in GENERATION_MODES:
+        if mode(self.ctl) in PUBLISHED:
             beats_due = self._observe_generation(beats_due)
         self.feed(m.Tick(self.now()))
         return beats_due
