@@ -119,7 +119,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         print("\n".join(lines[-40:]))  # pytest shows it with the failure
         raise
     finally:
-        pids = [p.pid for p in coord.all_procs if p.pid is not None]
+        pids = list(coord.launched_pids)
         for pid in pids:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):

@@ -75,6 +75,7 @@ class Run:
                          now_s=0.0, settings=settings)
         self.effects: list[m.Effect] = []
         self.now = 0.0
+        self.joiners = 0
 
     def feed(self, obs: m.Observation) -> list[m.Effect]:
         before = mode(self.c)
@@ -99,7 +100,7 @@ class Run:
         """Launch and register every worker: generation 0 is published."""
         self.launch(range(self.p.num_local))
         out = self.feed(m.Registered(self.at(), tuple(range(self.p.num_workers))))
-        assert m.Publish(0) in out
+        assert 0 in published(out)
         return self
 
     def commit(self, steps: int = 1) -> list[m.Effect]:
@@ -107,9 +108,16 @@ class Run:
         for _ in range(steps):
             s = self.c.run
             if self.c.ready_s is None:
-                out += self.feed(m.Ready(self.at(), s.gen))
-            out += self.feed(m.Reduced(self.at(), s.gen, s.next_step))
+                out += self.feed(m.Ready(self.at(), s.gen, len(s.world)))
+            out += self.feed(m.Reduced(self.at(), s.gen, s.next_step, len(s.plan.workers)))
         return out
+
+    def join(self, refusal: str | None = None) -> m.Reply:
+        """A join request in the next slot; returns the answer."""
+        self.joiners += 1
+        joiner = m.Joiner(f"request {self.joiners}", f"r{self.joiners}", refusal)
+        (reply,) = of(self.feed(m.JoinRequests(self.at(), (joiner,))), m.Reply)
+        return reply  # type: ignore[no-any-return]
 
     def kill(self, *workers: int) -> list[m.Effect]:
         return self.feed(m.Exits(self.at(), {w: -9 for w in workers}))
@@ -120,6 +128,11 @@ class Run:
 
 def of(effects: Iterable[m.Effect], kind: type) -> list[Any]:
     return [e for e in effects if isinstance(e, kind)]
+
+
+def published(effects: Iterable[m.Effect]) -> list[int]:
+    """The generations published."""
+    return [e.gen for e in of(effects, m.Publish)]
 
 
 def logs(effects: Iterable[m.Effect]) -> str:
@@ -211,10 +224,7 @@ def test_two_remote_joiners_never_get_the_same_dead_id() -> None:
     params = replace(SETTINGS, num_local=2, rejoin=True)
     run = Run(params)
     run.launch(range(2))
-    for _ in range(2):
-        (reply,) = of(run.feed(m.JoinAsked(run.at())), m.Reply)
-        run.feed(m.Launched(run.at(), {reply.worker: f"r{reply.worker}"}, local=False,
-                            replacement=False))
+    assert [run.join().worker for _ in range(2)] == [2, 3]
     run.feed(m.Registered(run.at(), (0, 1, 2, 3)))
     run.commit()
     run.feed(m.Beats(run.at(), {w: (run.c.members.incarnation(w), 1) for w in range(4)}))
@@ -223,15 +233,27 @@ def test_two_remote_joiners_never_get_the_same_dead_id() -> None:
                                 for w in range(4)}))
     assert 3 not in run.c.run.alive
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
-    first = of(run.feed(m.JoinAsked(run.at())), m.Reply)[0]
-    assert first.worker == 3 and first.replacement
-    run.feed(m.Launched(run.at(), {3: "new3"}, local=False, replacement=True))
-    second = of(run.feed(m.JoinAsked(run.at())), m.Reply)[0]
+    first = run.join()
+    assert first.worker == 3 and first.replacement and first.incarnation
+    assert run.c.members.incarnation(3) == first.incarnation  # held at once
+    second = run.join()
     assert second.worker is None and "already has" in second.reason
     # a joiner that never registers gives its id back after the join deadline
     run.now += params.join_timeout_s + 1
-    third = of(run.feed(m.JoinAsked(run.at())), m.Reply)[0]
+    third = run.join()
     assert third.worker == 3
+    # two joiners in one poll: one id each
+    run.kill(2)
+    run.answer(Chosen("reroute", two_stage((0, 1), (1, 0))))
+    run.now += params.join_timeout_s + 1
+    slots = (m.Joiner("a", "ra"), "missing", m.Joiner("b", "rb"))
+    first_slot = run.c.joins.next
+    out = run.feed(m.JoinRequests(run.at(), slots))
+    assert [r.worker for r in of(out, m.Reply)] == [2]  # the unwritten slot is waited for
+    run.now += SETTINGS.hang_s + 0.1
+    out = run.feed(m.JoinRequests(run.at(), slots[1:]))
+    assert [r.worker for r in of(out, m.Reply)] == [3] and "never written" in logs(out)
+    assert of(out, m.DropJoinRequests) == [m.DropJoinRequests(first_slot + 1, first_slot + 3)]
 
 
 def test_a_fully_reduced_step_commits_even_when_errors_went_unexplained() -> None:
@@ -242,7 +264,7 @@ def test_a_fully_reduced_step_commits_even_when_errors_went_unexplained() -> Non
     report = ErrorReport(worker=0, fatal=False, peer=None, message="slow peer")
     run.feed(m.Errors(run.at(), run.c.run.gen, (report,)))
     run.now += 10.0  # long past the deadline for unexplained errors
-    out = run.feed(m.Reduced(run.at(), run.c.run.gen, run.c.run.next_step))
+    out = run.feed(m.Reduced(run.at(), run.c.run.gen, run.c.run.next_step, 4))
     assert of(out, m.Commit) and not of(out, m.Abort)
     assert not of(run.feed(m.Tick(run.at())), m.ProbeAbsent)
 
@@ -300,7 +322,7 @@ def test_a_kill_is_recovered_by_the_policys_plan() -> None:
     assert decide.ask.failed == {3} and decide.ask.base == PLAN
     assert mode(run.c) is Mode.DECIDING
     out = run.answer(Chosen("dynamic", two_stage((0, 2), (1, 2))))
-    assert m.Publish(1) in out and mode(run.c) is Mode.RECOVERING
+    assert published(out) == [1] and mode(run.c) is Mode.RECOVERING
     run.commit()
     assert mode(run.c) is Mode.TRAINING and run.c.run.next_step == 3
 
@@ -403,13 +425,13 @@ def test_a_repaired_worker_rejoins_at_a_step_boundary() -> None:
     assert launch.workers == (3,) and launch.replacement
     run.launch([3], replacement=True)
     out = run.feed(m.Registered(run.at(), (3,)))
-    assert m.StartFrom(3, run.c.run.gen + 1) in out
+    assert m.StartFrom(3, run.c.members.incarnation(3), run.c.run.gen + 1) in out
     out = run.commit()
     (ask,) = of(out, m.DecideRejoin)
     assert ask.idle == {3}
     run.feed(m.RejoinDecision(run.at(), Chosen("dynamic", PLAN, _mig(2, 2, 3))))
     out = run.commit()
-    assert of(out, m.Commit)[0].end and m.Publish(run.c.run.gen) in out
+    assert of(out, m.Commit)[0].end and published(out) == [run.c.run.gen]
     assert run.c.run.plan == PLAN and not run.c.run.idle
 
 
@@ -480,7 +502,7 @@ def test_unwritten_and_malformed_reports_do_not_block() -> None:
     run = Run().start()
     run.commit()
     out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
-    assert not of(out, m.Failure) and run.c.watch.errors_seen == 0
+    assert not of(out, m.Failure) and run.c.watch.errors.next == 0
     run.now += SETTINGS.hang_s + 0.1
     out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
     assert "was never written" in logs(out) and of(out, m.Failure)[0].workers == (1,)
@@ -666,6 +688,31 @@ def test_a_relaunched_worker_that_hangs_fails_the_run() -> None:
     assert of(run.feed(m.Beats(run.at(), counts)), m.Stop)[0].failed
 
 
+def test_a_shell_that_cannot_go_on_stops_training_in_every_mode() -> None:
+    """An exception in the coordinator (a full disk, a policy that raised, a bug) ends
+    through the failure path whatever the run was doing: the workers are told to stop."""
+    runs = {Mode.JOINING: Run(), Mode.TRAINING: Run().start()}
+    runs[Mode.JOINING].launch(range(4))
+    deciding = Run().start()
+    deciding.kill(3)
+    runs[Mode.DECIDING] = deciding
+    runs[Mode.RECOVERING] = _recovering()
+    relaunching = Run(replace(SETTINGS, rejoin=True)).start()
+    relaunching.kill(0, 1, 2, 3)
+    runs[Mode.RELAUNCHING] = relaunching
+    draining = Run().start()
+    draining.feed(m.StopAsked(draining.at(), "SIGTERM"))
+    runs[Mode.DRAINING] = draining
+    for k, run in runs.items():
+        assert mode(run.c) is k
+        (stop,) = of(run.feed(m.ShellFailed(run.at(), "OSError: No space left")), m.Stop)
+        assert stop.failed and stop.reason == "OSError: No space left" and run.c.closed
+    bad = Run()
+    bad.launch(range(4))
+    (stop,) = of(bad.feed(m.ShellFailed(bad.at(), "port: taken", bad_input=True)), m.Stop)
+    assert stop.bad_input
+
+
 # ---------------------------------------------------------------------- the diagram
 SCENARIOS: list[Callable[[], None]] = [
     test_a_replacement_that_keeps_dying_after_it_joined_is_given_up,
@@ -687,6 +734,7 @@ SCENARIOS: list[Callable[[], None]] = [
     test_unexplained_errors_in_a_healthy_generation,
     test_a_drain_ends_at_a_death_or_an_unexplained_generation,
     test_what_ends_or_interrupts_a_recovery, test_a_relaunched_worker_that_hangs_fails_the_run,
+    test_a_shell_that_cannot_go_on_stops_training_in_every_mode,
 ]
 
 
@@ -702,14 +750,17 @@ def test_each_transition_names_modes_and_a_known_cause(edge: tuple[Mode, str, Mo
     before, cause, after = edge
     assert before is not after
     assert cause in {"tick", "exits", "death", "registered", "reduced", "stop", "software",
-                     "trace-end", "decision", "unexplained"}
+                     "trace-end", "decision", "unexplained", "crash"}
 
 
 # ---------------------------------------------------------------------- state on disk
 def test_a_checkpoint_is_complete_only_once_its_manifest_is_written() -> None:
-    run = Run(replace(SETTINGS, keep_checkpoints=2)).start()
+    run = Run(replace(SETTINGS, keep_checkpoints=2, checkpoint_every=10)).start()
     run.commit(10)
-    (save,) = of(run.feed(m.CheckpointWritten(run.at(), 10, 0)), m.SaveCheckpoint)
+    assert not of(run.feed(m.CheckpointLayers(run.at(), 10, 0, frozenset({0, 1}))),
+                  m.SaveCheckpoint)  # two layers of four
+    (save,) = of(run.feed(m.CheckpointLayers(run.at(), 10, 0, frozenset({2, 3}))),
+                 m.SaveCheckpoint)
     assert save.accepted and run.c.run.checkpoints == (0,)  # not complete yet
     run.feed(m.CheckpointDone(run.at(), 10, 0))
     assert run.c.run.checkpoints == (0, 10)
@@ -717,11 +768,14 @@ def test_a_checkpoint_is_complete_only_once_its_manifest_is_written() -> None:
         run.commit(10)
         run.feed(m.CheckpointDone(run.at(), step, 0))
     assert run.c.run.checkpoints == (20, 30)  # the older ones are deleted: forgotten
-    # one written by an abandoned timeline (before a restart) is discarded
+    # one being written by an abandoned timeline (before a restart) is dropped quietly, and
+    # what arrives of it later is ignored
+    run.commit(10)
+    run.feed(m.CheckpointLayers(run.at(), 40, 0, frozenset({0, 2})))  # the dying ones' layers
     run.kill(0, 2)
-    run.answer(Chosen("restart", two_stage((1, 3))))
-    (stale,) = of(run.feed(m.CheckpointWritten(run.at(), 30, 0)), m.SaveCheckpoint)
-    assert not stale.accepted
+    out = run.answer(Chosen("restart", two_stage((1, 3))))
+    assert m.DropCheckpoint(40, 0, "abandoned timeline", quiet=True) in out
+    assert run.feed(m.CheckpointLayers(run.at(), 40, 0, frozenset(range(4)))) == []
 
 
 def test_a_disk_that_refuses_drops_that_checkpoint_and_training_goes_on() -> None:
@@ -756,7 +810,7 @@ def test_a_corrupt_checkpoint_falls_back_to_the_one_before_and_is_set_aside() ->
                       "its sha256 in the manifest", corrupt_step=20)
     out = run.feed(m.Errors(run.at(), gen, (bad,)))
     assert of(out, m.MarkCorrupt) == [m.MarkCorrupt(20, bad.message)]
-    assert m.Abort(gen, 20) in out and m.Publish(gen + 1) in out
+    assert m.Abort(gen, 20) in out and published(out) == [gen + 1]
     assert "corrupt" in logs(out) and "the one after 10 steps" in logs(out)
     assert run.c.run.load == st.Load("restore", 10) and run.c.run.next_step == 10
     assert 20 not in run.c.run.checkpoints and not of(out, m.Failure)
@@ -772,7 +826,7 @@ def test_the_votes_of_a_broken_generation_commit_nothing() -> None:
     run.commit(2)
     run.kill(3)
     assert mode(run.c) is Mode.DECIDING
-    assert run.feed(m.Reduced(run.at(), 0, 2)) == [] and run.c.run.next_step == 2
+    assert run.feed(m.Reduced(run.at(), 0, 2, 4)) == [] and run.c.run.next_step == 2
 
 
 def test_what_only_a_running_generation_acts_on_is_ignored_while_joining() -> None:
@@ -782,7 +836,7 @@ def test_what_only_a_running_generation_acts_on_is_ignored_while_joining() -> No
     run.launch(range(4))
     for obs in (m.SoftwareFault(run.at()), m.Absent(run.at(), 0, {1: None}),
                 m.Errors(run.at(), 0, (ErrorReport(1, True, None, "x"),)),
-                m.Relaunch(run.at(), (1,)), m.Ready(run.at(), 0)):
+                m.Relaunch(run.at(), (1,)), m.Ready(run.at(), 0, 4)):
         assert run.feed(obs) == [] and mode(run.c) is Mode.JOINING
 
 
@@ -797,3 +851,112 @@ def test_a_dead_members_late_registration_does_not_bring_it_back() -> None:
     run.kill(3)  # and dies before it registered
     assert run.feed(m.Registered(run.at(), (3,))) == []
     assert 3 not in run.c.run.alive and run.c.members.by_worker[3].gone
+
+
+# ---------------------------------------------------------------------- the checkpoint protocol
+CKPT = replace(SETTINGS, steps=6, checkpoint_every=4, checkpoint_deadline_s=5.0)
+ALL = frozenset(range(4))
+
+
+def test_a_due_checkpoint_is_expected_before_its_verdict_is_written() -> None:
+    """The verdict was written before the coordinator expected the checkpoint it made due:
+    a worker's upload could arrive first and be refused."""
+    run = Run(CKPT).start()
+    out = run.commit(4)
+    kinds = [type(e) for e in out if isinstance(e, m.ExpectCheckpoint | m.Commit)]
+    assert kinds == [m.Commit] * 3 + [m.ExpectCheckpoint, m.Commit]  # before step 3's
+    (expect,) = of(out, m.ExpectCheckpoint)
+    assert (expect.step, expect.gen) == (4, 0) and expect.deadline_s == run.now + 5.0
+    assert expect.writers == {0: 0, 1: 1, 2: 2, 3: 3}  # replicas take turns by layer
+
+
+def test_a_checkpoint_fails_at_its_deadline_or_when_a_writer_dies() -> None:
+    run = Run(CKPT).start()
+    run.commit(4)
+    run.now += 6.0
+    out = run.feed(m.Tick(run.at()))
+    (drop,) = of(out, m.DropCheckpoint)
+    assert drop.step == 4 and "not written within its deadline; 0 of 4" in drop.reason
+    dying = Run(replace(CKPT, steps=20)).start()
+    dying.commit(4)
+    dying.feed(m.CheckpointLayers(dying.at(), 4, 0, frozenset({0, 1})))
+    out = dying.feed(m.Exits(dying.at(), {1: -9}))  # layer 1 is written: nothing lost
+    assert not of(out, m.DropCheckpoint)
+    dying.answer(Chosen("reroute", two_stage((0, 2), (3, 2))))
+    dying.commit(4)  # the next one, written by the new plan
+    out = dying.kill(3)  # it writes layer 3 of the first and layer 1 of the second
+    drops = of(out, m.DropCheckpoint)
+    assert [d.step for d in drops] == [4, 8]
+    assert all("worker(s) [3] exited before writing" in d.reason for d in drops)
+
+
+def _finished(settings: Settings = CKPT) -> tuple[Run, list[m.Effect]]:
+    """A run that just committed its last step (6, no checkpoint of it)."""
+    run = Run(settings).start()
+    out = run.commit(settings.steps)
+    assert mode(run.c) is Mode.FINISHED
+    return run, out
+
+
+def test_the_final_checkpoint_is_written_by_the_final_holders() -> None:
+    run, out = _finished()
+    (stop,) = of(out, m.Stop)
+    assert stop.write and stop.step == 6 and stop.final_timeout_s > 3 * 5.0
+    expect = [e for e in out if isinstance(e, m.ExpectCheckpoint) and e.step == 6]
+    assert expect and out.index(expect[0]) < out.index(stop)  # expected before asked
+    (save,) = of(run.feed(m.CheckpointLayers(run.at(), 6, stop.gen, ALL)), m.SaveCheckpoint)
+    assert save.accepted and not save.fallback
+    (done,) = of(run.feed(m.CheckpointDone(run.at(), 6, stop.gen)), m.FinalDone)
+    assert done.folder == "checkpoints" and run.c.closed and 6 in run.c.run.checkpoints
+    assert run.feed(m.Tick(run.at() + 100)) == []
+
+
+def test_a_final_checkpoint_the_folder_refuses_is_uploaded_into_the_run_folder() -> None:
+    """A full checkpoint folder lost the trained model: the final checkpoint could not be
+    written and the run ended without params.pt."""
+    run, out = _finished()
+    gen = of(out, m.Stop)[0].gen
+    out = run.feed(m.CheckpointFailed(run.at(), 6, gen, "worker 0: No space left on device"))
+    assert of(out, m.DropCheckpoint)[0].step == 6  # listed in the report
+    (expect,) = of(out, m.ExpectCheckpoint)
+    assert expect.fallback and (expect.step, expect.gen) == (6, gen)
+    asks = of(out, m.AskFinal)
+    assert sorted(a.worker for a in asks) == [0, 1, 2, 3] and all(a.upload for a in asks)
+    assert "upload it into the run folder" in logs(out)
+    (save,) = of(run.feed(m.CheckpointLayers(run.at(), 6, gen, ALL)), m.SaveCheckpoint)
+    assert save.fallback and save.accepted
+    (done,) = of(run.feed(m.CheckpointDone(run.at(), 6, gen)), m.FinalDone)
+    assert done.folder == "fallback" and 6 not in run.c.run.checkpoints  # never reloaded
+    lost, out = _finished()
+    lost.feed(m.CheckpointFailed(lost.at(), 6, gen, "No space left on device"))
+    lost.now += 6.0  # the upload does not finish in time either
+    (done,) = of(lost.feed(m.Tick(lost.at())), m.FinalDone)
+    assert done.folder is None and "could not be written" in done.reason
+
+
+def test_a_final_writer_that_leaves_hands_its_layer_to_the_next_holder() -> None:
+    run, out = _finished()
+    gen = of(out, m.Stop)[0].gen
+    run.feed(m.CheckpointLayers(run.at(), 6, gen, frozenset({1, 2, 3})))
+    (ask,) = of(run.feed(m.Exits(run.at(), {0: 0})), m.AskFinal)  # it missed a commit
+    assert (ask.worker, ask.layers, ask.upload) == (1, (0,), False)
+    (done,) = of(run.feed(m.Exits(run.at(), {1: 0})), m.FinalDone)  # the last holder too
+    assert done.folder is None and "every holder of its final state is gone" in done.reason
+
+
+def test_a_final_step_with_a_checkpoint_complete_or_in_flight_is_not_written_again() -> None:
+    every = replace(CKPT, checkpoint_every=3)  # 6 is due: its checkpoint is in flight
+    run, out = _finished(every)
+    (stop,) = of(out, m.Stop)
+    assert not stop.write and not of(out, m.FinalDone)
+    gen = stop.gen
+    out = run.feed(m.CheckpointFailed(run.at(), 6, 0, "worker 3: disk error"))
+    assert [e.gen for e in of(out, m.ExpectCheckpoint)] == [gen]  # the holders write it
+    assert not any(a.upload for a in of(out, m.AskFinal))
+    done = Run(every).start()
+    out = done.commit(5)
+    done.feed(m.CheckpointDone(done.at(), 3, 0))
+    out = done.commit()
+    done.feed(m.CheckpointLayers(done.at(), 6, 0, ALL))
+    (final,) = of(done.feed(m.CheckpointDone(done.at(), 6, 0)), m.FinalDone)
+    assert final.folder == "checkpoints"

@@ -91,13 +91,16 @@ class TwoPhase:
 KINDS = (["reduced"] * 6 + ["tick"] * 4 + ["exits"] * 3 + ["errors"] * 5 + ["beats"] * 2
          + ["registered"] * 2 + ["ready", "checkpoint", "checkpoint", "stale-vote", "join",
                                  "relaunch", "software", "absent", "rejoin", "launched",
-                                 "signal", "trace-end"])
+                                 "signal", "trace-end", "crash"])
 """What the shell observes, weighted so that runs commit, fail and recover often before a
 signal or a trace's end stops them."""
 DELAYS = [0.001] * 4 + [0.05] * 3 + [0.5, 1.95, 3.0, 15.0]
 """Time between observations: mostly a poll, sometimes past the hang or join deadlines."""
 
 ANSWERED_BY = (m.Decide, m.Publish, m.Stop, m.Launch, m.Resolved)
+AFTER_THE_END = (m.SaveCheckpoint, m.DropCheckpoint, m.ExpectCheckpoint, m.AskFinal,
+                 m.FinalDone, m.Log)
+"""What a run that ended still does: its final checkpoint."""
 """Effects that answer a death in the running generation."""
 
 
@@ -128,6 +131,9 @@ class Driver:
         self.stops = 0
         self.seq = 0
         self.history: list[tuple[m.Observation, list[m.Effect]]] = []
+        self.writing: list[tuple[int, int]] = []
+        """Checkpoints expected (their layers arrive in later observations)."""
+        self.joiners = 0
 
     def index(self, n: int) -> int:
         return int(self.data.draw(_below(n))) if n > 1 else 0
@@ -156,12 +162,11 @@ class Driver:
         now = self.now
         if isinstance(e, m.Launch):
             self.seq += 1
+            if self.index(8) == 7:  # the OS refused
+                self.answers.append(m.LaunchFailed(now, e.workers, "OSError: no", e.replacement))
+                return
             self.answers.append(m.Launched(now, {w: f"i{w}-{self.seq}" for w in e.workers},
                                            local=True, replacement=e.replacement))
-        elif isinstance(e, m.Reply) and e.worker is not None:
-            self.seq += 1
-            self.answers.append(m.Launched(now, {e.worker: f"r{e.worker}-{self.seq}"},
-                                           local=False, replacement=e.replacement))
         elif isinstance(e, m.Decide):
             self.answers.append(m.Decision(now, self.policy(e.ask.usable), 0.0))
         elif isinstance(e, m.DecideRejoin):
@@ -173,6 +178,8 @@ class Driver:
             absent = {self.pick(world): self.pick([None, 0, e.gen - 1, e.gen])
                       for _ in range(self.index(3))}
             self.answers.append(m.Absent(now, e.gen, absent))
+        elif isinstance(e, m.ExpectCheckpoint):
+            self.writing.append((e.step, e.gen))
         elif isinstance(e, m.SaveCheckpoint) and e.accepted:
             if self.index(2):
                 self.answers.append(m.CheckpointFailed(now, e.step, e.gen, "disk full"))
@@ -214,13 +221,13 @@ class Driver:
         now, s, c = self.now, self.c.run, self.c
         ids = list(range(self.p.num_workers))
         kind = self.pick(KINDS)
-        if kind in ("signal", "trace-end") and self.index(4):
+        if kind in ("signal", "trace-end", "crash") and self.index(4):
             kind = "tick"  # rarer still: most runs should fail and recover first
         gen = self.pick([s.gen, s.gen, s.gen, max(0, s.gen - 1), s.gen + 1])
         if kind == "reduced":
-            return m.Reduced(now, s.gen, s.next_step)
+            return m.Reduced(now, s.gen, s.next_step, self.pick([len(s.plan.workers), 1]))
         if kind == "stale-vote":
-            return m.Reduced(now, gen, s.next_step + self.pick([0, -1, 1]))
+            return m.Reduced(now, gen, s.next_step + self.pick([0, -1, 1]), 9)
         if kind == "tick":
             return m.Tick(now)
         if kind == "exits":
@@ -240,15 +247,13 @@ class Driver:
             return m.Registered(now, tuple(sorted({w for w in self.some(ids, len(ids))
                                                    if w in c.members.by_worker})))
         if kind == "ready":
-            return m.Ready(now, gen)
+            return m.Ready(now, gen, self.pick([len(s.world), 0, 9]))
         if kind == "checkpoint":
-            step = self.index(s.next_step + 1)
-            made = self.pick([m.CheckpointWritten, m.CheckpointDone, m.CheckpointFailed])
-            if made is m.CheckpointFailed:
-                return m.CheckpointFailed(now, step, gen, "No space left on device")
-            return made(now, step, gen)  # type: ignore[no-any-return]
+            return self.checkpoint(now, gen)
         if kind == "join":
-            return m.JoinAsked(now, self.pick([None, "bad proof"]))
+            return self.joins(now)
+        if kind == "crash":
+            return m.ShellFailed(now, "OSError: No space left on device")
         if kind == "signal":
             return m.StopAsked(now, "SIGTERM")
         if kind == "relaunch":
@@ -264,6 +269,29 @@ class Driver:
             return m.RejoinDecision(now, Decision("dynamic", self.plan_over(ids)))
         return m.Launched(now, {w: f"x{w}" for w in self.some(ids, 2)},
                           local=bool(self.index(2)), replacement=True)
+
+    def checkpoint(self, now: float, gen: int) -> m.Observation:
+        """Progress of a checkpoint being written (mostly), or of any."""
+        s = self.c.run
+        step, gen = self.pick(self.writing) if self.writing and self.index(4) else \
+            (self.index(s.next_step + 1), gen)
+        made = self.pick(["layers", "layers", "done", "failed"])
+        if made == "layers":
+            return m.CheckpointLayers(now, step, gen,
+                                      frozenset(self.some(range(self.p.num_layers), 4)))
+        if made == "done":
+            return m.CheckpointDone(now, step, gen)
+        return m.CheckpointFailed(now, step, gen, "No space left on device")
+
+    def joins(self, now: float) -> m.Observation:
+        """One to three join slots from the next unread one."""
+        slots: list[m.Joiner | str] = []
+        for _ in range(1 + self.index(3)):
+            self.joiners += 1
+            slots.append(self.pick([m.Joiner(f"req{self.joiners}", f"j{self.joiners}"),
+                                    m.Joiner(f"req{self.joiners}", f"j{self.joiners}",
+                                             "bad proof"), MISSING, MALFORMED]))
+        return m.JoinRequests(now, tuple(slots))
 
     def slot(self) -> Any:
         """One error slot: unwritten, malformed, or a report of any kind."""
@@ -293,10 +321,13 @@ class Driver:
         edge = machine.transition(was, obs, k)
         assert edge is None or edge in machine.TRANSITIONS, edge
         assert s.gen >= before.run.gen
-        if was in (Mode.FINISHED, Mode.FAILED):
+        if was in (Mode.FINISHED, Mode.FAILED):  # only the final checkpoint goes on
             assert k is was and s.gen == before.run.gen
-            assert all(isinstance(e, m.SaveCheckpoint | m.DropCheckpoint | m.Log)
-                       for e in effects), effects
+            assert all(isinstance(e, AFTER_THE_END) for e in effects), effects
+        if before.closed:  # nothing is waited for any more: nothing happens
+            assert c == before and not effects, (obs, effects)
+        if c.final is not None:  # the final checkpoint's attempt is followed
+            assert c.final.key in c.expected or c.final.attempt == 0, (c.final, c.expected)
         self.stops += sum(isinstance(e, m.Stop) for e in effects)
         assert self.stops <= 1
         assert s.idle <= s.alive
@@ -322,7 +353,8 @@ SETTINGS = hs.builds(
     lambda workers, remote, rejoin, replay: Settings(
         steps=30, num_workers=workers, num_local=workers - remote, num_layers=4, hang_s=2.0,
         heartbeat_s=0.1, max_retries=1, rejoin=rejoin, join_timeout_s=10.0,
-        initial_plan=PLAN, replay=replay, keep_checkpoints=2),
+        initial_plan=PLAN, replay=replay, keep_checkpoints=2, checkpoint_every=2,
+        checkpoint_deadline_s=5.0),
     workers=hs.sampled_from([4, 5]), remote=hs.sampled_from([0, 2]), rejoin=hs.booleans(),
     replay=hs.booleans())
 
@@ -338,10 +370,9 @@ def test_the_step_never_raises_and_keeps_its_invariants(data: hs.DataObject,
     run.feed(m.Launched(0.0, {w: f"i{w}" for w in range(settings_.num_local)}, local=True,
                         replacement=False))
     if data.draw(hs.integers(0, 7)) < 7:  # usually they join; sometimes the deadline decides
-        for _ in range(settings_.num_local, settings_.num_workers):
-            run.feed(m.JoinAsked(0.0))
-            while run.answers:
-                run.feed(run.answers.pop(0))
+        run.feed(m.JoinRequests(0.0, tuple(m.Joiner(f"join{w}", f"r{w}") for w in range(
+            settings_.num_local, settings_.num_workers))))
+        run.joiners = settings_.num_workers
         run.feed(m.Registered(0.0, tuple(sorted(run.c.members.by_worker))))
     for _ in range(data.draw(hs.integers(5, 60))):
         # the shell feeds the answers to a step's questions before it observes anything
@@ -383,8 +414,6 @@ def test_a_defect_in_a_rule_ends_the_run_through_the_failure_path(
     """The last guard: a rule that raises (a defect the properties above did not find)
     stops the run with the reason (every worker told to stop, the report written), not the
     coordinator with a traceback."""
-    from chameleon_ft.runtime.control import rules
-
     p = Settings(steps=20, num_workers=4, num_local=4, num_layers=4, hang_s=2.0,
                  heartbeat_s=0.1, max_retries=1, rejoin=False, join_timeout_s=10.0,
                  initial_plan=PLAN)
@@ -396,7 +425,7 @@ def test_a_defect_in_a_rule_ends_the_run_through_the_failure_path(
     def broken(*_args: Any) -> Any:
         raise KeyError("a defect")
 
-    monkeypatch.setitem(rules._HANDLERS, m.Tick, broken)
+    monkeypatch.setitem(machine.HANDLERS, m.Tick, broken)
     c, effects = machine.step(c, m.Tick(1.0), p)
     (stop,) = [e for e in effects if isinstance(e, m.Stop)]
     assert stop.failed and "internal error in the control plane (KeyError" in stop.reason

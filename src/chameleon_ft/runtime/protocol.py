@@ -156,8 +156,10 @@ def memory_fetched_key(gen: int) -> str:
 
 
 def final_more_key(gen: int, worker: int) -> str:
-    """JSON list: more layers ``worker`` writes for the final checkpoint (their first
-    writer is gone)."""
+    """JSON ``{"layers", "attempt", "upload"}``: the layers ``worker`` writes for the final
+    checkpoint's attempt ``attempt`` (their first writer is gone, or an attempt failed;
+    ``upload``: over the bulk channel into the run folder, the checkpoint folder refused
+    them)."""
     return f"gen{gen}/final/more/{worker}"
 
 
@@ -394,9 +396,11 @@ class ControlStore:
         """Workers of ``gen`` that reduced ``step``."""
         return int(self.store.add(reduced_key(gen, step), 0))
 
-    def error_slots(self, gen: int, first: int) -> tuple[ErrorReport | str, ...]:
-        """``gen``'s error slots from ``first`` to the reserved count, as found."""
-        slots = int(self.store.add(error_slot_key(gen), 0))
+    def error_slots(self, gen: int, first: int,
+                    limit: int = 64) -> tuple[ErrorReport | str, ...]:
+        """``gen``'s error slots from ``first`` to the reserved count (at most ``limit``),
+        as found."""
+        slots = min(int(self.store.add(error_slot_key(gen), 0)), first + limit)
         out: list[ErrorReport | str] = []
         for index in range(first, slots):
             key = error_key(gen, index)
@@ -414,9 +418,11 @@ class ControlStore:
         return {w: (inc, int(self.store.add(heartbeat_key(w, inc), 0)))
                 for w, inc in incarnations.items()}
 
-    def forget_heartbeat(self, worker: int, incarnation: str) -> None:
-        """A fenced process's heartbeat is no longer watched."""
-        self._delete([heartbeat_key(worker, incarnation)])
+    def forget_process(self, worker: int, incarnation: str) -> None:
+        """A fenced process is no longer watched: delete its heartbeat, registration,
+        set-up and start keys."""
+        self._delete([heartbeat_key(worker, incarnation), worker_info_key(worker, incarnation),
+                      setup_key(worker, incarnation), start_gen_key(worker, incarnation)])
 
     def registered(self, worker: int, incarnation: str) -> bool:
         """Whether the process ``incarnation`` of ``worker`` announced itself."""
@@ -506,9 +512,12 @@ class ControlStore:
         self._delete([checkpoint_count_key(gen, step), checkpoint_failed_key(gen, step),
                       *(checkpoint_layer_key(gen, step, i) for i in range(num_layers))])
 
-    def final_more(self, gen: int, worker: int, layers: list[int]) -> None:
-        """Ask ``worker`` to write these layers of the final checkpoint too."""
-        self.store.set(final_more_key(gen, worker), json.dumps(layers))
+    def final_more(self, gen: int, worker: int, layers: list[int], *, attempt: int = 1,
+                   upload: bool = False) -> None:
+        """Ask ``worker`` to write these layers of the final checkpoint (attempt
+        ``attempt``; ``upload``: over the bulk channel, into the run folder)."""
+        self.store.set(final_more_key(gen, worker),
+                       json.dumps({"layers": layers, "attempt": attempt, "upload": upload}))
 
     def final_done(self, gen: int) -> None:
         """The final checkpoint is complete: the workers leave."""
@@ -519,14 +528,19 @@ class ControlStore:
         """Join request slots reserved so far."""
         return int(self.store.add(JOIN_SLOTS_KEY, 0))
 
-    def take_join_request(self, index: int) -> str | bytes | None:
-        """The ``index``-th join request, removed (None: not written yet)."""
-        key = join_request_key(index)
-        if not self.has(key):
-            return None
-        raw: bytes = self.store.get(key)
-        self._delete([key])
-        return raw
+    def join_requests(self, first: int, limit: int) -> tuple[str | bytes, ...]:
+        """The join requests from ``first`` to the reserved count (at most ``limit``), as
+        found (``MISSING``: reserved, not written yet)."""
+        end = min(self.join_slots(), first + limit)
+        out: list[str | bytes] = []
+        for index in range(first, end):
+            key = join_request_key(index)
+            out.append(bytes(self.store.get(key)) if self.has(key) else MISSING)
+        return tuple(out)
+
+    def forget_join_requests(self, first: int, end: int) -> None:
+        """Delete the join requests ``first`` to ``end`` (read)."""
+        self._delete([join_request_key(i) for i in range(first, end)])
 
     def reply(self, wnonce: str, text: str) -> None:
         """Answer the join request of ``wnonce``."""

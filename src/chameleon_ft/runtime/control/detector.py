@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from chameleon_ft.runtime.protocol import MISSING, ErrorReport
+from chameleon_ft.runtime.control import slots as sl
+from chameleon_ft.runtime.protocol import ErrorReport
 
 SETUP_WAIT_DEADLINES = 2
 """A member inside a superseded generation's group set-up is waited for this many of that
@@ -36,6 +37,8 @@ the generation is given up (a death that explains them is seen by then)."""
 
 Slot = ErrorReport | str
 """One error slot as the shell read it: a report, ``MISSING`` or ``MALFORMED``."""
+MAX_MESSAGES = 8
+"""First lines of a generation's error reports kept for its log line."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,8 @@ class Watch:
     """What detection remembers about the running generation (fresh for each one)."""
 
     gen: int
-    errors_seen: int = 0
-    """Error slots of the generation read so far (in slot order)."""
-    error_wait_since_s: float | None = None
-    """Since when the next slot is reserved but unwritten (its writer may have died)."""
+    errors: sl.Cursor = field(default_factory=sl.Cursor)
+    """The generation's error slots read so far (in slot order)."""
     suspects: frozenset[int] = frozenset()
     """Peers named by failed transfers: dead as soon as their heartbeat stalls briefly."""
     unexplained_since_s: float | None = None
@@ -62,7 +63,8 @@ class Watch:
     recheck_at_s: float = 0.0
     """While absent members are waited for: when to look again."""
     messages: tuple[str, ...] = ()
-    """First lines of the generation's error reports, in order (for the log)."""
+    """First lines of the generation's first error reports, in order (for the log; at
+    most ``MAX_MESSAGES``)."""
     waits_logged: frozenset[int] = frozenset()
     """Absent members whose wait was announced already."""
 
@@ -80,40 +82,30 @@ class Seen:
 
 def read_errors(watch: Watch, slots: tuple[Slot, ...], *, alive: frozenset[int],
                 now_s: float, hang_s: float) -> Seen:
-    """Read the generation's error slots from ``watch.errors_seen`` on, in order.
-
-    A slot reserved but not written stops the reading until the hang deadline (its writer
-    may still write it), then is skipped with a log line; a malformed one is logged and
-    ignored. A fatal report is its writer's death; a report naming a peer makes that peer
-    a suspect.
+    """Read the generation's error slots from ``watch.errors`` on, in order
+    (:func:`~chameleon_ft.runtime.control.slots.read`: an unwritten slot is waited for
+    until the hang deadline, then skipped; a malformed one is logged and ignored). A fatal
+    report is its writer's death; a report naming a peer makes that peer a suspect.
 
     Args:
         watch: the generation's detection state.
-        slots: the slots from ``watch.errors_seen`` up to the reserved count, as read.
+        slots: the slots from ``watch.errors.next`` up to the reserved count, as read.
         alive: workers believed alive (reports of others are stale).
         now_s: the run clock.
         hang_s: the hang deadline.
     """
     deaths: dict[int, str] = {}
-    logs: list[str] = []
     corrupt: dict[int, str] = {}
-    w = watch
-    for slot in slots:
-        if slot == MISSING:
-            since = now_s if w.error_wait_since_s is None else w.error_wait_since_s
-            if now_s - since < hang_s:
-                w = replace(w, error_wait_since_s=since)
-                break
-            logs.append(f"generation {w.gen}: error report {w.errors_seen} was never written "
-                        "(its writer died); skipped")
-            w = replace(w, errors_seen=w.errors_seen + 1, error_wait_since_s=None)
-            continue
-        w = replace(w, errors_seen=w.errors_seen + 1, error_wait_since_s=None)
+    cursor, taken, logs = sl.read(watch.errors, slots, now_s=now_s, hang_s=hang_s,
+                                  what=f"generation {watch.gen}: error report")
+    w = replace(watch, errors=cursor)
+    for slot in taken:
         if not isinstance(slot, ErrorReport):
             logs.append(f"generation {w.gen}: ignored a malformed error report")
             continue
         first_line = slot.message.splitlines()[0] if slot.message else "?"
-        w = replace(w, messages=(*w.messages, first_line))
+        if len(w.messages) < MAX_MESSAGES:
+            w = replace(w, messages=(*w.messages, first_line))
         if slot.worker not in alive:
             continue
         if slot.corrupt_step is not None:

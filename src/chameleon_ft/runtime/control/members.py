@@ -135,6 +135,26 @@ def died(members: Members, workers: Iterable[int], *,
                    given_up=frozenset(given_up)), logs
 
 
+def start_failed(members: Members, workers: Iterable[int]) -> tuple[Members, list[str]]:
+    """Processes for these worker ids could not be started: each counts as a failed start
+    (given up after ``MAX_FAILED_STARTS``, so a launch that keeps failing is not retried
+    for ever).
+
+    Returns:
+        The members and a log line for each id given up.
+    """
+    starts = dict(members.failed_starts)
+    given_up = set(members.given_up)
+    logs = []
+    for w in workers:
+        starts[w] = starts.get(w, 0) + 1
+        if starts[w] >= MAX_FAILED_STARTS and w not in given_up:
+            given_up.add(w)
+            logs.append(f"worker {w}: could not be started {MAX_FAILED_STARTS} times; no more "
+                        "repairs of this worker")
+    return replace(members, failed_starts=starts, given_up=frozenset(given_up)), logs
+
+
 def to_relaunch(members: Members, alive: frozenset[int], num_local: int) -> list[int]:
     """Local worker ids whose process is gone and that may be repaired."""
     return [w for w in range(num_local)

@@ -10,14 +10,16 @@ from it, never stored.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from chameleon_ft.plan import ExecutionPlan
+from chameleon_ft.runtime.control import checkpoints as ck
 from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
+from chameleon_ft.runtime.control import slots as sl
 from chameleon_ft.runtime.control import state as st
 
 
@@ -71,6 +73,11 @@ class Settings:
     """Appended to the join-deadline error (how to start the missing workers)."""
     keep_checkpoints: int | None = None
     """Complete checkpoints kept on disk (older ones are forgotten)."""
+    checkpoint_every: int = 0
+    """A checkpoint after every this many committed steps (0: none but the final one)."""
+    checkpoint_deadline_s: float = 10.0
+    """How long writing one checkpoint may take (its bytes over the storage's bandwidth,
+    plus a latency)."""
     deadline_of: Callable[[ExecutionPlan, Any], tuple[float, str | None]] = \
         lambda _plan, _migration: (3.0, None)
     """A generation's collective deadline, and a log line when it was raised."""
@@ -116,6 +123,15 @@ class Control:
     drain_since_s: float | None = None
     trace_ended: bool = False
     checkpoint_times: Mapping[int, float] = field(default_factory=dict)
+    """When each complete checkpoint the run remembers completed."""
+    expected: Mapping[tuple[int, int], ck.Expected] = field(default_factory=dict)
+    """Checkpoints being written, by ``(step, gen)``."""
+    final: ck.Final | None = None
+    """The final checkpoint being written (after the run finished)."""
+    closed: bool = False
+    """The run is over and nothing more is waited for: the shell ends."""
+    joins: sl.Cursor = field(default_factory=sl.Cursor)
+    """The join requests read so far."""
 
 
 def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
@@ -140,6 +156,51 @@ def mode(c: Control) -> Mode:
     if c.run.phase is st.Phase.DRAINING:
         return Mode.DRAINING
     return Mode.RECOVERING if c.recovering else Mode.TRAINING
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the shell reads for the next observations (each poll, and again after each
+    step: a step may change it)."""
+
+    gen: int | None
+    """The published generation whose reports, readiness and votes are read (None: no
+    generation runs)."""
+    errors_from: int = 0
+    """Its first unread error slot."""
+    ready: bool = False
+    """Its readiness is still to be counted."""
+    votes_step: int | None = None
+    """The step whose votes are counted (None: none)."""
+    beats: Mapping[int, str] = field(default_factory=dict)
+    """The processes whose heartbeats are read, by worker."""
+    unregistered: Mapping[int, str] = field(default_factory=dict)
+    """Processes that have not announced themselves yet, by worker."""
+    joins_from: int | None = None
+    """The first unread join slot (None: no join is answered)."""
+
+
+def wanted(c: Control) -> Wanted:
+    """What the shell reads next, from the control value alone."""
+    k = mode(c)
+    if k in (Mode.FINISHED, Mode.FAILED):
+        return Wanted(None)
+    by = c.members.by_worker
+    unregistered = {w: x.incarnation for w, x in sorted(by.items())
+                    if not x.registered and not x.gone}
+    if k not in PUBLISHED:
+        return Wanted(None, unregistered=unregistered, joins_from=c.joins.next)
+    run = c.run
+    votes = run.next_step if k in RUNNING else None
+    return Wanted(run.gen, errors_from=c.watch.errors.next, ready=c.ready_s is None,
+                  votes_step=votes, beats=incarnations(c, run.alive),
+                  unregistered=unregistered, joins_from=c.joins.next)
+
+
+def incarnations(c: Control, workers: Iterable[int]) -> dict[int, str]:
+    """The process of each of ``workers`` that has one."""
+    by = c.members.by_worker
+    return {w: by[w].incarnation for w in sorted(workers) if w in by}
 
 
 def final_holders(run: st.RunState, num_layers: int) -> dict[int, tuple[int, ...]]:

@@ -1,17 +1,19 @@
-"""The handlers of :func:`chameleon_ft.runtime.control.machine.step`, one per observation.
+"""The handlers of :func:`chameleon_ft.runtime.control.machine.step` for the running
+generation: time, deaths, error reports, readiness, votes, decisions, signals and the
+replayed trace (members coming and going: :mod:`.joining`; checkpoints: :mod:`.saving`).
 
-Each takes the control value, the observation and the job's parameters and returns the new
+Each takes the control value, the observation and the job's settings and returns the new
 value and the effects, in order. Shared moves (a new generation, a failure, the end of the
 run) are functions of their own, so each rule is written once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
-from chameleon_ft.runtime.control import decider, detector
+from chameleon_ft.runtime.control import checkpoints as ck
+from chameleon_ft.runtime.control import decider, detector, saving
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
@@ -23,8 +25,12 @@ from chameleon_ft.runtime.control.model import (
     Mode,
     Settings,
     final_holders,
+    incarnations,
     mode,
 )
+
+FINAL_ATTEMPT_SLACK = 2
+"""The workers wait for the final checkpoint's attempts plus this many hang deadlines."""
 
 Out = tuple[Control, list[m.Effect]]
 
@@ -34,13 +40,16 @@ def new_generation(c: Control, run: st.RunState, now_s: float, p: Settings) -> O
     """Publish ``run``'s generation (whatever made it): drop checkpoint assemblies of
     abandoned timelines, record the generation, reset what detection remembers."""
     collective_s, raised = p.deadline_of(run.plan, run.migration)
-    effects: list[m.Effect] = [] if raised is None else [m.Log(raised)]
-    effects += [m.DropTimelines(run.epoch), m.Publish(run.gen)]
+    c, effects = saving.drop_timelines(replace(c, run=run), run.epoch)
+    if raised is not None:
+        effects.insert(0, m.Log(raised))
+    world = tuple(sorted(run.world))
+    effects.append(m.Publish(run.gen, run.plan, run.migration, run.load, run.next_step, world,
+                             incarnations(c, run.alive), collective_s, run.idle))
     gens = dict(c.gens)
-    gens[run.gen] = GenInfo(published_s=now_s, collective_s=collective_s,
-                            world=tuple(sorted(run.world)), first_step=run.next_step,
-                            last_step=run.next_step - 1)
-    return replace(c, run=run, gens=gens, watch=detector.Watch(gen=run.gen), ready_s=None,
+    gens[run.gen] = GenInfo(published_s=now_s, collective_s=collective_s, world=world,
+                            first_step=run.next_step, last_step=run.next_step - 1)
+    return replace(c, gens=gens, watch=detector.Watch(gen=run.gen), ready_s=None,
                    last_commit_s=None), effects
 
 
@@ -48,21 +57,28 @@ def fail(c: Control, reason: str, *, bad_input: bool = False) -> Out:
     """Training cannot go on: the final generation tells every worker to stop, uploading
     nothing; the report gives the reason."""
     run = st.stopped(c.run, reason)
-    return replace(c, run=run, ask=None, joining_until_s=None, relaunching_until_s=None), [
+    return replace(c, run=run, ask=None, joining_until_s=None, relaunching_until_s=None,
+                   closed=True), [
         m.Stop(gen=run.gen, step=run.next_step, final={}, reason=reason, failed=True,
                bad_input=bad_input)]
 
 
-def finish(c: Control, p: Settings) -> Out:
+def finish(c: Control, now_s: float, p: Settings) -> Out:
     """Every step committed, or a drain ended: the final generation tells the workers whose
-    state is at the committed step to upload it, then everyone leaves."""
+    state is at the committed step to write it (unless a checkpoint of that step is
+    complete or being written), then to leave once it is complete."""
     interrupted = c.run.phase is st.Phase.DRAINING and not c.trace_ended
     reason = c.run.reason
-    final = final_holders(c.run, p.num_layers)
+    holders = final_holders(c.run, p.num_layers)
     run = st.finished(c.run)
-    return replace(c, run=run, ask=None), [
-        m.Stop(gen=run.gen, step=run.next_step, final=final, reason=reason,
-               interrupted=interrupted)]
+    c, before, write = saving.start_final(replace(c, run=run, ask=None), holders, run.gen,
+                                          now_s, p)
+    wait_s = len(ck.FINAL_ATTEMPTS) * p.checkpoint_deadline_s + \
+        FINAL_ATTEMPT_SLACK * p.hang_s
+    stop = m.Stop(gen=run.gen, step=run.next_step, final=holders, reason=reason,
+                  interrupted=interrupted, write=write, final_timeout_s=wait_s)
+    done = [e for e in before if isinstance(e, m.FinalDone)]
+    return c, [*(e for e in before if not isinstance(e, m.FinalDone)), stop, *done]
 
 
 def _since_checkpoint(c: Control, now_s: float) -> float | None:
@@ -86,10 +102,14 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Settings) -> Ou
                 for g, i in gens.items()}
     run, broken = st.workers_died(s, failed)
     members, logs = mb.died(c.members, failed)
-    c = replace(c, run=run, members=members, gens=gens)
+    fenced = incarnations(c, failed)
+    beats = {k: v for k, v in c.beats.items() if k[0] not in failed}
+    c = replace(c, run=run, members=members, gens=gens, beats=beats)
     cause = "; ".join(f"w{w}: {dead[w]}" for w in sorted(failed))
     workers = tuple(sorted(failed))
-    effects: list[m.Effect] = [m.Fence(workers), *(m.Log(x) for x in logs)]
+    effects: list[m.Effect] = [m.Fence(workers, fenced), *(m.Log(x) for x in logs)]
+    c, more = saving.writers_gone(c, failed, now_s, p)
+    effects += more
     if not broken:
         return c, [*effects, m.Failure(workers, cause, s.gen, s.next_step, now_s, idle=True,
                                        strategy="none",
@@ -98,7 +118,7 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Settings) -> Ou
     effects += [m.Abort(s.gen, s.next_step),
                 m.Failure(workers, cause, s.gen, s.next_step, now_s)]
     if run.phase is st.Phase.DRAINING:
-        c, more = finish(c, p)
+        c, more = finish(c, now_s, p)
         return c, [*effects, m.Resolved("none", "stopping: the drain ends here"), *more]
     if not run.alive:
         c, more = relaunch_everything(c, now_s, p)
@@ -162,8 +182,15 @@ def restart_everything(c: Control, now_s: float, p: Settings) -> Out:
 
 # ---------------------------------------------------------------------- observations
 def on_tick(c: Control, obs: m.Tick, p: Settings) -> Out:
-    """Deadlines: joining, relaunching, draining; errors that stay unexplained; repairs."""
+    """Deadlines: joining, relaunching, draining, checkpoints; errors that stay
+    unexplained; repairs."""
     now = obs.now_s
+    c, effects = saving.expire(c, now, p)
+    c, more = _deadlines(c, now, p)
+    return c, effects + more
+
+
+def _deadlines(c: Control, now: float, p: Settings) -> Out:
     k = mode(c)
     if k is Mode.JOINING and c.joining_until_s is not None and now > c.joining_until_s:
         joined = sum(1 for x in c.members.by_worker.values() if x.registered)
@@ -178,13 +205,15 @@ def on_tick(c: Control, obs: m.Tick, p: Settings) -> Out:
     if k is Mode.DRAINING and c.drain_since_s is not None \
             and now - c.drain_since_s > p.drain_grace_s:
         s = c.run
-        c, effects = finish(c, p)
+        c, effects = finish(c, now, p)
         return c, [m.Abort(s.gen, s.next_step),
                    m.Log(f"the step in flight ({s.next_step}) did not finish in time: "
                          "aborted"), *effects]
-    if k in (Mode.TRAINING, Mode.RECOVERING, Mode.DRAINING) and detector.unexplained_due(
-            c.watch, now_s=now, hang_s=p.hang_s, heartbeat_s=p.heartbeat_s):
-        return c, [m.ProbeAbsent(c.run.gen)]
+    if k in RUNNING and detector.unexplained_due(c.watch, now_s=now, hang_s=p.hang_s,
+                                                 heartbeat_s=p.heartbeat_s):
+        info = c.gens.get(c.run.gen)
+        world = info.world if info is not None else tuple(sorted(c.run.world))
+        return c, [m.ProbeAbsent(c.run.gen, incarnations(c, world))]
     if k is Mode.TRAINING:
         return repairs(c, p)
     return c, []
@@ -267,43 +296,10 @@ def on_errors(c: Control, obs: m.Errors, p: Settings) -> Out:
     return c, [*(m.Log(x) for x in seen.logs), *effects]
 
 
-def on_launched(c: Control, obs: m.Launched, p: Settings) -> Out:
-    """Processes now hold these ids (a launch, or an admitted remote worker)."""
-    members = mb.launched(c.members, obs.incarnations, local=obs.local,
-                          replacement=obs.replacement, now_s=obs.now_s)
-    return replace(c, members=members), []
-
-
-def on_registered(c: Control, obs: m.Registered, p: Settings) -> Out:
-    """Members announced themselves: the first generation starts when all are there;
-    a replacement comes up idle."""
-    members = mb.registered(c.members, obs.workers)
-    c = replace(c, members=members)
-    workers = [w for w in obs.workers if w in members.by_worker
-               and members.by_worker[w].registered and not members.by_worker[w].gone]
-    k = mode(c)
-    if k is Mode.JOINING:
-        if sum(1 for x in members.by_worker.values() if x.registered) < p.num_workers:
-            return c, []
-        c = replace(c, joining_until_s=None)
-        return new_generation(c, c.run, obs.now_s, p)
-    effects: list[m.Effect] = []
-    up = [w for w in sorted(workers) if members.by_worker[w].replacement
-          and w not in c.run.alive]
-    if up:
-        c = replace(c, members=mb.made_ready(c.members, up), run=st.rejoin_ready(c.run, up))
-        for w in up:
-            effects += [m.StartFrom(w, c.run.gen + 1),
-                        m.Log(f"worker {w} (repaired) is up; idle until a plan uses it")]
-    if k is Mode.RELAUNCHING and frozenset(p.initial_plan.workers) <= c.run.alive:
-        c, more = restart_everything(c, obs.now_s, p)
-        effects += more
-    return c, effects
-
-
 def on_ready(c: Control, obs: m.Ready, p: Settings) -> Out:
     """Every member of the running generation is ready: older generations are over."""
-    if obs.gen != c.run.gen or c.ready_s is not None or mode(c) not in PUBLISHED:
+    if obs.gen != c.run.gen or c.ready_s is not None or mode(c) not in PUBLISHED \
+            or obs.count < len(c.run.world):
         return c, []
     retired = tuple((g, i.first_step, i.last_step, i.world) for g, i in sorted(c.gens.items())
                     if g < obs.gen)
@@ -314,18 +310,21 @@ def on_ready(c: Control, obs: m.Ready, p: Settings) -> Out:
 
 def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
     """Every worker of the plan reduced the step in flight: commit it (a step that commits
-    shows the generation works: earlier error reports were stale)."""
+    shows the generation works: earlier error reports were stale), its checkpoint expected
+    first when one is due."""
     s = c.run
-    if obs.gen != s.gen or obs.step != s.next_step or mode(c) not in RUNNING:
-        return c, []  # a broken generation's votes came too late: it was aborted
+    if obs.gen != s.gen or obs.step != s.next_step or mode(c) not in RUNNING \
+            or obs.count < len(s.plan.workers):
+        return c, []  # not every vote yet; or a broken generation's, which was aborted
     draining = s.phase is st.Phase.DRAINING
     end = s.switch_due or draining
     info = c.gens.get(s.gen)
     start = c.last_commit_s if c.last_commit_s is not None else (
         c.ready_s if c.ready_s is not None else (info.published_s if info else obs.now_s))
     forget = info is not None and obs.step - 1 >= info.first_step
-    effects: list[m.Effect] = [m.Commit(s.gen, obs.step, end, start,
-                                        tuple(sorted(s.plan.workers)), forget)]
+    c, effects = saving.on_commit(c, obs.step, s.gen, obs.now_s, p)
+    effects.append(m.Commit(s.gen, obs.step, end, start, tuple(sorted(s.plan.workers)),
+                            forget, recovered=c.recovering))
     gens = dict(c.gens)
     if info is not None:
         gens[s.gen] = replace(info, last_step=obs.step)
@@ -333,14 +332,15 @@ def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
                 recovering=False, members=mb.proven(c.members, s.plan.workers),
                 watch=replace(c.watch, unexplained_since_s=None, suspects=frozenset()))
     if draining or c.run.next_step >= p.steps:
-        c, more = finish(c, p)
+        c, more = finish(c, obs.now_s, p)
         return c, effects + more
     if end:
         return switch(c, obs.now_s, p, effects)
     question = decider.rejoin_question(c.run)
     if question is None or question == c.rejoin_asked:
         return c, effects
-    return replace(c, rejoin_asked=question), [*effects, m.DecideRejoin(*question)]
+    return replace(c, rejoin_asked=question), [*effects,
+                                               m.DecideRejoin(*question, alive=c.run.alive)]
 
 
 def switch(c: Control, now_s: float, p: Settings, effects: list[m.Effect]) -> Out:
@@ -375,32 +375,6 @@ def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Settings) -> Out:
     return replace(c, run=run), effects
 
 
-def on_checkpoint_written(c: Control, obs: m.CheckpointWritten, p: Settings) -> Out:
-    """Every layer file of a checkpoint is written: write its manifest, unless it belongs
-    to an abandoned timeline (or exists already)."""
-    accepted = st.checkpoint_acceptable(c.run, obs.step, obs.gen)
-    return c, [m.SaveCheckpoint(obs.step, obs.gen, accepted)]
-
-
-def on_checkpoint(c: Control, obs: m.CheckpointDone, p: Settings) -> Out:
-    """The manifest is written: the checkpoint is complete (a restart may load it)."""
-    run, accepted = st.checkpoint_complete(c.run, obs.step, obs.gen, p.keep_checkpoints)
-    if not accepted:
-        return c, []
-    times = dict(c.checkpoint_times)
-    times[obs.step] = obs.now_s
-    return replace(c, run=run, checkpoint_times=times), []
-
-
-def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Settings) -> Out:
-    """A checkpoint could not be written: drop it (never complete); the previous one
-    stays valid and the next is tried as usual."""
-    latest = c.run.latest_checkpoint()
-    return c, [m.DropCheckpoint(obs.step, obs.gen, obs.reason),
-               m.Log(f"warning: checkpoint after {obs.step} steps dropped ({obs.reason}); "
-                     f"the last complete one holds {latest} steps; training goes on")]
-
-
 def set_aside(c: Control, corrupt: Mapping[int, str]) -> Out:
     """A worker found the checkpoint the running generation loads corrupt: forget it (it
     is never loaded again) and have it set aside on disk."""
@@ -425,17 +399,6 @@ def corrupt_fallback(c: Control, bad: m.MarkCorrupt, now_s: float, p: Settings) 
     return c, effects + more
 
 
-def on_join(c: Control, obs: m.JoinAsked, p: Settings) -> Out:
-    """A remote worker asks to join: a free id, a dead one (re-join), or a refusal."""
-    if obs.refusal is not None:
-        return c, [m.Reply(None, reason=obs.refusal)]
-    answer = mb.admit(c.members, alive=c.run.alive, num_local=p.num_local,
-                      num_workers=p.num_workers, rejoin=p.rejoin,
-                      started=mode(c) is not Mode.JOINING, now_s=obs.now_s,
-                      join_timeout_s=p.join_timeout_s)
-    return c, [m.Reply(answer.worker, answer.replacement, answer.reason)]
-
-
 def on_stop(c: Control, obs: m.StopAsked, p: Settings) -> Out:
     """SIGINT/SIGTERM: drain a running generation; give up joining or relaunching."""
     k = mode(c)
@@ -457,20 +420,6 @@ def on_trace_end(c: Control, obs: m.TraceEnd, p: Settings) -> Out:
     c = replace(c, run=st.draining(c.run, "end of trace"), drain_since_s=obs.now_s,
                 trace_ended=True)
     return c, [m.Log("end of trace: stopping at the next step boundary")]
-
-
-def on_relaunch(c: Control, obs: m.Relaunch, p: Settings) -> Out:
-    """A replayed repair: relaunch the named local workers whose process is gone (while a
-    generation is published: joining and relaunching start every worker anyway)."""
-    if mode(c) not in PUBLISHED:
-        return c, []
-    ids = tuple(w for w in obs.workers if w < p.num_local and w not in c.run.alive
-                and w in c.members.by_worker and c.members.by_worker[w].gone)
-    if not ids:
-        return c, []
-    return c, [m.Launch(ids, replacement=True),
-               m.Log(f"trace: relaunched worker(s) {list(ids)} (repair); idle until a plan "
-                     "uses them")]
 
 
 def on_software(c: Control, obs: m.SoftwareFault, p: Settings) -> Out:
@@ -560,17 +509,6 @@ def _retry(c: Control, now_s: float, p: Settings) -> Out:
     return c, effects + more
 
 
-_HANDLERS: dict[type, Callable[[Control, Any, Settings], Out]] = {
-    m.Tick: on_tick, m.Exits: on_exits, m.Beats: on_beats, m.Errors: on_errors,
-    m.Launched: on_launched, m.Registered: on_registered, m.Ready: on_ready,
-    m.Reduced: on_reduced, m.CheckpointWritten: on_checkpoint_written,
-    m.CheckpointDone: on_checkpoint, m.CheckpointFailed: on_checkpoint_failed,
-    m.JoinAsked: on_join,
-    m.StopAsked: on_stop, m.TraceEnd: on_trace_end, m.Relaunch: on_relaunch,
-    m.SoftwareFault: on_software, m.Decision: on_decision,
-    m.RejoinDecision: on_rejoin_decision, m.Absent: on_absent}
-
-
-def apply(c: Control, obs: m.Observation, p: Settings) -> Out:
-    """Dispatch an observation to its handler."""
-    return _HANDLERS[type(obs)](c, obs, p)
+def on_shell_failed(c: Control, obs: m.ShellFailed, p: Settings) -> Out:
+    """The shell cannot go on: stop training through the failure path with its reason."""
+    return fail(c, obs.reason, bad_input=obs.bad_input)

@@ -3,24 +3,46 @@ the files a user reads (``metrics.jsonl`` and ``op_times.jsonl`` appended as ste
 so a run that dies keeps them, and with ``tensorboard`` the same scalars as TensorBoard
 event files; ``report.json`` and ``report.png`` at the end).
 
-Nothing here steers the run: the control plane decides from its own state.
+Nothing here steers the run: the control plane decides from its own state. Memory stays
+bounded however long the run: one record per step, each recovery held only until its
+transition is measured, and at most ``MAX_RECORDS`` of each kind of event (the newest; the
+report counts those left out). A streamed file the disk refuses loses its lines with one
+warning; training goes on.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from chameleon_ft.runtime.report.board import Board
-from chameleon_ft.runtime.report.records import Event, StepRecord, measure_transitions
+from chameleon_ft.runtime.report.records import Event, StepRecord, TransitionMeter
 from chameleon_ft.runtime.storage.checkpoint import write_atomic
 
 Log = Callable[[str], None]
 
 PLOT_S = 120.0
 """How long drawing ``report.png`` may take."""
+MAX_RECORDS = 1000
+"""Failures, re-joins, refused joins, dropped, corrupt and written checkpoints kept for the
+report, each (the newest)."""
+
+
+class Records(deque[dict[str, Any]]):
+    """The newest ``MAX_RECORDS`` records of one kind, and how many were left out."""
+
+    def __init__(self) -> None:
+        super().__init__(maxlen=MAX_RECORDS)
+        self.left_out = 0
+
+    def add(self, record: Any) -> None:
+        """Keep ``record`` (the oldest goes when full)."""
+        if len(self) == self.maxlen:
+            self.left_out += 1
+        self.append(record)
 
 
 class RunReport:
@@ -39,20 +61,23 @@ class RunReport:
         self.log = log
         self.every = log_every or (max(1, steps // 25) if steps > 50 else 1)
         self.resumed = resumed
-        self.events: list[Event] = []
+        self.events: deque[Event] = deque(maxlen=MAX_RECORDS)
+        self.events_left_out = 0
+        self.meter = TransitionMeter()
+        """Measures each recovery's transition as steps commit."""
         self.steps: dict[int, StepRecord] = {}
         """The last commit of each step (a restart's redone steps replace the first)."""
-        self.commits: list[StepRecord] = []
-        """Every commit in order, redone steps too."""
-        self.rejoins: list[dict[str, Any]] = []
-        self.refused: list[dict[str, Any]] = []
-        self.dropped: list[dict[str, Any]] = []
+        self.rejoins = Records()
+        self.refused = Records()
+        self.dropped = Records()
         """Checkpoints that could not be written (the disk refused, or too slow)."""
-        self.corrupt: list[dict[str, Any]] = []
+        self.corrupt = Records()
         """Complete checkpoints found corrupt when loaded (set aside)."""
-        self.checkpoint_writes: list[dict[str, Any]] = []
+        self.checkpoint_writes = Records()
         """Each complete checkpoint: its bytes, how long after its commit every layer was
         written and the manifest too, each writer's bytes and seconds."""
+        self.unwritten: set[str] = set()
+        """Streamed files the disk refused (warned once each)."""
         self.metrics_path = out_dir / "metrics.jsonl"
         self.op_times_path = out_dir / "op_times.jsonl"
         self.board = Board(out_dir / "tensorboard") if tensorboard else None
@@ -70,36 +95,62 @@ class RunReport:
         return "".join(f"{ln}\n" for ln in lines
                        if json.loads(ln).get("step", -1) < self.start_step)
 
-    @property
-    def recovering(self) -> bool:
-        """A failure's recovery has not committed a step yet."""
-        return bool(self.events) and self.events[-1].resumed_at_s is None and \
-            not self.events[-1].idle
+    def failed(self, event: Event) -> None:
+        """A failure was detected."""
+        if len(self.events) == self.events.maxlen:
+            self.events_left_out += 1
+        self.events.append(event)
+        self.meter.failed(event)
 
-    def committed(self, record: StepRecord, timings: list[dict[str, Any]]) -> None:
-        """A step committed: record it, append its metrics and timings, log it."""
-        recovering = self.recovering
+    def refuse(self, record: dict[str, Any]) -> None:
+        """A join request was refused."""
+        self.refused.add(record)
+
+    def rejoined(self, record: dict[str, Any]) -> None:
+        """The policy answered about idle workers."""
+        self.rejoins.add(record)
+
+    def dropped_checkpoint(self, record: dict[str, Any]) -> None:
+        """A checkpoint could not be written."""
+        self.dropped.add(record)
+
+    def checkpoint_written(self, record: dict[str, Any]) -> None:
+        """A checkpoint is complete."""
+        self.checkpoint_writes.add(record)
+
+    def committed(self, record: StepRecord, timings: list[dict[str, Any]],
+                  recovered: bool = False) -> None:
+        """A step committed (``recovered``: the first since a failure): record it, append
+        its metrics and timings, log it."""
         self.steps[record.step] = record
-        self.commits.append(record)
-        with self.metrics_path.open("a") as f:
-            f.write(self._metrics_line(record) + "\n")
+        self._append(self.metrics_path, [self._metrics_line(record)])
         if self.board is not None:
             self.board.add(record, self._metrics(record))
         if timings:
-            with self.op_times_path.open("a") as f:
-                f.writelines(json.dumps(t) + "\n" for t in timings)
+            self._append(self.op_times_path, [json.dumps(t) for t in timings])
         if record.step % self.every == 0 or record.step == self.total_steps - 1 or \
-                record.step == self.start_step or recovering:
+                record.step == self.start_step or recovered:
             norm = "" if record.grad_norm is None else f"  grad norm {record.grad_norm:.3f}"
             self.log(f"step {record.step:4d}  loss {record.loss:.4f}{norm}  step "
                      f"{record.step_s:.3f} s  gen {record.gen}")
-        for event in self.events:
-            if event.resumed_at_s is None and not event.idle:
-                event.resumed_at_s = record.committed_at_s
-                origin = event.fault_at_s if event.fault_at_s is not None \
-                    else event.detected_at_s
-                self.log(f"recovered: first step after the failure committed "
-                         f"{record.committed_at_s - origin:.3f} s after it ({event.strategy})")
+        for event in self.meter.committed(record):
+            origin = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
+            self.log(f"recovered: first step after the failure committed "
+                     f"{record.committed_at_s - origin:.3f} s after it ({event.strategy})")
+
+    def _append(self, path: Path, lines: list[str]) -> None:
+        """Append lines to a streamed file; a disk that refuses loses them (one warning
+        per file until it takes lines again), training goes on."""
+        try:
+            with path.open("a") as f:
+                f.writelines(line + "\n" for line in lines)
+        except OSError as exc:
+            if path.name not in self.unwritten:
+                self.unwritten.add(path.name)
+                self.log(f"warning: {path.name} not appended ({exc.strerror or exc}); "
+                         "training goes on")
+            return
+        self.unwritten.discard(path.name)
 
     def _metrics(self, r: StepRecord) -> dict[str, Any]:
         tokens_per_s = self.tokens_per_step / r.step_s if r.step_s > 0 else None
@@ -129,10 +180,15 @@ class RunReport:
     def write(self, report: dict[str, Any]) -> dict[str, Any]:
         """Measure the transitions, then write ``report.json``, the compacted metrics
         (one line per step, a redone step's last commit) and ``report.png``."""
-        measure_transitions(self.events, self.commits)
+        self.meter.close()
         if self.board is not None:
             self.board.close()
         report["events"] = [e.to_dict() for e in self.events]
+        report["records_left_out"] = {
+            "events": self.events_left_out, "rejoins": self.rejoins.left_out,
+            "refused": self.refused.left_out, "dropped_checkpoints": self.dropped.left_out,
+            "corrupt_checkpoints": self.corrupt.left_out,
+            "checkpoint_writes": self.checkpoint_writes.left_out}
         write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
         lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())
         write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())

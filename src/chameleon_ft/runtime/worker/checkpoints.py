@@ -365,25 +365,34 @@ class CheckpointIO:
         self.write(step, gen, layers, inject, peer)
 
     def write(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
-              inject: OSError | None = None, peer: int | None = None) -> bool:
+              inject: OSError | None = None, peer: int | None = None,
+              upload: bool = False) -> bool:
         """Write ``layers`` now and report each (a copy in ``peer``'s memory first, with
-        checkpoints in memory); returns whether all were written."""
+        checkpoints in memory; ``upload``: over the bulk channel, the coordinator writes
+        them); returns whether all were written."""
         try:
             for layer, tree in sorted(layers.items()):
                 if inject is not None:
                     raise inject
+                if upload:
+                    self._upload(step, gen, layer, tree)
+                    continue
                 self._write_one(step, gen, layer, tree, peer)
         except (OSError, BlobError) as exc:
             self._fail(gen, step, f"worker {self.worker}: {diskwriter.describe(exc)}")
             return False
         return True
 
+    def _upload(self, step: int, gen: int, layer: int, tree: dict[str, Any]) -> None:
+        """Send a layer's bytes over the bulk channel: the coordinator writes them."""
+        self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
+                            "worker": self.worker, "step": step, "gen": gen},
+                           pack_pieces(tree))
+
     def _write_one(self, step: int, gen: int, layer: int, tree: dict[str, Any],
                    peer: int | None) -> None:
         if self.folder is None:  # no shared folder: the coordinator writes the bytes
-            self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
-                                "worker": self.worker, "step": step, "gen": gen},
-                               pack_pieces(tree))
+            self._upload(step, gen, layer, tree)
             return
         start = time.perf_counter()
         folder, name = partial_dir(self.folder, step, gen), f"layer{layer}.bin"
@@ -467,21 +476,28 @@ class CheckpointIO:
             raise CorruptCheckpoint(step, str(exc)) from None
 
 
-def wait_final(store: Any, gen: int, worker: int, write: Callable[[list[int]], None],
+def wait_final(store: Any, gen: int, worker: int, write: Callable[[list[int], bool], None],
                deadline_s: float, slice_s: float = 0.05) -> None:
-    """After writing its share of the final checkpoint: write more layers when the
-    coordinator asks (their first writer is gone), leave when it says the checkpoint is
-    complete, or at the deadline."""
+    """After writing its share of the final checkpoint: write the layers the coordinator
+    asks for (their first writer is gone, or an attempt failed: the next uploads them),
+    leave when it says the final checkpoint is over, or at the deadline.
+
+    ``write(layers, upload)`` writes layers into the checkpoint folder, or with ``upload``
+    over the bulk channel into the run folder.
+    """
     more = proto.final_more_key(gen, worker)
     done = proto.final_done_key(gen)
     end = time.monotonic() + deadline_s
-    written: set[int] = set()
+    written: set[tuple[int, int]] = set()
+    """(attempt, layer) written."""
     while time.monotonic() < end:
         if store.check([done]):
             return
         if store.check([more]):
-            wanted = [i for i in json.loads(store.get(more)) if i not in written]
+            ask = json.loads(store.get(more))
+            attempt = int(ask["attempt"])
+            wanted = [int(i) for i in ask["layers"] if (attempt, int(i)) not in written]
             if wanted:
-                write(wanted)
-                written.update(wanted)
+                write(wanted, bool(ask["upload"]))
+                written.update((attempt, i) for i in wanted)
         time.sleep(slice_s)

@@ -40,11 +40,11 @@ import torch.distributed as dist
 from chameleon_ft import logs
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.control.checkpoints import writer_of
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
-from chameleon_ft.runtime.storage.checkpoint import writer_of
 from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
 from chameleon_ft.runtime.worker import groups
 from chameleon_ft.runtime.worker.checkpoints import (
@@ -538,9 +538,9 @@ class Worker:
             return  # nothing to write (a failed run, or this worker missed a commit)
         gen, step = int(directive["gen"]), int(directive["step"])
 
-        def write(layers: list[int]) -> None:
+        def write(layers: list[int], upload: bool = False) -> None:
             self.ckpt.write(step, gen, {i: self.held[i].state_tree() for i in layers
-                                        if i in self.held})
+                                        if i in self.held}, upload=upload)
 
         if directive.get("write"):
             write([int(i) for i, ws in final.items() if ws and writer_of(ws, int(i)) == self.id])
