@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"chameleon train: stopped by {name} after {report['committed_steps']} steps; "
               f"resume with: {shlex.join(again)}", file=sys.stderr, flush=True)
         return 128 + int(getattr(signal, name))
-    if report["final_state"] != "checkpoints" and report["final_state"] is not None:
+    if report["final_state"] not in (None, "checkpoints"):
         print(f"chameleon train: trained {report['committed_steps']} steps and wrote "
               f"params.pt, but the checkpoint folder refused the final checkpoint: the final "
               f"state is in {report['run_dir']}/{report['final_state']}; a resume starts "

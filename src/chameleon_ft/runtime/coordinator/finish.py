@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
     job = coord.job
     steps = coord.report.ordered_steps()
-    final = coord.final
     report: dict[str, Any] = {
         "steps": [{"step": r.step, "loss": r.loss, "step_s": r.step_s, "gen": r.gen}
                   for r in steps],
@@ -49,7 +48,7 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "interrupted": stop.reason if stop.interrupted else None,
         "failed": stop.reason if stop.failed else None,
         "checkpoints": _steps_on_disk(coord),
-        "final_state": None if final is None or final.folder is None else final.folder,
+        "final_state": _final_folder(coord),
         "dropped_checkpoints": list(coord.report.dropped),
         "checkpoint_writes": list(coord.report.checkpoint_writes),
         "corrupt_checkpoints": list(coord.report.corrupt),
@@ -58,6 +57,14 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         report.update(job.trace.report([r.committed_at_s for r in steps],
                                        coord.config.job.global_batch))
     return report
+
+
+def _final_folder(coord: Coordinator) -> str | None:
+    """The run folder's subfolder that holds the final state (None: none does)."""
+    final = coord.final
+    if final is None or final.folder is None:
+        return None
+    return coord.job.ckpt.root.name if final.folder == "checkpoints" else FALLBACK_FOLDER
 
 
 def _faults(coord: Coordinator) -> list[dict[str, Any]]:

@@ -364,7 +364,7 @@ class Coordinator:
         launched = fx.perform(self, m.Launch(tuple(range(job.num_local)), replacement=False))
         if launched is not None:
             self.feed(launched)
-        if job.num_local:
+        if job.num_local and isinstance(launched, m.Launched):
             pids = " ".join(map(str, self.launcher.pids(range(job.num_local))))
             self.log(f"launched workers 0-{job.num_local - 1} (pids {pids})")
 

@@ -191,7 +191,10 @@ class RunReport:
             "checkpoint_writes": self.checkpoint_writes.left_out}
         write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
         lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())
-        write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())
+        try:
+            write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())
+        except OSError as exc:  # the lines streamed as steps committed stay
+            self.log(f"warning: {self.metrics_path.name} not compacted ({exc.strerror or exc})")
         try:  # matplotlib's ~40 MB live and die with a child, not the coordinator
             from chameleon_ft.runtime.coordinator.launcher import run_in_child
             from chameleon_ft.runtime.report.plots import write_report_png

@@ -539,8 +539,11 @@ class Worker:
         gen, step = int(directive["gen"]), int(directive["step"])
 
         def write(layers: list[int], upload: bool = False) -> None:
-            self.ckpt.write(step, gen, {i: self.held[i].state_tree() for i in layers
-                                        if i in self.held}, upload=upload)
+            states = {i: self.held[i].state_tree() for i in layers if i in self.held}
+            # an injected disk fault fails the final checkpoint's write into the folder too
+            inject = None if upload or not states else \
+                self.faults.maybe_fire(step - 1, "checkpoint", gen)
+            self.ckpt.write(step, gen, states, inject=inject, upload=upload)
 
         if directive.get("write"):
             write([int(i) for i, ws in final.items() if ws and writer_of(ws, int(i)) == self.id])
