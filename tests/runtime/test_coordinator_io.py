@@ -135,7 +135,7 @@ class _Fakes:
 
     # the control store
     def error_slots(self, gen: int, first: int) -> tuple[Any, ...]:
-        return ()
+        return ("missing",)
 
     def beats(self, incarnations: dict[int, str]) -> dict[int, tuple[str, int]]:
         return {w: (inc, 1) for w, inc in incarnations.items()}

@@ -545,3 +545,7 @@ class ControlStore:
     def reply(self, wnonce: str, text: str) -> None:
         """Answer the join request of ``wnonce``."""
         self.store.set(join_reply_key(wnonce), text)
+
+    def forget_replies(self, wnonces: list[str]) -> None:
+        """Delete these answers (read by their joiners, or never to be)."""
+        self._delete([join_reply_key(w) for w in wnonces])

@@ -104,7 +104,7 @@ def _do_reply(coord: Coordinator, e: m.Reply) -> Answer:
         coord.log(f"refused a join request: {e.reason.removesuffix(' join request')}")
         return None
     if e.worker is None:
-        coord.desk.reply(request, auth.JoinReply(ok=False, reason=e.reason))
+        coord.desk.reply(request, auth.JoinReply(ok=False, reason=e.reason), coord.now())
         coord.report.refuse({"host": request.host, "reason": e.reason, "at_s": coord.now()})
         coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
         return None
@@ -112,7 +112,8 @@ def _do_reply(coord: Coordinator, e: m.Reply) -> Answer:
                                     request.local_index)
     coord.desk.reply(request, auth.JoinReply(ok=True, worker=e.worker,
                                              incarnation=e.incarnation,
-                                             replacement=e.replacement, local_index=index))
+                                             replacement=e.replacement, local_index=index),
+                     coord.now())
     coord.log(f"admitted worker {e.worker} from {request.host} ({request.address})"
               + (" as a replacement" if e.replacement else ""))
     return None

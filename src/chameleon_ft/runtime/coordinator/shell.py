@@ -33,7 +33,7 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import machine
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, Settings, initial, wanted
+from chameleon_ft.runtime.control.model import Control, Settings, Wanted, initial, wanted
 from chameleon_ft.runtime.coordinator import effects as fx
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
@@ -187,6 +187,7 @@ class Coordinator:
         self.crash: str | None = None
         """Why the coordinator failed, when an exception ended the run."""
         self._feeding = False
+        self._wanted: tuple[Control | None, Wanted] = (None, Wanted(None))
 
     # ------------------------------------------------------------------ for harnesses
     @property
@@ -451,27 +452,29 @@ class Coordinator:
         exits); the step's votes come before time (a step every worker reduced commits,
         whatever errors came before it).
         """
-        want = wanted(self.ctl)
+        want = self.wanted()
         if want.joins_from is not None:
             slots = self.desk.slots(want.joins_from)
             if slots:
                 self.feed(m.JoinRequests(self.now(), slots))
-        if self.job.trace is not None and wanted(self.ctl).gen is not None:
+        if self.job.trace is not None and self.wanted().gen is not None:
             self.job.trace.poll(self)
         self.poll_checkpoints()
         exited = self.launcher.exits()
-        if exited and wanted(self.ctl).gen is not None:
+        if exited and self.wanted().gen is not None:
             # A worker that failed reports why before its process exits: read the reports
             # first, so the exit is explained by its error, not only by its status.
             self._observe_errors()
-        self.feed(m.Exits(self.now(), exited))
-        unregistered = wanted(self.ctl).unregistered
-        self.feed(m.Registered(self.now(), tuple(
-            w for w, inc in unregistered.items() if self.cs.registered(w, inc))))
+        if exited:
+            self.feed(m.Exits(self.now(), exited))
+        unregistered = self.wanted().unregistered
+        registered = tuple(w for w, inc in unregistered.items() if self.cs.registered(w, inc))
+        if registered:
+            self.feed(m.Registered(self.now(), registered))
         if self.signals_fed < len(self.signals):
             self.signals_fed = len(self.signals)
             self.feed(m.StopAsked(self.now(), self.signals[-1]))
-        if wanted(self.ctl).gen is not None:
+        if self.wanted().gen is not None:
             beats_due = self._observe_generation(beats_due)
         self.feed(m.Tick(self.now()))
         return beats_due
@@ -486,25 +489,27 @@ class Coordinator:
 
     def _observe_errors(self) -> None:
         """The running generation's error reports not seen yet."""
-        want = wanted(self.ctl)
-        if want.gen is not None:
-            self.feed(m.Errors(self.now(), want.gen,
-                               self.cs.error_slots(want.gen, want.errors_from)))
+        want = self.wanted()
+        if want.gen is None:
+            return
+        slots = self.cs.error_slots(want.gen, want.errors_from)
+        if slots:
+            self.feed(m.Errors(self.now(), want.gen, slots))
 
     def _observe_generation(self, beats_due: float) -> float:
         """The running generation: error reports, heartbeats, readiness, the step's votes."""
         self._observe_errors()
         now = self.now()
-        want = wanted(self.ctl)
+        want = self.wanted()
         if now >= beats_due and want.beats:
             beats_due = now + self.train.heartbeat_s / 2
             self.feed(m.Beats(now, self.cs.beats(dict(want.beats))))
-        want = wanted(self.ctl)
+        want = self.wanted()
         if want.gen is not None and want.ready:
             self.feed(m.Ready(self.now(), want.gen, self.cs.ready(want.gen)))
             if self.ctl.ready_s is not None:
                 self._note_memory_reload(want.gen)
-        want = wanted(self.ctl)
+        want = self.wanted()
         if want.gen is not None and want.votes_step is not None:
             self.feed(m.Reduced(self.now(), want.gen, want.votes_step,
                                 self.cs.reduced(want.gen, want.votes_step)))
@@ -518,6 +523,13 @@ class Coordinator:
         event = self.report.events[-1]
         if not event.idle and event.gen < gen:
             event.from_memory_layers = self.cs.memory_fetched(gen)
+
+    def wanted(self) -> Wanted:
+        """What to read next (:func:`~.model.wanted` of the current control value, kept
+        until the value changes)."""
+        if self._wanted[0] is not self.control:
+            self._wanted = (self.control, wanted(self.ctl))
+        return self._wanted[1]
 
     def feed(self, obs: m.Observation) -> None:
         """One observation through the control plane, then its effects. The answers

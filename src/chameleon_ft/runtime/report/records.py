@@ -109,12 +109,11 @@ class TransitionMeter:
         """A step committed; returns the events whose recovery it ends."""
         still = []
         for m in self.measuring:
-            if m.gen == record.gen and len(m.after) < MEDIAN_STEPS:
+            if m.gen == record.gen:
                 m.after.append(record.step_s)
+            if m.gen == record.gen and len(m.after) < MEDIAN_STEPS:
                 still.append(m)
-            elif m.gen == record.gen:
-                still.append(m)
-            else:
+            else:  # its generation ended, or the sample is full
                 _finish(m)
         self.measuring = still
         resumed = [e for e in self.waiting if record.committed_at_s > e.detected_at_s]

@@ -4,7 +4,8 @@ so a run that dies keeps them, and with ``tensorboard`` the same scalars as Tens
 event files; ``report.json`` and ``report.png`` at the end).
 
 Nothing here steers the run: the control plane decides from its own state. Memory stays
-bounded however long the run: one record per step, each recovery held only until its
+bounded however long the run: the newest ``MAX_RECORDS`` steps (every step is in
+``metrics.jsonl``, read back for the report), each recovery held only until its
 transition is measured, and at most ``MAX_RECORDS`` of each kind of event (the newest; the
 report counts those left out). A streamed file the disk refuses loses its lines with one
 warning; training goes on.
@@ -66,7 +67,10 @@ class RunReport:
         self.meter = TransitionMeter()
         """Measures each recovery's transition as steps commit."""
         self.steps: dict[int, StepRecord] = {}
-        """The last commit of each step (a restart's redone steps replace the first)."""
+        """The last commit of each of the newest steps (a restart's redone steps replace
+        the first); every step is in ``metrics.jsonl``."""
+        self.low = start_step
+        """This run's first step (lower after a restart to an older checkpoint)."""
         self.rejoins = Records()
         self.refused = Records()
         self.dropped = Records()
@@ -88,12 +92,27 @@ class RunReport:
         write_atomic(self.op_times_path, b"")
 
     def _earlier_metrics(self) -> str:
-        """The metrics lines of the steps before a resumed run's first."""
-        if not self.resumed or not self.metrics_path.exists():
+        """The metrics lines of the steps before this run's first (a resumed run's)."""
+        if not self.resumed:
             return ""
-        lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
-        return "".join(f"{ln}\n" for ln in lines
-                       if json.loads(ln).get("step", -1) < self.start_step)
+        return "".join(f"{json.dumps(doc)}\n" for doc in self._lines()
+                       if doc.get("step", -1) < self.low)
+
+    def _lines(self) -> list[dict[str, Any]]:
+        """The metrics file's lines (none when it cannot be read; a torn line skipped)."""
+        try:
+            text = self.metrics_path.read_text()
+        except OSError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                out.append(doc)
+        return out
 
     def failed(self, event: Event) -> None:
         """A failure was detected."""
@@ -122,7 +141,10 @@ class RunReport:
                   recovered: bool = False) -> None:
         """A step committed (``recovered``: the first since a failure): record it, append
         its metrics and timings, log it."""
+        self.steps.pop(record.step, None)
         self.steps[record.step] = record
+        if len(self.steps) > MAX_RECORDS:
+            del self.steps[next(iter(self.steps))]
         self._append(self.metrics_path, [self._metrics_line(record)])
         if self.board is not None:
             self.board.add(record, self._metrics(record))
@@ -156,15 +178,23 @@ class RunReport:
         tokens_per_s = self.tokens_per_step / r.step_s if r.step_s > 0 else None
         return {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                 "step_s": r.step_s, "tokens_per_s": tokens_per_s, "gen": r.gen,
-                "plan_workers": r.num_workers}
+                "plan_workers": r.num_workers, "at_s": r.committed_at_s}
 
     def _metrics_line(self, r: StepRecord) -> str:
         return json.dumps(self._metrics(r))
 
     def rewind(self, to_step: int) -> None:
-        """A restart threw the steps from ``to_step`` on away: they will be redone."""
+        """A restart threw the steps from ``to_step`` on away: they will be redone (their
+        lines leave ``metrics.jsonl`` too)."""
         for step in [s for s in self.steps if s >= to_step]:
             del self.steps[step]
+        self.low = min(self.low, to_step)
+        kept = "".join(f"{json.dumps(doc)}\n" for doc in self._lines()
+                       if doc.get("step", -1) < to_step)
+        try:
+            write_atomic(self.metrics_path, kept.encode())
+        except OSError as exc:
+            self.log(f"warning: {self.metrics_path.name} not rewound ({exc.strerror or exc})")
 
     def op_times(self) -> list[dict[str, Any]]:
         """Every committed step's per-op compute times, read back from the file."""
@@ -174,8 +204,22 @@ class RunReport:
                 if ln.strip()]
 
     def ordered_steps(self) -> list[StepRecord]:
-        """The committed steps in order."""
-        return [self.steps[k] for k in sorted(self.steps)]
+        """This run's committed steps in order (a redone step's last commit): read back
+        from ``metrics.jsonl``, the newest from memory."""
+        steps: dict[int, StepRecord] = {}
+        for doc in self._lines():
+            step = doc.get("step")
+            if not isinstance(step, int) or step < self.low:
+                continue
+            try:
+                steps[step] = StepRecord(step, float(doc["loss"]), float(doc["step_s"]),
+                                         int(doc["gen"]), float(doc.get("at_s", 0.0)),
+                                         int(doc.get("plan_workers", 0)), doc.get("grad_norm"),
+                                         doc.get("lr"))
+            except (KeyError, TypeError, ValueError):
+                continue  # a line of another version
+        steps.update(self.steps)
+        return [steps[k] for k in sorted(steps)]
 
     def write(self, report: dict[str, Any]) -> dict[str, Any]:
         """Measure the transitions, then write ``report.json``, the compacted metrics
