@@ -184,7 +184,7 @@ def test_retries_are_bounded_then_restart_then_stop() -> None:
             s = st.stopped(s, "errors persist")
     assert actions == [st.RetryAction.RETRY, st.RetryAction.RETRY, st.RetryAction.RESTART,
                        st.RetryAction.STOP]
-    assert s.phase is st.Phase.FAILED and s.reason == "errors persist"
+    assert s.mode is st.Mode.FAILED and s.reason == "errors persist"
 
 
 def test_a_commit_resets_the_retry_count() -> None:
@@ -246,12 +246,12 @@ def test_checkpoints_of_an_abandoned_timeline_are_refused() -> None:
 def test_drain_finish_and_stop() -> None:
     s = _training()
     d = st.draining(s, "SIGTERM")
-    assert d.phase is st.Phase.DRAINING and d.reason == "SIGTERM"
+    assert d.mode is st.Mode.DRAINING and d.reason == "SIGTERM"
     assert st.draining(d, "SIGINT") is d
     f = st.finished(d)
-    assert f.phase is st.Phase.FINISHED and f.gen == s.gen + 1
+    assert f.mode is st.Mode.FINISHED and f.gen == s.gen + 1
     failed = st.stopped(s, "no replica")
-    assert failed.phase is st.Phase.FAILED and failed.gen == s.gen + 1
+    assert failed.mode is st.Mode.FAILED and failed.gen == s.gen + 1
 
 
 def test_a_replacement_under_a_placed_id_holds_nothing() -> None:

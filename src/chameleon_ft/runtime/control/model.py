@@ -5,14 +5,15 @@ state (:class:`~chameleon_ft.runtime.control.state.RunState`), the members (proc
 holding worker ids), what failure detection remembers, the generations not yet retired and
 a few flags (a drain asked, a re-join question asked, a decision awaited).
 :mod:`~chameleon_ft.runtime.control.machine` moves it; the run's :class:`Mode` is derived
-from it, never stored.
+from it (:func:`mode`): the run's state says training, draining, finished or failed, and
+the control value's flags refine training into joining, relaunching, deciding and
+recovering.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from chameleon_ft.plan import ExecutionPlan
@@ -21,28 +22,7 @@ from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import slots as sl
 from chameleon_ft.runtime.control import state as st
-
-
-class Mode(StrEnum):
-    """Where the run is, derived from the control value (:func:`mode`)."""
-
-    JOINING = "joining"
-    """Workers are launched or admitted; nothing is published yet."""
-    TRAINING = "training"
-    """A generation runs steps."""
-    DECIDING = "deciding"
-    """A failure broke the generation; the policy is asked."""
-    RECOVERING = "recovering"
-    """A generation after a failure runs, and has not committed a step yet."""
-    RELAUNCHING = "relaunching"
-    """Every worker failed: they are relaunched, the checkpoint is reloaded when all are up."""
-    DRAINING = "draining"
-    """A stop was asked: the step in flight commits or is aborted, then the run ends."""
-    FINISHED = "finished"
-    """The run ended; the workers upload the final state and leave."""
-    FAILED = "failed"
-    """Training cannot go on; the workers were told to stop."""
-
+from chameleon_ft.runtime.control.state import Mode
 
 PUBLISHED = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
 """The modes in which a generation is published: its reports, heartbeats, readiness and
@@ -143,17 +123,15 @@ def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
 
 def mode(c: Control) -> Mode:
     """The mode of a control value."""
-    if c.run.phase is st.Phase.FAILED:
-        return Mode.FAILED
-    if c.run.phase is st.Phase.FINISHED:
-        return Mode.FINISHED
+    if c.run.mode in (Mode.FAILED, Mode.FINISHED):
+        return c.run.mode
     if c.joining_until_s is not None:
         return Mode.JOINING
     if c.relaunching_until_s is not None:
         return Mode.RELAUNCHING
     if c.ask is not None:
         return Mode.DECIDING
-    if c.run.phase is st.Phase.DRAINING:
+    if c.run.mode is Mode.DRAINING:
         return Mode.DRAINING
     return Mode.RECOVERING if c.recovering else Mode.TRAINING
 

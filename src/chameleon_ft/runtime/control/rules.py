@@ -67,7 +67,7 @@ def finish(c: Control, now_s: float, p: Settings) -> Out:
     """Every step committed, or a drain ended: the final generation tells the workers whose
     state is at the committed step to write it (unless a checkpoint of that step is
     complete or being written), then to leave once it is complete."""
-    interrupted = c.run.phase is st.Phase.DRAINING and not c.trace_ended
+    interrupted = c.run.mode is Mode.DRAINING and not c.trace_ended
     reason = c.run.reason
     holders = final_holders(c.run, p.num_layers)
     run = st.finished(c.run)
@@ -117,7 +117,7 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Settings) -> Ou
                    m.Log(f"idle worker(s) {list(workers)} died ({cause}); training goes on")]
     effects += [m.Abort(s.gen, s.next_step),
                 m.Failure(workers, cause, s.gen, s.next_step, now_s)]
-    if run.phase is st.Phase.DRAINING:
+    if run.mode is Mode.DRAINING:
         c, more = finish(c, now_s, p)
         return c, [*effects, m.Resolved("none", "stopping: the drain ends here"), *more]
     if not run.alive:
@@ -222,7 +222,7 @@ def _deadlines(c: Control, now: float, p: Settings) -> Out:
 def repairs(c: Control, p: Settings) -> Out:
     """Relaunch dead local workers (``[train] rejoin``) once training runs again; a failure
     trace brings them back with its repair rows instead."""
-    if not p.rejoin or p.replay or c.run.phase is not st.Phase.TRAINING:
+    if not p.rejoin or p.replay or c.run.mode is not Mode.TRAINING:
         return c, []
     ids = tuple(mb.to_relaunch(c.members, c.run.alive, p.num_local))
     if not ids:
@@ -316,7 +316,7 @@ def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
     if obs.gen != s.gen or obs.step != s.next_step or mode(c) not in RUNNING \
             or obs.count < len(s.plan.workers):
         return c, []  # not every vote yet; or a broken generation's, which was aborted
-    draining = s.phase is st.Phase.DRAINING
+    draining = s.mode is Mode.DRAINING
     end = s.switch_due or draining
     info = c.gens.get(s.gen)
     start = c.last_commit_s if c.last_commit_s is not None else (
@@ -405,7 +405,7 @@ def on_stop(c: Control, obs: m.StopAsked, p: Settings) -> Out:
     if k in (Mode.JOINING, Mode.RELAUNCHING):
         return fail(c, f"interrupted ({obs.signal}) while workers were "
                        f"{'joining' if k is Mode.JOINING else 'being relaunched'}")
-    if c.run.phase is not st.Phase.TRAINING:
+    if c.run.mode is not Mode.TRAINING:
         return c, []
     c = replace(c, run=st.draining(c.run, obs.signal), drain_since_s=obs.now_s)
     return c, [m.Log(f"{obs.signal} received: finishing the step in flight, then writing a "
@@ -415,7 +415,7 @@ def on_stop(c: Control, obs: m.StopAsked, p: Settings) -> Out:
 def on_trace_end(c: Control, obs: m.TraceEnd, p: Settings) -> Out:
     """A replayed trace ended: stop at the next step boundary, as a drain does (not
     reported as an interruption)."""
-    if c.run.phase is not st.Phase.TRAINING or mode(c) is Mode.JOINING:
+    if c.run.mode is not Mode.TRAINING or mode(c) is Mode.JOINING:
         return c, []
     c = replace(c, run=st.draining(c.run, "end of trace"), drain_since_s=obs.now_s,
                 trace_ended=True)
