@@ -188,6 +188,8 @@ class Coordinator:
         """Why the coordinator failed, when an exception ended the run."""
         self._feeding = False
         self._wanted: tuple[Control | None, Wanted] = (None, Wanted(None))
+        self._counts: dict[str, tuple[tuple[int, ...], int]] = {}
+        """The last readiness and vote counts fed."""
 
     # ------------------------------------------------------------------ for harnesses
     @property
@@ -506,14 +508,25 @@ class Coordinator:
             self.feed(m.Beats(now, self.cs.beats(dict(want.beats))))
         want = self.wanted()
         if want.gen is not None and want.ready:
-            self.feed(m.Ready(self.now(), want.gen, self.cs.ready(want.gen)))
+            count = self.cs.ready(want.gen)
+            if self._news("ready", (want.gen,), count):
+                self.feed(m.Ready(self.now(), want.gen, count))
             if self.ctl.ready_s is not None:
                 self._note_memory_reload(want.gen)
         want = self.wanted()
         if want.gen is not None and want.votes_step is not None:
-            self.feed(m.Reduced(self.now(), want.gen, want.votes_step,
-                                self.cs.reduced(want.gen, want.votes_step)))
+            count = self.cs.reduced(want.gen, want.votes_step)
+            if self._news("votes", (want.gen, want.votes_step), count):
+                self.feed(m.Reduced(self.now(), want.gen, want.votes_step, count))
         return beats_due
+
+    def _news(self, kind: str, of: tuple[int, ...], count: int) -> bool:
+        """Whether a counter changed since it was last fed (only news is fed: each poll
+        would otherwise step the control plane for nothing)."""
+        if self._counts.get(kind) == (of, count):
+            return False
+        self._counts[kind] = (of, count)
+        return True
 
     def _note_memory_reload(self, gen: int) -> None:
         """With checkpoints in memory: how many layers the recovery that made ``gen`` read
