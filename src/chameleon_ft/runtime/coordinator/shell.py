@@ -345,7 +345,12 @@ class Coordinator:
                 self._loop()
             except Exception as exc:  # whatever it was, the run ends through the failure path
                 self._crashed(exc)
-            return finish(self)
+            try:
+                return finish(self)
+            except (WorkerFailure, ValueError):
+                raise
+            except Exception as exc:  # the end itself failed: still one line
+                raise WorkerFailure(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._restore_signal_handlers(old_handlers)
             close = getattr(self.decide, "close", None)
