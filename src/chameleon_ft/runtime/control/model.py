@@ -22,7 +22,7 @@ from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import slots as sl
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.state import Mode
+from chameleon_ft.runtime.control.state import Mode as Mode  # derived here (mode())
 
 PUBLISHED = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
 """The modes in which a generation is published: its reports, heartbeats, readiness and
