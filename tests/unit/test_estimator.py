@@ -16,7 +16,7 @@ from chameleon_ft.perf import Topology, build_schedule, estimate
 from chameleon_ft.perf.closed_form import stage_memory, step_1f1b, step_rerouted
 from chameleon_ft.perf.coloring import rounds
 from chameleon_ft.perf.estimator import Estimator, sync_buckets, tie_members
-from chameleon_ft.perf.schedule import OpKind, stream_order
+from chameleon_ft.perf.orders import OpKind, stream_order
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import Profile, uniform_profile

@@ -4,7 +4,7 @@
 with one ruler (docs/design.md section 3):
 
 1. the compute phase: the dependency graph of every pipeline's forward and backward
-   operations, list-scheduled per worker (:mod:`chameleon_ft.perf.schedule`), with P2P
+   operations, list-scheduled per worker (:mod:`chameleon_ft.perf.timeline`), with P2P
    transfers by link type;
 2. gradient synchronisation: one ring all-reduce per *bucket* of layers held by the same
    set of workers (a layer's gradient is reduced over every live worker holding it);
@@ -33,15 +33,12 @@ from typing import Any, NamedTuple
 
 from chameleon_ft.perf.coloring import rounds
 from chameleon_ft.perf.gcpause import gc_paused
+from chameleon_ft.perf.graph import component_order, splits_backward
+from chameleon_ft.perf.list_scheduler import Timeline
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.perf.schedule import (
-    Bucket,
-    Op,
-    Timeline,
-    best_timeline,
-    component_order,
-    splits_backward,
-)
+from chameleon_ft.perf.orders import Op
+from chameleon_ft.perf.schedule import Bucket
+from chameleon_ft.perf.timeline import best_timeline
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile, chunk_sums
 

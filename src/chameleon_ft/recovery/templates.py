@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from chameleon_ft.perf.closed_form import in_flight
-from chameleon_ft.perf.schedule import peak_activation
+from chameleon_ft.perf.orders import peak_activation
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage, balanced_bounds, layer_costs
 from chameleon_ft.plan.partition import bounds_from_cuts
 from chameleon_ft.profile import Profile, chunk_sums
@@ -104,9 +104,9 @@ def order_fits(profile: Profile, layout: Layout, num_microbatches: int, schedule
                capacity_bytes: float, padded: bool | None = None,
                stage_bytes: Sequence[tuple[float, list[float]]] | None = None) -> bool:
     """Whether one pipeline of ``layout`` fits device memory under some order variant the
-    estimator tries (:func:`~chameleon_ft.perf.schedule.schedule_variants`): each stage's
+    estimator tries (:func:`~chameleon_ft.perf.graph.schedule_variants`): each stage's
     resident bytes plus the activation peak of its operation order
-    (:func:`~chameleon_ft.perf.schedule.peak_activation`). A lone pipeline's workers run
+    (:func:`~chameleon_ft.perf.orders.peak_activation`). A lone pipeline's workers run
     their orders as they are, so the peak does not depend on timing, and the estimator
     keeps a variant that fits whenever one does: the estimator's verdict. ``padded``
     asks about one interleaved variant only; ``stage_bytes`` (each stage's resident bytes
