@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from chameleon_ft.perf import Topology
-from chameleon_ft.perf.estimator import Estimator, _components
+from chameleon_ft.perf.components import _components
+from chameleon_ft.perf.estimator import Estimator
 from chameleon_ft.perf.graph import _stage_costs, build_graph
 from chameleon_ft.perf.kernel import COMPILED
 from chameleon_ft.perf.list_scheduler import _list_schedule

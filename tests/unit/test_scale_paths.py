@@ -21,7 +21,8 @@ import pytest
 
 from chameleon_ft.perf import Topology
 from chameleon_ft.perf.coloring import conflict_edges
-from chameleon_ft.perf.estimator import Estimate, Estimator, _bucket_conflicts, sync_buckets
+from chameleon_ft.perf.estimator import Estimate, Estimator
+from chameleon_ft.perf.sync import _bucket_conflicts, sync_buckets
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner

@@ -65,15 +65,8 @@ from chameleon_ft.perf.orders import (
     stream_order,
     zero_bubble_lags,
 )
+from chameleon_ft.perf.sync import Bucket
 from chameleon_ft.perf.timeline import DEFAULT_RULES, SECOND_RULE_MAX_OPS, best_timeline, simulate
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """Layers whose gradients are all-reduced together over the same set of workers."""
-
-    workers: tuple[int, ...]
-    layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
