@@ -105,7 +105,6 @@ OVERSIZED: dict[str, int] = {
     "failures/csvio.py:validate_trace": 61,
     "failures/csvio.py:trace_from_csv": 64,
     "perf/coloring.py:pair_rounds": 73,
-    "plan/plan.py": 967,
     "plan/reroute.py:reroute_plan": 79,
     "policy/planner.py": 1101,
     "policy/planner.py:Planner.precompute": 64,

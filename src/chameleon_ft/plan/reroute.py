@@ -11,7 +11,8 @@ import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from chameleon_ft.plan.plan import ExecutionPlan, Reroute, indices_by_object
+from chameleon_ft.plan.plan import ExecutionPlan, Reroute
+from chameleon_ft.plan.tables import indices_by_object
 
 
 def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int]]:

@@ -48,7 +48,8 @@ from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
 from chameleon_ft.plan import ExecutionPlan
-from chameleon_ft.plan.plan import placeholder_pipeline, sharing_stages
+from chameleon_ft.plan.pipeline import placeholder_pipeline
+from chameleon_ft.plan.plan import sharing_stages
 from chameleon_ft.recovery.restorer import (
     assign_workers,
     fatal_nodes,

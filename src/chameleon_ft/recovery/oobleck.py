@@ -41,7 +41,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline
-from chameleon_ft.plan.plan import pipeline_on
+from chameleon_ft.plan.pipeline import pipeline_on
 from chameleon_ft.recovery.restorer import schedule_migration
 from chameleon_ft.recovery.templates import Layout, Templates, allocate
 from chameleon_ft.recovery.transition import lost_step_s, migration_s, rebuild_terms
