@@ -332,6 +332,25 @@ class Templates:
         return [length for length in range(1, max_length + 1)
                 if math.isfinite(self.length_step_s(length, 1))]
 
+    def warm(self, num_workers: int, longest: int, num_microbatches: int,
+             workers_per_node: int) -> None:
+        """Time every feasible length up to ``longest`` at the micro-batch counts a
+        re-plan after losing one worker or one node of ``num_workers`` asks for (its share
+        of ``num_microbatches`` and the counts around it), so that a decision only prices
+        whole plans."""
+        total = num_microbatches
+        for length in self.feasible_lengths(longest):
+            for lost in sorted({1, workers_per_node}):
+                survivors = num_workers - lost
+                if survivors < length:
+                    continue
+                share = total * length / survivors
+                wanted = set(range(max(1, math.floor(share) - 1), math.ceil(share) + 3))
+                base = max(1, total // max(1, survivors // length))
+                wanted.update((base, base + 1))
+                for m in sorted(wanted):
+                    self.length_step_s(length, m)
+
 
 def proportional_start(layouts: Sequence[K], num_microbatches: int,
                        cost: Callable[[K, int], float]
