@@ -111,7 +111,6 @@ OVERSIZED: dict[str, int] = {
     "profile/analytic.py:analytic_profile": 78,
     "profile/profile.py:fold_profile": 66,
     "recovery/oobleck.py:reconfigure": 76,
-    "recovery/templates.py": 775,
     "sim/engine.py:simulate": 74,
     "sim/forked.py:run_forked": 65,
     "sim/runner.py:_run_units": 62,

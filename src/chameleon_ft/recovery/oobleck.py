@@ -42,8 +42,9 @@ from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline
 from chameleon_ft.plan.pipeline import pipeline_on
+from chameleon_ft.recovery.allocation import allocate
 from chameleon_ft.recovery.restorer import schedule_migration
-from chameleon_ft.recovery.templates import Layout, Templates, allocate
+from chameleon_ft.recovery.templates import Layout, Templates
 from chameleon_ft.recovery.transition import lost_step_s, migration_s, rebuild_terms
 from chameleon_ft.recovery.types import (
     Candidate,
