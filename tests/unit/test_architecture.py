@@ -106,8 +106,6 @@ OVERSIZED: dict[str, int] = {
     "failures/csvio.py:trace_from_csv": 64,
     "perf/coloring.py:pair_rounds": 73,
     "plan/reroute.py:reroute_plan": 79,
-    "policy/symmetry.py": 607,
-    "policy/symmetry.py:interchangeable_form": 69,
     "profile/analytic.py:analytic_profile": 78,
     "profile/profile.py:fold_profile": 66,
     "recovery/oobleck.py:reconfigure": 76,

@@ -351,7 +351,7 @@ class Estimator:
 
     def remember(self, plan: ExecutionPlan, estimate: Estimate) -> None:
         """Keep ``estimate`` as ``plan``'s at unit speed, unless one is kept already: one
-        carried over from the same plan in other worker names (``policy/symmetry.py``)."""
+        carried over from the same plan in other worker names (``policy/renaming.py``)."""
         key = (plan, ())
         if key not in self._plans:
             self._keep(key, estimate)

@@ -48,12 +48,8 @@ from chameleon_ft.policy.candidates import (
 )
 from chameleon_ft.policy.choice import Chooser, Decision, pick, rejoin_policy
 from chameleon_ft.policy.inputs import DecisionInputs, check_horizon, check_policy
-from chameleon_ft.policy.symmetry import (
-    canonical_renaming,
-    carried_estimate,
-    interchangeable_form,
-    rename_candidate,
-)
+from chameleon_ft.policy.renaming import carried_estimate, rename_candidate
+from chameleon_ft.policy.symmetry import canonical_renaming, interchangeable_form
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic
 from chameleon_ft.recovery.restorer import load_matching
