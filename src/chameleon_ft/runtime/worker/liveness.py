@@ -2,20 +2,14 @@
 and the watcher that tears a generation down the moment the coordinator aborts it.
 
 The heartbeat beats only while the worker's device completes its work: once work given
-to the device has been pending for the hang deadline (a hung kernel; on the CPU, where
-the training thread computes itself, compute that has run that long), the heartbeat
+to the device has been pending for the hang deadline, or for the generation's collective
+deadline where that is longer (a step may legitimately take longer than the hang
+deadline, and the collective deadline follows the plan's estimated step), the heartbeat
 thread reports the worker failed and ends the process, as the coordinator ends a process
 whose heartbeat went silent (nothing in the process can interrupt a hung kernel). On a GPU
 the pending work is the device's own: the worker waits for every receive before it
-enqueues the compute that needs it, so a slow peer never holds a marked kernel back.
-
-No worker outlives its coordinator: one that died leaves nothing listening on its port
-(a connection is refused: exit at once); one that is stopped (SIGSTOP, a debugger, a host
-stuck in swap) or cut off stops answering, and a store request to it may then block for
-ever (``TCPStore.add`` has no deadline). So the watchdog is its own thread that never
-touches the store: it reads the time of the last beat the coordinator took and exits the
-process once that is older than the hang deadline, whatever the other threads are blocked
-in.
+enqueues the compute that needs it, so a slow peer never holds a marked kernel back. On
+the CPU, where the training thread computes itself, the compute in progress is watched.
 """
 
 from __future__ import annotations
@@ -106,6 +100,13 @@ class Liveness:
             # on the worker's device: a CUDA call here must not open a context on GPU 0
             thread(target, self.device, name).start()
 
+    def stall_limit_s(self) -> float:
+        """How long device work may stay pending: the hang deadline, or the running
+        generation's collective deadline where that is longer (it is at least ten of the
+        plan's estimated steps: one action's compute is never that long)."""
+        gen = self.current()
+        return max(self.hang_s, gen.abort_s if gen is not None else 0.0)
+
     def _stalled(self, store: dist.TCPStore) -> None:
         """The device stopped completing its work: report a fatal error (the coordinator
         sees the death at once, also for a remote worker) and leave."""
@@ -130,7 +131,7 @@ class Liveness:
             exit_now(EXIT_COORDINATOR_GONE, self.gone)
         key = proto.heartbeat_key(self.worker, self.incarnation)
         while True:
-            if self.watch.pending_s() > self.hang_s:
+            if self.watch.pending_s() > self.stall_limit_s():
                 self._stalled(store)
             try:
                 store.add(key, 1)  # the answer is not used: a late one read later is harmless
