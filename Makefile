@@ -9,9 +9,10 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py src/chameleon_ft/perf/_listsched.c
+# The tested versions (constraints.txt) within the ranges pyproject.toml declares.
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt src/chameleon_ft/perf/_listsched.c
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[runtime,dev,hf,tensorboard]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[runtime,dev,hf,tensorboard]'
 	touch $(STAMP)
 
 # The main job: train a tiny GPT on 4 worker processes (dp 2 x pp 2), kill one of them

@@ -71,11 +71,15 @@ def _toml(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+NCCL_SEMANTICS = False
+"""``--nccl-semantics``: every worker group completes operations as NCCL's do."""
+
+
 def run_reference(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     from chameleon_ft.runtime.coordinator.shell import Coordinator
     from chameleon_ft.spec.config import config_from_mapping
 
-    coord = Coordinator(config_from_mapping(doc), out_dir=out)
+    coord = Coordinator(config_from_mapping(doc), out_dir=out, nccl_semantics=NCCL_SEMANTICS)
     report = coord.run()
     assert not report["events"], "the failure-free reference had failures"
     return coord.params
@@ -106,7 +110,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
     started = time.monotonic()
     try:
         coord = Coordinator(config_from_mapping(doc), out_dir=out, hooks=hooks,
-                            policy=policy, log=log)
+                            policy=policy, log=log, nccl_semantics=NCCL_SEMANTICS)
     except ValueError as exc:  # e.g. the host's memory is taken by other work right now
         if sink is not None:
             sink.close()
@@ -220,9 +224,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="steps per run (default 12 per fault + 40)")
     parser.add_argument("--no-resume", action="store_true",
                         help="skip the coordinator-kill + --resume run")
+    parser.add_argument("--nccl-semantics", action="store_true",
+                        help="the workers' gloo groups complete operations as NCCL's do "
+                             "(wait returns at once, a dead peer's transfers hang until "
+                             "an abort): the NCCL completion path on CPU")
     parser.add_argument("--json", metavar="FILE", help="write every run's figures here")
     parser.add_argument("--log", metavar="FILE", help="append every run's coordinator log here")
     args = parser.parse_args()
+    global NCCL_SEMANTICS
+    NCCL_SEMANTICS = args.nccl_semantics
 
     from chameleon_ft.runtime.chaos import summarize
 

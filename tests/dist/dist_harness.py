@@ -1,6 +1,7 @@
 """Fast multi-process harness: the coordinator runs in the test process and forks its
 workers from a forkserver that already imported torch; every wait is bounded and every
-worker is reaped by pid."""
+worker is reaped by pid. Every directive a run publishes is checked on the model of
+NCCL (``runtime.nccl_model``): its warm-up, migration and step."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from typing import Any
 
 import torch
 
+from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.chaos import alive
-from chameleon_ft.runtime.coordinator.shell import Coordinator
+from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks
+from chameleon_ft.runtime.nccl_model import check_directive
 from chameleon_ft.spec.config import config_from_mapping
 from chameleon_ft.spec.train import parse_fault
 
@@ -35,16 +38,41 @@ TINY: dict[str, Any] = {
 
 def tiny_config(model_override: dict[str, Any] | None = None,
                 cluster: dict[str, Any] | None = None,
-                recovery: dict[str, Any] | None = None, **train: Any) -> Any:
+                recovery: dict[str, Any] | None = None,
+                job: dict[str, Any] | None = None, **train: Any) -> Any:
     """The tiny job with ``[train]`` overrides (optionally another ``[model]``, and
-    ``[cluster]`` and ``[recovery]`` overrides such as ``spare_nodes``)."""
+    ``[cluster]``, ``[recovery]`` and ``[job]`` overrides such as ``spare_nodes``)."""
     doc = copy.deepcopy(TINY)
     doc["train"].update(train)
     doc["cluster"].update(cluster or {})
     doc["recovery"].update(recovery or {})
+    doc["job"].update(job or {})
     if model_override is not None:
         doc["model"] = dict(model_override)
     return config_from_mapping(doc)
+
+
+class CheckedTraffic(Hooks):
+    """The test's hooks, with every published directive's point-to-point traffic checked
+    (findings are kept and fail the run once it ended: the coordinator's loop goes on)."""
+
+    def __init__(self, inner: Hooks | None) -> None:
+        self.inner = inner or Hooks()
+        self.findings: list[str] = []
+        self.checked = 0
+
+    def before_publish(self, coord: Coordinator, directive: dict[str, Any]) -> None:
+        self.inner.before_publish(coord, directive)
+        boundaries = proto.JobInfo.from_json(coord.cs.store.get(proto.JOB_KEY)).boundaries
+        self.findings += [f"generation {directive['gen']}: {f}"
+                          for f in check_directive(directive, boundaries)]
+        self.checked += 1
+
+    def on_commit(self, coord: Coordinator, step: int) -> None:
+        self.inner.on_commit(coord, step)
+
+    def on_failure(self, coord: Coordinator, event: Any) -> None:
+        self.inner.on_failure(coord, event)
 
 
 def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[str, ...] = (),
@@ -53,6 +81,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
             model_override: dict[str, Any] | None = None,
             cluster: dict[str, Any] | None = None,
             recovery: dict[str, Any] | None = None,
+            job: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -67,9 +96,10 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
         cluster: ``[cluster]`` overrides (``spare_nodes``).
         recovery: ``[recovery]`` overrides (``memory_checkpoint``).
+        job: ``[job]`` overrides (``pp``, ``dp``).
         train: ``[train]`` overrides.
     """
-    config = tiny_config(model_override, cluster, recovery, **train)
+    config = tiny_config(model_override, cluster, recovery, job, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 
@@ -78,8 +108,10 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         if on_log is not None:
             on_log(holder["c"], message)
 
+    extra = dict(coordinator or {})
+    hooks = CheckedTraffic(extra.pop("hooks", None))
     coord = Coordinator(config, policy=policy, faults=[parse_fault(f) for f in faults],
-                        out_dir=out_dir, log=log, **(coordinator or {}))
+                        out_dir=out_dir, log=log, hooks=hooks, **extra)
     holder["c"] = coord
     try:
         report = coord.run()
@@ -93,6 +125,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     report["log"] = lines
+    assert hooks.checked and not hooks.findings, hooks.findings
     return report, coord.params, pids
 
 

@@ -4,6 +4,7 @@ with the same weights as plain single-process training (float64, < 1e-9)."""
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,35 @@ def test_python_model_and_data_through_the_api(tmp_path: Path) -> None:
     assert [e["workers"] for e in report["events"]] == [[0]]
     reference = train_reference(config, **objects)
     assert _max_diff(dict(torch.load(tmp_path / "run" / "params.pt")), reference.params) < 1e-9
+
+
+def test_a_torch_lr_scheduler_through_a_kill_as_plain_pytorch(tmp_path: Path) -> None:
+    # a torch.optim.lr_scheduler factory where a schedule goes: the runtime's layers get
+    # the rates that the scheduler gives a single-process loop's optimizer, whose own
+    # training (train_reference: the scheduler stepping its one optimizer) is the oracle
+    doc = {**LAYOUT,
+           "profile": {"kind": "uniform", "num_layers": 4, "fwd_s": 1e-4, "bwd_input_s": 1e-4,
+                       "bwd_weight_s": 1e-4, "param_bytes": 2000, "optimizer_bytes": 2000,
+                       "activation_bytes": 500, "output_bytes": 500},
+           "train": dict(TRAIN)}
+    config = config_from_mapping(doc)
+    objects = {"model": TinyMLP(), "data": TinyRegression(8),
+               "optimizer": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+               "lr_schedule": functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR,
+                                                T_max=4, eta_min=0.005)}
+    report = _train(config, tmp_path / "run", ("rank=3,step=3,kind=kill,phase=backward",),
+                    policy="dynamic", **objects)
+    assert [e["workers"] for e in report["events"]] == [[3]]
+    reference = train_reference(config, **objects)
+    assert _max_diff(dict(torch.load(tmp_path / "run" / "params.pt")), reference.params) < 1e-9
+    # the rates the workers applied are the scheduler's, step by step
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    applied = [json.loads(line)["lr"] for line in lines]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    scheduler = objects["lr_schedule"](optimizer)
+    expected = []
+    for _ in range(TRAIN["steps"]):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert applied == pytest.approx(expected, abs=1e-15)

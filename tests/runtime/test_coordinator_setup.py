@@ -154,3 +154,31 @@ def test_checkpoints_complete_from_reports_fail_on_refusal_or_deadline(tmp_path:
         assert (step, gen) == (12, 1) and "deadline" in why
     finally:
         bulk.close()
+
+
+def test_a_stop_while_every_worker_is_remote_and_none_joined_fails_cleanly(
+        tmp_path: Path) -> None:
+    # The coordinator alone on its host (all 4 workers remote), stopped (SIGTERM, as a
+    # scheduler's preemption sends it) before any worker joined: the plan's ids have no
+    # member yet, and the shell must not look for their heartbeats.
+    import threading
+    import time
+
+    from chameleon_ft.runtime.coordinator.shell import WorkerFailure
+
+    log: list[str] = []
+    coord = Coordinator(config_from_mapping(DOC), out_dir=tmp_path, num_local_workers=0,
+                        token="a-test-token-of-enough-length", log=log.append)
+
+    def stop_once_joining() -> None:
+        deadline = time.monotonic() + 60
+        while not any("listening on" in line for line in log) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        coord.signals.append("SIGTERM")
+
+    stopper = threading.Thread(target=stop_once_joining, daemon=True)
+    stopper.start()
+    with pytest.raises(WorkerFailure, match="interrupted \\(SIGTERM\\) while workers were joining"):
+        coord.run()
+    stopper.join(5)
+    assert "0 local workers, 4 to join" in "\n".join(log)

@@ -55,3 +55,32 @@ def test_a_child_past_its_limit_is_killed(tmp_path: Path) -> None:
         run_in_child(_hang_and_say, (pid_file,), limit_s=2, name="t-hang")
     assert time.monotonic() - started < 30  # the limit, and the reaping after it
     assert _gone(int(Path(pid_file).read_text()))
+
+
+def _sigterm_blocked(pid: int) -> bool:
+    """Whether SIGTERM is in ``pid``'s blocked mask (Linux ``/proc``)."""
+    import signal
+
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    raise AssertionError("no SigBlk line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_the_forkserver_outlives_a_schedulers_sigterm_and_this_process_still_gets_it() -> None:
+    # Slurm and `kill -TERM -PGID` signal every process of a job: the server whose pipes
+    # report the children's statuses must not die in the middle of the drain
+    import multiprocessing.forkserver
+    import signal
+
+    from chameleon_ft.runtime.coordinator.launcher import forkserver_context
+
+    forkserver_context()
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert server is not None and _sigterm_blocked(server)
+    assert not _sigterm_blocked(os.getpid())  # blocked only while the server was spawned
+    os.kill(server, signal.SIGTERM)
+    time.sleep(0.2)
+    assert os.waitpid(server, os.WNOHANG) == (0, 0)  # still running
+    assert run_in_child(sorted, ([2, 1],), limit_s=60, name="t-after-term") == [1, 2]

@@ -182,3 +182,22 @@ def test_the_control_plane_is_pure() -> None:
                or mod.startswith(("chameleon_ft.runtime.coordinator",
                                   "chameleon_ft.runtime.worker"))}
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+
+
+def test_the_point_to_point_description_and_its_checker_are_pure() -> None:
+    """runtime/traffic.py and runtime/nccl_model.py import only the plan (and the
+    standard library): the checker runs without torch, and the executor, the migration
+    and the warm-up take their order from the same functions."""
+    for name in ("traffic.py", "nccl_model.py"):
+        mods = _modules(PACKAGE / "runtime" / name)
+        ours = {m for m in mods if m.startswith("chameleon_ft")}
+        assert ours <= {"chameleon_ft.plan.plan", "chameleon_ft.runtime.traffic"}, (name, ours)
+        assert not {m.split(".")[0] for m in mods} & {"torch", "numpy"}, (name, mods)
+    for name, functions in (("worker/executor.py", {"Do", "Instruction"}),
+                            ("worker/migration.py", {"migration_program"}),
+                            ("worker/groups.py", {"warm_up_program"}),
+                            ("worker/main.py", {"step_program"})):
+        tree = ast.parse((PACKAGE / "runtime" / name).read_text(encoding="utf-8"))
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module == "chameleon_ft.runtime.traffic" for alias in node.names}
+        assert functions <= imported, (name, imported)

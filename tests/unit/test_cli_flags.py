@@ -14,14 +14,19 @@ FLAGS = {
                  "--no-repair", "--node-mtbf-hours", "--spare-nodes",
                  "--out", "--policies", "--repair-hours", "--save-trace", "--scenario", "--seed",
                  "--seeds", "--trace"},
-    "train": {"--config", "--dtype", "--fault", "--host", "--job-name", "--json",
+    "train": {"--config", "--drain-timeout", "--dtype", "--fault", "--host", "--job-name",
+              "--json",
               "--log-every", "--out",
               "--policy", "--port", "--rejoin", "--remote-workers", "--resume", "--steps",
               "--tensorboard", "--token", "--trace", "--workers"},
     "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
-               "--job", "--num-workers", "--token"},
+               "--drain-timeout", "--job", "--num-workers", "--token"},
     "prepare-data": {"--input", "--out", "--tokenizer"},
 }
+
+
+COMMON = {"--log-level"}
+"""Flags every command takes (``chameleon_ft.cli.add_log_level``)."""
 
 
 def test_commands_and_flags_are_pinned() -> None:
@@ -30,7 +35,7 @@ def test_commands_and_flags_are_pinned() -> None:
     assert set(sub.choices) == set(COMMANDS) == set(FLAGS)
     for name, command in sub.choices.items():
         flags = {o for a in command._actions for o in a.option_strings} - {"-h", "--help"}
-        assert flags == FLAGS[name], name
+        assert flags == FLAGS[name] | COMMON, name
 
 
 def test_required_flags() -> None:

@@ -7,6 +7,12 @@ pays for importing torch.
 
 Bad input raises ``ValueError`` anywhere below; it is printed as one line on stderr and the
 command exits with status 2. No traceback reaches the user.
+
+Every command takes ``--log-level`` (``debug``, ``info``, ``warning``, ``error``): the
+package's ``logging`` records are shown on stderr at that level (``chameleon train`` and
+``chameleon worker`` choose their own streams: the lines they have always printed, where
+they printed them). Handlers are configured here and nowhere in the library
+(``chameleon_ft.logs``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from chameleon_ft import logs
 
 COMMANDS: dict[str, str] = {
     "estimate": "Estimate step time, throughput and memory of a job, failure-free or rerouted.",
@@ -43,7 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
         module = _command_module(name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
+        add_log_level(p)
     return parser
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """``--log-level``, common to every command."""
+    parser.add_argument("--log-level", choices=tuple(logs.LEVELS), default=logs.DEFAULT_LEVEL,
+                        help="the least severe messages shown: debug adds each worker's and "
+                             "the coordinator's inner steps, with time, level and worker; "
+                             f"warning and error show fewer (default {logs.DEFAULT_LEVEL})")
 
 
 def _command_module(name: str) -> Any:
@@ -68,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = _command_module(command)
         p = sub.add_parser(command, help=COMMANDS[command], description=COMMANDS[command])
         module.add_arguments(p)
+        add_log_level(p)
     else:
         parser = build_parser()
         module = None
@@ -75,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if module is None:
         parser.print_help()
         return EXIT_USAGE if args_list and args_list[0] not in ("-h", "--help") else 0
+    logs.configure(args.log_level, sys.stderr)
     try:
         return int(module.run(args))
     except ValueError as exc:

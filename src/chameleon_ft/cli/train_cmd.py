@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from chameleon_ft import logs
 from chameleon_ft.runtime import auth
 from chameleon_ft.spec.train import TRAIN_DTYPES, parse_fault
 
@@ -28,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
     parser.add_argument("--steps", type=int, metavar="N", help="steps to train ([train] steps)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                        help="inject a fault: rank=R,step=S,kind=kill|hang|error|glitch|"
-                             "disk-full|disk-error|read-only[,phase=forward|backward|"
+                        help="inject a fault: rank=R,step=S,kind=kill|hang|stall|error|glitch|"
+                             "disk-full|disk-error|read-only[,phase=forward|backward|reduce|"
                              "optimizer|recovery|migration|checkpoint]; fires once, the first "
                              "time worker R reaches the phase at a step >= S (disk faults fail "
                              "its checkpoint write); repeatable")
@@ -78,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job token remote workers must know (default: "
                              f"${auth.TOKEN_ENV}; generated and printed when workers may "
                              "join from other hosts)")
+    parser.add_argument("--drain-timeout", type=float, metavar="S",
+                        help="the scheduler's grace between SIGTERM and SIGKILL: a drain lets "
+                             "the step in flight finish while that leaves time to write the "
+                             "final checkpoint ([train] drain_timeout_s, default 30; with "
+                             "Slurm's --signal=B:TERM@S give S)")
     parser.add_argument("--job-name", metavar="NAME",
                         help="the job's name, which workers may check with `--job` "
                              "(default: [model] name)")
@@ -95,6 +101,8 @@ def _config(args: argparse.Namespace) -> Any:
         overrides["dtype"] = args.dtype
     if args.rejoin:
         overrides["rejoin"] = True
+    if args.drain_timeout is not None:
+        overrides["drain_timeout_s"] = args.drain_timeout
     if overrides:
         try:
             train = replace(train, **overrides)
@@ -148,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{config.num_workers} workers{spares}, but {local} local + "
                          f"{args.remote_workers} remote were requested")
     out = sys.stderr if args.json else sys.stdout
+    # the coordinator's lines are records of its logger: shown on `out`, as always
+    logs.configure(args.log_level, out)
 
-    def log(message: str) -> None:
+    def log(message: str) -> None:  # this command's own closing lines
         print(message, file=out, flush=True)
 
     trace = None
@@ -163,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from chameleon_ft.runtime.coordinator.shell import Coordinator, WorkerFailure
 
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,
-                        num_local_workers=local, host=args.host, port=args.port, log=log,
+                        num_local_workers=local, host=args.host, port=args.port,
                         token=token, job_name=args.job_name, resume=args.resume,
                         log_every=args.log_every, trace=trace, tensorboard=args.tensorboard)
     try:

@@ -10,7 +10,8 @@ read the traffic or speak the store's protocol can still disturb the job.
 
 Handshake through the store::
 
-    worker: i = add(join/slots, 1) - 1; join/req/{i} = {wnonce, proof, job, host, address}
+    worker: i = add(join/slots, 1) - 1;
+            join/req/{i} = {wnonce, proof, job, host, address, local_index}
     coordinator: join/reply/{wnonce} = {ok, worker, incarnation} or {ok: false, reason}
 
 ``proof = HMAC-SHA256(token, "join|{job_id}|{nonce}|{wnonce}")``.
@@ -29,6 +30,8 @@ import secrets
 import socket
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from chameleon_ft.runtime.placement import MAX_LOCAL_INDEX
 
 TOKEN_ENV = "CHAMELEON_TOKEN"
 """Environment variable holding the job token (both sides)."""
@@ -95,6 +98,9 @@ class JoinRequest:
     host: str
     address: str
     """Where other workers reach it."""
+    local_index: int | None = None
+    """Its node-local index from its launcher (``LOCAL_RANK``, ``SLURM_LOCALID``), or
+    None: the coordinator picks one (``runtime.placement``)."""
 
     def to_json(self) -> str:
         """Serialise."""
@@ -116,7 +122,11 @@ class JoinRequest:
             raise ValueError("malformed join request")
         if not fields["wnonce"]:
             raise ValueError("malformed join request")
-        return cls(**fields)
+        index = doc.get("local_index")
+        if index is not None and (type(index) is not int
+                                  or not 0 <= index < MAX_LOCAL_INDEX):
+            raise ValueError("malformed join request")
+        return cls(**fields, local_index=index)
 
 
 @dataclass(frozen=True)
@@ -130,7 +140,7 @@ class JoinReply:
     replacement: bool = False
     """Admitted in place of a dead worker (it waits idle until a plan uses it)."""
     local_index: int = 0
-    """The worker's index among this job's workers on its host (its GPU)."""
+    """The worker's node-local index among this job's workers on its host (its GPU)."""
 
     def to_json(self) -> str:
         """Serialise."""

@@ -107,6 +107,12 @@ def world_prefix(gen: int) -> str:
     return f"gen{gen}/world/"
 
 
+def reverse_world_prefix(gen: int) -> str:
+    """The store prefix of generation ``gen``'s second world group (point-to-point
+    messages to a lower worker id; the first carries those to a higher one)."""
+    return f"gen{gen}/world-down/"
+
+
 def bucket_prefix(gen: int, members: tuple[int, ...] | list[int]) -> str:
     """The store prefix of generation ``gen``'s all-reduce group over ``members``."""
     return f"gen{gen}/bucket/{'_'.join(map(str, members))}/"
@@ -242,6 +248,9 @@ class JobInfo:
     also copied into a worker's memory on another node."""
     workers_per_node: int = 1
     """Workers per node (``worker // workers_per_node`` is a worker's node)."""
+    nccl_semantics: bool = False
+    """Run gloo groups behind NCCL's completion semantics (``worker.nccl_like``): how the
+    tests exercise the NCCL path on CPU."""
 
     def to_json(self) -> str:
         """Serialise."""

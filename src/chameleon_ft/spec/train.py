@@ -1,6 +1,6 @@
 """Runtime training settings (section ``[train]``): used by ``chameleon train`` only.
 
-Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|error|glitch|disk-full|
+Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|stall|error|glitch|disk-full|
 disk-error|read-only[,phase=...]``,
 parsed here (pure Python) so that the CLI, the config file and the tests share one format.
 """
@@ -32,6 +32,10 @@ class FaultKind(StrEnum):
     """SIGKILL: the process disappears, its sockets close."""
     HANG = "hang"
     """SIGSTOP: the process stops answering but keeps its sockets open."""
+    STALL = "stall"
+    """The worker's device stops completing the work it was given (a hung kernel; on the
+    CPU, compute that never returns): the process runs on and its threads answer, but the
+    heartbeat thread sees the work pending and ends the worker at the hang deadline."""
     ERROR = "error"
     """An exception raised inside the worker's training code (the worker exits)."""
     GLITCH = "glitch"
@@ -57,6 +61,9 @@ class FaultPhase(StrEnum):
     """After the worker's first forward operation of the step."""
     BACKWARD = "backward"
     """After the worker's first backward operation of the step."""
+    REDUCE = "reduce"
+    """When the worker reaches the step's gradient reductions, after its last backward
+    (its peers may already wait in the all-reduce)."""
     OPTIMIZER = "optimizer"
     """After the step was committed, before the worker applies it."""
     RECOVERY = "recovery"
@@ -69,6 +76,11 @@ class FaultPhase(StrEnum):
     """When the worker starts writing its layers of a checkpoint after a step numbered
     ``step`` or later (a disk fault fails that write; a kill or hang takes the worker out
     while it writes)."""
+
+
+COMPUTE_PHASES = (FaultPhase.FORWARD.value, FaultPhase.BACKWARD.value,
+                  FaultPhase.OPTIMIZER.value)
+"""The phases in which a worker's device computes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +98,11 @@ class Fault:
     step: int
     """0-based step from which on the fault is armed."""
     kind: str = FaultKind.KILL.value
-    """``kill``, ``hang``, ``error``, ``glitch``, or a disk fault (``disk-full``,
+    """``kill``, ``hang``, ``stall``, ``error``, ``glitch``, or a disk fault (``disk-full``,
     ``disk-error``, ``read-only``)."""
     phase: str = FaultPhase.FORWARD.value
-    """``forward``, ``backward``, ``optimizer``, ``recovery``, ``migration`` or
-    ``checkpoint``."""
+    """``forward``, ``backward``, ``reduce``, ``optimizer``, ``recovery``, ``migration``
+    or ``checkpoint``."""
 
     def __post_init__(self) -> None:
         check_int("rank", self.rank, minimum=0)
@@ -101,6 +113,9 @@ class Fault:
                                                              FaultPhase.CHECKPOINT):
             fail("phase", f"a glitch is a communication failure; the {self.phase} phase "
                  "communicates nothing (use forward, backward, recovery or migration)")
+        if self.kind == FaultKind.STALL and self.phase not in COMPUTE_PHASES:
+            fail("phase", f"a stall hangs the device's compute; the {self.phase} phase "
+                 "computes nothing (use forward, backward or optimizer)")
         if self.kind in DISK_FAULTS and self.phase != FaultPhase.CHECKPOINT:
             fail("phase", f"a {self.kind} fault happens while writing a checkpoint; use "
                  "phase=checkpoint")
@@ -111,7 +126,7 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """Parse ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``.
+    """Parse ``rank=R,step=S,kind=kill|hang|stall|error|glitch[,phase=...]``.
 
     Raises:
         ValueError: naming ``fault`` and the offending part.
@@ -181,9 +196,10 @@ class TrainSpec:
     through host memory, so several workers may share one GPU), ``nccl`` (one GPU per
     worker), or ``auto`` (NCCL when the workers compute on CUDA, else gloo)."""
     device: str = "auto"
-    """Where workers compute: ``cpu``, ``cuda`` (worker ``k`` of a host on that host's GPU
-    ``k mod GPUs``, assigned per host, never from the worker's global id), or ``auto``
-    (CUDA when this host has a GPU)."""
+    """Where workers compute: ``cpu``, ``cuda`` (each worker on the GPU of its node-local
+    index, ``LOCAL_RANK``/``SLURM_LOCALID`` or its order of admission on its host, within
+    ``CUDA_VISIBLE_DEVICES``: ``runtime.placement``; never from its global id), or
+    ``auto`` (CUDA when this host has a GPU)."""
     storage_gb_per_s: float = 0.1
     """Write (and read) bandwidth of the checkpoint folder per worker, GB/s: checkpoint and
     final-state deadlines are the hang deadline plus the bytes over this, at least 10 s.
@@ -229,7 +245,7 @@ class TrainSpec:
     launched itself, once training runs again, and let the policy decide whether to fold
     it back in (the plan changes at a step boundary, state migrates to it)."""
     faults: tuple[str, ...] = ()
-    """Injected faults, each ``rank=R,step=S,kind=kill|hang|error|glitch[,phase=...]``."""
+    """Injected faults, each ``rank=R,step=S,kind=kill|hang|stall|error|glitch[,phase=...]``."""
     activation_checkpointing: str = ActivationCheckpointing.NONE.value
     """``none``, or ``full``: each layer keeps only its input and recomputes its forward in
     its backward (the same parameters, less activation memory). One switch with

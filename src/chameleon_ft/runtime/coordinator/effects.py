@@ -22,6 +22,7 @@ from chameleon_ft.runtime.coordinator.launcher import ChildError, run_in_child
 from chameleon_ft.runtime.report.records import Event, StepRecord, step_metrics
 from chameleon_ft.runtime.step_sync import extra_groups, step_reductions
 from chameleon_ft.runtime.storage.checkpoint import CheckpointError, writer_of
+from chameleon_ft.runtime.traffic import directive_ops
 from chameleon_ft.runtime.workload.bundle import Workload, seal_workload
 from chameleon_ft.runtime.workload.models import (
     probe_outputs,
@@ -57,7 +58,7 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
         checkpoint_dir=str(job.ckpt.root), device=coord.device,
         storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s,
         memory_copies=coord.config.recovery.memory_checkpoint,
-        workers_per_node=coord.config.workers_per_node)
+        workers_per_node=coord.config.workers_per_node, nccl_semantics=coord.nccl_semantics)
 
 
 PROBE_S = 600.0
@@ -139,8 +140,7 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> None:
     s = coord.state
     info = coord.ctl.gens[e.gen]
     sched = build_schedule(s.plan, coord.job.profile, Topology.from_config(coord.config))
-    ops = {str(w): [[str(op.kind), op.pipeline, op.stage, op.microbatch] for op in seq]
-           for w, seq in sched.ops.items()}
+    ops = directive_ops(sched.ops)
     rounds = [[[list(b.workers), list(b.layers)] for b in rnd] for rnd in sched.sync_rounds]
     migration = None
     if s.migration is not None and s.migration.transfers:
@@ -159,7 +159,8 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> None:
         **step_reductions(s.plan, tied_parameters(coord.job.model),
                           coord.config.optimizer.clip_grad_norm)}
     coord.hooks.before_publish(coord, directive)
-    groups = [(proto.world_prefix(s.gen), len(world))]
+    groups = [(proto.world_prefix(s.gen), len(world)),
+              (proto.reverse_world_prefix(s.gen), len(world))]
     groups += [(proto.bucket_prefix(s.gen, b), len(b))
                for b in sorted({tuple(b[0]) for rnd in rounds for b in rnd if len(b[0]) > 1}
                                | set(extra_groups(directive)))]
@@ -210,7 +211,8 @@ def _do_reply(coord: Coordinator, e: m.Reply) -> None:
                                      "at_s": coord.now()})
         coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
         return
-    incarnation, index = coord.launcher.admitted(e.worker, request.host, coord.state.alive)
+    incarnation, index = coord.launcher.admitted(e.worker, request.host, coord.state.alive,
+                                                 request.local_index)
     coord.desk.reply(request, auth.JoinReply(ok=True, worker=e.worker, incarnation=incarnation,
                                              replacement=e.replacement, local_index=index))
     coord.feed(m.Launched(coord.now(), {e.worker: incarnation}, local=False,

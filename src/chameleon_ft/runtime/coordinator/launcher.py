@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -18,7 +20,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from chameleon_ft import logs
 from chameleon_ft.runtime import auth
+from chameleon_ft.runtime.placement import Place
 
 POLL_S = 0.002
 """Coordinator poll interval: bounds the commit latency it adds to every step."""
@@ -39,7 +43,31 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
     # coordinator's shape probe (layers on meta) in its child.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "chameleon_ft.runtime.worker.main", *preload])
+    _start_sheltered()
     return ctx
+
+
+def _start_sheltered() -> None:
+    """Start the forkserver (once per process) with SIGTERM blocked in it for good.
+
+    A scheduler stops a job by signalling every process of it (Slurm's ``scancel``, a
+    requeue or a preemption; ``kill`` of a process group), the server included, which
+    would die at once, and with it the pipes that report its children's exit statuses
+    and start new ones, in the middle of the drain the signal asked for (the final
+    checkpoint, the parameters' export). Its processes leave by the coordinator's
+    directive or are killed by pid (SIGKILL); none needs SIGTERM (workers ignore it). The
+    signal is blocked in the calling thread only while the server is spawned (a child
+    keeps the mask across fork and exec, and nothing in the server unblocks it), as
+    multiprocessing protects its own resource tracker: one that arrives meanwhile waits,
+    then reaches this process's handler. The tracker is started first, since starting it
+    unblocks the signal.
+    """
+    multiprocessing.resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class ChildError(RuntimeError):
@@ -115,14 +143,24 @@ class Proc:
     host: str = ""
     """The host it runs on ("": this one)."""
     local_index: int = 0
-    """Its index among this job's workers on its host (which GPU it computes on)."""
+    """Its node-local index among this job's workers on its host (which GPU it computes
+    on: ``runtime.placement``)."""
+
+
+def free_index(taken: Iterable[int]) -> int:
+    """The lowest node-local index not in ``taken``."""
+    held = set(taken)
+    return next(i for i in range(len(held) + 1) if i not in held)
 
 
 class Launcher:
     """Starts local worker processes and keeps a handle on every one of them."""
 
-    def __init__(self, host: str, port: int, secret: bytes, preload: Iterable[str] = ()) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, preload: Iterable[str] = (),
+                 num_local: int = 0) -> None:
         self.host, self.port, self.secret = host, port, secret
+        self.num_local = num_local
+        """Workers this coordinator runs on its host (its task's workers)."""
         self.preload = tuple(preload)
         """Modules the workers' forkserver imports once (see :func:`forkserver_context`)."""
         self.procs: dict[int, Proc] = {}
@@ -139,10 +177,11 @@ class Launcher:
         out = {}
         for w in ids:
             incarnation = auth.new_nonce()
-            # local workers are ids 0..num_local-1: their index on this host is the id
+            # local workers are ids 0..num_local-1: their node-local index is the id
+            place = Place(w, task_index=w, task_workers=max(self.num_local, w + 1))
             proc = ctx.Process(target=worker_main,
                                args=(w, self.host, self.port, address, incarnation,
-                                     self.secret, replacement, w),
+                                     self.secret, replacement, place, logs.current_level()),
                                daemon=False, name=f"chameleon-worker-{w}")
             proc.start()
             self.procs[w] = Proc(w, incarnation, proc, host=socket.gethostname(),
@@ -151,13 +190,15 @@ class Launcher:
             out[w] = incarnation
         return out
 
-    def admitted(self, worker: int, host: str, alive: Iterable[int]) -> tuple[str, int]:
-        """A remote process on ``host`` takes ``worker``: its incarnation, and its index
-        on that host (the lowest one no other live worker there holds, so two workers of a
-        host never share a GPU)."""
-        taken = {p.local_index for w, p in self.procs.items()
-                 if w != worker and w in set(alive) and p.host == host}
-        index = next(i for i in range(len(taken) + 1) if i not in taken)
+    def admitted(self, worker: int, host: str, alive: Iterable[int],
+                 wanted: int | None = None) -> tuple[str, int]:
+        """A remote process on ``host`` takes ``worker``: its incarnation, and its
+        node-local index there: ``wanted`` when its launcher gave it one (``LOCAL_RANK``,
+        ``SLURM_LOCALID``: the cluster knows which GPU is whose), else the lowest index no
+        other live worker of the host holds, so two workers of a host never share a GPU."""
+        index = wanted if wanted is not None else free_index(
+            p.local_index for w, p in self.procs.items()
+            if w != worker and w in set(alive) and p.host == host)
         incarnation = auth.new_nonce()
         self.procs[worker] = Proc(worker, incarnation, host=host, local_index=index)
         return incarnation, index

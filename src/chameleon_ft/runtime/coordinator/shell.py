@@ -13,6 +13,7 @@ change is a pure transition (docs/design.md 4.1).
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from chameleon_ft import logs
 from chameleon_ft.profile import Profile
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
@@ -48,6 +50,19 @@ from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
 
 __all__ = ["Coordinator", "Event", "Hooks", "StepRecord", "WorkerFailure"]
+
+_log = logging.getLogger(__name__)
+
+
+def log_line(message: str) -> None:
+    """The default ``log`` of a coordinator: one of its lines as a record of this module's
+    logger (a warning or a stop at its level, the rest as information)."""
+    _log.log(logs.level_of(message), message)
+
+
+GENERATION_MODES = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
+"""The modes in which a published generation runs: its heartbeats, readiness and votes
+are observed only then."""
 
 
 class WorkerFailure(RuntimeError):
@@ -105,7 +120,8 @@ class Coordinator:
             ``chameleon worker``.
         host: the address the store listens on (and only that one).
         port: store port (0: any free port).
-        log: one-line progress messages.
+        log: receives each one-line progress message (default: :func:`log_line`, this
+            module's logger).
         token: the job token remote workers must prove they know (default: one is
             generated, and printed when workers may join from other hosts).
         job_name: the job's name (workers may name the job they mean to join).
@@ -122,6 +138,8 @@ class Coordinator:
         trace: a failure trace to replay in wall-clock time (``runtime/replay.py``).
         tensorboard: also write TensorBoard event files under ``out_dir/tensorboard``
             (needs the ``tensorboard`` package).
+        nccl_semantics: the workers' gloo groups complete their operations as NCCL's do
+            (``worker.nccl_like``): how the tests run the NCCL completion path on CPU.
     """
 
     def __init__(self, config: Config, *, profile: Profile | None = None,
@@ -134,13 +152,13 @@ class Coordinator:
                  hooks: Hooks | None = None, model: Any = None, data: Any = None,
                  optimizer: Any = None, lr_schedule: Any = None,
                  log_every: int | None = None, trace: TraceDriver | None = None,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, nccl_semantics: bool = False) -> None:
         """Prepare a job (nothing starts until :meth:`run`; the arguments are the class's).
 
         Raises:
             ValueError: for bad input (see :func:`~.setup.prepare`).
         """
-        self.log = log or (lambda _msg: None)
+        self.log = log if log is not None else log_line
         self.job: Job = prepare(
             config, profile=profile, custom_decide=decide is not None, policy=policy,
             faults=faults, out_dir=out_dir, num_local_workers=num_local_workers, host=host,
@@ -151,6 +169,8 @@ class Coordinator:
         self.device = resolve_device(self.train.device)
         self.backend = resolve_backend(self.train.backend, self.device)
         self.hooks = hooks or Hooks()
+        self.nccl_semantics = nccl_semantics
+        """The workers' gloo groups complete operations as NCCL's do (tests)."""
         self.decide: Decide | None = decide
         self.host, self.port = host, port
         self.book = FaultBook(self.job.faults)
@@ -297,7 +317,7 @@ class Coordinator:
                               deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
         job.ckpt.mark_job(job.job_id)
         self.launcher = Launcher(self.host, self.port, job.secret,
-                                 preload=adapter_modules(job.model))
+                                 preload=adapter_modules(job.model), num_local=job.num_local)
         self.params_m = self._params()
         self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
         old_handlers = self._install_signal_handlers()
@@ -402,7 +422,10 @@ class Coordinator:
         if self.signals_fed < len(self.signals):
             self.signals_fed = len(self.signals)
             self.feed(m.StopAsked(self.now(), self.signals[-1]))
-        if mode(self.ctl) not in (Mode.JOINING, Mode.RELAUNCHING):
+        # Only a running generation has members to watch: while workers join (or are
+        # relaunched) the plan's ids may have no process yet, and a stop or a failed start
+        # earlier in this pass may have ended the run before any generation ran.
+        if mode(self.ctl) in GENERATION_MODES:
             beats_due = self._observe_generation(beats_due)
         self.feed(m.Tick(self.now()))
         return beats_due

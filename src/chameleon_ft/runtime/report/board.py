@@ -11,8 +11,8 @@ from chameleon_ft.runtime.report.records import StepRecord
 
 SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_s")
 """The metrics written, each under ``train/<name>``."""
-MISSING = ("--tensorboard: needs the tensorboard package; install it with "
-           "pip install 'chameleon-ft[tensorboard]' (or pip install tensorboard)")
+MISSING = ("--tensorboard: needs the tensorboard package; install the extra from the "
+           "checkout: pip install -e '.[tensorboard]' (or pip install tensorboard)")
 
 
 def summary_writer_class() -> Any:

@@ -46,6 +46,7 @@ from chameleon_ft.runtime.storage.checkpoint import (
     write_layer,
 )
 from chameleon_ft.runtime.storage.packing import pack_parts, pack_pieces, pack_to
+from chameleon_ft.runtime.worker import device as dev
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
@@ -186,13 +187,16 @@ class HostBuffers:
         """Ids of memory dropped since the writer last heard (it unmaps them)."""
         self._next_id = 0
 
-    def snapshot(self, layer: int, state: LayerTrainState | _Copied) -> dict[str, Any]:
-        """A copy of ``state`` (layer ``layer``) in host memory, in reused buffers."""
+    def snapshot(self, layer: int, state: LayerTrainState | _Copied,
+                 non_blocking: bool = False) -> dict[str, Any]:
+        """A copy of ``state`` (layer ``layer``) in host memory, in reused buffers
+        (``non_blocking``: device-to-host copies only enqueued on the current stream; the
+        caller waits for them)."""
         tree = state.state_tree()
         tensors = _tensor_paths(tree)
         arena = self.reserve(layer, layout_of(tensors))
         for path, t in tensors:
-            arena.views[path].copy_(t.detach())
+            arena.views[path].copy_(t.detach(), non_blocking=non_blocking)
         arena.touched = True
         copied: dict[str, Any] = _replace(tree, (), arena.views)
         return copied
@@ -244,12 +248,16 @@ class CheckpointIO:
         blobs: the bulk channel to the coordinator.
         store: a store connection of its own for the writer thread.
         memory: checkpoints in memory (``worker/memcopies.py``), or None.
+        device: the worker's device (its threads work on it; snapshots of a GPU's layers
+            are copied on a stream of their own).
     """
 
     def __init__(self, worker: int, folder: Path | None, blobs: BlobClient,
-                 store: Callable[[], Any], memory: MemoryCopies | None = None) -> None:
+                 store: Callable[[], Any], memory: MemoryCopies | None = None,
+                 device: torch.device | None = None) -> None:
         self.worker, self.folder, self.blobs = worker, folder, blobs
         self.memory = memory
+        self.device = device or torch.device("cpu")
         self._store_of = store
         self._store: Any = None
         self.thread: threading.Thread | None = None
@@ -292,8 +300,7 @@ class CheckpointIO:
         tensors = {i: _tensor_paths(state.state_tree()) for i, state in states.items()}
         layouts = {i: layout_of(paths) for i, paths in tensors.items()}
         self.pending_bytes = sum(_bytes_of(paths) for paths in tensors.values())
-        self.thread = threading.Thread(target=self._reserve, args=(layouts,), daemon=True,
-                                       name="checkpoint-memory")
+        self.thread = dev.thread(self._reserve, self.device, "checkpoint-memory", (layouts,))
         self.thread.start()
 
     def _reserve(self, layouts: dict[int, Layout]) -> None:
@@ -339,17 +346,19 @@ class CheckpointIO:
             # a forward may change buffers (batch norm's running statistics): copy now
             copies = {i: self.host.snapshot(i, state) for i, state in states.items()}
             states = {i: _Copied(tree) for i, tree in copies.items()}
-        self.thread = threading.Thread(target=self._background,
-                                       args=(step, gen, states, inject, self.copied, peer),
-                                       daemon=True, name=f"checkpoint-{step}")
+        ready = dev.stream_point(self.device)
+        self.thread = dev.thread(self._background, self.device, f"checkpoint-{step}",
+                                 (step, gen, states, inject, self.copied, peer, ready))
         self.thread.start()
 
     def _background(self, step: int, gen: int, states: dict[int, Any],
                     inject: OSError | None, copied: threading.Event,
-                    peer: int | None) -> None:
+                    peer: int | None, ready: Any) -> None:
         try:
-            layers = {i: state.tree if isinstance(state, _Copied)
-                      else self.host.snapshot(i, state) for i, state in states.items()}
+            with dev.side_stream(self.device, after=ready) as non_blocking:
+                layers = {i: state.tree if isinstance(state, _Copied)
+                          else self.host.snapshot(i, state, non_blocking)
+                          for i, state in states.items()}
         finally:
             copied.set()
         self.pending_bytes = tree_bytes(layers)

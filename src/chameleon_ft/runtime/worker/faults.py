@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from chameleon_ft.runtime import protocol as proto
@@ -28,8 +29,11 @@ class InjectedError(RuntimeError):
 class Faults:
     """The armed faults of one rank."""
 
-    def __init__(self, store: Any, worker: int, incarnation: str) -> None:
+    def __init__(self, store: Any, worker: int, incarnation: str,
+                 stall: Callable[[], None] | None = None) -> None:
         self.store, self.worker, self.incarnation = store, worker, incarnation
+        self.stall = stall
+        """Hangs the worker's device (the ``stall`` kind; never returns)."""
         self.armed: list[tuple[int, int, str, str]] = []
         """``(index, step, kind, phase)``."""
         self.version = -1
@@ -47,7 +51,8 @@ class Faults:
                       if rank == self.worker]
 
     def maybe_fire(self, step: int, phase: str, gen: int) -> OSError | None:
-        """Fire the faults due at this phase of this step (kill, hang, glitch, error).
+        """Fire the faults due at this phase of this step (kill, hang, stall, glitch,
+        error).
 
         Returns:
             For a disk fault, the error the checkpoint write must fail with.
@@ -73,6 +78,8 @@ class Faults:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "stall" and self.stall is not None:
+                self.stall()
             elif kind == "glitch":
                 raise CommError(f"worker {self.worker}: injected glitch at step {step} "
                                 f"({phase})", None)

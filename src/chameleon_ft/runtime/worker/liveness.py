@@ -1,41 +1,44 @@
 """A worker's threads beside training: its heartbeat, the watchdog of its coordinator,
 and the watcher that tears a generation down the moment the coordinator aborts it.
 
-No worker outlives its coordinator: one that died leaves nothing listening on its port
-(a connection is refused: exit at once); one that is stopped (SIGSTOP, a debugger, a host
-stuck in swap) or cut off stops answering, and a store request to it may then block for
-ever (``TCPStore.add`` has no deadline). So the watchdog is its own thread that never
-touches the store: it reads the time of the last beat the coordinator took and exits the
-process once that is older than the hang deadline, whatever the other threads are blocked
-in.
+The heartbeat beats only while the worker's device completes its work: once work given
+to the device has been pending for the hang deadline, or for the generation's collective
+deadline where that is longer (a step may legitimately take longer than the hang
+deadline, and the collective deadline follows the plan's estimated step), the heartbeat
+thread reports the worker failed and ends the process, as the coordinator ends a process
+whose heartbeat went silent (nothing in the process can interrupt a hung kernel). On a GPU
+the pending work is the device's own: the worker waits for every receive before it
+enqueues the compute that needs it, so a slow peer never holds a marked kernel back. On
+the CPU, where the training thread computes itself, the compute in progress is watched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.device import DeviceWatch, thread
+from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable from here
+    EXIT_COORDINATOR_GONE,
+    EXIT_DEVICE_STALLED,
+    EXIT_ERROR,
+    EXIT_FENCED,
+    EXIT_OK,
+    exit_now,
+)
 from chameleon_ft.runtime.worker.groups import Generation
 
-EXIT_OK, EXIT_ERROR, EXIT_COORDINATOR_GONE, EXIT_FENCED = 0, 1, 3, 4
 WAIT_SLICE_S = 0.5
 """Granularity of the worker's waits on the coordinator: each slice it checks that the
 coordinator still answers and that its generation is still current."""
-
-
-def exit_now(code: int, message: str) -> None:
-    """Leave at once (no destructors: abandoned groups could block), saying why."""
-    with contextlib.suppress(Exception):
-        os.write(2, f"{message}\n".encode())
-    os._exit(code)
 
 
 def refused(host: str, port: int) -> bool:
@@ -71,13 +74,18 @@ class Liveness:
         hang_s: the hang deadline (also how long the coordinator may stay silent).
         current: returns the generation this worker takes part in now, if any.
         changed: notified whenever ``current`` changes.
+        watch: the work given to the worker's device.
+        device: the worker's device (the threads work on it).
     """
 
     def __init__(self, worker: int, incarnation: str, host: str, port: int, *,
                  heartbeat_s: float, hang_s: float,
                  current: Callable[[], Generation | None],
-                 changed: threading.Condition) -> None:
+                 changed: threading.Condition, watch: DeviceWatch | None = None,
+                 device: torch.device | None = None) -> None:
         self.worker, self.incarnation = worker, incarnation
+        self.device = device or torch.device("cpu")
+        self.watch = watch or DeviceWatch(self.device)
         self.host, self.port = host, port
         self.heartbeat_s, self.hang_s = heartbeat_s, hang_s
         self.current, self.changed = current, changed
@@ -89,17 +97,42 @@ class Liveness:
         """Start the three threads (daemons: they die with the process)."""
         for target, name in ((self._beat, "heartbeat"), (self._watchdog, "watchdog"),
                              (self._watch_aborts, "abort-watcher")):
-            threading.Thread(target=target, daemon=True, name=name).start()
+            # on the worker's device: a CUDA call here must not open a context on GPU 0
+            thread(target, self.device, name).start()
+
+    def stall_limit_s(self) -> float:
+        """How long device work may stay pending: the hang deadline, or the running
+        generation's collective deadline where that is longer (it is at least ten of the
+        plan's estimated steps: one action's compute is never that long)."""
+        gen = self.current()
+        return max(self.hang_s, gen.abort_s if gen is not None else 0.0)
+
+    def _stalled(self, store: dist.TCPStore) -> None:
+        """The device stopped completing its work: report a fatal error (the coordinator
+        sees the death at once, also for a remote worker) and leave."""
+        pending = self.watch.pending_s()
+        why = (f"worker {self.worker}: work given to its device did not complete within "
+               f"{pending:.1f} s (a hung kernel or collective); exiting")
+        gen = self.current()
+        if gen is not None:
+            report = proto.ErrorReport(worker=self.worker, fatal=True, peer=None, message=why)
+            with contextlib.suppress(Exception):
+                index = store.add(proto.error_slot_key(gen.gen), 1) - 1
+                store.set(proto.error_key(gen.gen, index), report.to_json())
+        exit_now(EXIT_DEVICE_STALLED, f"chameleon {why}")
 
     def _beat(self) -> None:
-        """Beat every interval; a refused connection means the coordinator is gone. A slow
-        answer under load is not a death: a beat may time out, only the watchdog decides."""
+        """Beat every interval while the device completes its work; a refused connection
+        means the coordinator is gone. A slow answer under load is not a death: a beat may
+        time out, only the watchdog decides."""
         try:
             store = client(self.host, self.port, max(self.hang_s / 2, 0.2))
         except Exception:
             exit_now(EXIT_COORDINATOR_GONE, self.gone)
         key = proto.heartbeat_key(self.worker, self.incarnation)
         while True:
+            if self.watch.pending_s() > self.stall_limit_s():
+                self._stalled(store)
             try:
                 store.add(key, 1)  # the answer is not used: a late one read later is harmless
                 self.last_ok = time.monotonic()

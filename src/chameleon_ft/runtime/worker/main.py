@@ -4,10 +4,11 @@ The worker loop (docs/design.md section 4):
 
 1. read the directive of generation ``g`` (plan, schedule, migration, what to load, the
    generation's collective deadline, the incarnation of every member);
-2. build the generation's process groups (``worker.groups``): one over every member for
-   point-to-point sends, one per gradient bucket;
+2. build the generation's process groups (``worker.groups``): two over every member for
+   point-to-point sends (one per direction), one per gradient bucket;
 3. receive migrated layers (``worker.migration``) or reload a checkpoint;
-4. run steps (``worker.executor``): the schedule's forward/backward actions, the gradient
+4. run steps (``worker.executor``): the step program (``runtime.traffic``: the schedule's
+   forward/backward actions with their receives and sends, built once), the gradient
    all-reduce rounds, then report "reduced" and wait for the coordinator's verdict; apply
    the optimizer only on ``commit``;
 5. on any communication error: report it, break every connection of the generation (so
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -35,12 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chameleon_ft import logs
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.storage.checkpoint import writer_of
+from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
 from chameleon_ft.runtime.worker import groups
 from chameleon_ft.runtime.worker.checkpoints import (
     CheckpointIO,
@@ -49,6 +54,8 @@ from chameleon_ft.runtime.worker.checkpoints import (
     wait_final,
 )
 from chameleon_ft.runtime.worker.comm import Comm, CommError
+from chameleon_ft.runtime.worker.device import DeviceWatch, StepTimer
+from chameleon_ft.runtime.worker.device import memory as device_memory
 from chameleon_ft.runtime.worker.executor import StepResult, StepRun
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
 from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
@@ -80,9 +87,7 @@ class GenerationOver(RuntimeError):
     """The coordinator moved on past the generation this worker waits in."""
 
 
-def _debug(message: str) -> None:
-    if os.environ.get("CHAMELEON_DEBUG"):
-        print(f"[{time.time():.3f}] {message}", file=sys.stderr, flush=True)
+_log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -90,7 +95,7 @@ class Worker:
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
                  incarnation: str, secret: bytes, connect_timeout_s: float = 30.0,
-                 replacement: bool = False, local_index: int = 0) -> None:
+                 replacement: bool = False, place: Place | None = None) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -102,14 +107,15 @@ class Worker:
             secret: the job secret that authenticates bulk transfers.
             connect_timeout_s: deadline of connecting and reading the job.
             replacement: a repaired worker rejoining a running job under a dead one's id.
-            local_index: this worker's index among the workers of its host (its GPU).
+            place: where this worker sits on its host, which picks its GPU
+                (default: the first worker of a task running one).
         """
         self.rss_base_bytes = resident_bytes()
         """Resident memory once this worker is set up (before it builds its stage), the
         peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address = host, port, address
-        self._connect(secret, connect_timeout_s, local_index)
+        self._connect(secret, connect_timeout_s, place or Place(0))
         self._open_workload()
         self.micro_batch = self.job.micro_batch
         self.loss_count = self.job.global_batch * self.job.targets_per_sample
@@ -124,12 +130,13 @@ class Worker:
         self.held_steps = 0
         self.reserved_gen: int | None = None
         """The generation whose checkpoint memory was reserved (at its first commit)."""
-        self.last_optimizer_s: float | None = None
-        """Seconds of the last optimizer step (reported with the next step's timings)."""
+        self.pending_optimizer_s: list[float] = []
+        """Seconds of the last optimizer step, once read off the device (reported with
+        the next step's timings)."""
         self.last_commit_wait_s: float | None = None
         """Seconds from reporting "reduced" to reading the verdict, last step."""
         self.stage = StageModel(checkpointing=self.checkpointing)
-        self.faults = Faults(self.store, self.id, incarnation)
+        self.faults = Faults(self.store, self.id, incarnation, stall=self.watch.stall)
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
@@ -153,7 +160,7 @@ class Worker:
                              f"coordinator's ({self.job.data_digest}); give every host the "
                              "same files")
 
-    def _connect(self, secret: bytes, connect_timeout_s: float, local_index: int) -> None:
+    def _connect(self, secret: bytes, connect_timeout_s: float, place: Place) -> None:
         """The store, the job, the bulk channel, the device and the checkpoint folder."""
         self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=timedelta(seconds=connect_timeout_s))
@@ -167,9 +174,13 @@ class Worker:
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
         self.work: Workload = open_workload(self.job.workload, secret)
         self.backend = groups.resolve_backend(self.job.backend, self.job.device)
-        self.device = groups.worker_device(self.job.device, local_index, self.backend)
+        self.device = groups.worker_device(self.job.device, place, self.backend)
         if self.device.type == "cuda":  # pragma: no cover - needs GPUs
             torch.cuda.set_device(self.device)
+        self.watch = DeviceWatch(self.device)
+        """The compute this worker gives its device (the heartbeat watches it)."""
+        self.optimizer_timer = StepTimer(self.device)
+        """Times the optimizer step (read with the next step's timings)."""
         self.storage = Deadline(self.hang_s, self.job.storage_gb_per_s)
         own_store = functools.partial(client, self.host, self.port, max(5.0, self.hang_s))
         self.memory = MemoryCopies(self.id, self.address, secret, own_store,
@@ -179,7 +190,7 @@ class Worker:
             self.memory.start()
         self.ckpt = CheckpointIO(self.id, shared_folder(self.job.checkpoint_dir,
                                                         self.job.job_id), self.blobs,
-                                 own_store, self.memory)
+                                 own_store, self.memory, self.device)
         if self.job.checkpoint_every > 0 and self.ckpt.folder is not None and \
                 self.ckpt.disk is not None:
             self.ckpt.disk.start()
@@ -306,7 +317,7 @@ class Worker:
             index = self.store.add(proto.error_slot_key(gen), 1) - 1
             self.store.set(proto.error_key(gen, index), report.to_json())
         except Exception as exc:  # the coordinator is gone or slow: the watchdog decides
-            _debug(f"w{self.id}: error report not written: {exc}")
+            _log.debug("error report not written: %s", exc)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -315,7 +326,8 @@ class Worker:
         self.store.set(proto.worker_info_key(self.id, self.incarnation), json.dumps(info))
         Liveness(self.id, self.incarnation, self.host, self.port,
                  heartbeat_s=self.job.heartbeat_s, hang_s=self.hang_s,
-                 current=lambda: self.current, changed=self.gen_changed).start()
+                 current=lambda: self.current, changed=self.gen_changed,
+                 watch=self.watch, device=self.device).start()
         gen = 0
         if self.replacement:
             # a repaired worker: the coordinator says from which generation on it follows
@@ -323,8 +335,8 @@ class Worker:
         previous: groups.Generation | None = None
         while True:
             gen, directive = self._directive(gen)
-            _debug(f"w{self.id} read directive {gen} ({directive['action']}, world "
-                   f"{directive.get('world')})")
+            _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
+                       directive.get("world"))
             if directive["action"] == "stop":
                 if previous is not None:
                     previous.close()
@@ -360,14 +372,19 @@ class Worker:
             if previous is not None:
                 groups.close_later(previous)
             return None
-        generation = groups.Generation(gen)
+        generation = groups.Generation(gen, abort_s=float(d["collective_timeout_s"]),
+                                       device=self.device)
         self._enter(generation)
         try:
             self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
+            actions = actions_of(d["ops"])
+            transfers = (d.get("migration") or {}).get("transfers", [])
             comm = groups.build(self.store, generation, self.id, world, d["rounds"],
                                 extra=extra_groups(d), backend=self.backend,
                                 timeout_s=float(d["collective_timeout_s"]),
-                                address=self.address, device=self.device)
+                                address=self.address, device=self.device,
+                                nccl_like=self.job.nccl_semantics,
+                                peers=peers_of(plan, actions, transfers, self.id))
             self.faults.maybe_fire(d["step"], "recovery", gen)
             self._load_state(gen, d, plan, comm)
             self.store.add(proto.ready_key(gen), 1)
@@ -376,11 +393,12 @@ class Worker:
                 previous = None
             if self.id not in plan.workers:
                 return generation  # only a migration source: idle in the new plan
+            program = step_program(plan, actions, self.id, self.job.boundaries)
             for step in range(d["step"], d["steps"]):
-                if not self._run_step(gen, step, plan, d, comm):
+                if not self._run_step(gen, step, plan, d, comm, program):
                     break
         except CommError as exc:
-            _debug(f"w{self.id} gen {gen}: {exc}")
+            _log.debug("generation %d: %s", gen, exc)
             self._report(False, exc.peer, str(exc), gen)
             generation.break_all()
         except CorruptCheckpoint as exc:
@@ -433,8 +451,8 @@ class Worker:
 
     # ------------------------------------------------------------------ one step
     def _run_step(self, gen: int, step: int, plan: ExecutionPlan, d: dict[str, Any],
-                  comm: Comm) -> bool:
-        """Forward/backward per the schedule, all-reduce, vote, and apply on commit.
+                  comm: Comm, program: tuple[Instruction, ...]) -> bool:
+        """Forward/backward per the step program, all-reduce, vote, and apply on commit.
 
         Returns:
             False when the generation ends at this step (aborted, or a planned switch).
@@ -447,7 +465,8 @@ class Worker:
             state.zero_grad()
         result = StepRun(self, comm, plan, step,
                          lambda phase: self.faults.maybe_fire(step, phase, gen)
-                         ).run(d["ops"].get(str(self.id), []))
+                         ).run(program)
+        self.faults.maybe_fire(step, "reduce", gen)
         reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
         self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
@@ -460,10 +479,11 @@ class Worker:
         if not self.ckpt.snapshot_taken(self.storage.for_bytes(self.ckpt.pending_bytes)):
             raise RuntimeError(f"worker {self.id}: the checkpoint's copy of its layers did "
                                "not finish")
-        t0 = time.perf_counter()
-        for state in self.layers.values():
-            state.step(step)
-        self.last_optimizer_s = time.perf_counter() - t0
+        optimizer_s: list[float] = []
+        with self.optimizer_timer.time(optimizer_s), self.watch.computing():
+            for state in self.layers.values():
+                state.step(step)
+        self.pending_optimizer_s = optimizer_s
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
         self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
@@ -478,11 +498,14 @@ class Worker:
         if result.losses:
             self.store.set(proto.loss_key(gen, step, self.id), json.dumps(result.losses))
         held = self.stage.indices()
+        self.optimizer_timer.resolve()
+        optimizer_s = self.pending_optimizer_s[0] if self.pending_optimizer_s else None
         self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
             {"layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
-             "b_s": result.backward_s, "optimizer_s": self.last_optimizer_s,
+             "b_s": result.backward_s, "optimizer_s": optimizer_s,
              "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
-             "rss_peak_bytes": peak_resident_bytes(), "grad_norm_sq": reduced.norm_squared,
+             "rss_peak_bytes": peak_resident_bytes(), **device_memory(self.device),
+             "grad_norm_sq": reduced.norm_squared,
              "lr": self.layers[held[0]].lr(step) if held else None}))
 
     # ------------------------------------------------------------------ checkpoints
@@ -525,14 +548,22 @@ class Worker:
 
 
 def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
-                secret: bytes, replacement: bool = False, local_index: int = 0) -> None:
+                secret: bytes, replacement: bool = False, place: Place | None = None,
+                log_level: int = logging.WARNING) -> None:
     """Entry point of a worker process; never returns normally (exits with ``os._exit``).
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
-    coordinator disappeared, 4 when fenced. ``os._exit`` skips the destructors of
-    abandoned process groups, which could block on connections to dead peers.
+    coordinator disappeared, 4 when fenced, 5 when an NCCL abort could not finish, 6 when
+    the device stopped completing its work (``worker.exits``). ``os._exit`` skips the
+    destructors of abandoned process groups, which could block on connections to dead
+    peers or on kernels that never finish.
+
+    ``log_level``: this process's records on stderr from that level on (the level of the
+    process that started it), stamped with the worker's id.
     """
+    logs.configure(log_level, sys.stderr, worker=worker_id)  # the process's edge
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    groups.set_nccl_environment()  # before any communicator exists
     torch.set_num_threads(1)
     # Ctrl-C in a terminal (SIGINT) or a scheduler's SIGTERM reach the whole process
     # group; the coordinator drains the run and tells the workers when to stop, and a
@@ -542,13 +573,13 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
     code = EXIT_OK
     try:
         Worker(worker_id, host, port, address=address, incarnation=incarnation,
-               secret=secret, replacement=replacement, local_index=local_index).run()
+               secret=secret, replacement=replacement, place=place).run()
     except InjectedError:
         code = EXIT_ERROR
     except dist.DistStoreError:
         code = EXIT_COORDINATOR_GONE
     except BaseException:
-        traceback.print_exc()
+        _log.error("%s", traceback.format_exc().rstrip())
         code = EXIT_ERROR
     finally:
         sys.stdout.flush()

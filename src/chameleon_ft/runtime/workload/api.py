@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import logging
 import multiprocessing.process
 import sys
 from collections.abc import Callable, Iterable
@@ -12,8 +13,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from chameleon_ft import logs
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault, parse_fault
+
+_log = logging.getLogger(__name__)
 
 GUARD = 'if __name__ == "__main__":'
 EXIT_USAGE = 2
@@ -68,7 +72,8 @@ def check_main_guard(frame: FrameType | None) -> None:
     ``_check_not_importing_main`` reads).
 
     Raises:
-        SystemExit: with status 2, after printing the one line on stderr.
+        SystemExit: with status 2, after the one line as an error record (on stderr where
+            the application configured no logging).
     """
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):
         where = "while a worker process imports the main module"
@@ -78,8 +83,7 @@ def check_main_guard(frame: FrameType | None) -> None:
             return
         where = (f"at the top level of {found[0]} (line {found[1]}); every worker process "
                  "imports the main module and would call it again")
-    print(f"chameleon_ft.train: called {where}: put the call under `{GUARD}`",
-          file=sys.stderr, flush=True)
+    _log.error("chameleon_ft.train: called %s: put the call under `%s`", where, GUARD)
     raise SystemExit(EXIT_USAGE)
 
 
@@ -99,11 +103,11 @@ def _with_overrides(config: Config, **train: Any) -> Config:
 
 
 def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
-          optimizer: Any = None, lr_schedule: Callable[[int], float] | None = None,
+          optimizer: Callable[..., Any] | None = None, lr_schedule: Any = None,
           out_dir: str | Path | None = None, steps: int | None = None,
           dtype: str | None = None, policy: str | None = None,
           faults: Iterable[Fault | str] = (), resume: bool = False, rejoin: bool | None = None,
-          log: Callable[[str], None] | None = print, **coordinator: Any) -> dict[str, Any]:
+          log: Callable[[str], None] | None = None, **coordinator: Any) -> dict[str, Any]:
     """Train on worker processes of this host and survive their failures in place.
 
     Call it under ``if __name__ == "__main__":``: the workers are started from a server
@@ -119,7 +123,9 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
             ``loss(output, targets)`` (summed; default token cross-entropy).
         data: a data source: ``microbatch(step, first_sample, size) -> (inputs, targets)``.
         optimizer: ``params -> torch.optim.Optimizer``, built once per layer.
-        lr_schedule: ``step -> learning rate`` (0-based steps).
+        lr_schedule: ``step -> learning rate`` (0-based steps), or a
+            ``torch.optim.lr_scheduler`` class, factory (``optimizer -> scheduler``) or
+            instance (:class:`~chameleon_ft.runtime.workload.schedules.TorchLRSchedule`).
         out_dir: the run directory (default: a new ``runs/train-<time>``).
         steps: overrides ``[train] steps``.
         dtype: overrides ``[train] dtype``.
@@ -127,9 +133,13 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
         faults: injected faults (``Fault`` or ``"rank=R,step=S,kind=K,phase=P"``).
         resume: continue ``out_dir`` from its newest complete checkpoint.
         rejoin: overrides ``[train] rejoin``.
-        log: receives each progress line (None: silent).
-        coordinator: further keyword arguments of
-            :class:`~chameleon_ft.runtime.coordinator.shell.Coordinator`.
+        log: receives each progress line (default: records of the coordinator's logger,
+            routed by the application's logging; on stdout while it configured none).
+        coordinator: the other keyword arguments of
+            :class:`~chameleon_ft.runtime.coordinator.shell.Coordinator`: ``log_every``,
+            ``tensorboard``, ``num_local_workers``, ``host``, ``port``, ``token``,
+            ``job_name``, ``profile``, ``decide``, ``hooks``, ``check_resources``,
+            ``trace``.
 
     Returns:
         The report (what ``chameleon train --json`` prints).
@@ -147,7 +157,8 @@ def train(config: Config | str | Path, *, model: Any = None, data: Any = None,
         config = load_config(config)
     config = _with_overrides(config, steps=steps, dtype=dtype, rejoin=rejoin)
     parsed = [f if isinstance(f, Fault) else parse_fault(f) for f in faults]
-    coord = Coordinator(config, model=model, data=data, optimizer=optimizer,
-                        lr_schedule=lr_schedule, out_dir=out_dir, policy=policy,
-                        faults=parsed, resume=resume, log=log, **coordinator)
-    return coord.run()
+    with logs.console_unless_configured(sys.stdout):
+        coord = Coordinator(config, model=model, data=data, optimizer=optimizer,
+                            lr_schedule=lr_schedule, out_dir=out_dir, policy=policy,
+                            faults=parsed, resume=resume, log=log, **coordinator)
+        return coord.run()

@@ -26,6 +26,7 @@ from chameleon_ft.runtime.workload.optim import (
     optimizer_from_config,
     schedule_from_config,
 )
+from chameleon_ft.runtime.workload.schedules import TorchLRSchedule, is_scheduler_instance
 from chameleon_ft.spec.config import Config
 
 
@@ -38,6 +39,13 @@ class Workload:
     data_obj: Any = None
     optimizer_obj: Any = None
     lr_schedule_obj: Any = None
+
+    def __post_init__(self) -> None:
+        # a scheduler instance is read here, once, for the run's steps: a live scheduler
+        # (its optimizer's wrapped step) does not pickle for the workers
+        if is_scheduler_instance(self.lr_schedule_obj):
+            object.__setattr__(self, "lr_schedule_obj", TorchLRSchedule(
+                self.lr_schedule_obj, steps=self.config.train.steps))
 
     def model(self) -> LayeredModel:
         """The layered model.
@@ -77,12 +85,20 @@ class Workload:
         """The learning rate of each 0-based step, or None (the optimizer's own rate).
 
         With an optimizer object, only an explicit schedule applies (``[optimizer]``'s
-        schedule is built for ``[optimizer]``'s rate).
+        schedule is built for ``[optimizer]``'s rate). A ``torch.optim.lr_scheduler``
+        scheduler (class, factory or instance) is taken as a :class:`TorchLRSchedule`
+        starting from the optimizer factory's rate.
+
+        Raises:
+            ValueError: naming ``lr_schedule`` for what is no schedule of the step.
         """
         if self.lr_schedule_obj is not None:
-            if not callable(self.lr_schedule_obj):
-                raise ValueError("lr_schedule: give a callable step -> learning rate")
-            fn: Callable[[int], float] = self.lr_schedule_obj
+            schedule = TorchLRSchedule.wrap(self.lr_schedule_obj, self.optimizer(),
+                                            self.config.train.steps)
+            if not callable(schedule):
+                raise ValueError("lr_schedule: give a callable step -> learning rate, or a "
+                                 "torch.optim.lr_scheduler class, factory or instance")
+            fn: Callable[[int], float] = schedule
             return fn
         if self.optimizer_obj is not None:
             return None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from chameleon_ft.runtime.storage.packing import PackError, pack, unpack
+from chameleon_ft.runtime.workload.schedules import LRSchedule
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.optimizer import ScheduleKind
 
@@ -143,29 +143,6 @@ def _light(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
         raw(self, param_group)
 
     return type(f"Checked{cls.__name__}", (cls,), {"add_param_group": add_param_group})
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """Linear warm-up, then constant or a half cosine down to ``min_lr``."""
-
-    lr: float
-    """The base (peak) learning rate."""
-    kind: str = ScheduleKind.CONSTANT.value
-    warmup_steps: int = 0
-    decay_steps: int = 0
-    """Step at which ``cosine`` reaches ``min_lr``."""
-    min_lr: float = 0.0
-
-    def __call__(self, step: int) -> float:
-        """The learning rate of 0-based step ``step``."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.kind == ScheduleKind.CONSTANT:
-            return self.lr
-        span = max(1, self.decay_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def schedule_from_config(config: Config, base_lr: float | None = None) -> LRSchedule | None:

@@ -55,8 +55,8 @@ def load_tokenizer(directory: Path) -> Any:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover - the hf extra is part of `make test`
-        raise ValueError("--tokenizer: needs Hugging Face transformers; install the extra: "
-                         "pip install 'chameleon-ft[hf]'") from None
+        raise ValueError("--tokenizer: needs Hugging Face transformers; install the extra "
+                         "from the checkout: pip install -e '.[hf]'") from None
     hf_logging.set_verbosity_error()  # no "sequence longer than the model" notes per document
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

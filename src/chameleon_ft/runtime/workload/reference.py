@@ -43,6 +43,7 @@ from chameleon_ft.runtime.workload.optim import (
     schedule_from_config,
 )
 from chameleon_ft.runtime.workload.precision import Precision, dtype_name
+from chameleon_ft.runtime.workload.schedules import TorchLRSchedule
 from chameleon_ft.spec.config import Config
 
 
@@ -147,7 +148,9 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
         optimizer: the optimizer factory, called ONCE over all parameters (default:
             ``[optimizer]``).
         lr_schedule: rate of each 0-based step (default: ``[optimizer]``'s schedule, or
-            none when ``optimizer`` is given).
+            none when ``optimizer`` is given); or a ``torch.optim.lr_scheduler`` class or
+            factory, which then drives the optimizer as in any PyTorch loop
+            (``scheduler.step()`` after each ``optimizer.step()``), or instance (its rates).
         steps: steps to train (default ``[train] steps``).
         dtype: the dtype (default ``[train] dtype``); ``torch.bfloat16`` trains as the
             runtime's mixed precision does, plainly: the whole model computes in bf16 from
@@ -168,6 +171,9 @@ def train_reference(config: Config, *, model: LayeredModel | None = None,
             lr_schedule = schedule_from_config(config)
     precision = Precision.of(config.train.dtype if dtype is None else dtype_name(dtype))
     clip = config.optimizer.clip_grad_norm if clip_grad_norm is None else clip_grad_norm
+    if lr_schedule is not None:
+        lr_schedule = TorchLRSchedule.wrap(lr_schedule, optimizer,
+                                           config.train.steps if steps is None else steps)
     whole = (_hf_whole if _is_hf(model) else _sequential_whole)(model, precision.master)
     trainer = _Plain(model, whole, optimizer, lr_schedule, precision, clip)
     run = ReferenceRun(params={})
@@ -190,9 +196,12 @@ class _Plain:
                  lr_schedule: Callable[[int], float] | None, precision: Precision,
                  clip: float) -> None:
         self.model, self.whole, self.precision, self.clip = model, whole, precision, clip
-        self.lr_schedule = lr_schedule
         self.params = list(whole.module.parameters())  # a tied pair once
         self.opt = optimizer(self.params)
+        # a torch scheduler drives the optimizer itself; other schedules set the rate
+        self.scheduler = lr_schedule.start(self.opt) \
+            if isinstance(lr_schedule, TorchLRSchedule) else None
+        self.lr_schedule = None if self.scheduler is not None else lr_schedule
         self.compute = whole.module
         if precision.mixed:
             self.compute = copy.deepcopy(whole.module).to(precision.compute)
@@ -220,6 +229,8 @@ class _Plain:
             for group in self.opt.param_groups:
                 group["lr"] = float(self.lr_schedule(step))
         self.opt.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         if self.precision.mixed:
             with torch.no_grad():
                 for compute, master in self.pairs:

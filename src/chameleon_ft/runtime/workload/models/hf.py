@@ -1,5 +1,6 @@
 """Decoder-only causal LMs from Hugging Face ``transformers`` as layered models
-(``[model] source = "hf"``; needs the ``hf`` extra: ``pip install chameleon-ft[hf]``).
+(``[model] source = "hf"``; needs the ``hf`` extra: ``pip install -e '.[hf]'`` in the
+checkout).
 
 One adapter serves every family of :data:`~chameleon_ft.spec.model_source.HF_FAMILIES`
 (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2): the layers are transformers' own modules
@@ -58,7 +59,7 @@ try:
     )
 except ImportError as _exc:  # pragma: no cover - the hf extra is part of `make test`
     raise ImportError('model.source: "hf" needs Hugging Face transformers and safetensors; '
-                      "install the extra: pip install 'chameleon-ft[hf]'") from _exc
+                      "install the extra from the checkout: pip install -e '.[hf]'") from _exc
 
 from chameleon_ft.runtime.workload.models.base import (
     TiedPair,
@@ -75,7 +76,8 @@ _COPIED_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 """Tokenizer and generation files copied from the source directory into an export."""
 _NOT_COPIED = ("config.json", "model.safetensors.index.json")
 _MASK_ARGS = inspect.signature(create_causal_mask).parameters
-"""transformers 5 takes ``inputs_embeds``; 4.x took ``input_embeds`` and ``cache_position``."""
+"""transformers 5 takes ``inputs_embeds``; 4.x took ``input_embeds`` and ``cache_position``;
+5.24 and later ``cache`` for ``past_key_values``."""
 
 
 def attention_of(config: PretrainedConfig) -> str:
@@ -101,7 +103,9 @@ def _attention_mask(config: PretrainedConfig, hidden: torch.Tensor, positions: t
     causally by itself, else a (1 or B, 1, T, T) mask."""
     fn = create_sliding_window_causal_mask if sliding else create_causal_mask
     kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
-                              "past_key_values": None, "position_ids": positions}
+                              "position_ids": positions}
+    # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns)
+    kwargs["cache" if "cache" in _MASK_ARGS else "past_key_values"] = None
     kwargs["inputs_embeds" if "inputs_embeds" in _MASK_ARGS else "input_embeds"] = hidden
     if "cache_position" in _MASK_ARGS:
         kwargs["cache_position"] = positions[0]
