@@ -110,9 +110,7 @@ def test_the_runtime_is_parts_of_readable_size() -> None:
 
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
-OVERSIZED: dict[str, int] = {
-    "cli/train_cmd.py:add_arguments": 63,  # the runtime's command, changed with the runtime
-}
+OVERSIZED: dict[str, int] = {}
 """Files (``path``) and functions (``path:qualified.name``) still over the limits, with
 their length today: each may only shrink, and leaves the list once it fits."""
 

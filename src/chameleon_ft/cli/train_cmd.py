@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "failures, decisions and recoveries always)")
     parser.add_argument("--json", action="store_true",
                         help="print the final report as JSON on stdout (progress on stderr)")
+    _add_cluster_arguments(parser)
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``chameleon train`` about where its workers run and who may join."""
     parser.add_argument("--workers", type=int, metavar="N",
                         help="worker processes to launch on this host (default: every worker "
                              "the layout and its spare nodes need, minus --remote-workers)")
