@@ -474,6 +474,7 @@ def wait_final(chan: Channel, gen: int, write: Callable[[list[int]], None],
     while time.monotonic() < end:
         done, more = chan.final(gen)
         if done:
+            chan.flush_refusals()  # the last word: the coordinator reports them
             return
         wanted = [i for i in more if i not in written]
         if wanted:
