@@ -80,7 +80,7 @@ class JoinDesk:
                 self._wait_for(index, now_s)
                 continue
             self.pending.pop(index, None)
-            item = self._read(raw)
+            item = self._read(index, raw)
             if item is not None:
                 out.append(item)
         return out
@@ -97,7 +97,7 @@ class JoinDesk:
         self.store.refusals.refuse(join_request_key(index), None, "reserved, never written",
                                    kind="join-slot")
 
-    def _read(self, raw: bytes) -> Request | None:
+    def _read(self, index: int, raw: bytes) -> Request | None:
         try:
             request = auth.JoinRequest.from_json(raw)
         except ValueError:
@@ -108,7 +108,7 @@ class JoinDesk:
                                       job_id=self.job_id, nonce=nonce)
             if refusal is None:
                 if request.wnonce in used:
-                    self.store.refusals.refuse(join_request_key(-1), raw,
+                    self.store.refusals.refuse(join_request_key(index), raw,
                                                "a join proof used before", kind="join-replay")
                     return None
                 used.add(request.wnonce)
