@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,13 +244,12 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 MISSING = "missing"
-"""An error slot reserved but not written (the detector's word; per-worker report keys,
-written without reserving, never produce it)."""
+"""An error slot reserved but not written (the detector's word; never produced now)."""
 MALFORMED = "malformed"
 """An error report whose seal holds but whose content is not a report."""
 MAX_REFUSAL_REPLIES = 64
-"""Refusal replies left in the store at once (a joiner deletes its own once read; beyond
-this the oldest are deleted, so a flood of bad requests cannot fill the store)."""
+"""Refusal replies left in the store at once (a joiner deletes its own; beyond, the oldest
+are deleted)."""
 MAX_FOLLOWED = 256
 """Generations and steps whose votes are followed at once (older ones are forgotten)."""
 
@@ -265,6 +264,14 @@ class _Reports:
     """Per member: the index of its next report."""
     found: list[ErrorReport | str] = field(default_factory=list)
     """Every report found, in the order found."""
+
+
+def _followed(table: dict[Any, Any], key: Any, new: Callable[[], Any]) -> Any:
+    """``table[key]``, made with ``new`` if missing; the oldest entry goes beyond
+    ``MAX_FOLLOWED``."""
+    if key not in table and len(table) >= MAX_FOLLOWED:
+        table.pop(next(iter(table)))
+    return table.setdefault(key, new())
 
 
 class ControlStore:
@@ -348,8 +355,8 @@ class ControlStore:
     # ------------------------------------------------------------------ generations
     def publish(self, gen: int, directive: dict[str, Any],
                 groups: list[tuple[str, int]]) -> None:
-        """End generation ``gen - 1`` (its abort key) and publish ``gen``'s directive,
-        with the salt its members derive the rendezvous prefixes from."""
+        """End ``gen - 1`` (its abort key); publish ``gen``'s directive with the salt of
+        its rendezvous prefixes."""
         salt = secrets.token_hex(8)
         tag = rendezvous_tag(self.signer, gen, salt)
         if gen > 0:
@@ -385,28 +392,19 @@ class ControlStore:
 
     def ready(self, gen: int) -> int:
         """Members of ``gen`` known to have built their groups and loaded their state."""
-        done = self._ready.setdefault(gen, set())
+        done = _followed(self._ready, gen, set)
         return self._count(done, {w: ready_key(gen, w) for w in self._world.get(gen, ())})
 
     def reduced(self, gen: int, step: int, workers: Iterable[int]) -> int:
         """``workers`` known to have reduced ``step`` in ``gen`` (each by its own vote)."""
-        if (gen, step) not in self._votes and len(self._votes) >= MAX_FOLLOWED:
-            self._votes.pop(next(iter(self._votes)))
-        done = self._votes.setdefault((gen, step), set())
+        done = _followed(self._votes, (gen, step), set)
         return self._count(done, {w: reduced_key(gen, step, w) for w in workers})
 
     def error_slots(self, gen: int, first: int) -> tuple[ErrorReport | str, ...]:
-        """``gen``'s error reports from the ``first``-th on, in the order found.
-
-        A member's reports are looked for (its next report key, at most ``MAX_REPORTS``)
-        only when the hint counter moved; a forged report is refused where it lies and the
-        member's real one, written over it, is read when the counter moves again.
-        """
-        found = self._reports.get(gen)
-        if found is None:
-            if len(self._reports) >= MAX_FOLLOWED:
-                self._reports.pop(next(iter(self._reports)))
-            found = self._reports[gen] = _Reports()
+        """``gen``'s error reports from the ``first``-th on, in the order found: each
+        member's next report key is looked at when the bell moved (a forged report stays
+        refused until the member's own is written over it and the bell moves again)."""
+        found = _followed(self._reports, gen, _Reports)
         bell = int(self.store.add(error_bell_key(gen), 0))
         if bell != found.bell:
             world = self._world.get(gen, ())
@@ -436,8 +434,7 @@ class ControlStore:
         found.next[worker] = index
 
     def beats(self, incarnations: dict[int, str]) -> dict[int, tuple[str, int]]:
-        """Each process's heartbeat count: worker -> (incarnation, count); a count is the
-        highest sealed one seen (an older one replayed is refused)."""
+        """Each process's highest sealed beat count: worker -> (incarnation, count)."""
         for w, inc in list(self._watched.items()):
             if incarnations.get(w) != inc:
                 self._reported.drop(w, inc)
@@ -530,8 +527,7 @@ class ControlStore:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_progress(self, gen: int, step: int) -> int:
-        """Layer files of the checkpoint after ``step`` steps reported so far (a hint:
-        :meth:`checkpoint_files` says which)."""
+        """Layer files of the checkpoint after ``step`` steps reported so far (a hint)."""
         return int(self.store.add(checkpoint_count_key(gen, step), 0))
 
     def checkpoint_files(self, gen: int, step: int,
@@ -578,8 +574,7 @@ class ControlStore:
         return int(self.store.add(JOIN_SLOTS_KEY, 0))
 
     def take_join_request(self, index: int) -> bytes | None:
-        """The ``index``-th join request, removed (None: not written yet). Unsealed: a
-        joiner proves itself inside the request."""
+        """The ``index``-th join request, removed (None: not written yet); unsealed."""
         raw = self.signed.raw_peek(join_request_key(index))
         if raw is not None:
             self._delete([join_request_key(index)])
