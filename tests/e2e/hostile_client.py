@@ -12,6 +12,9 @@ answering (the run ended) or ``--limit-s`` passed.
 Usage::
 
     python hostile_client.py HOST PORT --replay REQUEST.json --out DONE.json
+
+It may start before the coordinator (it connects once the port listens), and plays the
+recorded request back once the file exists.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import time
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -35,7 +39,7 @@ FORGED_TAG = b"0." + b"0" * 32 + b"."
 class Stranger:
     """The forger's state: what it learnt of the run and what it did."""
 
-    def __init__(self, store: Any, replay: bytes) -> None:
+    def __init__(self, store: Any, replay: Path) -> None:
         self.store, self.replay = store, replay
         self.did: Counter[str] = Counter()
         self.flooded: set[str] = set()
@@ -43,6 +47,8 @@ class Stranger:
         self.recorded: dict[str, bytes] = {}
         """Sealed values seen, to play back later."""
         self.replayed: Counter[str] = Counter()
+        self.committed = False
+        """Whether a step committed (every worker read the fault list by then)."""
         self.started_s = time.monotonic()
 
     def plant(self, kind: str, key: str, value: bytes | str) -> None:
@@ -81,6 +87,7 @@ class Stranger:
         self.next_generations(gen, world)
         self.next_steps(gen, world, directive)
         self.once_only()
+        self.play_back_request()
         self.play_back(gen, directive)
         self.rendezvous(gen)
 
@@ -103,6 +110,7 @@ class Stranger:
         verdicts = [int(k.rsplit("/", 1)[1]) for k in self.store.list_keys()
                     if k.startswith(f"gen{gen}/verdict/")]
         first = max([first, *(s + 1 for s in verdicts)])
+        self.committed = self.committed or bool(verdicts)
         for step in range(first, first + 3):
             self.plant("verdict", proto.verdict_key(gen, step), proto.COMMIT)
             for w in world:
@@ -115,12 +123,15 @@ class Stranger:
                 self.flood("ckpt-count", proto.checkpoint_count_key(gen, after), 10**6)
 
     def once_only(self) -> None:
-        if "faults-list" in self.did:
+        if self.committed and "faults-list" not in self.did:
+            # over the real list once every worker read it (a step committed): before,
+            # it would only deny a worker its faults, which a stranger may do
+            self.store.set(proto.FAULTS_KEY, json.dumps([[w, 0, "kill", "forward"]
+                                                         for w in range(4)]))
+            self.store.add(proto.FAULTS_VERSION_KEY, 1000)
+            self.did["faults-list"] += 1
+        if "join-flood" in self.did:
             return
-        self.store.set(proto.FAULTS_KEY, json.dumps([[w, 0, "kill", "forward"]
-                                                     for w in range(4)]))
-        self.store.add(proto.FAULTS_VERSION_KEY, 1000)
-        self.did["faults-list"] += 1
         for index in range(8):
             self.plant("faults-claim", proto.fault_claim_key(index), "1")
         self.flood("join-flood", proto.JOIN_SLOTS_KEY, 10**6)
@@ -133,9 +144,15 @@ class Stranger:
                  "address": "198.18.0.99"})
             self.store.set(proto.join_request_key(index), text)
         self.did["join-bad"] += 40
-        for _ in range(2):  # a recorded request played back
+
+    def play_back_request(self) -> None:
+        """A recorded join request played back (once it was recorded)."""
+        if "join-replay" in self.did or not self.replay.exists():
+            return
+        recorded = self.replay.read_bytes()
+        for _ in range(2):
             index = self.store.add(proto.JOIN_SLOTS_KEY, 1) - 1
-            self.store.set(proto.join_request_key(index), self.replay)
+            self.store.set(proto.join_request_key(index), recorded)
         self.did["join-replay"] += 2
 
     def play_back(self, gen: int, directive: dict[str, Any]) -> None:
@@ -146,18 +163,21 @@ class Stranger:
             self.replayed["gen-current"] += 1
             self.did["gen-current"] += 1
         elapsed = time.monotonic() - self.started_s
-        if self.replayed["heartbeat"] >= 12 or elapsed < 0.5 * self.replayed["heartbeat"]:
+        if self.replayed["heartbeat"] >= 6 or elapsed < 1.0 * self.replayed["heartbeat"]:
             return
-        for w, inc in dict(directive.get("incarnations", {})).items():
-            key = proto.heartbeat_key(int(w), str(inc))
-            seen = self.recorded.get(key)
-            if seen is None:
-                value = self.read(key)
-                if value is not None:
-                    self.recorded[key] = value
-            else:  # an older beat, or a forged one, until the next real beat
-                self.store.set(key, seen if self.replayed["heartbeat"] % 2 else
-                               FORGED_TAG)
+        keys = [proto.heartbeat_key(int(w), str(inc))
+                for w, inc in dict(directive.get("incarnations", {})).items()]
+        for key in keys:
+            value = self.read(key)
+            if value is not None:
+                self.recorded.setdefault(key, value)
+        # for 0.2 s (two beats, a tenth of the hang deadline), an older beat or a forged
+        # one stands at each worker's key: the coordinator reads some of them
+        for burst in range(8):
+            for key in keys:
+                old = self.recorded.get(key)
+                self.store.set(key, old if old is not None and burst % 2 else FORGED_TAG)
+            time.sleep(0.025)
         self.replayed["heartbeat"] += 1
         self.did["heartbeat"] += 1
 
@@ -180,11 +200,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--limit-s", type=float, default=150.0)
     args = parser.parse_args()
-    store = dist.TCPStore(args.host, args.port, is_master=False,
-                          timeout=timedelta(seconds=5))
-    with open(args.replay, "rb") as f:
-        stranger = Stranger(store, f.read())
     end = time.monotonic() + args.limit_s
+    store = None
+    while store is None and time.monotonic() < end:  # started before the coordinator
+        try:
+            store = dist.TCPStore(args.host, args.port, is_master=False,
+                                  timeout=timedelta(seconds=5))
+        except Exception:  # not listening yet
+            time.sleep(0.2)
+    stranger = Stranger(store, Path(args.replay))
     try:
         while time.monotonic() < end:
             stranger.once()

@@ -8,6 +8,7 @@ equal to the plain single-process trainer, and the report counts each kind refus
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -66,26 +67,27 @@ def test_a_stranger_without_the_token_cannot_steer_the_run(tmp_path: Path) -> No
     procs: list[subprocess.Popen[str]] = []
     with other_host() as (ns, host_ip, _ns_ip):
         try:
+            with socket.socket() as probe:  # a free port on the link, named to both
+                probe.bind((host_ip, 0))
+                port = probe.getsockname()[1]
+            replay, done = tmp_path / "recorded.json", tmp_path / "stranger.json"
+            stranger = subprocess.Popen(  # no token in its environment
+                ["ip", "netns", "exec", ns, sys.executable,
+                 str(ROOT / "tests" / "e2e" / "hostile_client.py"), host_ip, str(port),
+                 "--replay", str(replay), "--out", str(done)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                env=env(), start_new_session=True)
+            procs.append(stranger)
             train = subprocess.Popen(
-                cmd("train", "--config", str(job), "--host", host_ip, "--port", "0",
+                cmd("train", "--config", str(job), "--host", host_ip, "--port", str(port),
                     "--out", str(tmp_path / "run"), "--json", "--token", TOKEN,
-                    "--fault", "rank=3,step=10,kind=kill,phase=backward",
-                    "--fault", "rank=1,step=25,kind=glitch,phase=forward"),
+                    "--fault", "rank=3,step=15,kind=kill,phase=backward",
+                    "--fault", "rank=1,step=30,kind=glitch,phase=forward"),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                 env=env(), start_new_session=True)
             procs.append(train)
-            master, port = _address(train, 90)
-            assert master == host_ip
-            replay = tmp_path / "recorded.json"
-            replay.write_bytes(_recorded_request(master, port))
-            done = tmp_path / "stranger.json"
-            stranger = subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable,
-                 str(ROOT / "tests" / "e2e" / "hostile_client.py"), master, str(port),
-                 "--replay", str(replay), "--out", str(done)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                env=env(), start_new_session=True)  # no token in its environment
-            procs.append(stranger)
+            assert _address(train, 90) == (host_ip, port)
+            replay.write_bytes(_recorded_request(host_ip, port))
             out, err = train.communicate(timeout=240)
             stranger_out = stranger.communicate(timeout=60)[0]
         finally:
