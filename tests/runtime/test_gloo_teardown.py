@@ -36,7 +36,7 @@ def _groups(store: dist.TCPStore, prefix: str, size: int,
                                timeout=timedelta(seconds=TIMEOUT_S))
         meet: dist.Store = client
         if signer is not None:
-            meet = Channel(client, Shared(signer, rank, f"i{rank}")).rendezvous()
+            meet = Channel(client, Shared(signer, rank, f"i{rank}")).rendezvous(TIMEOUT_S)
             kept.append(meet)
         out[rank] = make_group(meet, prefix, rank, size, backend="gloo",
                                timeout_s=TIMEOUT_S, address="127.0.0.1")

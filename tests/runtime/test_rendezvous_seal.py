@@ -38,7 +38,7 @@ def test_groups_meet_through_the_seal_and_wait_past_forged_values() -> None:
         try:
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                    timeout=timedelta(seconds=TIMEOUT_S))
-            meet = Channel(client, shared[rank]).rendezvous()
+            meet = Channel(client, shared[rank]).rendezvous(TIMEOUT_S)
             kept.append(meet)  # torch calls the store through this object
             groups[rank] = make_group(meet, prefix, rank, 3, backend="gloo",
                                       timeout_s=TIMEOUT_S, address="127.0.0.1")

@@ -169,9 +169,10 @@ class Channel:
             try:
                 doc = json.loads(opened.payload)
             except ValueError:
-                continue  # sealed by the coordinator, so never: but acting on it would be worse
+                doc = None  # sealed by the coordinator, so never: acting on it would be worse
             if isinstance(doc, dict):
                 return gen, doc
+            time.sleep(FORGED_POLL_S)
 
     def start_gen(self) -> int:
         """The first generation a repaired worker follows."""
@@ -293,9 +294,10 @@ class Channel:
         """Fault ``index`` fires now (when, where, by whom)."""
         self.signed.put(proto.fault_fired_key(index), json.dumps(doc))
 
-    def rendezvous(self) -> RendezvousStore:
-        """The store this process's groups meet in."""
-        return RendezvousStore(self.signed)
+    def rendezvous(self, timeout_s: float) -> RendezvousStore:
+        """The store this process's groups meet in (``timeout_s``: how long a read waits
+        for a member's sealed value when the group gives no deadline of its own)."""
+        return RendezvousStore(self.signed, timeout_s)
 
 
 class RendezvousStore(dist.Store):
@@ -307,7 +309,7 @@ class RendezvousStore(dist.Store):
     Python object.
     """
 
-    def __init__(self, signed: SignedStore, timeout_s: float = 300.0) -> None:
+    def __init__(self, signed: SignedStore, timeout_s: float) -> None:
         super().__init__()
         self.signed = signed
         self.timeout_s = timeout_s

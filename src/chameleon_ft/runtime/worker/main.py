@@ -162,12 +162,12 @@ class Worker:
                                    timeout=timedelta(seconds=connect_timeout_s))
         self.job, signer = read_job(self.store, secret)
         self.chan = Channel(self.store, Shared(signer, self.id, self.incarnation, _log.warning))
-        self.rendezvous = self.chan.rendezvous()
-        """The store this process's groups meet in (kept: torch calls it)."""
         self.hang_s = self.job.hang_timeout_s
         # the watchdog decides whether the coordinator is gone; the training thread's
         # requests may take longer on a loaded host without that meaning anything
         self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
+        self.rendezvous = self.chan.rendezvous(max(5.0, 2 * self.hang_s))
+        """The store this process's groups meet in (kept: torch calls it)."""
         self.blobs = BlobClient(self.host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s,
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
