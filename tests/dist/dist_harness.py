@@ -53,7 +53,9 @@ class CheckedTraffic(Hooks):
 
     def before_publish(self, coord: Coordinator, directive: dict[str, Any]) -> None:
         self.inner.before_publish(coord, directive)
-        boundaries = proto.JobInfo.from_json(coord.cs.store.get(proto.JOB_KEY)).boundaries
+        job_info = coord.cs.job()
+        assert job_info is not None
+        boundaries = job_info.boundaries
         self.findings += [f"generation {directive['gen']}: {f}"
                           for f in check_directive(directive, boundaries)]
         self.checked += 1

@@ -116,8 +116,10 @@ def admit_joins(coord: Coordinator, now_s: float) -> None:
     """Answer join requests from other hosts (any time during the run)."""
     for item in coord.desk.requests(now_s):
         if item.request is None:
-            coord.report.refused.append({"reason": "malformed join request", "at_s": now_s})
-            coord.log("refused a join request: malformed")
+            if coord.report.refuse({"reason": "malformed join request", "at_s": now_s},
+                                   "malformed"):
+                coord.log("refused a join request: malformed (further ones are counted, "
+                          "not logged)")
             continue
         coord._request = item.request
         try:
@@ -207,9 +209,10 @@ def _do_reply(coord: Coordinator, e: m.Reply) -> None:
     assert request is not None, "a reply without a request in hand"
     if e.worker is None:
         coord.desk.reply(request, auth.JoinReply(ok=False, reason=e.reason))
-        coord.report.refused.append({"host": request.host, "reason": e.reason,
-                                     "at_s": coord.now()})
-        coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
+        if coord.report.refuse({"host": request.host, "reason": e.reason,
+                                "at_s": coord.now()}, request.host):
+            coord.log(f"refused a worker from {request.host} ({request.address}): "
+                      f"{e.reason}")
         return
     incarnation, index = coord.launcher.admitted(e.worker, request.host, coord.state.alive,
                                                  request.local_index)

@@ -29,6 +29,8 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "step_s": [r.step_s for r in steps],
         "rejoins": coord.report.rejoins,
         "refused": coord.report.refused,
+        "refused_total": coord.report.refused_total,
+        "forgeries": coord.cs.forgeries(),
         "faults": coord.fault_report(),
         "initial_plan": job.plan0.to_dict(),
         "final_plan": coord.state.plan.to_dict(),

@@ -45,6 +45,7 @@ from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.report.records import Event, StepRecord
 from chameleon_ft.runtime.report.run import RunReport
+from chameleon_ft.runtime.signing import Refusals, Signer, control_key
 from chameleon_ft.runtime.worker.groups import resolve_backend, resolve_device
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
@@ -311,7 +312,9 @@ class Coordinator:
             self.log(f"run directory: {job.out_dir} (checkpoints, report, parameters)")
         self.store = bound_store(self.host, self.port, self.train.join_timeout_s)
         self.port = self.store.port
-        self.cs = proto.ControlStore(self.store)
+        self.cs = proto.ControlStore(
+            self.store, Signer(control_key(job.secret), job.job_id),
+            Refusals(lambda line: self.log(f"warning: {line}"), kind_of=proto.message_kind))
         self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
                               timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
                               deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
@@ -457,7 +460,8 @@ class Coordinator:
             self.feed(m.Ready(self.now(), run.gen))
         run = self.state
         if run.phase in (st.Phase.TRAINING, st.Phase.DRAINING) and \
-                self.cs.reduced(run.gen, run.next_step) >= len(run.plan.workers):
+                self.cs.reduced(run.gen, run.next_step, run.plan.workers) >= \
+                len(run.plan.workers):
             self.feed(m.Reduced(self.now(), run.gen, run.next_step))
         return beats_due
 

@@ -23,6 +23,12 @@ PLOT_S = 120.0
 """How long drawing ``report.png`` may take."""
 
 
+MAX_REFUSED = 100
+"""Refused join requests the report lists (it counts them all)."""
+MAX_REFUSED_SOURCES = 16
+"""Sources (claimed hosts) whose first refusal is logged."""
+
+
 class RunReport:
     """Records of one run, and their files under the run directory."""
 
@@ -46,6 +52,10 @@ class RunReport:
         """Every commit in order, redone steps too."""
         self.rejoins: list[dict[str, Any]] = []
         self.refused: list[dict[str, Any]] = []
+        """The first ``MAX_REFUSED`` join requests refused (``refused_total``: all)."""
+        self.refused_total = 0
+        self._refusing: set[str] = set()
+        """Sources whose refusals were logged."""
         self.dropped: list[dict[str, Any]] = []
         """Checkpoints that could not be written (the disk refused, or too slow)."""
         self.corrupt: list[dict[str, Any]] = []
@@ -121,6 +131,18 @@ class RunReport:
             return []
         return [json.loads(ln) for ln in self.op_times_path.read_text().splitlines()
                 if ln.strip()]
+
+    def refuse(self, entry: dict[str, Any], source: str) -> bool:
+        """Record a refused join request; whether to log it (the first refusal of each
+        source, for at most ``MAX_REFUSED_SOURCES`` sources: a flood writes nothing
+        without bound)."""
+        self.refused_total += 1
+        if len(self.refused) < MAX_REFUSED:
+            self.refused.append(entry)
+        if source in self._refusing or len(self._refusing) >= MAX_REFUSED_SOURCES:
+            return False
+        self._refusing.add(source)
+        return True
 
     def ordered_steps(self) -> list[StepRecord]:
         """The committed steps in order."""
