@@ -71,21 +71,28 @@ class Pair:
     the sharded ones run as two pipeline stages joined by a sequence-sharded boundary."""
 
     def __init__(self, model: Any, mesh: DeviceMesh, dtype: torch.dtype,
-                 compute_dtype: torch.dtype | None = None) -> None:
-        self.model, self.mesh = model, mesh
+                 compute_dtype: torch.dtype | None = None, *, frozen: tuple[int, ...] = (),
+                 checkpointing: bool = False) -> None:
+        self.model, self.mesh, self.checkpointing = model, mesh, checkpointing
         n = model.num_layers
-        self.whole = [LayerTrainState.create(model.build_layer(i).to(dtype), ADAMW,
+        self.whole = [LayerTrainState.create(self._build(i, dtype, frozen), ADAMW,
                                              compute_dtype=compute_dtype) for i in range(n)]
         self.layouts: list[LayerLayout] = []
         self.sharded: list[LayerTrainState] = []
         for i in range(n):
-            layer = model.build_layer(i).to(dtype)
+            layer = self._build(i, dtype, frozen)
             self.layouts.append(shard_layer(model, i, layer, mesh))
             self.sharded.append(LayerTrainState.create(layer, ADAMW, compute_dtype=compute_dtype))
         self.cut = n // 2  # stage 0 holds layers 0..cut-1
 
+    def _build(self, index: int, dtype: torch.dtype, frozen: tuple[int, ...]) -> nn.Module:
+        layer: nn.Module = self.model.build_layer(index).to(dtype)
+        if index in frozen:
+            layer.requires_grad_(False)
+        return layer
+
     def _stage(self, states: list[LayerTrainState], indices: range) -> StageModel:
-        stage = StageModel()
+        stage = StageModel(checkpointing=self.checkpointing and states is self.sharded)
         for i in indices:
             stage.layers[str(i)] = states[i].module
         return stage
@@ -110,7 +117,7 @@ class Pair:
         whole_logits = self._stage(self.whole, range(n))(inputs)
         whole_loss = self.model.loss(whole_logits.float(), targets) / tokens
         whole_loss.backward()
-        return logits, whole_logits, float(loss), float(whole_loss)
+        return logits, whole_logits, float(loss.detach()), float(whole_loss.detach())
 
     def tied(self, states: list[LayerTrainState]) -> None:
         """Sum each tied pair's gradients (both copies in this process)."""
@@ -166,15 +173,17 @@ def max_tree_diff(a: Any, b: Any) -> float:
     return 0.0
 
 
-def train_side_by_side(rank: int, world: int, family: str, steps: int,
-                       max_norm: float) -> dict[str, Any]:
+def train_side_by_side(rank: int, world: int, family: str, steps: int, max_norm: float,
+                       **options: Any) -> dict[str, Any]:
     """float64: forward, gradients and ``steps`` clipped AdamW steps, sharded against
-    whole; returns the largest differences and what the checks saw."""
-    torch.manual_seed(0)
+    whole; returns the largest differences and what the checks saw. ``options`` go to
+    :class:`Pair` (frozen layers, activation checkpointing on the sharded side)."""
     mesh = DeviceMesh("cpu", list(range(world)))
     model = build_model(family)
     check_tensor_parallel(model, world, seq_len_of(model))
-    pair = Pair(model, mesh, torch.float64)
+    pair = Pair(model, mesh, torch.float64, **options)
+    initial = [_gathered_params(s, layout) for s, layout in zip(pair.sharded, pair.layouts,
+                                                                 strict=True)]
     out: dict[str, Any] = {"logits": 0.0, "grads": 0.0, "norm": 0.0, "state": 0.0,
                            "clipped": 0}
     for step in range(steps):
@@ -182,8 +191,12 @@ def train_side_by_side(rank: int, world: int, family: str, steps: int,
         out["logits"] = max(out["logits"], float((logits - whole_logits).abs().max()))
         for sharded, whole, layout in zip(pair.sharded, pair.whole, pair.layouts, strict=True):
             grads = _gathered_grads(sharded, layout)
+            assert set(grads) == {n for n, p in whole.master.named_parameters()
+                                  if p.grad is not None}  # frozen ones have none on both
             for name, p in whole.master.named_parameters():
-                out["grads"] = max(out["grads"], float((grads[name] - p.grad).abs().max()))
+                if p.grad is not None:
+                    out["grads"] = max(out["grads"],
+                                       float((grads[name] - p.grad).abs().max()))
         norm, whole_norm = pair.clip_and_step(step, max_norm)
         out["norm"] = max(out["norm"], abs(norm - whole_norm))
         out["clipped"] += int(whole_norm > max_norm)
@@ -191,7 +204,23 @@ def train_side_by_side(rank: int, world: int, family: str, steps: int,
         out["state"] = max(out["state"], max_tree_diff(gather_state_tree(sharded, layout),
                                                        whole.state_tree()))
     out["boundary"] = list(boundary_shape((MICRO_BATCH, seq_len_of(model), 32), world))
+    out["frozen_moved"] = [i for i in options.get("frozen", ())
+                           if max_tree_diff(_gathered_params(pair.sharded[i], pair.layouts[i]),
+                                            initial[i]) != 0.0]
     return out
+
+
+def _gathered_params(state: LayerTrainState, layout: LayerLayout) -> dict[str, torch.Tensor]:
+    return {name: whole_tensor(p.detach(), layout.of(name)).clone()
+            for name, p in state.master.named_parameters()}
+
+
+def family_checks(rank: int, world: int, families: list[str], steps: int,
+                  max_norm: float) -> dict[str, dict[str, Any]]:
+    """:func:`train_side_by_side` and :func:`state_round_trips` for each family, in one
+    group (the processes start once)."""
+    return {f: {**train_side_by_side(rank, world, f, steps, max_norm),
+                **state_round_trips(rank, world, f)} for f in families}
 
 
 def _gathered_grads(state: LayerTrainState, layout: LayerLayout) -> dict[str, torch.Tensor]:

@@ -26,9 +26,10 @@ PRELOAD = ("transformers", "chameleon_ft.runtime.workload.models.hf",
 
 
 def _entry(target: Callable[..., Any], rank: int, world: int, port: int, prefix: str,
-           timeout_s: float, args: tuple[Any, ...], results: Any) -> None:
-    """A rank: join the group under ``prefix``, run ``target(rank, world, *args)``, send
-    back ``(rank, ok, value or traceback)``."""
+           timeout_s: float, args: tuple[Any, ...], kwargs: dict[str, Any],
+           results: Any) -> None:
+    """A rank: join the group under ``prefix``, run ``target(rank, world, *args,
+    **kwargs)``, send back ``(rank, ok, value or traceback)``."""
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
@@ -39,7 +40,7 @@ def _entry(target: Callable[..., Any], rank: int, world: int, port: int, prefix:
                                                        timeout=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timeout)
-        results.put((rank, True, target(rank, world, *args)))
+        results.put((rank, True, target(rank, world, *args, **kwargs)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -48,8 +49,8 @@ def _entry(target: Callable[..., Any], rank: int, world: int, port: int, prefix:
 
 
 def run_ranks(target: Callable[..., Any], world: int, *args: Any,
-              timeout_s: float = 60.0) -> list[Any]:
-    """``target(rank, world, *args)`` on ``world`` processes of one gloo group.
+              timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
+    """``target(rank, world, *args, **kwargs)`` on ``world`` processes of one gloo group.
 
     Returns:
         Each rank's return value, by rank.
@@ -64,7 +65,8 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any,
     results = ctx.Queue()
     prefix = f"tp-{uuid.uuid4().hex}/"
     procs = [ctx.Process(target=_entry, args=(target, rank, world, store.port, prefix,
-                                              timeout_s, args, results), daemon=True)
+                                              timeout_s, args, kwargs, results),
+                         daemon=True)
              for rank in range(world)]
     answers: dict[int, Any] = {}
     try:
