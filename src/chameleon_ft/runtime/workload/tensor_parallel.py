@@ -63,7 +63,7 @@ _HEAD_NORMS = ("q_norm", "k_norm")
 """Norms over each head's width (Qwen3): they run on the rank's own heads."""
 
 
-def _hf_model() -> type | None:
+def _hf_model() -> type[Any] | None:
     """The Hugging Face adapter's class, when transformers is installed."""
     try:
         from chameleon_ft.runtime.workload.models.hf import HFCausalLM
@@ -104,7 +104,7 @@ def check_tensor_parallel(model: Any, degree: int, seq_len: int) -> None:
         _divides(degree, s.num_heads, "attention heads")
         _divides(degree, s.ffn_size, "MLP columns (ffn)")
     elif hf_cls is not None and isinstance(model, hf_cls):
-        c: Any = model.config  # type: ignore[attr-defined]
+        c: Any = model.config
         _divides(degree, c.num_attention_heads, "attention heads")
         _divides(degree, c.num_key_value_heads, "key/value heads (grouped heads are split "
                  "over the group, not replicated)")
@@ -165,7 +165,7 @@ def _gpt_plan(index: int, layer: nn.Module, num_layers: int, degree: int
             None, fused)
 
 
-def _hf_attention(prefix: str, attention: nn.Module, config: Any, degree: int,
+def _hf_attention(prefix: str, attention: Any, config: Any, degree: int,
                   plan: dict[str, ParallelStyle], fused: dict[str, TensorLayout]) -> None:
     """A Hugging Face attention's projections, q/k norms and, for a fused projection,
     the local head counts its forward reads."""
@@ -259,8 +259,7 @@ def shard_layer(model: Any, index: int, layer: nn.Module, mesh: DeviceMesh) -> L
     if isinstance(model, GPTModel):
         plan, root, fused = _gpt_plan(index, layer, model.num_layers, degree)
     elif hf_cls is not None and isinstance(model, hf_cls):
-        plan, root, fused = _hf_plan(index, layer, model.num_layers,
-                                     model.config, degree)  # type: ignore[attr-defined]
+        plan, root, fused = _hf_plan(index, layer, model.num_layers, model.config, degree)
     else:
         raise ValueError(f"job.tp: {type(model).__name__} has no tensor-parallel plan; "
                          "set job.tp = 1")

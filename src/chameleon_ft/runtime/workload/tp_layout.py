@@ -136,7 +136,7 @@ def split_tensor(full: torch.Tensor, spec: TensorLayout, degree: int,
         start, end = chunk_bounds(full.shape[dim], degree, rank)
         return full.narrow(dim, start, end - start).clone()
     pieces = []
-    for part in full.split(list(spec.parts), dim=dim):
+    for part in torch.split(full, list(spec.parts), dim=dim):
         start, end = chunk_bounds(part.shape[dim], degree, rank)
         pieces.append(part.narrow(dim, start, end - start))
     return torch.cat(pieces, dim=dim)
@@ -158,7 +158,7 @@ def join_tensor(shards: Sequence[torch.Tensor], spec: TensorLayout) -> torch.Ten
     if any(s.shape[dim] != sum(per_rank) for s in shards):
         raise ValueError(f"layer layout: shards of {[s.shape[dim] for s in shards]} rows "
                          f"are not fused parts {list(spec.parts)} over {degree} ranks")
-    split = [s.split(per_rank, dim=dim) for s in shards]  # [rank][part]
+    split = [torch.split(s, per_rank, dim=dim) for s in shards]  # [rank][part]
     return torch.cat([torch.cat([split[r][k] for r in range(degree)], dim=dim)
                       for k in range(len(spec.parts))], dim=dim)
 
