@@ -55,6 +55,7 @@ def _check(family: str, seen: dict[str, Any]) -> None:
     for what in ("logits", "grads", "norm", "state", "loaded"):
         assert seen[what] < tol, (family, what, seen[what])
     assert seen["exact"], family  # shard -> whole -> shard, and split -> join, bit for bit
+    assert seen["whole_shard_grads"] == []  # the embedding's gradient kept to its rows
     assert seen["boundary"] == [tp_cases.MICRO_BATCH, tp_cases.seq_len_of(
         tp_cases.build_model(family)) // 2, 32]
 
@@ -80,6 +81,7 @@ def test_four_ranks_with_a_frozen_embedding_and_activation_checkpointing() -> No
     for what in ("logits", "grads", "norm", "state"):
         assert seen[what] < 1e-9, (what, seen[what])
     assert seen["frozen_moved"] == []  # bit for bit where it started
+    assert seen["whole_shard_grads"] == []
     assert seen["boundary"] == [tp_cases.MICRO_BATCH, 16 // 4, 32]
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from chameleon_ft.runtime.storage.packing import pack, unpack
 from chameleon_ft.runtime.workload.models import StageModel, tied_parameters
@@ -33,6 +34,7 @@ from chameleon_ft.runtime.workload.tp_state import (
     load_state_tree,
     local_grad_norm_squared,
     local_state_tree,
+    create_state,
     scale_grads,
     settle_grads,
     whole_tensor,
@@ -82,7 +84,7 @@ class Pair:
         for i in range(n):
             layer = self._build(i, dtype, frozen)
             self.layouts.append(shard_layer(model, i, layer, mesh))
-            self.sharded.append(LayerTrainState.create(layer, ADAMW, compute_dtype=compute_dtype))
+            self.sharded.append(create_state(layer, ADAMW, compute_dtype=compute_dtype))
         self.cut = n // 2  # stage 0 holds layers 0..cut-1
 
     def _build(self, index: int, dtype: torch.dtype, frozen: tuple[int, ...]) -> nn.Module:
@@ -112,6 +114,10 @@ class Pair:
         loss.backward()
         assert received.grad is not None
         boundary.backward(received.grad)  # the gradient the next stage sent back
+        self.whole_shard_grads = [  # a sharded parameter's gradient holding more than its shard
+            name for state in self.sharded for name, p in state.master.named_parameters()
+            if isinstance(p.grad, DTensor) and any(x.is_shard() for x in p.placements)
+            and p.grad.placements != p.placements]
         for state in self.sharded:
             settle_grads(state.master.parameters())
         whole_logits = self._stage(self.whole, range(n))(inputs)
@@ -197,6 +203,7 @@ def train_side_by_side(rank: int, world: int, family: str, steps: int, max_norm:
                 if p.grad is not None:
                     out["grads"] = max(out["grads"],
                                        float((grads[name] - p.grad).abs().max()))
+        out["whole_shard_grads"] = pair.whole_shard_grads
         norm, whole_norm = pair.clip_and_step(step, max_norm)
         out["norm"] = max(out["norm"], abs(norm - whole_norm))
         out["clipped"] += int(whole_norm > max_norm)
@@ -269,6 +276,7 @@ def train_bf16(rank: int, world: int, family: str, steps: int) -> dict[str, Any]
     losses: list[tuple[float, float]] = []
     for step in range(steps):
         _, _, loss, whole_loss = pair.forward_backward(step)
+        assert not pair.whole_shard_grads, pair.whole_shard_grads
         pair.clip_and_step(step, 1.0)
         losses.append((loss, whole_loss))
     return {"losses": losses}

@@ -268,7 +268,34 @@ def shard_layer(model: Any, index: int, layer: nn.Module, mesh: DeviceMesh) -> L
         parallelize_module(layer, mesh, root, src_data_rank=None)
     for name, param in layer.named_parameters():  # SequenceParallel makes every copy trainable
         param.requires_grad_(name not in frozen)
+    keep_grads_sharded(layer)
     return layer_layout(layer, fused)
+
+
+def _keep_shard(param: DTensor) -> Any:
+    def hook(grad: torch.Tensor) -> torch.Tensor | None:
+        if (isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements)
+                and all(p.is_replicate() for p in grad.placements)):
+            return grad.redistribute(param.device_mesh, param.placements)  # a local slice
+        return None
+
+    return hook
+
+
+def keep_grads_sharded(layer: nn.Module) -> None:
+    """Have each sharded parameter's gradient keep only this rank's shard as it arrives.
+
+    DTensor's backward of a vocabulary-parallel lookup gives the embedding a whole
+    (replicated) ``V x H`` gradient on every rank; accumulated as it comes, every rank
+    would hold the whole matrix's gradient until the step. The hook keeps the rank's rows
+    before accumulation (a slice: no communication). :func:`shard_layer` sets it on the
+    layer; a copy of the layer (the compute copy under mixed precision, which ``deepcopy``
+    makes without tensor hooks) needs it again (``tp_state.create_state`` does it).
+    """
+    for param in layer.parameters():
+        if (isinstance(param, DTensor) and param.requires_grad
+                and any(p.is_shard() for p in param.placements)):
+            param.register_hook(_keep_shard(param))
 
 
 def layer_layout(layer: nn.Module, fused: Mapping[str, TensorLayout] | None = None

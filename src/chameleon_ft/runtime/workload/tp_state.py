@@ -31,6 +31,7 @@ from chameleon_ft.runtime.workload.optim import (
     LRScheduleFn,
     OptimizerFactory,
 )
+from chameleon_ft.runtime.workload.tensor_parallel import keep_grads_sharded
 from chameleon_ft.runtime.workload.tp_layout import (
     SHARD_KEY,
     LayerLayout,
@@ -105,6 +106,17 @@ def gather_state_tree(state: LayerTrainState, layout: LayerLayout) -> dict[str, 
     return {**tree, "module": module, "optimizer": {**opt, "state": states}}
 
 
+def create_state(module: nn.Module, optimizer_factory: OptimizerFactory,
+                 lr_schedule: LRScheduleFn | None = None,
+                 compute_dtype: torch.dtype | None = None) -> LayerTrainState:
+    """``LayerTrainState.create`` for a sharded layer: under mixed precision the compute
+    copy's sharded gradients keep to their shards too (``keep_grads_sharded``)."""
+    state = LayerTrainState.create(module, optimizer_factory, lr_schedule, compute_dtype)
+    if state.mixed:
+        keep_grads_sharded(state.module)
+    return state
+
+
 def _as_shard(trees: Sequence[Mapping[str, Any]], layout: LayerLayout,
               mesh: DeviceMesh) -> dict[str, Any]:
     """This rank's shard tree from ``trees``: its own shard at this degree as it is,
@@ -166,7 +178,7 @@ def load_state_tree(module: nn.Module, layout: LayerLayout, mesh: DeviceMesh,
     """
     tree = _as_shard(trees, layout, mesh)
     _load_module(module, tree["module"])  # before the compute copy is made from it
-    state = LayerTrainState.create(module, optimizer_factory, lr_schedule, compute_dtype)
+    state = create_state(module, optimizer_factory, lr_schedule, compute_dtype)
     params = list(state.master.parameters())
     saved = tree["optimizer"]
     states = {}
