@@ -4,8 +4,9 @@ boundaries, every gradient (gathered), a few AdamW steps with clipping by the gl
 active at every step (replicated parameters counted once, sharded ones whole, a tied pair
 once), and the optimizer state. float64 to 1e-9 (Gemma and Gemma 2 to 1e-5: their
 transformers code computes in float32 inside a float64 model, design 5), bf16 within the
-bf16 test's tolerance. A sharded layer's state goes to shards and back exactly, and loads
-from a shard's packed bytes or from the whole layer."""
+bf16 test's tolerance. A sharded layer's state goes to shards and back exactly, loads from
+a shard's packed bytes or from the whole layer, and moves onto a new group (the next
+generation's) and trains on as the whole layer does."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def _check(family: str, seen: dict[str, Any]) -> None:
         assert seen[what] < tol, (family, what, seen[what])
     assert seen["exact"], family  # shard -> whole -> shard, and split -> join, bit for bit
     assert seen["whole_shard_grads"] == []  # the embedding's gradient kept to its rows
+    assert seen["rebound"]  # a new group carries the layers' collectives after a rebind
     assert seen["boundary"] == [tp_cases.MICRO_BATCH, tp_cases.seq_len_of(
         tp_cases.build_model(family)) // 2, 32]
 

@@ -23,6 +23,7 @@ from chameleon_ft.runtime.workload.tensor_parallel import (
     boundary_shape,
     check_tensor_parallel,
     shard_layer,
+    tensor_parallel_mesh,
 )
 from chameleon_ft.runtime.workload.tp_layout import (
     LayerLayout,
@@ -33,6 +34,7 @@ from chameleon_ft.runtime.workload.tp_state import (
     gather_state_tree,
     load_state_tree,
     local_grad_norm_squared,
+    rebind_state,
     local_state_tree,
     create_state,
     scale_grads,
@@ -43,6 +45,15 @@ from chameleon_ft.runtime.workload.tp_state import (
 ADAMW = TorchOptimizer("AdamW", (("betas", (0.9, 0.95)), ("lr", 3e-2), ("weight_decay", 0.1)))
 """Large steps, so a wrong update shows."""
 MICRO_BATCH = 2
+_GENERATIONS: list[int] = []
+"""The generations this process rebound layers to (a family after another, as a worker's
+generations follow each other)."""
+
+
+def first_mesh() -> DeviceMesh:
+    """The mesh of generation 0, over the whole (default) group."""
+    assert dist.group.WORLD is not None
+    return tensor_parallel_mesh(dist.group.WORLD, "cpu", generation=0)
 
 
 def build_model(family: str) -> Any:
@@ -184,7 +195,7 @@ def train_side_by_side(rank: int, world: int, family: str, steps: int, max_norm:
     """float64: forward, gradients and ``steps`` clipped AdamW steps, sharded against
     whole; returns the largest differences and what the checks saw. ``options`` go to
     :class:`Pair` (frozen layers, activation checkpointing on the sharded side)."""
-    mesh = DeviceMesh("cpu", list(range(world)))
+    mesh = first_mesh()
     model = build_model(family)
     check_tensor_parallel(model, world, seq_len_of(model))
     pair = Pair(model, mesh, torch.float64, **options)
@@ -240,13 +251,12 @@ def state_round_trips(rank: int, world: int, family: str) -> dict[str, Any]:
     """A trained sharded layer's state: shard -> whole -> shard is exact; the whole tree
     split and joined again is exact; packed bytes of a shard load into a fresh sharded
     layer and the next step equals; a whole tree loads at this degree."""
-    mesh = DeviceMesh("cpu", list(range(world)))
+    mesh = first_mesh()
     model = build_model(family)
     pair = Pair(model, mesh, torch.float64)
     pair.forward_backward(0)
     pair.clip_and_step(0, 1.0)
     out: dict[str, Any] = {"exact": True, "loaded": 0.0}
-    trees = []
     for i, (state, layout) in enumerate(zip(pair.sharded, pair.layouts, strict=True)):
         local = local_state_tree(state, layout, mesh)
         whole = gather_state_tree(state, layout)
@@ -259,7 +269,16 @@ def state_round_trips(rank: int, world: int, family: str) -> dict[str, Any]:
         assert layout_again == layout
         source = unpack(pack(local)) if i % 2 else whole  # a shard's bytes, or the whole
         pair.sharded[i] = load_state_tree(fresh, layout, mesh, [source], ADAMW)
-        trees.append(local)
+    # the next generation's group: every layer rebound to a mesh over a new group
+    group = dist.new_group(list(range(world)))
+    _GENERATIONS.append(len(_GENERATIONS) + 1)  # a generation's number is never reused
+    next_mesh = tensor_parallel_mesh(group, "cpu", generation=_GENERATIONS[-1])
+    for i, layout in enumerate(pair.layouts):
+        pair.sharded[i] = rebind_state(model, i, pair.sharded[i], layout, next_mesh, ADAMW)
+    pair.mesh = next_mesh
+    out["rebound"] = all(p.device_mesh.get_group().group_name == group.group_name
+                         for s in pair.sharded
+                         for p in s.master.parameters() if isinstance(p, DTensor))
     pair.forward_backward(1)
     pair.clip_and_step(1, 1.0)
     for sharded, whole, layout in zip(pair.sharded, pair.whole, pair.layouts, strict=True):
@@ -270,7 +289,7 @@ def state_round_trips(rank: int, world: int, family: str) -> dict[str, Any]:
 
 def train_bf16(rank: int, world: int, family: str, steps: int) -> dict[str, Any]:
     """bf16 compute from fp32 masters, sharded against whole: every step's loss."""
-    mesh = DeviceMesh("cpu", list(range(world)))
+    mesh = first_mesh()
     model = build_model(family)
     pair = Pair(model, mesh, torch.float32, compute_dtype=torch.bfloat16)
     losses: list[tuple[float, float]] = []

@@ -116,6 +116,23 @@ def check_tensor_parallel(model: Any, degree: int, seq_len: int) -> None:
     _divides(degree, seq_len, "tokens per sample (sequence-parallel boundaries)")
 
 
+def tensor_parallel_mesh(group: Any, device_type: str, generation: int) -> DeviceMesh:
+    """The device mesh of a worker's tensor-parallel group for one generation.
+
+    Named for its generation: DTensor's caches compare meshes by their ranks and names,
+    not by their process group, so an unnamed mesh over a rebuilt group equals the old
+    one and DTensor hands the old mesh (and its aborted group) back to the new layers
+    (measured on torch 2.13: every parameter of a layer sharded on the new mesh reported
+    the old group).
+
+    Args:
+        group: the generation's process group over the worker's ranks, in rank order.
+        device_type: ``cpu`` or ``cuda``.
+        generation: the generation the group belongs to.
+    """
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"tp_g{generation}",))
+
+
 def boundary_shape(shape: tuple[int, ...], degree: int) -> tuple[int, ...]:
     """The local shape a rank sends or receives for a stage boundary of whole ``shape``
     (B, T, H): its ``T / degree`` tokens."""
@@ -295,7 +312,7 @@ def keep_grads_sharded(layer: nn.Module) -> None:
     for param in layer.parameters():
         if (isinstance(param, DTensor) and param.requires_grad
                 and any(p.is_shard() for p in param.placements)):
-            param.register_hook(_keep_shard(param))
+            param.register_hook(_keep_shard(param))  # type: ignore[no-untyped-call]
 
 
 def layer_layout(layer: nn.Module, fused: Mapping[str, TensorLayout] | None = None

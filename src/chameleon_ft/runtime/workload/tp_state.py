@@ -31,7 +31,7 @@ from chameleon_ft.runtime.workload.optim import (
     LRScheduleFn,
     OptimizerFactory,
 )
-from chameleon_ft.runtime.workload.tensor_parallel import keep_grads_sharded
+from chameleon_ft.runtime.workload.tensor_parallel import keep_grads_sharded, shard_layer
 from chameleon_ft.runtime.workload.tp_layout import (
     SHARD_KEY,
     LayerLayout,
@@ -189,6 +189,27 @@ def load_state_tree(module: nn.Module, layout: LayerLayout, mesh: DeviceMesh,
             for k, v in entries.items()}
     state.optimizer.load_state_dict({**saved, "state": states})
     return state
+
+
+def rebind_state(model: Any, index: int, state: LayerTrainState, layout: LayerLayout,
+                 mesh: DeviceMesh, optimizer_factory: OptimizerFactory,
+                 lr_schedule: LRScheduleFn | None = None,
+                 compute_dtype: torch.dtype | None = None) -> LayerTrainState:
+    """Layer ``index``'s state moved onto ``mesh``, a new group over the same ranks (the
+    next generation's tensor-parallel group: communicators are rebuilt, never patched, and
+    a DTensor keeps the mesh it was made on). The layer is built and sharded again and
+    takes this rank's shard of ``state``. No communication.
+
+    Raises:
+        ValueError: when the new mesh's rank or size differ from the old one's.
+    """
+    tree = local_state_tree(state, layout, mesh)
+    first = next(state.master.parameters())
+    layer = model.build_layer(index).to(dtype=first.dtype, device=first.device)
+    if shard_layer(model, index, layer, mesh) != layout:
+        raise ValueError("layer state: the new mesh shards the layer another way")
+    return load_state_tree(layer, layout, mesh, [tree], optimizer_factory, lr_schedule,
+                           compute_dtype)
 
 
 # ---------------------------------------------------------------------------- gradients
