@@ -175,13 +175,20 @@ class _Mesh:
         return 2
 
 
-def test_a_decoder_module_without_a_rule_is_refused_in_one_line() -> None:
-    model = HFCausalLM(family_config("llama"))
+@pytest.mark.parametrize(("family", "where"), [("llama", "self_attn"), ("phi3", "")])
+def test_a_decoder_module_without_a_rule_is_refused_before_anything_changes(
+        family: str, where: str) -> None:
+    model = HFCausalLM(family_config(family))
     layer = model.build_layer(1)
-    layer.self_attn.extra = torch.nn.Linear(32, 32)  # a family's module we do not know
-    with pytest.raises(ValueError, match=r"^job.tp: no tensor-parallel rule for Linear "
-                                         r"'self_attn.extra'"):
+    owner = layer.get_submodule(where)
+    owner.extra = torch.nn.Linear(32, 32)  # a family's module we do not know
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    name = f"{where}.extra" if where else "extra"
+    with pytest.raises(ValueError, match=rf"^job.tp: no tensor-parallel rule for Linear "
+                                         rf"'{name}'"):
         shard_layer(model, 1, layer, _Mesh())  # type: ignore[arg-type]
+    after = layer.state_dict()  # Phi-3's fused rows not reordered
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_tp_one_needs_nothing() -> None:

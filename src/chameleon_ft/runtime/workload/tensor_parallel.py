@@ -206,32 +206,40 @@ def _hf_attention(prefix: str, attention: Any, config: Any, degree: int,
             plan[f"{prefix}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """A norm: no linear or embedding, only one-dimensional parameters of its own."""
+    own = list(module.parameters(recurse=False))
+    return (bool(own) and not isinstance(module, nn.Linear | nn.Embedding)
+            and all(p.dim() == 1 for p in own))
+
+
 def _hf_block_plan(layer: nn.Module, config: Any, degree: int
                    ) -> tuple[dict[str, ParallelStyle], dict[str, TensorLayout]]:
-    """A Hugging Face decoder layer: every linear by its role, every norm on the rank's
-    tokens; a module of another kind holding parameters is refused."""
+    """A Hugging Face decoder layer: every linear by its role, every norm of the layer on
+    the rank's tokens; a module of another kind holding parameters is refused before
+    anything changes."""
     sharded = Shard(SEQUENCE_DIM)
     plan: dict[str, ParallelStyle] = {}
-    fused: dict[str, TensorLayout] = {}
-    _hf_attention("self_attn", layer.get_submodule("self_attn"), config, degree, plan, fused)
-    plan["mlp"] = PrepareModuleInput(input_layouts=(sharded,), desired_input_layouts=(Replicate(),))
-    mlp = layer.get_submodule("mlp")
-    gate_up = getattr(mlp, "gate_up_proj", None)
-    if isinstance(gate_up, nn.Linear):  # Phi-3: [gate; up], chunked in two by the forward
-        half = gate_up.out_features // 2
-        fused["mlp.gate_up_proj.weight"] = _fuse(gate_up, (half, half), degree)
     for name, module in layer.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        own = list(module.parameters(recurse=False))
         if isinstance(module, nn.Linear) and leaf in _COLUMN:
             plan[name] = ColwiseParallel()
         elif isinstance(module, nn.Linear) and leaf in _ROW:
             plan[name] = RowwiseParallel(output_layouts=sharded, use_local_output=False)
-        elif "." not in name and own and leaf not in ("self_attn", "mlp"):
+        elif "." not in name and _is_norm(module):
             plan[name] = SequenceParallel()  # the layer's own norms
-        elif own and name not in plan:
+        elif leaf in _HEAD_NORMS and name.count(".") == 1 and _is_norm(module):
+            pass  # the attention's, below
+        elif list(module.parameters(recurse=False)):
             raise ValueError(f"job.tp: no tensor-parallel rule for {type(module).__name__} "
                              f"{name!r} of {type(layer).__name__}; set job.tp = 1")
+    fused: dict[str, TensorLayout] = {}
+    _hf_attention("self_attn", layer.get_submodule("self_attn"), config, degree, plan, fused)
+    plan["mlp"] = PrepareModuleInput(input_layouts=(sharded,), desired_input_layouts=(Replicate(),))
+    gate_up = getattr(layer.get_submodule("mlp"), "gate_up_proj", None)
+    if isinstance(gate_up, nn.Linear):  # Phi-3: [gate; up], chunked in two by the forward
+        half = gate_up.out_features // 2
+        fused["mlp.gate_up_proj.weight"] = _fuse(gate_up, (half, half), degree)
     return plan, fused
 
 
