@@ -1,5 +1,6 @@
 """A sharded layer's training state: as this rank's shard, as the whole layer, and back;
-the global gradient norm over sharded and replicated parameters.
+moved onto the next generation's group; its gradients settled to their parameters'
+placements; the global gradient norm over sharded and replicated parameters.
 
 A layer sharded by ``tensor_parallel.shard_layer`` holds DTensor parameters (and its
 optimizer, built over them, DTensor moments). Its state leaves a process in one of two
