@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from cli_helpers import LAYOUT, ROOT, TINY_MODEL, cmd, env
-from test_remote_netns import _address, _stop_all, other_host
+from procs import kill_groups
+from test_remote_netns import _address, other_host
 
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
@@ -91,7 +92,7 @@ def test_a_stranger_without_the_token_cannot_steer_the_run(tmp_path: Path) -> No
             out, err = train.communicate(timeout=240)
             stranger_out = stranger.communicate(timeout=60)[0]
         finally:
-            _stop_all(procs)
+            kill_groups(*procs)
     assert train.returncode == 0, err[-6000:]
     did = json.loads(done.read_text()) if done.exists() else {}
     report = json.loads(out)
