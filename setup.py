@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. The extension is optional: where no C compiler is
 found the package installs without it and the scheduler runs its Python reference (the
-same results, slower; ``chameleon_ft.perf.schedule.COMPILED`` tells which one runs).
+same results, slower; ``chameleon_ft.perf.kernel.COMPILED`` tells which one runs).
 """
 
 from setuptools import Extension, setup

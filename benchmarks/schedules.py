@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 
 from chameleon_ft.perf import Topology
-from chameleon_ft.perf.estimator import Estimator, _components
-from chameleon_ft.perf.schedule import COMPILED, _list_schedule, _stage_costs, build_graph
+from chameleon_ft.perf.components import _components
+from chameleon_ft.perf.estimator import Estimator
+from chameleon_ft.perf.graph import _stage_costs, build_graph
+from chameleon_ft.perf.kernel import COMPILED
+from chameleon_ft.perf.list_scheduler import _list_schedule
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import LayerCost, Profile, build_profile

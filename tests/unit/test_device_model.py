@@ -35,7 +35,8 @@ from chameleon_ft.profile import (
 )
 from chameleon_ft.profile.analytic import activation_bytes_per_token
 from chameleon_ft.recovery import templates as templates_module
-from chameleon_ft.recovery.templates import Templates, allocate, order_fits, proportional_start
+from chameleon_ft.recovery.allocation import allocate, proportional_start
+from chameleon_ft.recovery.templates import Templates, order_fits
 from chameleon_ft.spec import ClusterSpec, DeviceSpec, ModelSpec, device_preset, model_preset
 from chameleon_ft.spec.config import config_from_mapping, load_config
 

@@ -15,8 +15,9 @@ from plan_shapes import even_pipelines
 from chameleon_ft.perf import Topology, build_schedule, estimate
 from chameleon_ft.perf.closed_form import stage_memory, step_1f1b, step_rerouted
 from chameleon_ft.perf.coloring import rounds
-from chameleon_ft.perf.estimator import Estimator, sync_buckets, tie_members
-from chameleon_ft.perf.schedule import OpKind, stream_order
+from chameleon_ft.perf.estimator import Estimator
+from chameleon_ft.perf.orders import OpKind, stream_order
+from chameleon_ft.perf.sync import sync_buckets, synchronise, tie_members
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Reroute, Stage
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import Profile, uniform_profile
@@ -313,7 +314,7 @@ def _synchronise(est: Estimator, plan: ExecutionPlan, finish: dict[int, float]
     ready: dict[range, float] = {}
     for w, layers in plan.layers_by_worker.items():
         ready[layers] = max(ready.get(layers, finish[w]), finish[w])
-    return est._synchronise(plan, ready, max(finish.values()))
+    return synchronise(plan, est.profile, est.topology, ready, max(finish.values()))
 
 
 @pytest.mark.parametrize("tied", [0.0, 5e7])
@@ -441,7 +442,7 @@ def test_components_are_the_pipelines_reroutes_link(seed: int) -> None:
     own and lone; groups in the order of their first pipelines, each in pipeline order."""
     import random
 
-    from chameleon_ft.perf.estimator import _components
+    from chameleon_ft.perf.components import _components
 
     rng = random.Random(seed)
     for _ in range(10):

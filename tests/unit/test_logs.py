@@ -22,9 +22,15 @@ JSON result)."""
 
 @pytest.fixture
 def root_logger() -> Iterator[logging.Logger]:
-    """The package's logger, restored after the test (configure changes it)."""
+    """The package's logger, as no edge configured it (an earlier test of the session may
+    have run a command in-process, whose handlers write to a stream since closed), and
+    restored after the test (configure changes it)."""
     logger = logging.getLogger(logs.ROOT)
     saved = (list(logger.handlers), logger.level, logger.propagate)
+    for handler in saved[0]:
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
     try:
         yield logger
     finally:

@@ -9,7 +9,8 @@ import pytest
 from plan_shapes import even_pipelines
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.plan.plan import shared_stage, sharing_stages
+from chameleon_ft.plan.pipeline import shared_stage
+from chameleon_ft.plan.plan import sharing_stages
 from chameleon_ft.plan.reroute import reroute_plan
 
 

@@ -12,13 +12,8 @@ from chameleon_ft.perf import Bucket, Topology
 from chameleon_ft.perf.estimator import Breakdown, Estimate, Estimator
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
-from chameleon_ft.policy.symmetry import (
-    _Inverse,
-    _rename_estimate,
-    _rename_migration,
-    canonical_renaming,
-    rename_plan,
-)
+from chameleon_ft.policy.renaming import _Inverse, _rename_estimate, _rename_migration, rename_plan
+from chameleon_ft.policy.symmetry import canonical_renaming
 from chameleon_ft.recovery.reroute import rerouted_plan
 from chameleon_ft.recovery.types import Migration, Strategy, Transfer
 from chameleon_ft.spec import ClusterSpec, load_config

@@ -195,7 +195,7 @@ def test_a_placed_pipeline_looks_its_stages_up_only_when_read() -> None:
     import copy
     import pickle
 
-    from chameleon_ft.plan.plan import shared_stage
+    from chameleon_ft.plan.pipeline import shared_stage
 
     slot = vars(Pipeline)["stages"]  # the stored stages, unset until read
     source = Pipeline((Stage(0, 0, 2), Stage(1, 2, 3), Stage(2, 3, 6)), 4)

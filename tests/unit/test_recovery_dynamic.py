@@ -275,7 +275,7 @@ def test_search_splits_micro_batches_as_the_moves_do(
         example: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The search's exact splits (found from the optimum with the step times the
     templates already priced) give the plans the moves alone gave, failure by failure."""
-    from chameleon_ft.recovery import templates as templates_module
+    from chameleon_ft.recovery import allocation
 
     config = load_config(Path(__file__).parents[2] / "examples" / f"{example}.toml")
     plan = Planner(config).initial_plan
@@ -300,7 +300,7 @@ def test_search_splits_micro_batches_as_the_moves_do(
     assert len(fast) >= 4
     monkeypatch.setattr(dynamic, "allocate",
                         lambda layouts, total, step_s, known=None:
-                        templates_module.allocate_by_moves(layouts, total, step_s))
+                        allocation.allocate_by_moves(layouts, total, step_s))
     assert results() == fast
 
 

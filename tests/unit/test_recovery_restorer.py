@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from chameleon_ft.perf import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.plan.plan import indices_by_object, pipeline_on, placeholder_pipeline
+from chameleon_ft.plan.pipeline import pipeline_on, placeholder_pipeline
+from chameleon_ft.plan.tables import indices_by_object
 from chameleon_ft.profile import uniform_profile
 from chameleon_ft.recovery import match_workers, schedule_migration
 from chameleon_ft.recovery.restorer import _by_rows, assign_workers

@@ -13,12 +13,8 @@ from hypothesis import strategies as st
 from chameleon_ft.plan import layer_costs
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import LayerCost, Profile
-from chameleon_ft.recovery.templates import (
-    allocate,
-    allocate_by_moves,
-    memory_bounds,
-    stage_memory_bytes,
-)
+from chameleon_ft.recovery.allocation import allocate, allocate_by_moves
+from chameleon_ft.recovery.templates import memory_bounds, stage_memory_bytes
 from chameleon_ft.spec.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

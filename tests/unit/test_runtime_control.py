@@ -18,12 +18,12 @@ import pytest
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
-from chameleon_ft.runtime.control import machine
+from chameleon_ft.runtime.control import machine, slots
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.members import MAX_FAILED_STARTS
 from chameleon_ft.runtime.control.model import Mode, Settings, initial, mode
-from chameleon_ft.runtime.protocol import MISSING, ErrorReport
+from chameleon_ft.runtime.protocol import MALFORMED, MISSING, ErrorReport
 
 PLAN = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)
 """2 pipelines x 2 stages over 4 layers; stage s of pipeline p on worker s * 2 + p."""
@@ -76,6 +76,8 @@ class Run:
         self.effects: list[m.Effect] = []
         self.now = 0.0
         self.joiners = 0
+        self.reserved = 0
+        """Join slots reserved so far."""
 
     def feed(self, obs: m.Observation) -> list[m.Effect]:
         before = mode(self.c)
@@ -116,8 +118,16 @@ class Run:
         """A join request in the next slot; returns the answer."""
         self.joiners += 1
         joiner = m.Joiner(f"request {self.joiners}", f"r{self.joiners}", refusal)
-        (reply,) = of(self.feed(m.JoinRequests(self.at(), (joiner,))), m.Reply)
+        (reply,) = of(self.slots(joiner), m.Reply)
         return reply  # type: ignore[no-any-return]
+
+    def slots(self, *held: m.Joiner | str) -> list[m.Effect]:
+        """Join slots reserved with what each holds, read as the control plane asks (the
+        shell's part played here); returns the effects of the read."""
+        self.reserved += len(held)
+        (read,) = of(self.feed(m.JoinSlots(self.at(), self.reserved)), m.ReadJoins)
+        assert read.slots == tuple(range(self.reserved - len(held), self.reserved))
+        return self.feed(m.JoinRequests(self.at(), tuple(zip(read.slots, held, strict=True))))
 
     def kill(self, *workers: int) -> list[m.Effect]:
         return self.feed(m.Exits(self.at(), {w: -9 for w in workers}))
@@ -246,14 +256,17 @@ def test_two_remote_joiners_never_get_the_same_dead_id() -> None:
     run.kill(2)
     run.answer(Chosen("reroute", two_stage((0, 1), (1, 0))))
     run.now += params.join_timeout_s + 1
-    slots = (m.Joiner("a", "ra"), "missing", m.Joiner("b", "rb"))
-    first_slot = run.c.joins.next
-    out = run.feed(m.JoinRequests(run.at(), slots))
-    assert [r.worker for r in of(out, m.Reply)] == [2]  # the unwritten slot is waited for
+    out = run.slots(m.Joiner("a", "ra"), MISSING, m.Joiner("b", "rb"))
+    # the unwritten slot holds up nobody; it is waited for
+    assert [r.worker for r in of(out, m.Reply)] == [2, 3] and not of(out, m.Refused)
+    unwritten = run.reserved - 2
+    assert list(run.c.joins.pending) == [unwritten]
     run.now += SETTINGS.hang_s + 0.1
-    out = run.feed(m.JoinRequests(run.at(), slots[1:]))
-    assert [r.worker for r in of(out, m.Reply)] == [3] and "never written" in logs(out)
-    assert of(out, m.DropJoinRequests) == [m.DropJoinRequests(first_slot + 1, first_slot + 3)]
+    (read,) = of(run.feed(m.JoinSlots(run.at(), run.reserved)), m.ReadJoins)
+    assert read.slots == (unwritten,)  # looked at again
+    out = run.feed(m.JoinRequests(run.at(), ((unwritten, MISSING),)))
+    assert [(e.kind, e.why) for e in of(out, m.Refused)] == [
+        ("join-slot", "reserved, never written")] and not run.c.joins.pending
 
 
 def test_a_fully_reduced_step_commits_even_when_errors_went_unexplained() -> None:
@@ -498,16 +511,23 @@ def test_a_restart_between_the_two_phases_drops_the_switch() -> None:
     assert run.c.run.pending is None
 
 
-def test_unwritten_and_malformed_reports_do_not_block() -> None:
+def test_a_malformed_report_is_logged_and_the_next_one_read() -> None:
     run = Run().start()
     run.commit()
-    out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
-    assert not of(out, m.Failure) and run.c.watch.errors.next == 0
-    run.now += SETTINGS.hang_s + 0.1
-    out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
-    assert "was never written" in logs(out) and of(out, m.Failure)[0].workers == (1,)
-    out = run.feed(m.Errors(run.at(), run.c.run.gen, ("malformed",)))
-    assert "malformed" in logs(out)
+    out = run.feed(m.Errors(run.at(), 0, (MALFORMED, ErrorReport(1, True, None, "x"))))
+    assert "malformed" in logs(out) and of(out, m.Failure)[0].workers == (1,)
+    assert run.c.watch.errors_read == 2
+
+
+def test_a_flood_of_join_slots_is_skipped_and_counted() -> None:
+    run = Run().start()
+    out = run.feed(m.JoinSlots(run.at(), 10**9))
+    (refused,) = of(out, m.Refused)
+    (read,) = of(out, m.ReadJoins)
+    assert refused.kind == "join-flood" and len(read.slots) == slots.MAX_BACKLOG
+    out = run.feed(m.JoinRequests(run.at(), tuple((i, MISSING) for i in read.slots)))
+    assert len(run.c.joins.pending) == slots.MAX_PENDING  # the oldest are given up
+    assert len(of(out, m.Refused)) == slots.MAX_BACKLOG - slots.MAX_PENDING
 
 
 def test_every_worker_failing_relaunches_them_and_reloads() -> None:

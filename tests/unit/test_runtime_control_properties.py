@@ -15,7 +15,8 @@ step what must always hold:
 - the mode changes only along declared transitions, the generation never goes back, a
   run that ended stays ended and emits nothing but checkpoint bookkeeping, and it ends
   (``Stop``) at most once;
-- at most ``keep_checkpoints`` complete checkpoints (and the one loaded) are remembered.
+- at most ``keep_checkpoints`` complete checkpoints (and the one loaded) are remembered;
+- the join slots read at once and waited for are bounded, whatever the counter says.
 
 A third of the examples also answer the machine's questions late, after later
 observations (beyond the shell's contract, which feeds answers first): there only "never
@@ -42,11 +43,11 @@ from hypothesis import strategies as hs
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
-from chameleon_ft.runtime.control import machine
+from chameleon_ft.runtime.control import machine, slots
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.model import RUNNING, Control, Mode, Settings, initial, mode
-from chameleon_ft.runtime.protocol import MALFORMED, MISSING, ErrorReport
+from chameleon_ft.runtime.protocol import MALFORMED, MISSING, REPLAYED, ErrorReport
 
 PLAN = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)
 
@@ -134,6 +135,10 @@ class Driver:
         self.writing: list[tuple[int, int]] = []
         """Checkpoints expected (their layers arrive in later observations)."""
         self.joiners = 0
+        self.reserved = 0
+        """Join slots reserved so far."""
+        self.honest = False
+        """Every join slot read holds a request with a good proof."""
 
     def index(self, n: int) -> int:
         return int(self.data.draw(_below(n))) if n > 1 else 0
@@ -180,6 +185,8 @@ class Driver:
             self.answers.append(m.Absent(now, e.gen, absent))
         elif isinstance(e, m.ExpectCheckpoint):
             self.writing.append((e.step, e.gen))
+        elif isinstance(e, m.ReadJoins):
+            self.answers.append(m.JoinRequests(now, tuple((i, self.joiner()) for i in e.slots)))
         elif isinstance(e, m.SaveCheckpoint) and e.accepted:
             if self.index(2):
                 self.answers.append(m.CheckpointFailed(now, e.step, e.gen, "disk full"))
@@ -284,21 +291,29 @@ class Driver:
         return m.CheckpointFailed(now, step, gen, "No space left on device")
 
     def joins(self, now: float) -> m.Observation:
-        """One to three join slots from the next unread one."""
-        slots: list[m.Joiner | str] = []
-        for _ in range(1 + self.index(3)):
-            self.joiners += 1
-            slots.append(self.pick([m.Joiner(f"req{self.joiners}", f"j{self.joiners}"),
-                                    m.Joiner(f"req{self.joiners}", f"j{self.joiners}",
-                                             "bad proof"), MISSING, MALFORMED]))
-        return m.JoinRequests(now, tuple(slots))
+        """The reserved count: the same (a recheck), one to three more, or a flood; or the
+        slots read late (a stranger's slot replayed, or never asked for)."""
+        if self.index(6) == 5:
+            return m.JoinRequests(now, tuple((self.index(self.reserved + 2), self.joiner())
+                                             for _ in range(1 + self.index(2))))
+        self.reserved += self.pick([0, 1, 2, 3, 3, 1000])
+        return m.JoinSlots(now, self.reserved)
+
+    def joiner(self) -> m.Joiner | str:
+        """What one join slot holds when read."""
+        self.joiners += 1
+        good = m.Joiner(f"req{self.joiners}", f"j{self.joiners}")
+        if self.honest:
+            return good
+        return self.pick([good, good, m.Joiner(f"req{self.joiners}", f"j{self.joiners}",
+                                               "bad proof"), MISSING, MALFORMED, REPLAYED])
 
     def slot(self) -> Any:
-        """One error slot: unwritten, malformed, or a report of any kind."""
+        """One error report: malformed, or a report of any kind."""
         s = self.c.run
         shape = self.index(4)
         if shape == 3:
-            return self.pick([MISSING, MALFORMED])
+            return MALFORMED
         corrupt = None
         if shape == 2:  # mostly the checkpoint being loaded
             loading = [s.load.step] * 3 if s.load is not None else []
@@ -345,6 +360,11 @@ class Driver:
             if isinstance(e, m.Failure) and not e.idle and e.workers:
                 assert any(isinstance(x, ANSWERED_BY) for x in effects), effects
         assert list(s.checkpoints) == sorted(set(s.checkpoints))
+        # the join slots looked at are bounded, whatever the counter says
+        assert len(c.joins.pending) <= slots.MAX_PENDING
+        for e in effects:
+            if isinstance(e, m.ReadJoins):
+                assert len(e.slots) <= slots.MAX_BACKLOG + slots.MAX_PENDING
         if self.p.keep_checkpoints is not None:
             assert len(s.checkpoints) <= self.p.keep_checkpoints + 1
 
@@ -370,9 +390,11 @@ def test_the_step_never_raises_and_keeps_its_invariants(data: hs.DataObject,
     run.feed(m.Launched(0.0, {w: f"i{w}" for w in range(settings_.num_local)}, local=True,
                         replacement=False))
     if data.draw(hs.integers(0, 7)) < 7:  # usually they join; sometimes the deadline decides
-        run.feed(m.JoinRequests(0.0, tuple(m.Joiner(f"join{w}", f"r{w}") for w in range(
-            settings_.num_local, settings_.num_workers))))
-        run.joiners = settings_.num_workers
+        run.honest, run.reserved = True, settings_.num_workers - settings_.num_local
+        run.feed(m.JoinSlots(0.0, run.reserved))
+        while run.answers:
+            run.feed(run.answers.pop(0))
+        run.honest = False
         run.feed(m.Registered(0.0, tuple(sorted(run.c.members.by_worker))))
     for _ in range(data.draw(hs.integers(5, 60))):
         # the shell feeds the answers to a step's questions before it observes anything

@@ -21,17 +21,17 @@ import pytest
 
 from chameleon_ft.perf import Topology
 from chameleon_ft.perf.coloring import conflict_edges
-from chameleon_ft.perf.estimator import Estimate, Estimator, _bucket_conflicts, sync_buckets
+from chameleon_ft.perf.estimator import Estimate, Estimator
+from chameleon_ft.perf.sync import _bucket_conflicts, sync_buckets
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.policy import Planner
+from chameleon_ft.policy.renaming import carried_estimate, rename_plan
 from chameleon_ft.policy.symmetry import (
     _canonical_order,
     _pipeline_keys,
     _Shapes,
-    carried_estimate,
     interchangeable_form,
-    rename_plan,
 )
 from chameleon_ft.recovery.restorer import _workers_by_holding
 from chameleon_ft.recovery.transition import build_s

@@ -14,8 +14,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from plan_shapes import even_pipelines
 
-from chameleon_ft.perf import Topology, build_schedule, estimate
-from chameleon_ft.perf import schedule as schedule_module
+from chameleon_ft.perf import Topology, build_schedule, estimate, list_scheduler
+from chameleon_ft.perf import graph as graph_module
+from chameleon_ft.perf import kernel as kernel_module
 from chameleon_ft.perf.closed_form import (
     in_flight,
     step_1f1b,
@@ -23,7 +24,7 @@ from chameleon_ft.perf.closed_form import (
     step_zero_bubble,
 )
 from chameleon_ft.perf.estimator import Estimator
-from chameleon_ft.perf.schedule import OpKind, stage_order, stream_order
+from chameleon_ft.perf.orders import OpKind, stage_order, stream_order
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.reroute import reroute_plan
 from chameleon_ft.profile import (
@@ -433,7 +434,7 @@ def test_peak_activation_is_the_orders_peak(stages: int, data: st.DataObject, m:
                                             schedule: str, padded: bool) -> None:
     """The closed-form walk of :func:`peak_activation` equals walking the order itself
     (zero-bubble: the variant with each W right after its B)."""
-    from chameleon_ft.perf.schedule import peak_activation
+    from chameleon_ft.perf.orders import peak_activation
 
     stage = data.draw(st.integers(0, stages - 1))
     v = data.draw(st.integers(1, 4)) if schedule == "interleaved" else 1
@@ -470,7 +471,7 @@ def drawn_damage(plan: ExecutionPlan, data: st.DataObject, ideal: bool, *,
     return plan, topology, drawn
 
 
-@pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
+@pytest.mark.skipif(not kernel_module.COMPILED, reason="the compiled kernel is not built")
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(1, 8), st.data(),
        st.sampled_from(SCHEDULES), st.booleans(), st.booleans())
@@ -484,15 +485,15 @@ def test_compiled_scheduler_gives_the_python_timeline_bit_for_bit(
                                 fwd_s=data.draw(st.sampled_from([1.0, 0.3, 1.7])))
     plan, topology, speeds = drawn_damage(plan, data, ideal, dead=(1, 3),
                                           speeds=[0.5, 0.8, 1.0, 1.3])
-    for variant in schedule_module.schedule_variants(plan, range(plan.num_pipelines), v):
-        graph = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
+    for variant in graph_module.schedule_variants(plan, range(plan.num_pipelines), v):
+        graph = graph_module.build_graph(plan, profile, topology, None, speeds, None,
                                             variant)
-        for rule in schedule_module.PRIORITIES:
+        for rule in list_scheduler.PRIORITIES:
             with_ops = data.draw(st.booleans())
-            python = schedule_module._list_schedule(graph, rule, with_ops, compiled=False)
-            kernel = schedule_module._list_schedule(graph, rule, with_ops, compiled=True)
+            python = list_scheduler._list_schedule(graph, rule, with_ops, compiled=False)
+            kernel = list_scheduler._list_schedule(graph, rule, with_ops, compiled=True)
             assert kernel == python
-        assert (schedule_module._listsched.stream_totals(graph.op_dur, graph.op_act,
+        assert (kernel_module._listsched.stream_totals(graph.op_dur, graph.op_act,
                                                          graph.streams)
                 == graph.stream_totals_python())
 
@@ -509,10 +510,10 @@ def test_copied_pipelines_build_the_graph_stage_by_stage_would(
     v = data.draw(st.integers(1, 3)) if schedule == "interleaved" else 1
     profile, plan = folded_plan(sorted(lengths), m, schedule, defer, v)
     plan, topology, speeds = drawn_damage(plan, data, ideal, dead=(0, 2), speeds=[0.5, 1.0])
-    for variant in schedule_module.schedule_variants(plan, range(plan.num_pipelines), v):
-        copied = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
+    for variant in graph_module.schedule_variants(plan, range(plan.num_pipelines), v):
+        copied = graph_module.build_graph(plan, profile, topology, None, speeds, None,
                                              variant)
-        built = schedule_module.build_graph(plan, profile, topology, None, speeds, None,
+        built = graph_module.build_graph(plan, profile, topology, None, speeds, None,
                                             variant, copy_intact=False)
         assert dataclasses.asdict(copied) == dataclasses.asdict(built)
 
@@ -523,40 +524,40 @@ def test_alike_pipelines_are_copied() -> None:
     other six are copied."""
     profile, plan = folded_plan([3] * 8, 2, "1f1b", False, 1)
     builder_calls = []
-    original = schedule_module._GraphBuilder.add_stage
+    original = graph_module._GraphBuilder.add_stage
 
-    def counting(self: schedule_module._GraphBuilder, p: int, s: int, chunks: object) -> None:
+    def counting(self: graph_module._GraphBuilder, p: int, s: int, chunks: object) -> None:
         builder_calls.append(p)
         original(self, p, s, chunks)  # type: ignore[arg-type]
 
-    schedule_module._GraphBuilder.add_stage = counting  # type: ignore[method-assign]
+    graph_module._GraphBuilder.add_stage = counting  # type: ignore[method-assign]
     try:
-        schedule_module.build_graph(plan, profile, real_links(24))
+        graph_module.build_graph(plan, profile, real_links(24))
     finally:
-        schedule_module._GraphBuilder.add_stage = original  # type: ignore[method-assign]
+        graph_module._GraphBuilder.add_stage = original  # type: ignore[method-assign]
     assert sorted(set(builder_calls)) == [0, 1]
 
 
-@pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
+@pytest.mark.skipif(not kernel_module.COMPILED, reason="the compiled kernel is not built")
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 10**6)), st.data(), st.integers(-10**6, 10**6))
 def test_compiled_shift_is_the_python_one(ids: list[int], data: st.DataObject,
                                           delta: int) -> None:
     lo = data.draw(st.integers(0, len(ids)))
     hi = data.draw(st.integers(lo, len(ids)))
-    assert (schedule_module._listsched.shifted(ids, lo, hi, delta)
-            == schedule_module._shifted_python(ids, lo, hi, delta))
+    assert (kernel_module._listsched.shifted(ids, lo, hi, delta)
+            == kernel_module._shifted_python(ids, lo, hi, delta))
     with pytest.raises(ValueError, match="not a range"):
-        schedule_module._listsched.shifted(ids, 0, len(ids) + 1, delta)
+        kernel_module._listsched.shifted(ids, 0, len(ids) + 1, delta)
 
 
-@pytest.mark.skipif(not schedule_module.COMPILED, reason="the compiled kernel is not built")
+@pytest.mark.skipif(not kernel_module.COMPILED, reason="the compiled kernel is not built")
 def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
     """A graph whose tables disagree is a ValueError, never a crash."""
     plan = reroute_plan(ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=2),
                         [1])
-    graph = schedule_module.build_graph(plan, uniform_profile(4, fwd_s=1.0), free_links(4))
-    run = schedule_module._ListRun(graph, "rerouted-first", True)
+    graph = graph_module.build_graph(plan, uniform_profile(4, fwd_s=1.0), free_links(4))
+    run = list_scheduler._ListRun(graph, "rerouted-first", True)
 
     def kernel(**change: object) -> object:
         args = dict(op_dur=graph.op_dur, op_act=graph.op_act,
@@ -567,7 +568,7 @@ def test_compiled_scheduler_refuses_a_malformed_graph() -> None:
                     op_foreign=graph.op_foreign, ranks=[0, 1], rule=0,
                     with_order=True)
         args.update(change)
-        return schedule_module._listsched.run(*args.values())
+        return kernel_module._listsched.run(*args.values())
 
     assert kernel()  # the graph as built runs
     with pytest.raises(ValueError, match="out of range"):

@@ -16,11 +16,12 @@ from chameleon_ft.cli.common import (
     table,
 )
 from chameleon_ft.perf import Estimate, Topology, estimate
-from chameleon_ft.plan import initial_plan
+from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.plan.reroute import reroute_plan
-from chameleon_ft.profile import build_profile
+from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery.swap import swap_plan
 from chameleon_ft.spec import load_config
+from chameleon_ft.spec.config import Config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,23 +68,40 @@ def run(args: argparse.Namespace) -> int:
         doc["rerouted"]["gap"] = 1 - rerouted.throughput_samples_s / base.throughput_samples_s
     swapped = None
     if failed and config.cluster.spare_nodes:
-        alive = set(range(config.total_workers)) - set(failed)
-        swapped_plan = swap_plan(plan, alive, topology)
-        if swapped_plan is None:
-            doc["swapped"] = {"failed": failed, "feasible": False,
-                              "reason": f"{len(failed)} failed, {config.num_spare_workers} "
-                                        "spare workers"}
-        else:
-            swapped = estimate(swapped_plan, profile, topology)
-            doc["swapped"] = swapped.to_dict()
-            doc["swapped"].update(
-                failed=failed, feasible=True,
-                spares=[st.worker for _, _, st in swapped_plan.iter_stages()
-                        if st.worker >= config.num_workers],
-                gap=1 - swapped.throughput_samples_s / base.throughput_samples_s)
+        swapped, doc["swapped"] = _swapped(config, plan, profile, topology, failed, base)
     if args.json:
         print(dumps(doc))
-        return 0
+    else:
+        _print_report(config, profile, doc, (base, rerouted, swapped), failed)
+    return 0
+
+
+def _swapped(config: Config, plan: ExecutionPlan, profile: Profile, topology: Topology,
+             failed: list[int], base: Estimate) -> tuple[Estimate | None, dict[str, Any]]:
+    """The swapped plan's estimate (spare workers in the failed workers' places) and its
+    report, or ``None`` and why when the spares are too few."""
+    alive = set(range(config.total_workers)) - set(failed)
+    swapped_plan = swap_plan(plan, alive, topology)
+    if swapped_plan is None:
+        return None, {"failed": failed, "feasible": False,
+                      "reason": f"{len(failed)} failed, {config.num_spare_workers} "
+                                "spare workers"}
+    swapped = estimate(swapped_plan, profile, topology)
+    doc = swapped.to_dict()
+    doc.update(
+        failed=failed, feasible=True,
+        spares=[st.worker for _, _, st in swapped_plan.iter_stages()
+                if st.worker >= config.num_workers],
+        gap=1 - swapped.throughput_samples_s / base.throughput_samples_s)
+    return swapped, doc
+
+
+def _print_report(config: Config, profile: Profile, doc: dict[str, Any],
+                  estimates: tuple[Estimate, Estimate | None, Estimate | None],
+                  failed: list[int]) -> None:
+    """The report for people: the job, a table of the failure-free, rerouted and swapped
+    estimates, and the gaps."""
+    base, rerouted, swapped = estimates
     job = config.job
     model = config.model.name if config.model else f"{profile.num_layers} uniform layers"
     print(f"{model} on {config.cluster.num_nodes} x {config.cluster.devices_per_node} "
@@ -108,4 +126,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"gap: swapped throughput is {doc['swapped']['gap']:.2%} below failure-free")
     elif "swapped" in doc:
         print(f"swap: not possible, {doc['swapped']['reason']}")
-    return 0

@@ -16,8 +16,9 @@ from chameleon_ft.cli.common import (
     parse_workers,
     table,
 )
-from chameleon_ft.policy import Planner
+from chameleon_ft.policy import Decision, Planner
 from chameleon_ft.spec import load_config
+from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.recovery import POLICY_NAMES
 
 
@@ -51,6 +52,27 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: for bad flags or a failure nothing can recover from.
     """
+    config = _config(args)
+    failed = parse_workers(args.fail)
+    check_workers(failed, config.num_workers)
+    planner = Planner(config, policy=args.policy)
+    # the spare nodes' workers are alive and idle: swap can put them in the failed places
+    alive = [w for w in range(config.total_workers) if w not in set(failed)]
+    decision = planner.decide(planner.initial_plan, failed, alive=alive,
+                              horizon_s=args.horizon_s)
+    if args.json:
+        print(dumps(_report(config, planner, decision, failed)))
+    else:
+        _print_report(config, planner, decision, failed)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The job file with the flags that change it (``--node-mtbf-hours``).
+
+    Raises:
+        ValueError: for a negative horizon or a node MTBF that is not a finite number > 0.
+    """
     config = load_config(args.config)
     if args.horizon_s is not None and (math.isnan(args.horizon_s) or args.horizon_s < 0):
         raise ValueError(f"--horizon-s: must be >= 0, got {args.horizon_s}")
@@ -60,35 +82,38 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.node_mtbf_hours}")
         config = replace(config, policy=replace(config.policy,
                                                 node_mtbf_hours=args.node_mtbf_hours))
-    failed = parse_workers(args.fail)
-    check_workers(failed, config.num_workers)
-    planner = Planner(config, policy=args.policy)
-    # the spare nodes' workers are alive and idle: swap can put them in the failed places
-    alive = [w for w in range(config.total_workers) if w not in set(failed)]
-    decision = planner.decide(planner.initial_plan, failed, alive=alive,
-                              horizon_s=args.horizon_s)
+    return config
+
+
+def _report(config: Config, planner: Planner, decision: Decision,
+            failed: list[int]) -> dict[str, Any]:
+    """The ``--json`` report: the decision, every candidate, the failure-free figures."""
     base = planner.failure_free
-    if args.json:
-        doc: dict[str, Any] = {
-            "decision": {"strategy": decision.strategy, "reason": decision.reason,
-                         "transition_s": decision.transition_s,
-                         "horizon_s": decision.horizon_s,
-                         "horizon_expected": decision.horizon_expected,
-                         "cache_hit": decision.cache_hit,
-                         "plan": decision.plan.to_dict(),
-                         "migration": (decision.migration.to_dict()
-                                       if decision.migration is not None else None)},
-            "candidates": [c.to_dict() for c in decision.candidates],
-            "failure_free": {"step_s": base.step_s,
-                             "throughput_samples_s": base.throughput_samples_s},
-            "failed": failed,
-            "spare_workers": list(range(config.num_workers, config.total_workers)),
-            "policy": planner.policy,
-            "search_s": decision.search_s,
-            "setup_s": planner.setup_s,
-        }
-        print(dumps(doc))
-        return 0
+    return {
+        "decision": {"strategy": decision.strategy, "reason": decision.reason,
+                     "transition_s": decision.transition_s,
+                     "horizon_s": decision.horizon_s,
+                     "horizon_expected": decision.horizon_expected,
+                     "cache_hit": decision.cache_hit,
+                     "plan": decision.plan.to_dict(),
+                     "migration": (decision.migration.to_dict()
+                                   if decision.migration is not None else None)},
+        "candidates": [c.to_dict() for c in decision.candidates],
+        "failure_free": {"step_s": base.step_s,
+                         "throughput_samples_s": base.throughput_samples_s},
+        "failed": failed,
+        "spare_workers": list(range(config.num_workers, config.total_workers)),
+        "policy": planner.policy,
+        "search_s": decision.search_s,
+        "setup_s": planner.setup_s,
+    }
+
+
+def _print_report(config: Config, planner: Planner, decision: Decision,
+                  failed: list[int]) -> None:
+    """The report for people: the job, the candidates' table, each one's transition
+    terms, the decision."""
+    base = planner.failure_free
     job = config.job
     spares = (f", {config.cluster.spare_nodes} spare node(s) ({config.num_spare_workers} "
               "idle workers)" if config.cluster.spare_nodes else "")
@@ -100,22 +125,7 @@ def run(args: argparse.Namespace) -> int:
           f"horizon {horizon}")
     header = ["strategy", "feasible", "step", "samples/s", "vs failure-free", "transition",
               "score", "peak mem/device", "why"]
-    rows = []
-    for c in decision.candidates:
-        mark = "*" if c.strategy == decision.strategy and c.feasible else " "
-        rows.append([
-            f"{mark} {c.strategy}",
-            "yes" if c.feasible else "no",
-            human_seconds(c.step_s) if math.isfinite(c.step_s) else "-",
-            _fmt(c.throughput_samples_s, ".4g") if c.feasible else "-",
-            (f"{c.throughput_samples_s / base.throughput_samples_s:.1%}"
-             if c.feasible else "-"),
-            human_seconds(c.transition_s) if math.isfinite(c.transition_s) else "-",
-            _fmt(c.score, ".4g"),
-            human_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-",
-            c.reason,
-        ])
-    print(table(rows, header))
+    print(table(_candidate_rows(decision, base.throughput_samples_s), header))
     print("transition terms (s):")
     for c in decision.candidates:
         if not c.feasible:
@@ -130,4 +140,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"transition: {_terms_text(chosen.terms)}")
     print(f"search: {human_seconds(decision.search_s)} (templates: "
           f"{human_seconds(planner.setup_s)}, once per job)")
-    return 0
+
+
+def _candidate_rows(decision: Decision, base_samples_s: float) -> list[list[str]]:
+    """One table row per candidate, the chosen one marked."""
+    rows = []
+    for c in decision.candidates:
+        mark = "*" if c.strategy == decision.strategy and c.feasible else " "
+        rows.append([
+            f"{mark} {c.strategy}",
+            "yes" if c.feasible else "no",
+            human_seconds(c.step_s) if math.isfinite(c.step_s) else "-",
+            _fmt(c.throughput_samples_s, ".4g") if c.feasible else "-",
+            (f"{c.throughput_samples_s / base_samples_s:.1%}"
+             if c.feasible else "-"),
+            human_seconds(c.transition_s) if math.isfinite(c.transition_s) else "-",
+            _fmt(c.score, ".4g"),
+            human_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-",
+            c.reason,
+        ])
+    return rows

@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "failures, decisions and recoveries always)")
     parser.add_argument("--json", action="store_true",
                         help="print the final report as JSON on stdout (progress on stderr)")
+    _add_cluster_arguments(parser)
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``chameleon train`` about where its workers run and who may join."""
     parser.add_argument("--workers", type=int, metavar="N",
                         help="worker processes to launch on this host (default: every worker "
                              "the layout and its spare nodes need, minus --remote-workers)")
@@ -198,9 +203,14 @@ def run(args: argparse.Namespace) -> int:
     log(f"report, parameters and checkpoints in {report['run_dir']}")
     if args.json:
         print(json.dumps(report, indent=2))
+    return _exit_status(report, args.config)
+
+
+def _exit_status(report: dict[str, Any], config_path: str) -> int:
+    """The command's exit status for a finished run, with the line that explains any but 0."""
     if report["interrupted"]:
         name = report["interrupted"]
-        again = ["chameleon", "train", "--config", args.config, "--out", report["run_dir"],
+        again = ["chameleon", "train", "--config", config_path, "--out", report["run_dir"],
                  "--resume"]
         print(f"chameleon train: stopped by {name} after {report['committed_steps']} steps; "
               f"resume with: {shlex.join(again)}", file=sys.stderr, flush=True)

@@ -40,12 +40,7 @@ def validate_trace(trace: Trace, *, num_nodes: int, workers_per_node: int) -> No
     previous = 0.0
     for row, event in enumerate(trace.events, start=1):
         where = f"trace row {row} ({event.kind.value} at {event.time_s} s)"
-        if not math.isfinite(event.time_s) or event.time_s < 0:
-            raise ValueError(f"{where}: time must be a finite number >= 0")
-        if event.time_s < previous:
-            raise ValueError(f"{where}: out of time order, the previous event is at {previous} s")
-        if event.time_s >= trace.duration_s:
-            raise ValueError(f"{where}: at or after the end of the trace ({trace.duration_s} s)")
+        _check_time(where, event.time_s, previous, trace.duration_s)
         previous = event.time_s
         if event.kind == EventKind.SOFTWARE:
             if event.target:
@@ -56,33 +51,68 @@ def validate_trace(trace: Trace, *, num_nodes: int, workers_per_node: int) -> No
         if not event.target:
             raise ValueError(f"{where}: needs a target")
         if event.kind == EventKind.WORKER_FAIL:
-            if len(event.target) != 1:
-                raise ValueError(f"{where}: names exactly one worker")
-            worker = event.target[0]
-            if not 0 <= worker < num_workers:
-                raise ValueError(f"{where}: worker {worker} is outside the cluster "
-                                 f"(workers 0..{num_workers - 1})")
-            if worker in dead_workers:
-                raise ValueError(f"{where}: worker {worker} is already dead")
-            dead_workers.add(worker)
-            continue
-        if event.kind == EventKind.NODE_FAIL and len(event.target) != 1:
-            raise ValueError(f"{where}: names exactly one node; use group-fail for several")
-        if len(set(event.target)) != len(event.target):
-            raise ValueError(f"{where}: names a node twice")
-        for node in event.target:
-            if not 0 <= node < num_nodes:
-                raise ValueError(f"{where}: node {node} is outside the cluster "
-                                 f"(nodes 0..{num_nodes - 1})")
-            workers = set(range(node * workers_per_node, (node + 1) * workers_per_node))
-            if event.kind == EventKind.REPAIR:
-                if not workers & dead_workers:
-                    raise ValueError(f"{where}: node {node} is not broken")
-                dead_workers -= workers
-            else:
-                if workers <= dead_workers:
-                    raise ValueError(f"{where}: node {node} is already dead")
-                dead_workers |= workers
+            _fail_worker(where, event.target, num_workers, dead_workers)
+        else:
+            _change_nodes(where, event, num_nodes, workers_per_node, dead_workers)
+
+
+def _check_time(where: str, time_s: float, previous: float, duration_s: float) -> None:
+    """An event's time: finite, >= 0, in order and before the trace's end.
+
+    Raises:
+        ValueError: naming the row (``where``).
+    """
+    if not math.isfinite(time_s) or time_s < 0:
+        raise ValueError(f"{where}: time must be a finite number >= 0")
+    if time_s < previous:
+        raise ValueError(f"{where}: out of time order, the previous event is at {previous} s")
+    if time_s >= duration_s:
+        raise ValueError(f"{where}: at or after the end of the trace ({duration_s} s)")
+
+
+def _fail_worker(where: str, target: tuple[int, ...], num_workers: int,
+                 dead_workers: set[int]) -> None:
+    """A worker failure: one live worker of the cluster, now dead.
+
+    Raises:
+        ValueError: naming the row (``where``).
+    """
+    if len(target) != 1:
+        raise ValueError(f"{where}: names exactly one worker")
+    worker = target[0]
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"{where}: worker {worker} is outside the cluster "
+                         f"(workers 0..{num_workers - 1})")
+    if worker in dead_workers:
+        raise ValueError(f"{where}: worker {worker} is already dead")
+    dead_workers.add(worker)
+
+
+def _change_nodes(where: str, event: TraceEvent, num_nodes: int, workers_per_node: int,
+                  dead_workers: set[int]) -> None:
+    """A node (or group) failure of nodes not yet dead, or a repair of broken ones: their
+    workers dead, or alive again.
+
+    Raises:
+        ValueError: naming the row (``where``).
+    """
+    if event.kind == EventKind.NODE_FAIL and len(event.target) != 1:
+        raise ValueError(f"{where}: names exactly one node; use group-fail for several")
+    if len(set(event.target)) != len(event.target):
+        raise ValueError(f"{where}: names a node twice")
+    for node in event.target:
+        if not 0 <= node < num_nodes:
+            raise ValueError(f"{where}: node {node} is outside the cluster "
+                             f"(nodes 0..{num_nodes - 1})")
+        workers = set(range(node * workers_per_node, (node + 1) * workers_per_node))
+        if event.kind == EventKind.REPAIR:
+            if not workers & dead_workers:
+                raise ValueError(f"{where}: node {node} is not broken")
+            dead_workers -= workers
+        else:
+            if workers <= dead_workers:
+                raise ValueError(f"{where}: node {node} is already dead")
+            dead_workers |= workers
 
 
 def trace_to_csv(trace: Trace) -> str:
@@ -119,7 +149,6 @@ def trace_from_csv(text: str, *, num_nodes: int, workers_per_node: int,
     if header is None or tuple(h.strip() for h in header) != CSV_HEADER:
         raise ValueError(f"trace: the first line must be the header {','.join(CSV_HEADER)}, "
                          f"got {','.join(header or [])!r}")
-    kinds = {k.value: k for k in EventKind}
     events: list[TraceEvent] = []
     end_s: float | None = None
     for row, fields in enumerate(reader, start=1):
@@ -127,30 +156,13 @@ def trace_from_csv(text: str, *, num_nodes: int, workers_per_node: int,
             continue
         if end_s is not None:
             raise ValueError(f"trace row {row}: rows after 'end'")
-        if len(fields) not in (2, 3):
-            raise ValueError(f"trace row {row}: expected 3 columns time_s,event,target, got "
-                             f"{len(fields)}")
-        time_text, kind_text = fields[0].strip(), fields[1].strip()
-        target_text = fields[2].strip() if len(fields) == 3 else ""
-        try:
-            time_s = float(time_text)
-        except ValueError:
-            raise ValueError(f"trace row {row}: time_s {time_text!r} is not a number") from None
-        if kind_text not in kinds:
-            raise ValueError(f"trace row {row}: unknown event {kind_text!r}; choose one of "
-                             f"{', '.join(kinds)}")
-        kind = kinds[kind_text]
-        try:
-            target = tuple(int(t) for t in target_text.split())
-        except ValueError:
-            raise ValueError(f"trace row {row}: target {target_text!r} must be integers "
-                             "separated by spaces") from None
-        if kind == EventKind.END:
-            if target:
+        event = _parsed_row(row, fields)
+        if event.kind == EventKind.END:
+            if event.target:
                 raise ValueError(f"trace row {row}: 'end' names no target")
-            end_s = time_s
+            end_s = event.time_s
             continue
-        events.append(TraceEvent(time_s, kind, target))
+        events.append(event)
     if end_s is None:
         if duration_s is None:
             raise ValueError("trace: no 'end' row gives the trace's duration; add one, e.g. "
@@ -161,3 +173,32 @@ def trace_from_csv(text: str, *, num_nodes: int, workers_per_node: int,
     trace = Trace(events=tuple(events), duration_s=end_s)
     validate_trace(trace, num_nodes=num_nodes, workers_per_node=workers_per_node)
     return trace
+
+
+_KINDS = {k.value: k for k in EventKind}
+
+
+def _parsed_row(row: int, fields: list[str]) -> TraceEvent:
+    """One CSV row (``time_s,event,target``) as an event, ``end`` included.
+
+    Raises:
+        ValueError: naming the row for a bad column count, time, kind or target.
+    """
+    if len(fields) not in (2, 3):
+        raise ValueError(f"trace row {row}: expected 3 columns time_s,event,target, got "
+                         f"{len(fields)}")
+    time_text, kind_text = fields[0].strip(), fields[1].strip()
+    target_text = fields[2].strip() if len(fields) == 3 else ""
+    try:
+        time_s = float(time_text)
+    except ValueError:
+        raise ValueError(f"trace row {row}: time_s {time_text!r} is not a number") from None
+    if kind_text not in _KINDS:
+        raise ValueError(f"trace row {row}: unknown event {kind_text!r}; choose one of "
+                         f"{', '.join(_KINDS)}")
+    try:
+        target = tuple(int(t) for t in target_text.split())
+    except ValueError:
+        raise ValueError(f"trace row {row}: target {target_text!r} must be integers "
+                         "separated by spaces") from None
+    return TraceEvent(time_s, _KINDS[kind_text], target)

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from chameleon_ft.perf.estimator import (
-    Breakdown,
-    Estimate,
-    Estimator,
-    estimate,
-    estimator_for,
-    sync_rounds,
-    tie_members,
-)
+from chameleon_ft.perf.estimator import Breakdown, Estimate, Estimator, estimate, estimator_for
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.perf.schedule import Bucket, Op, OpKind, Schedule
+from chameleon_ft.perf.schedule import Op, OpKind, Schedule
+from chameleon_ft.perf.sync import Bucket, sync_rounds, tie_members
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile
 

@@ -1,4 +1,4 @@
-/* The list scheduler of chameleon_ft.perf.schedule, compiled.
+/* The list scheduler of chameleon_ft.perf.list_scheduler, compiled.
  *
  * run() times every operation of one operation graph exactly as _ListRun.run() does in
  * Python: the same floating-point operations in the same order, the same stack and event
@@ -35,7 +35,7 @@ typedef struct {
 } Stack;
 
 /* The priority key of one ready op: compared field by field, as Python compares the
- * tuples of schedule.PRIORITIES. */
+ * tuples of list_scheduler.PRIORITIES. */
 typedef struct {
     long kw, nr, nb, mb, rank, stage, chunk;
     double ready;
@@ -214,7 +214,7 @@ static int read_edges(Run *r, PyObject *src, PyObject *dst, PyObject *delay) {
 }
 
 /* Each worker's streams (flattened), each stream's first and last op, and per op its
- * worker, its stream and its neighbours in the stream (schedule._Graph.layout): every op
+ * worker, its stream and its neighbours in the stream (graph._Graph.layout): every op
  * is in exactly one stream. */
 static int read_streams(Run *r, PyObject *wi_streams, PyObject *streams) {
     if (!checked_list(wi_streams, r->nw, "wi_streams")) return -1;
@@ -355,7 +355,7 @@ static int op_key(Run *r, Py_ssize_t op_id, double ready, Key *key) {
 
 #define CMP(a, b) if ((a) != (b)) return (a) < (b)
 
-/* a < b under the rule (schedule._rerouted_first, _backward_first, _ready_first). */
+/* a < b under the rule (list_scheduler._rerouted_first, _backward_first, _ready_first). */
 static int key_less(int rule, const Key *a, const Key *b) {
     CMP(a->kw, b->kw);
     if (rule == RULE_REROUTED_FIRST) {
@@ -598,7 +598,7 @@ PyDoc_STRVAR(run_doc,
 "run(op_dur, op_act, edge_src, edge_dst, edge_delay, wi_streams, streams, op_kind,\n"
 "    op_pipeline, op_stage, op_mb, op_chunk, op_foreign, ranks, rule, with_order)\n"
 "--\n\n"
-"List-schedule one operation graph (schedule._ListRun, compiled). ``rule``: 0\n"
+"List-schedule one operation graph (list_scheduler._ListRun, compiled). ``rule``: 0\n"
 "rerouted-first, 1 backward-first, 2 ready-first; ``ranks``: each pipeline's rank,\n"
 "indexed by pipeline. Returns (stream_end, busy_until, busy_s, act_peak, order,\n"
 "makespan, critical_compute): when each stream's last op ends; per dense worker when it\n"
@@ -654,7 +654,7 @@ PyDoc_STRVAR(stream_totals_doc,
 "stream_totals(op_dur, op_act, streams)\n"
 "--\n\n"
 "Per stream, run alone in its order: the seconds of its ops (summed from 0.0 in order)\n"
-"and the most activation bytes held at once (0.0 at least); schedule._Graph.stream_totals.");
+"and the most activation bytes held at once (0.0 at least); graph._Graph.stream_totals.");
 
 static PyObject *py_stream_totals(PyObject *self, PyObject *args) {
     PyObject *op_dur, *op_act, *streams;
@@ -710,7 +710,7 @@ PyDoc_STRVAR(shifted_doc,
 "shifted(ids, lo, hi, delta)\n"
 "--\n\n"
 "[i + delta for i in ids[lo:hi]]: the op ids of a copied pipeline\n"
-"(schedule._GraphBuilder.add_like); ids must be ints.");
+"(graph._GraphBuilder.add_like); ids must be ints.");
 
 static PyObject *py_shifted(PyObject *self, PyObject *args) {
     PyObject *ids;

@@ -119,6 +119,16 @@ def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
     uncoloured group)`` per set pops the groups in its order; colouring one visits the
     sets at its two workers rather than every group there.
     """
+    members, ends, count = _pair_sets(pairs)
+    sets_at, neg_degree = _sets_at_workers(members, ends, count)
+    return _rounds_of(_colour_pair_sets(len(pairs), members, ends, count, sets_at,
+                                        neg_degree))
+
+
+def _pair_sets(pairs: Sequence[tuple[int, int]]
+               ) -> tuple[list[list[int]], list[tuple[int, int]], dict[int, int]]:
+    """The sets of groups of the same two workers: each set's groups in index order, its
+    two workers (the smaller first), and how many groups each worker is in."""
     index: dict[tuple[int, int], int] = {}
     members: list[list[int]] = []  # each set's groups, in index order
     ends: list[tuple[int, int]] = []
@@ -134,6 +144,13 @@ def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
         count[a] = count.get(a, 0) + 1
         if b != a:
             count[b] = count.get(b, 0) + 1
+    return members, ends, count
+
+
+def _sets_at_workers(members: list[list[int]], ends: list[tuple[int, int]],
+                     count: dict[int, int]) -> tuple[dict[int, list[int]], list[int]]:
+    """The sets at each worker, and each set's negated degree (the groups of one set
+    share every neighbour, so they have one degree)."""
     sets_at: dict[int, list[int]] = {x: [] for x in count}
     neg_degree = []
     for k, (a, b) in enumerate(ends):
@@ -143,10 +160,18 @@ def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
         # groups at a or b, less the groups at both (this set) and the group itself
         shared = count[a] if a == b else count[a] + count[b] - len(members[k])
         neg_degree.append(1 - shared)
+    return sets_at, neg_degree
+
+
+def _colour_pair_sets(num_groups: int, members: list[list[int]],
+                      ends: list[tuple[int, int]], count: dict[int, int],
+                      sets_at: dict[int, list[int]], neg_degree: list[int]) -> list[int]:
+    """Each group's colour: DSATUR's order kept per set by a heap of ``(-saturation,
+    -degree, lowest uncoloured group)`` (:func:`pair_rounds`)."""
     used: dict[int, set[int]] = {x: set() for x in count}
     saturation = [0] * len(ends)
     next_member = [0] * len(ends)
-    colour = [-1] * len(pairs)
+    colour = [-1] * num_groups
     heap = [(0, neg_degree[k], group[0], k) for k, group in enumerate(members)]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
@@ -179,4 +204,4 @@ def pair_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
         saturation[k] += 1
         if next_member[k] < len(group):
             push(heap, (-saturation[k], neg_degree[k], group[next_member[k]], k))
-    return _rounds_of(colour)
+    return colour

@@ -4,21 +4,25 @@
 with one ruler (docs/design.md section 3):
 
 1. the compute phase: the dependency graph of every pipeline's forward and backward
-   operations, list-scheduled per worker (:mod:`chameleon_ft.perf.schedule`), with P2P
+   operations, list-scheduled per worker (:mod:`chameleon_ft.perf.timeline`), with P2P
    transfers by link type;
 2. gradient synchronisation: one ring all-reduce per *bucket* of layers held by the same
    set of workers (a layer's gradient is reduced over every live worker holding it);
    buckets sharing a worker cannot run together, so they are grouped into rounds by DSATUR
    colouring; a bucket starts when all its workers are done with compute and with their
    earlier rounds; for a model whose head is tied to its embedding, one more all-reduce
-   after the rounds sums the two copies' gradients over the holders of either layer;
+   after the rounds sums the two copies' gradients over the holders of either layer
+   (:mod:`chameleon_ft.perf.sync`);
 3. the step commit (every worker has reduced: a barrier plus the profile's measured
    control time), then the optimizer step of each worker, in proportion to the
    parameters it holds.
 
 Symmetry: pipelines untouched by reroutes are independent, and pipelines with the same
 stage layout, speeds and link pattern have identical timelines, so each distinct one is
-simulated once. A 16,384-device failure-free plan costs one pipeline's simulation.
+simulated once. A 16,384-device failure-free plan costs one pipeline's simulation;
+pipelines linked by reroutes are simulated together, once per shape
+(:mod:`chameleon_ft.perf.components`). The estimate reads the timelines as rows, one per
+pipeline (:mod:`chameleon_ft.perf.rows`).
 """
 
 from __future__ import annotations
@@ -27,21 +31,18 @@ import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-from chameleon_ft.perf.coloring import rounds
+from chameleon_ft.perf.components import _components, _relabel, component_key
 from chameleon_ft.perf.gcpause import gc_paused
+from chameleon_ft.perf.graph import component_order, splits_backward
+from chameleon_ft.perf.list_scheduler import Timeline
 from chameleon_ft.perf.network import Topology
-from chameleon_ft.perf.schedule import (
-    Bucket,
-    Op,
-    Timeline,
-    best_timeline,
-    component_order,
-    splits_backward,
-)
+from chameleon_ft.perf.rows import _idle_sum, _optimizer_rows, _peak_rows, _ready_by_range, _Row
+from chameleon_ft.perf.sync import Bucket, synchronise
+from chameleon_ft.perf.timeline import best_timeline
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.profile.profile import Profile, chunk_sums
 
@@ -49,7 +50,6 @@ _WORKERS_OF = operator.attrgetter("workers")
 _RANGES_OF = operator.attrgetter("layer_ranges")
 _ITEM_0, _ITEM_1, _ITEM_2 = map(operator.itemgetter, range(3))
 _MICROBATCHES = operator.attrgetter("num_microbatches")
-_LAYOUT_OF = operator.attrgetter("layout")
 
 
 @dataclass(frozen=True)
@@ -118,110 +118,6 @@ class Estimate:
             "memory_capacity_bytes": None if math.isinf(cap) else cap,
             "breakdown": self.breakdown.to_dict(),
         }
-
-
-def sync_buckets(plan: ExecutionPlan, profile: Profile) -> list[tuple[Bucket, float]]:
-    """Group layers by the set of live workers holding them, with each bucket's bytes.
-
-    Returns:
-        ``(bucket, gradient bytes per device)`` pairs, in layer order.
-    """
-    out = []
-    for holders, layers in plan.layers_by_holders.items():
-        grad_bytes = sum(profile.layers[i].param_bytes for i in layers)
-        out.append((Bucket(holders, tuple(layers)), grad_bytes))
-    return out
-
-
-def sync_rounds(plan: ExecutionPlan, profile: Profile) -> tuple[tuple[Bucket, ...], ...]:
-    """The gradient all-reduce rounds of ``plan`` (buckets with more than one worker).
-
-    Each bucket's members hold its layers, as the runtime's all-reduce needs; the tied
-    copies' sum, over workers that hold one of the two layers only, is not a bucket: it
-    follows the rounds (:func:`tie_members`).
-    """
-    buckets = [b for b, _ in sync_buckets(plan, profile) if len(b.workers) > 1]
-    groups = rounds([b.workers for b in buckets])
-    return tuple(tuple(buckets[i] for i in group) for group in groups)
-
-
-def tie_members(plan: ExecutionPlan, profile: Profile) -> tuple[int, ...]:
-    """The workers that all-reduce the tied copies' gradients: the holders of either tied
-    layer (:attr:`Profile.tied_layers`), sorted, as the runtime's
-    ``step_sync.tie_reductions`` forms the group.
-
-    Returns:
-        Empty when the profile has no tie, or when every holder of one layer holds the
-        other and only they do (each then sums its two copies locally).
-    """
-    if profile.tied_bytes <= 0:
-        return ()
-    first, last = profile.tied_layers
-    a, b = plan.holders(first), plan.holders(last)
-    if a == b:
-        return ()
-    return tuple(sorted({*a, *b}))
-
-
-def _bucket_conflicts(plan: ExecutionPlan, buckets: list[tuple[Bucket, float]]
-                      ) -> list[tuple[int, int]]:
-    """Pairs of buckets that share a worker (the conflict graph of the all-reduce rounds).
-
-    A bucket holds every live holder of its layers, so two buckets share a worker exactly
-    when some worker's layer range meets both: one pass over the few distinct ranges
-    instead of over every worker.
-    """
-    return _conflicts(_buckets_met(plan.layers_by_worker.values(), buckets).values())
-
-
-def _buckets_met(ranges: Iterable[range], buckets: list[tuple[Bucket, float]]
-                 ) -> dict[range, list[int]]:
-    """The buckets each distinct layer range meets (their indices, sorted), in the order
-    ``ranges`` first names them: a worker holding the range is a member of exactly those
-    buckets (a bucket holds every live holder of its layers)."""
-    bucket_of_layer = {layer: i for i, (b, _) in enumerate(buckets) for layer in b.layers}
-    return {layers: sorted({bucket_of_layer[layer] for layer in layers
-                            if layer in bucket_of_layer})
-            for layers in dict.fromkeys(ranges)}
-
-
-def _conflicts(met: Iterable[list[int]]) -> list[tuple[int, int]]:
-    """Pairs of buckets met by one range (each list sorted), sorted."""
-    return sorted({pair for ids in met for pair in itertools.combinations(ids, 2)})
-
-
-def _components(plan: ExecutionPlan) -> list[tuple[list[int], bool]]:
-    """Pipelines that must be simulated together: linked by reroutes (union-find), each
-    group with whether it is a lone pipeline without reroutes (shared by its look-alikes),
-    in the order of their first pipelines. Only the few pipelines that reroutes touch are
-    joined; every other one is a group of its own."""
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for r in plan.reroutes:
-        find(r.pipeline)
-        for worker, _ in r.shares:
-            q, _ = plan.stage_of_worker[worker]
-            a, b = find(r.pipeline), find(q)
-            if a != b:
-                parent[a] = b
-    joined: dict[int, list[int]] = {}
-    for p in sorted(parent):
-        joined.setdefault(find(p), []).append(p)
-    lead = {group[0]: group for group in joined.values()}  # by its first pipeline
-    rerouted = {r.pipeline for r in plan.reroutes}
-    out: list[tuple[list[int], bool]] = []
-    for p in range(plan.num_pipelines):
-        if p not in parent:
-            out.append(([p], True))  # untouched by any reroute
-        elif p in lead:
-            out.append((lead[p], len(lead[p]) == 1 and p not in rerouted))
-    return out
 
 
 CACHED_PLAN_WORKERS = 2 ** 21
@@ -382,7 +278,7 @@ class Estimator:
         # The simulation builds and ranks the pipelines in this order, never by index, so
         # a shared simulation is exactly the one this component would get.
         order = component_order(plan, group)
-        key, worker_ids = self._component_key(plan, order, speeds)
+        key, worker_ids = component_key(plan, order, speeds, self.topology)
         cached = self._components.get(key)
         if cached is None:
             # With fused backwards the intact pipelines of the component keep every
@@ -405,47 +301,6 @@ class Estimator:
             self._components.move_to_end(key)
         return _relabel(cached, dict(zip(worker_ids.values(), worker_ids, strict=True)),
                         keep_ops=False)
-
-    def _component_key(self, plan: ExecutionPlan, order: list[int],
-                       speeds: Mapping[int, float]) -> tuple[tuple[Any, ...], dict[int, int]]:
-        """The shape of the component of pipelines ``order`` (:meth:`_component`), and its
-        workers' names in it.
-
-        Workers and nodes are named by first appearance, pipeline by pipeline. With one
-        worker per node, all at unit speed, and every worker named once, the names are
-        positions, so a pipeline is its micro-batches and layout (the names read at C
-        speed); otherwise each stage is named with its node and speed."""
-        members = set(order)
-        local = {p: i for i, p in enumerate(order)}
-        pipes = list(map(plan.pipelines.__getitem__, order))
-        rows = list(map(_WORKERS_OF, pipes))
-        worker_ids = dict(zip(itertools.chain.from_iterable(rows), itertools.count()))
-        shape: list[Any]
-        if (self.topology.workers_per_node == 1 and not speeds
-                and len(worker_ids) == sum(map(len, rows))):
-            shape = ["by position", plan.schedule, plan.defer_weight_grad,
-                     *zip(map(_MICROBATCHES, pipes), map(_LAYOUT_OF, pipes), strict=True)]
-            shape.append(tuple(sorted(
-                (local[r.pipeline], r.stage, tuple((worker_ids[w], n) for w, n in r.shares))
-                for r in plan.reroutes if r.pipeline in members)))
-            return tuple(shape), worker_ids
-        worker_ids = {}
-        node_ids: dict[int, int] = {}
-        node_of = self.topology.node_of
-        shape = [plan.schedule, plan.defer_weight_grad]
-        for pipe in pipes:
-            names = []
-            for st in pipe.stages:
-                w = st.worker
-                names.append((worker_ids.setdefault(w, len(worker_ids)),
-                              node_ids.setdefault(node_of(w), len(node_ids)),
-                              st.first_layer, st.end_layer, speeds.get(w, 1.0)))
-            shape.append((pipe.num_microbatches, tuple(names)))
-        shape.append(tuple(sorted(
-            (local[r.pipeline], r.stage,
-             tuple((worker_ids[w], node_ids[node_of(w)], n) for w, n in r.shares))
-            for r in plan.reroutes if r.pipeline in members)))
-        return tuple(shape), worker_ids
 
     def estimate(self, plan: ExecutionPlan, speeds: Mapping[int, float] | None = None,
                  brute_force: bool = False) -> Estimate:
@@ -496,7 +351,7 @@ class Estimator:
 
     def remember(self, plan: ExecutionPlan, estimate: Estimate) -> None:
         """Keep ``estimate`` as ``plan``'s at unit speed, unless one is kept already: one
-        carried over from the same plan in other worker names (``policy/symmetry.py``)."""
+        carried over from the same plan in other worker names (``policy/renaming.py``)."""
         key = (plan, ())
         if key not in self._plans:
             self._keep(key, estimate)
@@ -585,8 +440,8 @@ class Estimator:
         profile, topo = self.profile, self.topology
         rows, latest, (makespan, critical_compute, critical_p2p) = self._rows(
             plan, speeds, brute_force)
-        reduced_s, sync_s, sync_rounds, tie = self._synchronise(
-            plan, _ready_by_range(rows), latest)
+        reduced_s, sync_s, sync_rounds, tie = synchronise(
+            plan, profile, topo, _ready_by_range(rows), latest)
         # The step commits once every worker has reduced (a barrier, plus the control
         # plane's own time); only then does any worker step its optimizer.
         commit_s = reduced_s + profile.control_s
@@ -619,171 +474,6 @@ class Estimator:
             sync_rounds=sync_rounds,
             tie_workers=tie,
         )
-
-    def _synchronise(self, plan: ExecutionPlan, ready: dict[range, float],
-                     latest_finish: float,
-                     ) -> tuple[float, dict[range, float],
-                                tuple[tuple[Bucket, ...], ...], tuple[int, ...]]:
-        """Gradient synchronisation after each worker's backward ends: all-reduce rounds
-        of the buckets with more than one member, then a tied pair's sum. ``ready`` holds
-        each live layer range's latest finish (updated to its last end), ``latest_finish``
-        the latest finish of any simulated worker. Returns when the last worker is done
-        reducing, the time spent reducing by the workers of each layer range, the rounds'
-        buckets and the tied pair's group.
-
-        The workers holding one layer range are in the same buckets (a bucket holds every
-        live holder of its layers), so they are tracked as one: a bucket starts at the
-        latest of its classes and sets all of them to its end, and each class adds up
-        its buckets' times in their order (the same maxima and sums as worker by worker).
-        """
-        profile, topo = self.profile, self.topology
-        buckets = [(b, n) for b, n in sync_buckets(plan, profile) if len(b.workers) > 1]
-        met = _buckets_met(ready, buckets)
-        groups = rounds([b.workers for b, _ in buckets], edges=_conflicts(met.values()))
-        sync_s = dict.fromkeys(ready, 0.0)
-        classes: list[list[range]] = [[] for _ in buckets]
-        for layers, ids in met.items():
-            for i in ids:
-                classes[i].append(layers)
-
-        def reduce(members: tuple[int, ...], ranges: list[range], num_bytes: float) -> None:
-            t = topo.allreduce_s(members, num_bytes)
-            done = max(map(ready.__getitem__, ranges)) + t
-            for layers in ranges:
-                ready[layers] = done
-                sync_s[layers] += t
-
-        for group in groups:
-            for i in group:
-                reduce(buckets[i][0].workers, classes[i], buckets[i][1])
-        # A tied model sums the copies after every round of its members (the runtime's
-        # order), so it waits for, and delays, any bucket sharing a worker with it.
-        tie = tie_members(plan, profile)
-        if tie:
-            first, last = profile.tied_layers
-            reduce(tie, [r for r in ready if first in r or last in r], profile.tied_bytes)
-        # a reduction ends no earlier than its members finished: the latest end is the
-        # latest of the classes' ends and of every finish (workers outside the plan's
-        # live table included)
-        return (max(latest_finish, max(ready.values(), default=-math.inf)), sync_s,
-                tuple(tuple(buckets[i][0] for i in group) for group in groups), tie)
-
-
-class _Row(NamedTuple):
-    """One pipeline's live stages in an estimate, in stage order, with their simulated
-    figures. Lone pipelines that share a timeline and a layout share a ``key`` (and every
-    figure but their workers): what depends only on the stages is computed once per key."""
-
-    pipeline: int
-    key: tuple[int, int] | None
-    """(timeline, layout) identity of a lone pipeline; ``None`` for a rerouted component's."""
-    timeline: Timeline
-    """The timeline the figures come from, kept with the row so that the identity in
-    ``key`` stays unique while rows live (a brute-force estimate keeps no timeline)."""
-    workers: tuple[int, ...]
-    ranges: tuple[range, ...]
-    finish: tuple[float, ...]
-    busy: tuple[float, ...]
-    activation: tuple[float, ...]
-
-
-def _per_key(keys: list[tuple[int, int] | None], figure: Callable[[int], tuple[float, ...]]
-             ) -> list[tuple[float, ...]]:
-    """``figure(i)`` for every row ``i``, computed once per shared key (``None``: never
-    shared)."""
-    known: dict[tuple[int, int], tuple[float, ...]] = {}
-    out = []
-    for i, key in enumerate(keys):
-        if key is None:
-            out.append(figure(i))
-            continue
-        found = known.get(key)
-        if found is None:
-            found = known[key] = figure(i)
-        out.append(found)
-    return out
-
-
-def _ready_by_range(rows: list[_Row]) -> dict[range, float]:
-    """Each live layer range's latest finish, ranges in order of first appearance."""
-    ready: dict[range, float] = {}
-    seen: set[tuple[int, int]] = set()
-    for row in rows:
-        if row.key is not None:
-            if row.key in seen:
-                continue
-            seen.add(row.key)
-        for layers, done in zip(row.ranges, row.finish, strict=True):
-            latest = ready.get(layers)
-            if latest is None or done > latest:
-                ready[layers] = done
-    return ready
-
-
-def _optimizer_rows(rows: list[_Row], costs: Mapping[range, tuple[float, float, float]],
-                    speeds: Mapping[int, float]) -> list[tuple[float, ...]]:
-    """Each stage's optimizer step in seconds, at its worker's speed."""
-    def opts(i: int) -> tuple[float, ...]:
-        row = rows[i]
-        if not speeds:
-            return tuple([costs[layers][0] for layers in row.ranges])
-        return tuple([costs[layers][0] / speeds[w] if w in speeds else costs[layers][0]
-                      for w, layers in zip(row.workers, row.ranges, strict=True)])
-
-    return _per_key([None if speeds else row.key for row in rows], opts)
-
-
-def _peak_rows(rows: list[_Row], costs: Mapping[range, tuple[float, float, float]]
-               ) -> list[tuple[float, ...]]:
-    """Each stage's peak bytes per device: parameters, gradients and optimizer state of
-    the layers held, plus the activations of the micro-batches in flight at the worst
-    moment, plus one layer's backward workspace (recomputed activations)."""
-    def peaks(i: int) -> tuple[float, ...]:
-        row = rows[i]
-        return tuple([costs[layers][1] + act + costs[layers][2]
-                      for layers, act in zip(row.ranges, row.activation, strict=True)])
-
-    return _per_key([row.key for row in rows], peaks)
-
-
-def _idle_sum(rows: list[_Row], opt_rows: list[tuple[float, ...]],
-              sync_s: Mapping[range, float], step_s: float, control_s: float,
-              shared: bool) -> float:
-    """Summed over live workers in the plan's order: step - busy - reducing - optimizer -
-    control (each stage's term computed once per shared key when the optimizer rows are
-    ``shared`` by key, then summed at C speed in the same order)."""
-    def terms(i: int) -> tuple[float, ...]:
-        row = rows[i]
-        return tuple([step_s - busy - sync_s[layers] - opt - control_s
-                      for busy, layers, opt in zip(row.busy, row.ranges, opt_rows[i],
-                                                   strict=True)])
-
-    keys = [row.key if shared else None for row in rows]
-    return sum(itertools.chain.from_iterable(_per_key(keys, terms)))
-
-
-def _relabel(tl: Timeline, mapping: Mapping[int, int], pipeline: int | None = None,
-             keep_ops: bool = True) -> Timeline:
-    """Rename a timeline's workers (and optionally its ops' pipeline index; the op lists are
-    dropped unless ``keep_ops``)."""
-    def ops(seq: list[Op]) -> list[Op]:
-        if pipeline is None:
-            return seq
-        return [Op(op.kind, pipeline, op.stage, op.microbatch, op.chunk) for op in seq]
-
-    def renamed(table: dict[int, Any]) -> dict[int, Any]:
-        return dict(zip(map(mapping.__getitem__, table), table.values(), strict=True))
-
-    return Timeline(
-        ops={mapping[w]: ops(v) for w, v in tl.ops.items()} if keep_ops else {},
-        finish_s=renamed(tl.finish_s),
-        busy_s=renamed(tl.busy_s),
-        peak_activation_bytes=renamed(tl.peak_activation_bytes),
-        makespan_s=tl.makespan_s,
-        critical_compute_s=tl.critical_compute_s,
-        critical_p2p_s=tl.critical_p2p_s,
-    )
-
 
 _ESTIMATORS: OrderedDict[tuple[int, int], Estimator] = OrderedDict()
 

@@ -11,7 +11,8 @@ import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from chameleon_ft.plan.plan import ExecutionPlan, Reroute, indices_by_object
+from chameleon_ft.plan.plan import ExecutionPlan, Reroute
+from chameleon_ft.plan.tables import indices_by_object
 
 
 def dead_stages(plan: ExecutionPlan, dead: Iterable[int]) -> list[tuple[int, int]]:
@@ -88,13 +89,7 @@ def reroute_plan(
     skip = set(dead_list)
     peers_of_range = _live_peers(plan, {plan.pipelines[p].layout[s] for p, s in dead_list},
                                  skip)
-    # Each peer's work so far (its own pipeline's micro-batches) and pipeline: only the
-    # peers are ever looked up, not every live worker.
-    load: dict[int, float] = {}
-    pipeline_of: dict[int, int] = {}
-    for holders in peers_of_range.values():
-        pipeline_of.update((w, q) for q, w in holders)
-        load.update((w, float(plan.pipelines[q].num_microbatches)) for q, w in holders)
+    load, pipeline_of = _peer_loads(plan, peers_of_range)
     extra: dict[int, int] = defaultdict(int)
     # Foreign micro-batches per pipeline; a pipeline with a dead stage of its own already
     # waits on peers, so it counts as having taken all of its micro-batches.
@@ -103,38 +98,75 @@ def reroute_plan(
         taken[p] = plan.pipelines[p].num_microbatches
     reroutes = []
     for p, s in dead_list:
-        st = plan.pipelines[p].stages[s]
-        peers = [w for q, w in peers_of_range.get((st.first_layer, st.end_layer), []) if q != p]
-        if headroom is not None:
-            peers = [w for w in peers if headroom.get(w, 0.0) > 0]
-        if not peers:
-            raise ValueError(
-                f"reroute: stage {s} of pipeline {p} (layers {st.first_layer}.."
-                f"{st.end_layer - 1}) has no live replica in another pipeline"
-                + (" with free memory" if headroom is not None else ""))
-        shares: dict[int, int] = defaultdict(int)
-
-        def key(w: int) -> tuple[float, int]:
-            # A dead stage's peers sit in distinct pipelines, so taking a micro-batch
-            # changes only the taker's own key: the heap never holds a stale entry.
-            first = load[w] if headroom is None else (extra[w] + 1) / headroom[w]
-            return first, taken[pipeline_of[w]]
-
-        if headroom is None:  # the first keys read at C speed
-            firsts = zip(map(load.__getitem__, peers),
-                         map(taken.__getitem__, map(pipeline_of.__getitem__, peers)), strict=True)
-            heap = list(zip(firsts, peers, strict=True))
-        else:
-            heap = [(key(w), w) for w in peers]
-        heapq.heapify(heap)
-        for _ in range(plan.pipelines[p].num_microbatches):
-            _, w = heapq.heappop(heap)
-            shares[w] += 1
-            extra[w] += 1
-            load[w] += 1.0
-            taken[pipeline_of[w]] += 1
-            heapq.heappush(heap, (key(w), w))
+        peers = _stage_peers(plan, p, s, peers_of_range, headroom)
+        shares = _spread(plan.pipelines[p].num_microbatches, peers, load, pipeline_of,
+                         extra, taken, headroom)
         reroutes.append(Reroute(p, s, tuple(sorted(shares.items()))))
     new = dataclasses.replace(plan, reroutes=tuple(reroutes))
     new.validate()
     return new
+
+
+def _peer_loads(plan: ExecutionPlan,
+                peers_of_range: Mapping[tuple[int, int], list[tuple[int, int]]]
+                ) -> tuple[dict[int, float], dict[int, int]]:
+    """Each peer's work so far (its own pipeline's micro-batches) and its pipeline: only
+    the peers are ever looked up, not every live worker."""
+    load: dict[int, float] = {}
+    pipeline_of: dict[int, int] = {}
+    for holders in peers_of_range.values():
+        pipeline_of.update((w, q) for q, w in holders)
+        load.update((w, float(plan.pipelines[q].num_microbatches)) for q, w in holders)
+    return load, pipeline_of
+
+
+def _stage_peers(plan: ExecutionPlan, p: int, s: int,
+                 peers_of_range: Mapping[tuple[int, int], list[tuple[int, int]]],
+                 headroom: Mapping[int, float] | None) -> list[int]:
+    """The live workers of other pipelines that can take dead stage ``s`` of pipeline
+    ``p``'s micro-batches (with free memory, given ``headroom``), in pipeline order.
+
+    Raises:
+        ValueError: when there is none.
+    """
+    st = plan.pipelines[p].stages[s]
+    peers = [w for q, w in peers_of_range.get((st.first_layer, st.end_layer), []) if q != p]
+    if headroom is not None:
+        peers = [w for w in peers if headroom.get(w, 0.0) > 0]
+    if not peers:
+        raise ValueError(
+            f"reroute: stage {s} of pipeline {p} (layers {st.first_layer}.."
+            f"{st.end_layer - 1}) has no live replica in another pipeline"
+            + (" with free memory" if headroom is not None else ""))
+    return peers
+
+
+def _spread(num_microbatches: int, peers: list[int], load: dict[int, float],
+            pipeline_of: Mapping[int, int], extra: dict[int, int], taken: dict[int, int],
+            headroom: Mapping[int, float] | None) -> dict[int, int]:
+    """A dead stage's micro-batches over ``peers``, one at a time to the best by
+    :func:`reroute_plan`'s rule; the peers' ``load``, ``extra`` and their pipelines'
+    ``taken`` counts are updated as they take them. Returns each peer's share."""
+    shares: dict[int, int] = defaultdict(int)
+
+    def key(w: int) -> tuple[float, int]:
+        # A dead stage's peers sit in distinct pipelines, so taking a micro-batch
+        # changes only the taker's own key: the heap never holds a stale entry.
+        first = load[w] if headroom is None else (extra[w] + 1) / headroom[w]
+        return first, taken[pipeline_of[w]]
+
+    if headroom is None:  # the first keys read at C speed
+        firsts = zip(map(load.__getitem__, peers),
+                     map(taken.__getitem__, map(pipeline_of.__getitem__, peers)), strict=True)
+        heap = list(zip(firsts, peers, strict=True))
+    else:
+        heap = [(key(w), w) for w in peers]
+    heapq.heapify(heap)
+    for _ in range(num_microbatches):
+        _, w = heapq.heappop(heap)
+        shares[w] += 1
+        extra[w] += 1
+        load[w] += 1.0
+        taken[pipeline_of[w]] += 1
+        heapq.heappush(heap, (key(w), w))
+    return shares

@@ -4,7 +4,7 @@ A :class:`PreparedPlanner` owns the :class:`~chameleon_ft.policy.planner.Planner
 decides, and prepares the decisions of likely failures of the running plan (every single
 worker and every node, :meth:`Planner.precompute`) on a background thread with a second
 planner of the same job. The two share nothing but the decision cache
-(:class:`~chameleon_ft.policy.planner.DecisionCache`, locked for one look-up or insert),
+(:class:`~chameleon_ft.policy.cache.DecisionCache`, locked for one look-up or insert),
 so a decision never waits for the preparation:
 
 - a failure already prepared is a cache hit (re-scoring and renaming only);

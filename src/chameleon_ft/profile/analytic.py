@@ -282,6 +282,47 @@ def _optimizer_step_s(layers: list[LayerCost], device: DeviceSpec, optimizer_sha
         0.0, total_params_per_device * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / optimizer_shards)
 
 
+def _dtype_bytes(recompute: str, optimizer_shards: int,
+                 train_dtype: str | None) -> tuple[int, int, int]:
+    """The bytes per parameter of weights, gradients and optimizer state
+    (:func:`analytic_profile`'s arguments checked).
+
+    Raises:
+        ValueError: for an unknown recomputation or dtype or a non-positive shard count.
+    """
+    if recompute not in {r.value for r in Recompute}:
+        raise ValueError(f"profile.recompute: unknown value {recompute!r}")
+    if optimizer_shards < 1:
+        raise ValueError(f"optimizer_shards: must be >= 1, got {optimizer_shards}")
+    if train_dtype is not None and train_dtype not in TRAIN_DTYPE_BYTES:
+        raise ValueError(f"train.dtype: unknown value {train_dtype!r}")
+    return TRAIN_DTYPE_BYTES.get(train_dtype or "", MIXED_BYTES)
+
+
+def _layers(shape: _Shape, cluster: ClusterSpec | None, recompute: str,
+            fused_attention: bool, optimizer_shards: int,
+            dtype_bytes: tuple[int, int, int]) -> list[LayerCost]:
+    """The embedding, every transformer block and the head, per device."""
+    model, device = shape.model, shape.device
+    tokens, t, h = shape.tokens, shape.t, model.hidden_size
+    block = _block(shape, recompute, fused_attention)
+    boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
+    # Embedding: a gather forward, a scatter-add into its gradient backward.
+    lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
+    params = layer_parameters(model)
+    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, params[0],
+                     BF16_BYTES * tokens * h / t, boundary_bytes, t=t,
+                     optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)]
+    tp_comm_s = _tp_comm_s(shape, cluster)
+    for i in range(model.num_blocks):
+        layers.append(_layer(f"block{i}", block.fwd_s, block.bwd_input_s, block.bwd_weight_s,
+                             params[1 + i], block.activation_bytes, boundary_bytes, t=t,
+                             optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes,
+                             comm_s=tp_comm_s, workspace=block.workspace_bytes))
+    layers.append(_head(shape, params[-1], optimizer_shards, dtype_bytes))
+    return layers
+
+
 def analytic_profile(
     model: ModelSpec,
     device: DeviceSpec,
@@ -324,30 +365,11 @@ def analytic_profile(
     Raises:
         ValueError: for an unknown recomputation or a non-positive shard count.
     """
-    if recompute not in {r.value for r in Recompute}:
-        raise ValueError(f"profile.recompute: unknown value {recompute!r}")
-    if optimizer_shards < 1:
-        raise ValueError(f"optimizer_shards: must be >= 1, got {optimizer_shards}")
-    if train_dtype is not None and train_dtype not in TRAIN_DTYPE_BYTES:
-        raise ValueError(f"train.dtype: unknown value {train_dtype!r}")
-    dtype_bytes = TRAIN_DTYPE_BYTES.get(train_dtype or "", MIXED_BYTES)
+    dtype_bytes = _dtype_bytes(recompute, optimizer_shards, train_dtype)
     shape = _Shape(model=model, device=device, b=micro_batch, t=tp)
-    tokens, t, h, v = shape.tokens, tp, model.hidden_size, model.vocab_size
-    block = _block(shape, recompute, fused_attention)
-    boundary_bytes = BF16_BYTES * tokens * h / t  # scatter-gather: each device sends 1/t
-    # Embedding: a gather forward, a scatter-add into its gradient backward.
-    lookup_s = device.op_seconds(0.0, 2 * BF16_BYTES * tokens * h / t)
-    params = layer_parameters(model)
-    layers = [_layer("embedding", lookup_s, 0.0, lookup_s, params[0],
-                     BF16_BYTES * tokens * h / t, boundary_bytes, t=t,
-                     optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes)]
-    tp_comm_s = _tp_comm_s(shape, cluster)
-    for i in range(model.num_blocks):
-        layers.append(_layer(f"block{i}", block.fwd_s, block.bwd_input_s, block.bwd_weight_s,
-                             params[1 + i], block.activation_bytes, boundary_bytes, t=t,
-                             optimizer_shards=optimizer_shards, dtype_bytes=dtype_bytes,
-                             comm_s=tp_comm_s, workspace=block.workspace_bytes))
-    layers.append(_head(shape, params[-1], optimizer_shards, dtype_bytes))
+    layers = _layers(shape, cluster, recompute, fused_attention, optimizer_shards,
+                     dtype_bytes)
+    t, h, v = tp, model.hidden_size, model.vocab_size
     return Profile(
         layers=tuple(layers),
         # a tied head: the V x h weight whose two copies' gradients every step sums

@@ -323,8 +323,28 @@ def fold_profile(profile: Profile, virtual_stages: int, *, attach_ends: bool = F
     if virtual_stages > n:
         raise ValueError(f"job.virtual_stages: {virtual_stages} chunks per stage need at least "
                          f"as many layers, the model has {n}")
-    slots = profile.layers
-    if attach_ends and n >= 4:
+    rounds = _rounds(profile.layers, virtual_stages, attach_ends and n >= 4)
+    columns = []
+    for c in range(len(rounds[0])):
+        members = [r[c] for r in rounds if c < len(r)]
+        summed = _sum_costs(members, f"column{c}")
+        # Every member's output goes to the next chunk; blocks share one size, so the
+        # first round's (never the head's) stands for the column.
+        columns.append(replace(summed, output_bytes=members[0].output_bytes))
+    return replace(profile, layers=tuple(columns), rounds=tuple(rounds),
+                   meta={**profile.meta, "virtual_stages": virtual_stages,
+                         "attach_ends": attach_ends and n >= 4})
+
+
+def _rounds(slots: tuple[LayerCost, ...], virtual_stages: int,
+            attach_ends: bool) -> list[tuple[LayerCost, ...]]:
+    """The layers cut into ``virtual_stages`` consecutive rounds, longer rounds first (the
+    first and last layers joined to their neighbours first with ``attach_ends``).
+
+    Raises:
+        ValueError: when ``attach_ends`` leaves fewer blocks than rounds.
+    """
+    if attach_ends:
         first = _sum_costs(slots[:2], f"{slots[0].name}+{slots[1].name}")
         last = _sum_costs(slots[-2:], f"{slots[-2].name}+{slots[-1].name}")
         slots = (first, *slots[2:-2], last)
@@ -338,16 +358,7 @@ def fold_profile(profile: Profile, virtual_stages: int, *, attach_ends: bool = F
         hi = lo + base + (1 if r < extra else 0)
         rounds.append(slots[lo:hi])
         lo = hi
-    columns = []
-    for c in range(len(rounds[0])):
-        members = [r[c] for r in rounds if c < len(r)]
-        summed = _sum_costs(members, f"column{c}")
-        # Every member's output goes to the next chunk; blocks share one size, so the
-        # first round's (never the head's) stands for the column.
-        columns.append(replace(summed, output_bytes=members[0].output_bytes))
-    return replace(profile, layers=tuple(columns), rounds=tuple(rounds),
-                   meta={**profile.meta, "virtual_stages": virtual_stages,
-                         "attach_ends": attach_ends and n >= 4})
+    return rounds
 
 
 def unfold_profile(profile: Profile) -> Profile:

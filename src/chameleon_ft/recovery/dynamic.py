@@ -47,15 +47,16 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from chameleon_ft.perf import Estimate
-from chameleon_ft.plan import ExecutionPlan
-from chameleon_ft.plan.plan import placeholder_pipeline, sharing_stages
+from chameleon_ft.plan.pipeline import placeholder_pipeline
+from chameleon_ft.plan.plan import ExecutionPlan, sharing_stages
+from chameleon_ft.recovery.allocation import allocate
 from chameleon_ft.recovery.restorer import (
     assign_workers,
     fatal_nodes,
     pack_stage_major,
     schedule_migration,
 )
-from chameleon_ft.recovery.templates import Layout, Templates, allocate
+from chameleon_ft.recovery.templates import Layout, Templates
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,

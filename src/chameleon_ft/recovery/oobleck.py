@@ -41,9 +41,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline
-from chameleon_ft.plan.plan import pipeline_on
+from chameleon_ft.plan.pipeline import pipeline_on
+from chameleon_ft.recovery.allocation import allocate
 from chameleon_ft.recovery.restorer import schedule_migration
-from chameleon_ft.recovery.templates import Layout, Templates, allocate
+from chameleon_ft.recovery.templates import Layout, Templates
 from chameleon_ft.recovery.transition import lost_step_s, migration_s, rebuild_terms
 from chameleon_ft.recovery.types import (
     Candidate,
@@ -238,15 +239,7 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
         template, a layer without a live replica, or memory).
     """
     plan = state.plan
-    lists = _pipeline_ranks(plan)
-    waiting = sorted(set(state.alive) - set(plan.workers) - plan.dead_workers)
-    if state.max_workers is not None:
-        # warm spares replace lost workers: no more workers than the job's layout has
-        room = state.max_workers - len(set(plan.workers) & state.alive)
-        waiting = waiting[:max(0, room)]
-    step = spec.job_length
-    for start in range(0, len(waiting), step):
-        lists.append(waiting[start:start + step])
+    lists, waiting = _node_lists(state, spec)
     lost = (set(plan.workers) - set(state.alive)) | set(failed) | plan.dead_workers
     missing = state.missing_layers()
     if missing:
@@ -256,23 +249,10 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     except ValueError as exc:
         return infeasible(Strategy.DYNAMIC, f"oobleck: {exc}")
     sizes = [len(r) for r in result.ranks]
-    if len(sizes) < spec.fault_threshold + 1:
-        return infeasible(Strategy.DYNAMIC,
-                          f"oobleck: {len(sizes)} pipeline(s) left, f + 1 = "
-                          f"{spec.fault_threshold + 1} needed")
-    too_long = [n for n in sizes if n > spec.max_length]
-    if too_long:
-        return infeasible(Strategy.DYNAMIC, f"oobleck: no template of {too_long[0]} nodes "
-                                            f"(templates {spec.min_length}..{spec.max_length})")
-    templates = state.templates
-    layouts: list[Layout] = []
-    for n in sizes:
-        layout = templates.layout(n)
-        if layout is None:
-            return infeasible(Strategy.DYNAMIC, f"oobleck: the {n}-node template does not "
-                                                "fit memory")
-        layouts.append(layout)
-    _, counts = allocate(layouts, plan.num_microbatches, templates.step_s)
+    layouts = _template_layouts(sizes, spec, state.templates)
+    if isinstance(layouts, str):
+        return infeasible(Strategy.DYNAMIC, layouts)
+    _, counts = allocate(layouts, plan.num_microbatches, state.templates.step_s)
     if not counts or min(counts) < 1:
         return infeasible(Strategy.DYNAMIC, "oobleck: the global batch does not cover every "
                                             "pipeline")
@@ -280,6 +260,52 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
     new_plan = ExecutionPlan(num_layers=plan.num_layers, pipelines=pipelines,
                              micro_batch=plan.micro_batch, schedule=plan.schedule)
     new_plan.validate()
+    return _priced(state, new_plan, result, sizes, len(waiting))
+
+
+def _node_lists(state: RecoveryState, spec: OobleckSpec) -> tuple[list[list[int]], list[int]]:
+    """Each pipeline's workers in stage order, then the waiting workers (alive, idle) in
+    lists of the job's pipeline length, as Oobleck re-assigns them; and the waiting
+    workers (no more than the job's layout has room for when it has warm spares)."""
+    plan = state.plan
+    lists = _pipeline_ranks(plan)
+    waiting = sorted(set(state.alive) - set(plan.workers) - plan.dead_workers)
+    if state.max_workers is not None:
+        # warm spares replace lost workers: no more workers than the job's layout has
+        room = state.max_workers - len(set(plan.workers) & state.alive)
+        waiting = waiting[:max(0, room)]
+    step = spec.job_length
+    for start in range(0, len(waiting), step):
+        lists.append(waiting[start:start + step])
+    return lists, waiting
+
+
+def _template_layouts(sizes: list[int], spec: OobleckSpec,
+                      templates: Templates) -> list[Layout] | str:
+    """The template layout of each pipeline size, or why Oobleck cannot run them (fewer
+    than ``f + 1`` pipelines, a size without a template, a template that does not fit
+    memory)."""
+    if len(sizes) < spec.fault_threshold + 1:
+        return (f"oobleck: {len(sizes)} pipeline(s) left, f + 1 = "
+                f"{spec.fault_threshold + 1} needed")
+    too_long = [n for n in sizes if n > spec.max_length]
+    if too_long:
+        return (f"oobleck: no template of {too_long[0]} nodes "
+                f"(templates {spec.min_length}..{spec.max_length})")
+    layouts: list[Layout] = []
+    for n in sizes:
+        layout = templates.layout(n)
+        if layout is None:
+            return f"oobleck: the {n}-node template does not fit memory"
+        layouts.append(layout)
+    return layouts
+
+
+def _priced(state: RecoveryState, new_plan: ExecutionPlan, result: Reinstantiation,
+            sizes: list[int], num_joined: int) -> Candidate:
+    """The reconfiguration's candidate: ``new_plan`` estimated, its parameters copied from
+    first replicas, stop-the-world terms (every layer rebuilt)."""
+    plan = state.plan
     est = state.estimate(new_plan)
     recovery = state.config.recovery
     held = state.held_layers()
@@ -298,4 +324,4 @@ def reconfigure(state: RecoveryState, failed: Collection[int], spec: OobleckSpec
         f"{migration.moved_bytes / 2**30:.2f} GiB of parameters from first replicas",
         migration=migration,
         extra={"rule": result.rule, "pipeline_lengths": sizes,
-               "joined_workers": len(waiting)})
+               "joined_workers": num_joined})

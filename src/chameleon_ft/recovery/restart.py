@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 
 from chameleon_ft.plan import ExecutionPlan
-from chameleon_ft.plan.plan import pipeline_on
+from chameleon_ft.plan.pipeline import pipeline_on
+from chameleon_ft.recovery.allocation import allocate
 from chameleon_ft.recovery.dynamic import max_length, placement_free_price
-from chameleon_ft.recovery.templates import allocate
 from chameleon_ft.recovery.transition import reload_terms, restart_terms
 from chameleon_ft.recovery.types import (
     Candidate,

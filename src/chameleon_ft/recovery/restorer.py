@@ -26,7 +26,7 @@ from typing import Any
 from chameleon_ft.perf.coloring import pair_rounds
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.plan import ExecutionPlan, Pipeline
-from chameleon_ft.plan.plan import indices_by_object
+from chameleon_ft.plan.tables import indices_by_object
 from chameleon_ft.profile import Profile
 from chameleon_ft.recovery.transition import migration_s, recovery_terms
 from chameleon_ft.recovery.types import (

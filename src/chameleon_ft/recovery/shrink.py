@@ -12,9 +12,9 @@ from dataclasses import replace
 
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ft.plan.reroute import reroute_plan
+from chameleon_ft.recovery.allocation import allocate
 from chameleon_ft.recovery.reroute import dead_stages
 from chameleon_ft.recovery.restorer import copy_in
-from chameleon_ft.recovery.templates import allocate
 from chameleon_ft.recovery.transition import recovery_terms
 from chameleon_ft.recovery.types import (
     Candidate,

@@ -90,11 +90,11 @@ class ChaosHooks(Hooks):
     def _remaining(self) -> int:
         return self.budget - sum(1 for x in self.injected if not x.retracted)
 
-    def _settled(self, coord: Coordinator, step: int) -> bool:
-        if self.pending is not None or self._remaining() <= 0 or step >= self.last_step:
-            return False
-        if any(e.resumed_at_s is None and not e.idle for e in coord.events):
-            return False
+    def _waiting(self, coord: Coordinator) -> list[Injected]:
+        """Armed faults not fired yet; those past their patience are retracted (their
+        worker left every plan) or given up (claimed, never recorded: their worker died
+        in between). Looked at every commit, also once the budget is spent: the last
+        episode's faults must be accounted for too."""
         fired = {i for i, f in enumerate(coord.fault_report()) if f["fired"]}
         waiting = [x for x in self.injected if x.index is not None and not x.retracted
                    and not x.lost and x.index not in fired]
@@ -104,8 +104,16 @@ class ChaosHooks(Hooks):
             if age > self.patience_steps and coord.retract(x.index):
                 x.retracted = True
             elif age > 2 * self.patience_steps:
-                x.lost = True  # claimed, never recorded: its worker died in between
-        if any(not (x.retracted or x.lost) for x in waiting):
+                x.lost = True
+        return [x for x in waiting if not (x.retracted or x.lost)]
+
+    def _settled(self, coord: Coordinator, step: int) -> bool:
+        waiting = self._waiting(coord)
+        if self.pending is not None or self._remaining() <= 0 or step >= self.last_step:
+            return False
+        if any(e.resumed_at_s is None and not e.idle for e in coord.events):
+            return False
+        if waiting:
             return False
         return step - self.quiet_since_step >= self.settle_steps
 

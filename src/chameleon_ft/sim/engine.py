@@ -494,6 +494,22 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
     run = _Run(trace, policy, failure_free_samples_s=failure_free_samples_s, recovery=recovery,
                workers_per_node=workers_per_node, num_workers=num_workers,
                checkpoint_every_steps=checkpoint_every_steps, memory_load_s=memory_load_s)
+    _replay(run, trace, progress)
+    run.advance(trace.duration_s)
+    if progress is not None:
+        progress(len(trace.events))
+    return RunResult(
+        name=policy.name, duration_s=trace.duration_s, samples=run.samples,
+        failure_free_samples_s=failure_free_samples_s,
+        time_lost_s=tuple(sorted(run.lost.items())),
+        decisions=tuple(sorted(run.decisions.items())),
+        num_software_restarts=run.num_software, timeline=tuple(run.timeline),
+        training_s=run.training_s)
+
+
+def _replay(run: _Run, trace: Trace, progress: Callable[[int], None] | None) -> None:
+    """The event loop: every trace event, commit and switch of ``run`` in time order until
+    the trace's end (``progress`` told every 64 trace events)."""
     events = trace.events
     for event in events:
         run.push(event.time_s, event)
@@ -523,13 +539,3 @@ def simulate(trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
             if progress is not None and handled % 64 == 0:
                 progress(handled)
         run.mark()
-    run.advance(trace.duration_s)
-    if progress is not None:
-        progress(len(events))
-    return RunResult(
-        name=policy.name, duration_s=trace.duration_s, samples=run.samples,
-        failure_free_samples_s=failure_free_samples_s,
-        time_lost_s=tuple(sorted(run.lost.items())),
-        decisions=tuple(sorted(run.decisions.items())),
-        num_software_restarts=run.num_software, timeline=tuple(run.timeline),
-        training_s=run.training_s)

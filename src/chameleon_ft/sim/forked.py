@@ -128,29 +128,11 @@ def run_forked(tasks: Sequence[Callable[[Send], None]], *, jobs: int,
         while waiting or running:
             while waiting and len(running) < jobs:
                 index = waiting.pop()
-                reader, writer = context.Pipe(duplex=False)
-                process = context.Process(target=_child, args=(tasks[index], writer),
-                                          daemon=True)
-                process.start()
-                writer.close()  # the child's end: EOF once the child is gone
+                reader, process = _start(context, tasks[index])
                 running[reader] = _Running(index, process)
             for conn in wait(list(running), timeout=poll_s):
                 assert isinstance(conn, Connection)
-                state = running[conn]
-                try:
-                    message = conn.recv()
-                except EOFError:
-                    del running[conn]
-                    death = _ended(state)
-                    if death is not None:
-                        deaths.append(death)
-                    continue
-                if message == _END:
-                    state.finished = True
-                elif isinstance(message, tuple) and message[:1] == ("__error__",):
-                    raise message[1]
-                else:
-                    on_message(state.task, message)
+                _receive(conn, running, deaths, on_message)
             for state in running.values():
                 peak = _status_peak_bytes(state.process.pid)
                 if peak is not None:
@@ -162,6 +144,38 @@ def run_forked(tasks: Sequence[Callable[[Send], None]], *, jobs: int,
             state.process.kill()
             state.process.join()
     return deaths
+
+
+def _start(context: Any, task: Callable[[Send], None]) -> tuple[Connection, Any]:
+    """``task`` started in a forked process: the parent's end of its pipe, and the
+    process."""
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(task, writer), daemon=True)
+    process.start()
+    writer.close()  # the child's end: EOF once the child is gone
+    return reader, process
+
+
+def _receive(conn: Connection, running: dict[Connection, _Running], deaths: list[Death],
+             on_message: Callable[[int, Any], None]) -> None:
+    """One message from a running task's pipe: handed to ``on_message``, the task's end
+    noted, or its exception raised again here; a closed pipe: the process reaped, a death
+    recorded unless it finished its task."""
+    state = running[conn]
+    try:
+        message = conn.recv()
+    except EOFError:
+        del running[conn]
+        death = _ended(state)
+        if death is not None:
+            deaths.append(death)
+        return
+    if message == _END:
+        state.finished = True
+    elif isinstance(message, tuple) and message[:1] == ("__error__",):
+        raise message[1]
+    else:
+        on_message(state.task, message)
 
 
 def _ended(state: _Running) -> Death | None:

@@ -280,15 +280,29 @@ def _run_units(units: Sequence[_Unit], *, jobs: int, total: int,
     outcomes = [_Outcome() for _ in units]
     jobs = min(jobs, len(units))
     if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        for unit, outcome in zip(units, outcomes, strict=True):
-            def started(name: str, outcome: _Outcome = outcome) -> None:
-                outcome.running = name
+        _run_here(units, outcomes, tick)
+    else:
+        _run_in_processes(units, outcomes, jobs=jobs, total=total, progress=progress)
+    return outcomes
 
-            for name, result in _run_unit(unit, tick, started):
-                outcome.results[name] = result
-                outcome.running = None
-            outcome.peak_rss_bytes = peak_rss_bytes()
-        return outcomes
+
+def _run_here(units: Sequence[_Unit], outcomes: list[_Outcome],
+              tick: Callable[[int], None]) -> None:
+    """Every unit in this process, one after the other, into ``outcomes``."""
+    for unit, outcome in zip(units, outcomes, strict=True):
+        def started(name: str, outcome: _Outcome = outcome) -> None:
+            outcome.running = name
+
+        for name, result in _run_unit(unit, tick, started):
+            outcome.results[name] = result
+            outcome.running = None
+        outcome.peak_rss_bytes = peak_rss_bytes()
+
+
+def _run_in_processes(units: Sequence[_Unit], outcomes: list[_Outcome], *, jobs: int,
+                      total: int, progress: Callable[[int, int], None] | None) -> None:
+    """Every unit in a forked process of its own, ``jobs`` at once, into ``outcomes``
+    (a process that dies leaves what its unit finished and how it died)."""
     load_matching()  # imported once here rather than by every forked unit
     counter = multiprocessing.get_context("fork").Value("q", 0)
 
@@ -322,7 +336,6 @@ def _run_units(units: Sequence[_Unit], *, jobs: int, total: int,
         outcome.death = death.reason
         if death.peak_rss_bytes is not None:
             outcome.peak_rss_bytes = max(outcome.peak_rss_bytes, death.peak_rss_bytes)
-    return outcomes
 
 
 def default_jobs() -> int:
@@ -370,6 +383,31 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
     cells_in = _cell_specs(scenario)
     if trace is not None and len(cells_in) != 1:
         raise ValueError("--trace: a replayed trace cannot drive a sweep")
+    traces = _traces(scenario, cells_in, trace, first_seed, num_seeds)
+    total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
+    failure_free = estimate(initial_plan(config, profile), profile, Topology.from_config(config))
+    units = [(c, k, group) for c, cell_traces in enumerate(traces)
+             for k in range(len(cell_traces)) for group in policy_groups(names)]
+    specs = [_Unit(config=cells_in[c][1], profile=profile, trace=traces[c][k][1],
+                   policies=group, bamboo_tax=sim.bamboo_tax,
+                   oobleck_fault_threshold=sim.oobleck_fault_threshold,
+                   failure_free_samples_s=float(failure_free.throughput_samples_s))
+             for c, k, group in units]
+    outcomes = _run_units(specs, jobs=jobs, total=total, progress=progress)
+    ff = failure_free
+    return ScenarioRun(scenario=scenario, policies=names,
+                       failure_free_samples_s=float(ff.throughput_samples_s),
+                       failure_free_step_s=float(ff.step_s),
+                       cells=_cells(units, outcomes, traces, cells_in, names),
+                       process_peak_rss_bytes=tuple(o.peak_rss_bytes for o in outcomes))
+
+
+def _traces(scenario: Scenario, cells_in: list[tuple[FailureSpec, Config]],
+            trace: Trace | None, first_seed: int, num_seeds: int
+            ) -> list[list[tuple[int, Trace]]]:
+    """Each cell's ``(seed, trace)`` pairs: ``trace`` replayed as the one seed, else one
+    generated trace per seed."""
+    sim, config = scenario.simulation, scenario.config
     num_nodes = config.cluster.num_nodes
     per_node = config.workers_per_node
     traces: list[list[tuple[int, Trace]]] = []
@@ -381,16 +419,14 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
                                           duration_s=sim.duration_s, seed=s,
                                           spare_nodes=config.cluster.spare_nodes))
                        for s in range(first_seed, first_seed + num_seeds)])
-    total = sum(len(t.events) for cell in traces for _, t in cell) * len(names)
-    failure_free = estimate(initial_plan(config, profile), profile, Topology.from_config(config))
-    units = [(c, k, group) for c, cell_traces in enumerate(traces)
-             for k in range(len(cell_traces)) for group in policy_groups(names)]
-    specs = [_Unit(config=cells_in[c][1], profile=profile, trace=traces[c][k][1],
-                   policies=group, bamboo_tax=sim.bamboo_tax,
-                   oobleck_fault_threshold=sim.oobleck_fault_threshold,
-                   failure_free_samples_s=float(failure_free.throughput_samples_s))
-             for c, k, group in units]
-    outcomes = _run_units(specs, jobs=jobs, total=total, progress=progress)
+    return traces
+
+
+def _cells(units: list[tuple[int, int, tuple[str, ...]]], outcomes: list[_Outcome],
+           traces: list[list[tuple[int, Trace]]], cells_in: list[tuple[FailureSpec, Config]],
+           names: tuple[str, ...]) -> tuple[CellRun, ...]:
+    """The units' outcomes gathered per (cell, seed): each policy's result in the order
+    asked for, and the policies whose process died."""
     by_unit: dict[tuple[int, int], dict[str, RunResult]] = {}
     lost: dict[tuple[int, int], list[LostRun]] = {}
     for (c, k, group), outcome in zip(units, outcomes, strict=True):
@@ -410,11 +446,7 @@ def run_scenario(scenario: Scenario, *, policies: Sequence[str] | None = None,
                      for k, (s, cell_trace) in enumerate(cell_traces))
         cells.append(CellRun(node_mtbf_hours=failures.node_mtbf_hours,
                              repair_hours=_repair_hours(failures), runs=runs))
-    ff = failure_free
-    return ScenarioRun(scenario=scenario, policies=names,
-                       failure_free_samples_s=float(ff.throughput_samples_s),
-                       failure_free_step_s=float(ff.step_s), cells=tuple(cells),
-                       process_peak_rss_bytes=tuple(o.peak_rss_bytes for o in outcomes))
+    return tuple(cells)
 
 
 def _repair_hours(failures: FailureSpec) -> float | None:

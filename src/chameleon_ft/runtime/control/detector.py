@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from chameleon_ft.runtime.control import slots as sl
 from chameleon_ft.runtime.protocol import ErrorReport
 
 SETUP_WAIT_DEADLINES = 2
@@ -35,8 +34,9 @@ UNEXPLAINED_BEATS = 4
 the generation is given up (a death that explains them is seen by then)."""
 
 
-Slot = ErrorReport | str
-"""One error slot as the shell read it: a report, ``MISSING`` or ``MALFORMED``."""
+Report = ErrorReport | str
+"""One error report as the shell read it: a report, or ``MALFORMED`` (sealed by a member,
+not a report)."""
 MAX_MESSAGES = 8
 """First lines of a generation's error reports kept for its log line."""
 
@@ -54,8 +54,8 @@ class Watch:
     """What detection remembers about the running generation (fresh for each one)."""
 
     gen: int
-    errors: sl.Cursor = field(default_factory=sl.Cursor)
-    """The generation's error slots read so far (in slot order)."""
+    errors_read: int = 0
+    """The generation's error reports read so far (in the order the shell found them)."""
     suspects: frozenset[int] = frozenset()
     """Peers named by failed transfers: dead as soon as their heartbeat stalls briefly."""
     unexplained_since_s: float | None = None
@@ -71,7 +71,7 @@ class Watch:
 
 @dataclass(frozen=True)
 class Seen:
-    """What one reading of the error slots found."""
+    """What one reading of the error reports found."""
 
     watch: Watch
     deaths: dict[int, str] = field(default_factory=dict)
@@ -80,41 +80,38 @@ class Seen:
     """Checkpoints (by committed steps) a worker found corrupt while loading, and why."""
 
 
-def read_errors(watch: Watch, slots: tuple[Slot, ...], *, alive: frozenset[int],
-                now_s: float, hang_s: float) -> Seen:
-    """Read the generation's error slots from ``watch.errors`` on, in order
-    (:func:`~chameleon_ft.runtime.control.slots.read`: an unwritten slot is waited for
-    until the hang deadline, then skipped; a malformed one is logged and ignored). A fatal
-    report is its writer's death; a report naming a peer makes that peer a suspect.
+def read_errors(watch: Watch, reports: tuple[Report, ...], *, alive: frozenset[int],
+                now_s: float) -> Seen:
+    """Read the generation's error reports from the ``watch.errors_read``-th on, in order
+    (a malformed one is logged and ignored). A fatal report is its writer's death; a
+    report naming a peer makes that peer a suspect.
 
     Args:
         watch: the generation's detection state.
-        slots: the slots from ``watch.errors.next`` up to the reserved count, as read.
+        reports: the reports from the ``watch.errors_read``-th on, as read.
         alive: workers believed alive (reports of others are stale).
         now_s: the run clock.
-        hang_s: the hang deadline.
     """
     deaths: dict[int, str] = {}
     corrupt: dict[int, str] = {}
-    cursor, taken, logs = sl.read(watch.errors, slots, now_s=now_s, hang_s=hang_s,
-                                  what=f"generation {watch.gen}: error report")
-    w = replace(watch, errors=cursor)
-    for slot in taken:
-        if not isinstance(slot, ErrorReport):
+    logs: list[str] = []
+    w = replace(watch, errors_read=watch.errors_read + len(reports))
+    for report in reports:
+        if not isinstance(report, ErrorReport):
             logs.append(f"generation {w.gen}: ignored a malformed error report")
             continue
-        first_line = slot.message.splitlines()[0] if slot.message else "?"
+        first_line = report.message.splitlines()[0] if report.message else "?"
         if len(w.messages) < MAX_MESSAGES:
             w = replace(w, messages=(*w.messages, first_line))
-        if slot.worker not in alive:
+        if report.worker not in alive:
             continue
-        if slot.corrupt_step is not None:
-            corrupt.setdefault(slot.corrupt_step, first_line)
+        if report.corrupt_step is not None:
+            corrupt.setdefault(report.corrupt_step, first_line)
             continue
-        if slot.fatal:
-            deaths[slot.worker] = "error: " + first_line
-        elif slot.peer is not None:
-            w = replace(w, suspects=w.suspects | {slot.peer})
+        if report.fatal:
+            deaths[report.worker] = "error: " + first_line
+        elif report.peer is not None:
+            w = replace(w, suspects=w.suspects | {report.peer})
         if w.unexplained_since_s is None:
             w = replace(w, unexplained_since_s=now_s)
     return Seen(w, deaths, tuple(logs), corrupt)

@@ -1,6 +1,7 @@
 """The handlers of :func:`chameleon_ft.runtime.control.machine.step` for members coming
-and going: launches and their failures, registrations, join requests (read in slot order
-by the one slot reader, admitted or refused here), replayed repairs.
+and going: launches and their failures, registrations, join requests (which slots are
+read, waited for or given up: :mod:`~chameleon_ft.runtime.control.slots`; each request
+admitted or refused here), replayed repairs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from chameleon_ft.runtime.control.rules import (
     new_generation,
     restart_everything,
 )
+from chameleon_ft.runtime.protocol import JOIN_SLOTS_KEY, REPLAYED, join_request_key
 
 
 def on_launched(c: Control, obs: m.Launched, p: Settings) -> Out:
@@ -66,24 +68,37 @@ def on_registered(c: Control, obs: m.Registered, p: Settings) -> Out:
     return c, effects
 
 
+def on_join_slots(c: Control, obs: m.JoinSlots, p: Settings) -> Out:
+    """The reserved count moved (or slots not yet written are due again): read the slots
+    of the window; a flood beyond it is skipped and counted."""
+    look = sl.look(c.joins, obs.reserved, obs.now_s)
+    effects: list[m.Effect] = []
+    if look.skipped:
+        effects.append(m.Refused(JOIN_SLOTS_KEY, f"{look.skipped} reserved slots skipped",
+                                 "join-flood"))
+    if look.due:
+        effects.append(m.ReadJoins(look.due))
+    return replace(c, joins=look.window), effects
+
+
 def on_joins(c: Control, obs: m.JoinRequests, p: Settings) -> Out:
-    """Join requests, in slot order: each gets a free id, a dead one (re-join), or a
-    refusal. An admitted joiner holds its id at once (with the incarnation the shell
-    drew), so two joiners of one poll never get the same id."""
-    cursor, taken, logs = sl.read(c.joins, obs.slots, now_s=obs.now_s, hang_s=p.hang_s,
-                                  what="join request")
-    first = c.joins.next
-    c = replace(c, joins=cursor)
-    effects: list[m.Effect] = [m.Log(x) for x in logs]
+    """The join slots read: each request gets a free id, a dead one (re-join), or a
+    refusal, in the order read; an unwritten slot is waited for (it holds up no other)
+    and given up at the hang deadline. An admitted joiner holds its id at once (with the
+    incarnation the shell drew), so two joiners of one poll never get the same id."""
+    window, taken, given_up = sl.settle(c.joins, obs.found, now_s=obs.now_s, hang_s=p.hang_s)
+    c = replace(c, joins=window)
+    effects: list[m.Effect] = [m.Refused(join_request_key(i), "reserved, never written",
+                                         "join-slot") for i in given_up]
     for item in taken:
         c, more = _answer(c, item, obs.now_s, p)
         effects += more
-    if cursor.next > first:
-        effects.append(m.DropJoinRequests(first, cursor.next))
     return c, effects
 
 
 def _answer(c: Control, item: m.Joiner | str, now_s: float, p: Settings) -> Out:
+    if item == REPLAYED:  # refused and counted as it was read; its joiner was answered
+        return c, []
     if not isinstance(item, m.Joiner):
         return c, [m.Reply(None, reason="malformed join request")]
     if item.refusal is not None:

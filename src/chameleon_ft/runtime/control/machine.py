@@ -51,7 +51,8 @@ HANDLERS: dict[type, Callable[[Control, Any, Settings], Out]] = {
     m.RejoinDecision: rules.on_rejoin_decision, m.Absent: rules.on_absent,
     m.ShellFailed: rules.on_shell_failed,
     m.Launched: joining.on_launched, m.LaunchFailed: joining.on_launch_failed,
-    m.Registered: joining.on_registered, m.JoinRequests: joining.on_joins,
+    m.Registered: joining.on_registered, m.JoinSlots: joining.on_join_slots,
+    m.JoinRequests: joining.on_joins,
     m.Relaunch: joining.on_relaunch,
     m.CheckpointLayers: saving.on_layers, m.CheckpointDone: saving.on_done,
     m.CheckpointFailed: saving.on_failed}

@@ -1,7 +1,7 @@
 """What goes into the control plane's step (observations) and what comes out (effects).
 
 Both are small frozen values. The shell turns what it sees (process exits, store
-counters, error slots, join requests, signals, the policy's answers) into observations,
+counters, error reports, join requests, signals, the policy's answers) into observations,
 calls :func:`chameleon_ft.runtime.control.machine.step`, and performs the effects in
 order. Every effect is plain data: a test reads them without any process.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.recovery.types import Migration
 from chameleon_ft.runtime.control.decider import Ask, DecisionLike
-from chameleon_ft.runtime.control.detector import Slot
+from chameleon_ft.runtime.control.detector import Report
 from chameleon_ft.runtime.control.state import Load
 
 # ---------------------------------------------------------------------- observations
@@ -46,11 +46,11 @@ class Beats:
 
 @dataclass(frozen=True)
 class Errors:
-    """The running generation's error slots from the first unread one, as read."""
+    """The running generation's error reports from the first unread one, as read."""
 
     now_s: float
     gen: int
-    slots: tuple[Slot, ...]
+    reports: tuple[Report, ...]
 
 
 @dataclass(frozen=True)
@@ -126,12 +126,21 @@ class Joiner:
 
 
 @dataclass(frozen=True)
-class JoinRequests:
-    """The join slots from the first unread one: each a :class:`Joiner`, ``MISSING`` or
-    ``MALFORMED``."""
+class JoinSlots:
+    """The join slots reserved so far, as the counter says (a hint anyone can raise)."""
 
     now_s: float
-    slots: tuple[Joiner | str, ...]
+    reserved: int
+
+
+@dataclass(frozen=True)
+class JoinRequests:
+    """Answer to :class:`ReadJoins`: what each slot read held, ``(slot, held)``: a
+    :class:`Joiner`, ``MISSING`` (reserved, not written yet), ``MALFORMED`` or
+    ``REPLAYED`` (a proof used before: refused, counted, never answered)."""
+
+    now_s: float
+    found: tuple[tuple[int, Joiner | str], ...]
 
 
 @dataclass(frozen=True)
@@ -227,9 +236,9 @@ class ShellFailed:
 
 
 Observation = (Tick | Exits | Beats | Errors | Registered | Ready | Reduced | CheckpointLayers
-               | CheckpointDone | CheckpointFailed | JoinRequests | StopAsked | Relaunch
-               | SoftwareFault | TraceEnd | Decision | RejoinDecision | Absent | Launched
-               | LaunchFailed | ShellFailed)
+               | CheckpointDone | CheckpointFailed | JoinSlots | JoinRequests | StopAsked
+               | Relaunch | SoftwareFault | TraceEnd | Decision | RejoinDecision | Absent
+               | Launched | LaunchFailed | ShellFailed)
 
 # ---------------------------------------------------------------------- effects
 
@@ -335,11 +344,20 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class DropJoinRequests:
-    """The join slots ``first`` to ``end`` were read: delete them."""
+class ReadJoins:
+    """Read these join slots (each read is deleted) and check their proofs (answer
+    :class:`JoinRequests`)."""
 
-    first: int
-    end: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Count a refused value of key ``key`` (``kind``: its message kind in the report)."""
+
+    key: str
+    why: str
+    kind: str
 
 
 @dataclass(frozen=True)
@@ -514,6 +532,6 @@ class FinalDone:
 
 
 Effect = (Log | Publish | Abort | Commit | ExpectCheckpoint | Fence | Launch | Reply
-          | DropJoinRequests | StartFrom | Failure | Resolved | Decide | DecideRejoin
+          | ReadJoins | Refused | StartFrom | Failure | Resolved | Decide | DecideRejoin
           | ProbeAbsent | SaveCheckpoint | DropCheckpoint | MarkCorrupt | DropTimelines
           | Retire | Rejoined | Stop | AskFinal | FinalDone)

@@ -110,8 +110,8 @@ class Control:
     """The final checkpoint being written (after the run finished)."""
     closed: bool = False
     """The run is over and nothing more is waited for: the shell ends."""
-    joins: sl.Cursor = field(default_factory=sl.Cursor)
-    """The join requests read so far."""
+    joins: sl.Window = field(default_factory=sl.Window)
+    """The join slots read so far, and those waited for."""
 
 
 def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
@@ -145,17 +145,22 @@ class Wanted:
     """The published generation whose reports, readiness and votes are read (None: no
     generation runs)."""
     errors_from: int = 0
-    """Its first unread error slot."""
+    """The index of its first unread error report."""
     ready: bool = False
     """Its readiness is still to be counted."""
     votes_step: int | None = None
     """The step whose votes are counted (None: none)."""
+    voters: tuple[int, ...] = ()
+    """The workers whose votes count (the running plan's)."""
     beats: Mapping[int, str] = field(default_factory=dict)
     """The processes whose heartbeats are read, by worker."""
     unregistered: Mapping[int, str] = field(default_factory=dict)
     """Processes that have not announced themselves yet, by worker."""
-    joins_from: int | None = None
-    """The first unread join slot (None: no join is answered)."""
+    joins: bool = False
+    """Join requests are answered: the reserved join slots are read."""
+    joins_recheck_at_s: float | None = None
+    """When join slots reserved but not yet written are looked at again (None: none
+    is)."""
 
 
 def wanted(c: Control) -> Wanted:
@@ -166,13 +171,16 @@ def wanted(c: Control) -> Wanted:
     by = c.members.by_worker
     unregistered = {w: x.incarnation for w, x in sorted(by.items())
                     if not x.registered and not x.gone}
+    recheck = c.joins.recheck_at_s if c.joins.pending else None
     if k not in PUBLISHED:
-        return Wanted(None, unregistered=unregistered, joins_from=c.joins.next)
+        return Wanted(None, unregistered=unregistered, joins=True, joins_recheck_at_s=recheck)
     run = c.run
-    votes = run.next_step if k in RUNNING else None
-    return Wanted(run.gen, errors_from=c.watch.errors.next, ready=c.ready_s is None,
-                  votes_step=votes, beats=incarnations(c, run.alive),
-                  unregistered=unregistered, joins_from=c.joins.next)
+    voting = k in RUNNING
+    return Wanted(run.gen, errors_from=c.watch.errors_read, ready=c.ready_s is None,
+                  votes_step=run.next_step if voting else None,
+                  voters=tuple(sorted(run.plan.workers)) if voting else (),
+                  beats=incarnations(c, run.alive), unregistered=unregistered, joins=True,
+                  joins_recheck_at_s=recheck)
 
 
 def incarnations(c: Control, workers: Iterable[int]) -> dict[int, str]:

@@ -284,8 +284,7 @@ def on_errors(c: Control, obs: m.Errors, p: Settings) -> Out:
     answered (a restart decided for them must not load it again)."""
     if obs.gen != c.run.gen or obs.gen != c.watch.gen or mode(c) not in PUBLISHED:
         return c, []
-    seen = detector.read_errors(c.watch, obs.slots, alive=c.run.alive, now_s=obs.now_s,
-                                hang_s=p.hang_s)
+    seen = detector.read_errors(c.watch, obs.reports, alive=c.run.alive, now_s=obs.now_s)
     c, effects = set_aside(replace(c, watch=seen.watch), seen.corrupt)
     marked = [e for e in effects if isinstance(e, m.MarkCorrupt)]
     c, more = deaths(c, seen.deaths, obs.now_s, p)

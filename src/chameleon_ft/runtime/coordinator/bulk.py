@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from chameleon_ft.runtime.coordinator.store import ControlStore
 from chameleon_ft.runtime.deadlines import Deadline
-from chameleon_ft.runtime.protocol import ControlStore
 from chameleon_ft.runtime.storage.blobs import BlobError, BlobServer
 from chameleon_ft.runtime.storage.checkpoint import (
     Assembly,

@@ -100,20 +100,22 @@ def _do_launch(coord: Coordinator, e: m.Launch) -> Answer:
 def _do_reply(coord: Coordinator, e: m.Reply) -> Answer:
     request = e.request
     if request is None:  # malformed: nobody to answer
-        coord.report.refuse({"reason": e.reason, "at_s": coord.now()})
-        coord.log(f"refused a join request: {e.reason.removesuffix(' join request')}")
+        if coord.report.refuse({"reason": e.reason, "at_s": coord.now()}, "malformed"):
+            coord.log(f"refused a join request: {e.reason.removesuffix(' join request')} "
+                      "(further ones are counted, not logged)")
         return None
     if e.worker is None:
-        coord.desk.reply(request, auth.JoinReply(ok=False, reason=e.reason), coord.now())
-        coord.report.refuse({"host": request.host, "reason": e.reason, "at_s": coord.now()})
-        coord.log(f"refused a worker from {request.host} ({request.address}): {e.reason}")
+        coord.desk.reply(request, auth.JoinReply(ok=False, reason=e.reason))
+        if coord.report.refuse({"host": request.host, "reason": e.reason,
+                                "at_s": coord.now()}, request.host):
+            coord.log(f"refused a worker from {request.host} ({request.address}): "
+                      f"{e.reason}")
         return None
     index = coord.launcher.admitted(e.worker, request.host, e.incarnation, e.alive,
                                     request.local_index)
     coord.desk.reply(request, auth.JoinReply(ok=True, worker=e.worker,
                                              incarnation=e.incarnation,
-                                             replacement=e.replacement, local_index=index),
-                     coord.now())
+                                             replacement=e.replacement, local_index=index))
     coord.log(f"admitted worker {e.worker} from {request.host} ({request.address})"
               + (" as a replacement" if e.replacement else ""))
     return None
@@ -262,7 +264,8 @@ _PERFORM: dict[type, Callable[[Any, Any], Answer]] = {
     m.Fence: _do_fence,
     m.Launch: _do_launch,
     m.Reply: _do_reply,
-    m.DropJoinRequests: lambda coord, e: coord.desk.drop(e.first, e.end),
+    m.ReadJoins: lambda coord, e: m.JoinRequests(coord.now(), coord.desk.take(e.slots)),
+    m.Refused: lambda coord, e: coord.cs.refusals.refuse(e.key, None, e.why, kind=e.kind),
     m.StartFrom: lambda coord, e: coord.cs.start_from(e.worker, e.incarnation, e.gen),
     m.Failure: _do_failure,
     m.Resolved: _do_resolved,

@@ -35,6 +35,8 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "step_s": [r.step_s for r in steps],
         "rejoins": list(coord.report.rejoins),
         "refused": list(coord.report.refused),
+        "refused_total": coord.report.refused_total,
+        "forgeries": _forgeries(coord),
         "faults": _faults(coord),
         "initial_plan": job.plan0.to_dict(),
         "final_plan": coord.state.plan.to_dict(),
@@ -72,6 +74,14 @@ def _faults(coord: Coordinator) -> list[dict[str, Any]]:
         return coord.fault_report()
     except Exception:  # the store is gone (the coordinator failed on it)
         return [{"fault": f.to_text(), "fired": None} for f in coord.faults]
+
+
+def _forgeries(coord: Coordinator) -> dict[str, Any]:
+    try:
+        return coord.cs.forgeries()
+    except Exception:  # the store is gone: the workers' counts cannot be read
+        mine = coord.cs.refusals.counts()
+        return {"coordinator": mine, "workers": {}, "total": mine}
 
 
 def _steps_on_disk(coord: Coordinator) -> list[int]:

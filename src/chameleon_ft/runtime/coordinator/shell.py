@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from chameleon_ft import logs
 from chameleon_ft.profile import Profile
-from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import machine
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
@@ -42,10 +41,13 @@ from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc, ad
 from chameleon_ft.runtime.coordinator.policy import Decide, PlannerDecide
 from chameleon_ft.runtime.coordinator.setup import Job, prepare
 from chameleon_ft.runtime.coordinator.start import announce
+from chameleon_ft.runtime.coordinator.store import ControlStore
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.protocol import message_kind
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.report.records import Event, StepRecord
 from chameleon_ft.runtime.report.run import RunReport
+from chameleon_ft.runtime.signing import Refusals, Signer, control_key
 from chameleon_ft.runtime.worker.groups import resolve_backend, resolve_device
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
@@ -189,7 +191,7 @@ class Coordinator:
         self._feeding = False
         self._wanted: tuple[Control | None, Wanted] = (None, Wanted(None))
         self._counts: dict[str, tuple[tuple[int, ...], int]] = {}
-        """The last readiness and vote counts fed."""
+        """The last readiness, vote and join slot counts fed."""
 
     # ------------------------------------------------------------------ for harnesses
     @property
@@ -330,7 +332,9 @@ class Coordinator:
             raise ValueError(f"port: the coordinator cannot listen on {self.host}:{self.port} "
                              f"({exc.strerror or exc}); give another --port or 0") from None
         self.port = self.store.port
-        self.cs = proto.ControlStore(self.store)
+        self.cs = ControlStore(
+            self.store, Signer(control_key(job.secret), job.job_id),
+            Refusals(lambda line: self.log(f"warning: {line}"), kind_of=message_kind))
         self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
                               timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
                               deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
@@ -459,11 +463,7 @@ class Coordinator:
         exits); the step's votes come before time (a step every worker reduced commits,
         whatever errors came before it).
         """
-        want = self.wanted()
-        if want.joins_from is not None:
-            slots = self.desk.slots(want.joins_from)
-            if slots:
-                self.feed(m.JoinRequests(self.now(), slots))
+        self._observe_joins()
         if self.job.trace is not None and self.wanted().gen is not None:
             self.job.trace.poll(self)
         self.poll_checkpoints()
@@ -494,14 +494,26 @@ class Coordinator:
         for step, gen, why in failed:
             self.feed(m.CheckpointFailed(self.now(), step, gen, why))
 
+    def _observe_joins(self) -> None:
+        """The join slots reserved, when that count moved or unwritten slots are due again
+        (the control plane then asks for the slots to read)."""
+        want = self.wanted()
+        if not want.joins:
+            return
+        reserved = self.cs.join_slots()
+        now = self.now()
+        due = want.joins_recheck_at_s is not None and now >= want.joins_recheck_at_s
+        if self._news("joins", (), reserved) or due:
+            self.feed(m.JoinSlots(now, reserved))
+
     def _observe_errors(self) -> None:
         """The running generation's error reports not seen yet."""
         want = self.wanted()
         if want.gen is None:
             return
-        slots = self.cs.error_slots(want.gen, want.errors_from)
-        if slots:
-            self.feed(m.Errors(self.now(), want.gen, slots))
+        reports = self.cs.error_reports(want.gen, want.errors_from)
+        if reports:
+            self.feed(m.Errors(self.now(), want.gen, reports))
 
     def _observe_generation(self, beats_due: float) -> float:
         """The running generation: error reports, heartbeats, readiness, the step's votes."""
@@ -520,7 +532,7 @@ class Coordinator:
                 self._note_memory_reload(want.gen)
         want = self.wanted()
         if want.gen is not None and want.votes_step is not None:
-            count = self.cs.reduced(want.gen, want.votes_step)
+            count = self.cs.reduced(want.gen, want.votes_step, want.voters)
             if self._news("votes", (want.gen, want.votes_step), count):
                 self.feed(m.Reduced(self.now(), want.gen, want.votes_step, count))
         return beats_due

@@ -78,7 +78,7 @@ def announce(coord: Coordinator) -> None:
     coord.cs.set_job(info)
     coord.book.publish(coord.cs)
     coord.desk = JoinDesk(coord.cs, token=job.token, job_name=job.job_name, job_id=job.job_id,
-                          nonce=job.nonce, keep_s=coord.train.join_timeout_s)
+                          nonce=job.nonce)
     coord.log(f"coordinator listening on {coord.host}:{coord.port}; job {job.job_name!r}, "
               f"{job.num_local} local workers, {job.num_workers - job.num_local} to join")
     for note in job.notes:

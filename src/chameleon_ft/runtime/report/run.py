@@ -33,10 +33,11 @@ report, each (the newest)."""
 
 
 class Records(deque[dict[str, Any]]):
-    """The newest ``MAX_RECORDS`` records of one kind, and how many were left out."""
+    """The newest ``maxlen`` records of one kind (default ``MAX_RECORDS``), and how many
+    were left out."""
 
-    def __init__(self) -> None:
-        super().__init__(maxlen=MAX_RECORDS)
+    def __init__(self, maxlen: int | None = None) -> None:
+        super().__init__(maxlen=maxlen or MAX_RECORDS)
         self.left_out = 0
 
     def add(self, record: Any) -> None:
@@ -44,6 +45,11 @@ class Records(deque[dict[str, Any]]):
         if len(self) == self.maxlen:
             self.left_out += 1
         self.append(record)
+
+MAX_REFUSED = 100
+"""Refused join requests the report lists (the newest; it counts them all)."""
+MAX_REFUSED_SOURCES = 16
+"""Sources (claimed hosts) whose first refusal is logged."""
 
 
 class RunReport:
@@ -72,7 +78,10 @@ class RunReport:
         self.low = start_step
         """This run's first step (lower after a restart to an older checkpoint)."""
         self.rejoins = Records()
-        self.refused = Records()
+        self.refused = Records(MAX_REFUSED)
+        """The newest ``MAX_REFUSED`` join requests refused (:attr:`refused_total`: all)."""
+        self._refusing: set[str] = set()
+        """Sources whose refusals were logged."""
         self.dropped = Records()
         """Checkpoints that could not be written (the disk refused, or too slow)."""
         self.corrupt = Records()
@@ -120,10 +129,6 @@ class RunReport:
             self.events_left_out += 1
         self.events.append(event)
         self.meter.failed(event)
-
-    def refuse(self, record: dict[str, Any]) -> None:
-        """A join request was refused."""
-        self.refused.add(record)
 
     def rejoined(self, record: dict[str, Any]) -> None:
         """The policy answered about idle workers."""
@@ -202,6 +207,21 @@ class RunReport:
             return []
         return [json.loads(ln) for ln in self.op_times_path.read_text().splitlines()
                 if ln.strip()]
+
+    def refuse(self, entry: dict[str, Any], source: str) -> bool:
+        """Record a refused join request; whether to log it (the first refusal of each
+        source, for at most ``MAX_REFUSED_SOURCES`` sources: a flood writes nothing
+        without bound)."""
+        self.refused.add(entry)
+        if source in self._refusing or len(self._refusing) >= MAX_REFUSED_SOURCES:
+            return False
+        self._refusing.add(source)
+        return True
+
+    @property
+    def refused_total(self) -> int:
+        """Join requests refused in all (listed or left out)."""
+        return len(self.refused) + self.refused.left_out
 
     def ordered_steps(self) -> list[StepRecord]:
         """This run's committed steps in order (a redone step's last commit): read back

@@ -19,7 +19,6 @@ the bytes over the authenticated bulk channel instead, and the coordinator write
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import mmap
 import os
@@ -32,7 +31,6 @@ from typing import Any
 
 import torch
 
-from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.storage import diskwriter
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
@@ -47,6 +45,7 @@ from chameleon_ft.runtime.storage.checkpoint import (
 )
 from chameleon_ft.runtime.storage.packing import pack_parts, pack_pieces, pack_to
 from chameleon_ft.runtime.worker import device as dev
+from chameleon_ft.runtime.worker.channel import Channel
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
@@ -246,20 +245,20 @@ class CheckpointIO:
         worker: this worker's id.
         folder: the shared checkpoint folder, or None (send bytes over ``blobs``).
         blobs: the bulk channel to the coordinator.
-        store: a store connection of its own for the writer thread.
+        store: makes a channel over a store connection of its own, for the writer thread.
         memory: checkpoints in memory (``worker/memcopies.py``), or None.
         device: the worker's device (its threads work on it; snapshots of a GPU's layers
             are copied on a stream of their own).
     """
 
     def __init__(self, worker: int, folder: Path | None, blobs: BlobClient,
-                 store: Callable[[], Any], memory: MemoryCopies | None = None,
+                 store: Callable[[], Channel], memory: MemoryCopies | None = None,
                  device: torch.device | None = None) -> None:
         self.worker, self.folder, self.blobs = worker, folder, blobs
         self.memory = memory
         self.device = device or torch.device("cpu")
         self._store_of = store
-        self._store: Any = None
+        self._store: Channel | None = None
         self.thread: threading.Thread | None = None
         self.copied = threading.Event()
         self.copied.set()
@@ -424,22 +423,20 @@ class CheckpointIO:
                                        {arena.id: arena.fd})
         return LayerFile(name, size, sha256)
 
-    def _client(self) -> Any:
+    def _client(self) -> Channel:
         if self._store is None:
             self._store = self._store_of()
         return self._store
 
     def _report(self, gen: int, step: int, layer: int, file: LayerFile,
                 write_s: float, held: int | None = None) -> None:
-        store = self._client()
-        store.set(proto.checkpoint_layer_key(gen, step, layer), json.dumps(
-            {"file": file.name, "size": file.size, "sha256": file.sha256,
-             "worker": self.worker, "write_s": write_s, "memory": held}))
-        store.add(proto.checkpoint_count_key(gen, step), 1)
+        self._client().layer_written(gen, step, layer, {
+            "file": file.name, "size": file.size, "sha256": file.sha256,
+            "worker": self.worker, "write_s": write_s, "memory": held})
 
     def _fail(self, gen: int, step: int, why: str) -> None:
         with contextlib.suppress(Exception):  # the coordinator's deadline covers a silence
-            self._client().set(proto.checkpoint_failed_key(gen, step), why)
+            self._client().checkpoint_failed(gen, step, why)
 
     # ------------------------------------------------------------------ reading
     def read(self, step: int, layer: int, gen: int) -> bytes:
@@ -476,7 +473,7 @@ class CheckpointIO:
             raise CorruptCheckpoint(step, str(exc)) from None
 
 
-def wait_final(store: Any, gen: int, worker: int, write: Callable[[list[int], bool], None],
+def wait_final(chan: Channel, gen: int, write: Callable[[list[int], bool], None],
                deadline_s: float, slice_s: float = 0.05) -> None:
     """After writing its share of the final checkpoint: write the layers the coordinator
     asks for (their first writer is gone, or an attempt failed: the next uploads them),
@@ -485,16 +482,15 @@ def wait_final(store: Any, gen: int, worker: int, write: Callable[[list[int], bo
     ``write(layers, upload)`` writes layers into the checkpoint folder, or with ``upload``
     over the bulk channel into the run folder.
     """
-    more = proto.final_more_key(gen, worker)
-    done = proto.final_done_key(gen)
     end = time.monotonic() + deadline_s
     written: set[tuple[int, int]] = set()
     """(attempt, layer) written."""
     while time.monotonic() < end:
-        if store.check([done]):
+        done, ask = chan.final(gen)
+        if done:
+            chan.flush_refusals()  # the last word: the coordinator reports them
             return
-        if store.check([more]):
-            ask = json.loads(store.get(more))
+        if ask is not None:
             attempt = int(ask["attempt"])
             wanted = [int(i) for i in ask["layers"] if (attempt, int(i)) not in written]
             if wanted:
