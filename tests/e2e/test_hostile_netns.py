@@ -97,6 +97,7 @@ def test_a_stranger_without_the_token_cannot_steer_the_run(tmp_path: Path) -> No
     did = json.loads(done.read_text()) if done.exists() else {}
     report = json.loads(out)
     refused = report["forgeries"]["total"]
+    print("forgeries refused, by kind:", json.dumps(refused, sort_keys=True))
     missing = [kind for kind in MUST_REFUSE if not refused.get(kind)]
     assert not missing, (missing, report["forgeries"], did, stranger_out[-2000:])
     assert did.get("directive") and did.get("verdict") and did.get("join-replay"), did
