@@ -4,6 +4,7 @@ samples."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,23 @@ def test_bad_arguments_name_the_field(paper32: Planner) -> None:
         paper32.decide_slow(plan, 5, 0.5)
     with pytest.raises(ValueError, match="worker: worker 99 is not in the cluster"):
         paper32.decide_slow(plan, 99, 2.0)
+
+
+def test_plan_shows_the_slow_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    from chameleon_ft.cli import main
+
+    config = str(ROOT / "examples" / "paper32.toml")
+    assert main(["plan", "--config", config, "--slow", "5:2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["slow"] == {"worker": 5, "factor": 2.0}
+    assert report["slow_policy"] == "chameleon" and "failed" not in report
+    assert [c["strategy"] for c in report["candidates"]] == [
+        "keep", "rebalance", "dynamic", "swap", "evict"]
+    assert main(["plan", "--config", config, "--slow", "5:2", "--slow-policy", "rebalance"]) == 0
+    out = capsys.readouterr().out
+    assert "slow worker 5 at 2x; slow policy rebalance" in out
+    assert "decision: rebalance: slow policy rebalance: fixed answer" in out
+    for bad, message in (("5", "--slow: '5' is not W:F"), ("5:1", "factor must be a number > 1"),
+                         ("99:2", "--slow: worker 99")):
+        assert main(["plan", "--config", config, "--slow", bad]) == 2
+        assert message in capsys.readouterr().err
