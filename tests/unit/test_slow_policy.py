@@ -198,3 +198,12 @@ def test_plan_shows_the_slow_candidates(capsys: pytest.CaptureFixture[str]) -> N
                          ("99:2", "--slow: worker 99")):
         assert main(["plan", "--config", config, "--slow", bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_swap_never_takes_a_worker_a_rerouted_stage_still_names(paper32: Planner) -> None:
+    # worker 5 died and its stage is rerouted; back alive and idle, it may not take a slow
+    # worker's place while the plan still names it (the swap keeps the reroutes)
+    rerouted = paper32.decide(paper32.initial_plan, [5], policy="reroute").plan
+    assert 5 in rerouted.dead_workers
+    decision = paper32.decide_slow(rerouted, 9, 2.0, alive=range(32), slow_policy="swap")
+    assert decision.strategy == "keep" and "no idle worker" in decision.reason

@@ -180,14 +180,23 @@ def swapped_out_plan(state: RecoveryState, worker: int,
         worker: the slow worker to replace.
         unusable: idle workers that may not take its place (slow ones themselves).
     """
-    position = state.plan.stage_of_worker.get(worker)
+    plan = state.plan
+    position = plan.stage_of_worker.get(worker)
     if position is None:
         return f"worker {worker} runs no stage"
-    idle = [w for w in state.idle_workers() if w not in unusable]
-    assignment = assign_spares(state.plan, [position], idle, state.topology)
+    if any(peer == worker for r in plan.reroutes for peer, _ in r.shares):
+        return f"worker {worker} runs rerouted micro-batches"
+    # a worker a rerouted stage still names stays out: the plan keeps its reroutes
+    idle = [w for w in state.idle_workers() if w not in unusable and w not in plan.dead_workers]
+    assignment = assign_spares(plan, [position], idle, state.topology)
     if assignment is None:
         return f"no idle worker at full speed to take worker {worker}'s place"
-    return swapped_plan(state.plan, assignment)
+    swapped = swapped_plan(plan, assignment)
+    if plan.reroutes:
+        swapped = replace(swapped, reroutes=plan.reroutes,
+                          defer_weight_grad=plan.defer_weight_grad)
+        swapped.validate()
+    return swapped
 
 
 def slow_candidates(state: RecoveryState, worker: int, slow: Mapping[int, float],
