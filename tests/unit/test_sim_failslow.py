@@ -179,3 +179,16 @@ def test_fail_slows_change_nothing_without_them(paper32_slow) -> None:
     answers = {p: _run(scenario, failures_only, p, ("chameleon", "bamboo"))
                for p in ("chameleon", "keep", "evict")}
     assert answers["chameleon"] == answers["keep"] == answers["evict"]
+
+
+def test_the_oracle_s_horizon_skips_other_workers_speed_changes() -> None:
+    from chameleon_ft.sim.slowrun import Horizons
+
+    trace = Trace((TraceEvent(10.0, EventKind.SLOW, (0,), 2.0),
+                   TraceEvent(20.0, EventKind.SLOW, (1,), 2.0),
+                   TraceEvent(30.0, EventKind.WORKER_FAIL, (3,)),
+                   TraceEvent(40.0, EventKind.SLOW_END, (0,))), 100.0)
+    horizons = Horizons(trace)
+    assert [horizons.next_change_s(i) for i in range(5)] == [30.0, 30.0, 30.0, 100.0, 100.0]
+    assert horizons.next_speed_s(0, 10.0) == 40.0
+    assert horizons.next_speed_s(1, 25.0) == 100.0

@@ -37,7 +37,7 @@ from chameleon_ft.failures import SLOW_KINDS, EventKind, Trace, TraceEvent
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.sim.events import Commit, Respeed, SlowCheck, Switch
 from chameleon_ft.sim.policies import DOWN, Choice, EventContext, SimPolicy, software_restart
-from chameleon_ft.sim.slowrun import SlowRun
+from chameleon_ft.sim.slowrun import Horizons, SlowRun
 from chameleon_ft.spec.recovery import RecoverySpec
 
 
@@ -534,9 +534,13 @@ def _replay(run: _Run, trace: Trace, progress: Callable[[int], None] | None) -> 
     for event in events:
         run.push(event.time_s, event)
     handled = 0  # trace events popped so far
+    horizons = Horizons(trace) if trace.has_slow else None
 
     def next_trace_s() -> float:
-        """Time of the next trace event not yet handled (the oracle's true horizon)."""
+        """Time of the next trace event not yet handled (the oracle's true horizon; with
+        fail-slows, the next one that is not a speed change)."""
+        if horizons is not None:
+            return horizons.next_change_s(handled)
         return events[handled].time_s if handled < len(events) else trace.duration_s
 
     while run.queue:
@@ -551,7 +555,9 @@ def _replay(run: _Run, trace: Trace, progress: Callable[[int], None] | None) -> 
         elif isinstance(item, Respeed):
             run.on_respeed(item)
         elif isinstance(item, SlowCheck):
-            run.on_slow_check(item, next_trace_s())
+            assert horizons is not None
+            run.on_slow_check(item, min(next_trace_s(),
+                                        horizons.next_speed_s(item.worker, time_s)))
         else:
             handled += 1
             if item.kind == EventKind.REPAIR:

@@ -24,17 +24,47 @@ bit for bit, as before it existed.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
-from chameleon_ft.failures import TraceEvent
+from chameleon_ft.failures import SLOW_KINDS, Trace, TraceEvent
 from chameleon_ft.sim.events import Respeed, SlowCheck
 from chameleon_ft.sim.policies import Choice, EventContext, SimPolicy, SlowPolicy
 
 if TYPE_CHECKING:
     from chameleon_ft.sim.events import Commit, Switch
     from chameleon_ft.spec.recovery import RecoverySpec
+
+class Horizons:
+    """The oracle's true horizons in a trace with fail-slows: a failure's or re-join's is
+    the next event that is not a speed change (another worker's slowdown changes no plan
+    by itself); a slow worker's is that, or its own next speed change if sooner."""
+
+    def __init__(self, trace: Trace) -> None:
+        events = trace.events
+        self._next = [trace.duration_s] * (len(events) + 1)
+        for i in range(len(events) - 1, -1, -1):
+            self._next[i] = (self._next[i + 1] if events[i].kind in SLOW_KINDS
+                             else events[i].time_s)
+        self._speed: dict[int, list[float]] = {}
+        for event in events:
+            if event.kind in SLOW_KINDS:
+                self._speed.setdefault(event.target[0], []).append(event.time_s)
+        self._end = trace.duration_s
+
+    def next_change_s(self, handled: int) -> float:
+        """After ``handled`` trace events: the time of the next one that is not a speed
+        change (the trace's end when none is left)."""
+        return self._next[handled]
+
+    def next_speed_s(self, worker: int, now_s: float) -> float:
+        """The time of ``worker``'s next speed change after ``now_s``."""
+        times = self._speed.get(worker, [])
+        i = bisect.bisect_right(times, now_s)
+        return times[i] if i < len(times) else self._end
+
 
 SLOW_PREFIX = "slow-"
 """Decisions answering a slow worker are counted as ``slow-<strategy>``."""
