@@ -14,6 +14,7 @@ replays with ``chameleon simulate --job JOB.toml --trace trace.csv``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -60,12 +61,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers-per-node: must be >= 1, got {args.workers_per_node}")
     if args.num_nodes is not None and args.num_nodes < 1:
         raise ValueError(f"--num-nodes: must be >= 1, got {args.num_nodes}")
-    if args.days is not None and not args.days > 0:
+    if args.days is not None and not (math.isfinite(args.days) and args.days > 0):
         raise ValueError(f"--days: must be a positive number, got {args.days}")
     try:
         text = Path(args.input).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--input: cannot read {args.input!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--input: {args.input!r} is not UTF-8 text (byte {exc.start}); "
+                         f"a {args.format} trace is") from None
     if args.format == "node-json":
         trace, summary = import_node_json(
             text, workers_per_node=args.workers_per_node, num_nodes=args.num_nodes,

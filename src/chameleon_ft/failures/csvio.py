@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections.abc import Iterator
 
 from chameleon_ft.failures.trace import SLOW_KINDS, EventKind, Trace, TraceEvent
 
@@ -205,6 +206,19 @@ def trace_from_csv(text: str, *, num_nodes: int, workers_per_node: int,
             :func:`validate_trace`.
     """
     reader = csv.reader(io.StringIO(text))
+    try:
+        return _read_trace(reader, num_nodes, workers_per_node, duration_s)
+    except csv.Error as exc:  # a field over csv's size limit, a stray NUL...
+        raise ValueError(f"trace: not CSV after line {reader.line_num} ({exc})") from None
+
+
+def _read_trace(reader: Iterator[list[str]], num_nodes: int, workers_per_node: int,
+                duration_s: float | None) -> Trace:
+    """:func:`trace_from_csv` on an open reader.
+
+    Raises:
+        ValueError: as :func:`trace_from_csv`; ``csv.Error`` for text that is not CSV.
+    """
     header = next(reader, None)
     columns = tuple(h.strip() for h in header or [])
     if columns not in (CSV_HEADER, SLOW_CSV_HEADER):

@@ -105,15 +105,19 @@ def _record_field(record: Mapping[str, Any], index: int, name: str, kind: type) 
         raise ValueError(f"node-json record {index}: missing field {name!r}")
     value = record[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ValueError(f"node-json record {index}: field {name!r} is too large a "
+                             "number") from None
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ValueError(f"node-json record {index}: field {name!r} must be a "
                          f"{kind.__name__}, got {value!r}")
     return value
 
 
-def _node_records(text: str) -> list[tuple[str, float, bool, str]]:
-    """``(node id, time s, start, kind-less cause key)`` per record, checked.
+def _node_records(text: str) -> list[tuple[str, float, bool, tuple[str, str, str]]]:
+    """``(node id, time s, start, (Level, Class, Desc))`` per record, checked.
 
     Raises:
         ValueError: for text that is not a JSON list of records with the fields above.
@@ -122,6 +126,9 @@ def _node_records(text: str) -> list[tuple[str, float, bool, str]]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"node-json: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of 4,300+ digits, deep nesting
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ValueError(f"node-json: not readable JSON ({reason})".splitlines()[0]) from None
     if not isinstance(data, list):
         raise ValueError("node-json: the file must hold a JSON list of fault records")
     out = []
@@ -138,11 +145,11 @@ def _node_records(text: str) -> list[tuple[str, float, bool, str]]:
             raise ValueError(f"node-json record {i}: field 'event_type' must be 'fault_start' "
                              f"or 'fault_end', got {kind!r}")
         cause = _record_field(record, i, "fault_type", dict)
-        parts = [cause.get(k) for k in ("Level", "Class", "Desc")]
-        if not all(isinstance(p, str) for p in parts):
+        level, cls, desc = (cause.get(k) for k in ("Level", "Class", "Desc"))
+        if not (isinstance(level, str) and isinstance(cls, str) and isinstance(desc, str)):
             raise ValueError(f"node-json record {i}: field 'fault_type' needs string "
                              "'Level', 'Class' and 'Desc'")
-        out.append((node, days * DAY_S, kind == "fault_start", "\x1f".join(parts)))
+        out.append((node, days * DAY_S, kind == "fault_start", (level, cls, desc)))
     return out
 
 
@@ -223,6 +230,10 @@ def import_node_json(text: str, *, workers_per_node: int = 1, num_nodes: int | N
                                             and 1.0 < degraded_factor <= MAX_SLOW_FACTOR):
         raise ValueError(f"--degraded-factor: must be a number > 1 and <= "
                          f"{MAX_SLOW_FACTOR:g}, got {degraded_factor}")
+    check_cluster(workers_per_node, num_nodes)
+    if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"--days: the trace's end must be a positive number, got "
+                         f"{duration_s / DAY_S} days")
     records = _node_records(text)
     ids: dict[str, int] = {}
     states = _NodeStates(workers_per_node, degraded_factor)
@@ -230,7 +241,7 @@ def import_node_json(text: str, *, workers_per_node: int = 1, num_nodes: int | N
     last_s = 0.0
     for node_id, at_s, start, cause in sorted(records, key=lambda r: r[1]):
         node = ids.setdefault(node_id, len(ids))
-        kind = cause_kind(*cause.split("\x1f"), degraded_slow=degraded_factor is not None)
+        kind = cause_kind(*cause, degraded_slow=degraded_factor is not None)
         if not states.change(node, at_s, start, kind):
             summary.skipped += 1
         last_s = max(last_s, at_s)
@@ -247,6 +258,20 @@ def import_node_json(text: str, *, workers_per_node: int = 1, num_nodes: int | N
     for event in events:
         summary.kinds[event.kind.value] = summary.kinds.get(event.kind.value, 0) + 1
     return trace, summary
+
+
+def check_cluster(workers_per_node: int, num_nodes: int | None) -> None:
+    """The replaying job's shape, as the importers take it.
+
+    Raises:
+        ValueError: naming the flag of a count below 1.
+    """
+    if (isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int)
+            or workers_per_node < 1):
+        raise ValueError(f"--workers-per-node: must be an integer >= 1, got {workers_per_node!r}")
+    if num_nodes is not None and (isinstance(num_nodes, bool) or not isinstance(num_nodes, int)
+                                  or num_nodes < 1):
+        raise ValueError(f"--num-nodes: must be an integer >= 1, got {num_nodes!r}")
 
 
 def _grouped(events: Sequence[TraceEvent]) -> list[TraceEvent]:

@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 
 from chameleon_ft.failures.csvio import MAX_SLOW_FACTOR, validate_trace
-from chameleon_ft.failures.importers import ImportSummary
+from chameleon_ft.failures.importers import ImportSummary, check_cluster
 from chameleon_ft.failures.trace import EventKind, Trace, TraceEvent
 
 REQUIRED_COLUMNS = ("dp_rank", "stage", "step", "optype", "start_ts", "duration")
@@ -52,6 +52,20 @@ def _timings(text: str) -> tuple[dict[tuple[int, int, int], float],
         ValueError: for a missing column or a bad value, naming the line.
     """
     reader = csv.DictReader(io.StringIO(text))
+    try:
+        return _read_timings(reader)
+    except csv.Error as exc:  # a field over csv's size limit, a stray NUL...
+        raise ValueError(f"straggler-csv: not CSV after line {reader.line_num} ({exc})") from None
+
+
+def _read_timings(reader: csv.DictReader[str]
+                  ) -> tuple[dict[tuple[int, int, int], float],
+                             dict[int, tuple[float, float]], int]:
+    """:func:`_timings` on an open reader.
+
+    Raises:
+        ValueError: as :func:`_timings`; ``csv.Error`` for text that is not CSV.
+    """
     missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
         raise ValueError(f"straggler-csv: missing column {missing[0]!r} (needs "
@@ -64,9 +78,12 @@ def _timings(text: str) -> tuple[dict[tuple[int, int, int], float],
         step, dp, stage = (int(_number(row, line, c, True)) for c in ("step", "dp_rank", "stage"))
         start = _number(row, line, "start_ts", False)
         duration = _number(row, line, "duration", False)
+        if not math.isfinite(start + duration):
+            raise ValueError(f"straggler-csv line {line}: columns 'start_ts' + 'duration' "
+                             "overflow a float")
         first, last = spans.get(step, (math.inf, -math.inf))
         spans[step] = (min(first, start), max(last, start + duration))
-        if row["optype"].strip() in COMPUTE_OPTYPES:
+        if (row.get("optype") or "").strip() in COMPUTE_OPTYPES:
             by_rank[(step, dp, stage, (row.get("rank") or "").strip())] += duration
     compute: dict[tuple[int, int, int], float] = {}
     for (step, dp, stage, _), seconds in by_rank.items():
@@ -136,6 +153,7 @@ def import_straggler_csv(text: str, *, workers_per_node: int = 1, num_nodes: int
         raise ValueError(f"--threshold: must be a number > 1, got {threshold}")
     if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
         raise ValueError(f"--min-steps: must be an integer >= 1, got {min_steps!r}")
+    check_cluster(workers_per_node, num_nodes)
     compute, spans, count = _timings(text)
     if not spans:
         raise ValueError("straggler-csv: no operation rows")
@@ -145,6 +163,8 @@ def import_straggler_csv(text: str, *, workers_per_node: int = 1, num_nodes: int
     for step in steps:
         starts[step] = elapsed
         elapsed += spans[step][1] - spans[step][0]
+    if not math.isfinite(elapsed):
+        raise ValueError("straggler-csv: the steps' spans add up past what a float holds")
     dp_size = 1 + max(dp for _, dp, _ in compute) if compute else 1
     events: list[TraceEvent] = []
     for (dp, stage), ratios in sorted(_ratios(compute).items()):
