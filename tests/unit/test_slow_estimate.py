@@ -103,3 +103,39 @@ def test_bad_factors_are_refused(factor: float) -> None:
         estimate(plan, PROFILE, topology(2), slow={0: factor})
     with pytest.raises(ValueError, match="give speeds or slow factors, not both"):
         estimate(plan, PROFILE, topology(2), slow={0: 2.0}, speeds={0: 0.5})
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zero-bubble"])
+def test_factors_of_one_change_no_schedule_s_estimate(schedule: str) -> None:
+    # every schedule the estimator prices, on the failure-free plan, a rerouted one and one
+    # with uneven micro-batches: factors of 1 (alone or beside a slow worker) are the
+    # estimate without them, field for field, with and without the estimator's shortcuts
+    from chameleon_ft.perf import estimate as estimate_plan
+    from chameleon_ft.policy import Planner
+    from chameleon_ft.spec.config import config_from_mapping
+
+    job: dict[str, object] = {"pp": 2, "dp": 4, "global_batch": 32, "schedule": schedule}
+    if schedule == "interleaved":
+        job["virtual_stages"] = 2
+    planner = Planner(config_from_mapping({
+        "cluster": {"num_nodes": 4, "devices_per_node": 2},
+        "job": job,
+        "profile": {"kind": "uniform", "num_layers": 8, "fwd_s": 0.01, "bwd_input_s": 0.012,
+                    "bwd_weight_s": 0.008, "param_bytes": 1e6, "optimizer_bytes": 2e6,
+                    "output_bytes": 1e4},
+    }))
+    plan = planner.initial_plan
+    plans = [plan, planner.decide(plan, [3], policy="reroute").plan,
+             planner.decide_slow(plan, 3, 2.0, slow_policy="rebalance").plan]
+    assert len({tuple(p.num_microbatches for p in q.pipelines) for q in plans}) > 1
+    for p in plans:
+        ones = {w: 1.0 for w in range(planner.config.num_workers)}
+        for brute in (False, True):
+            base = estimate_plan(p, planner.profile, planner.topology, brute_force=brute)
+            assert estimate_plan(p, planner.profile, planner.topology, slow=ones,
+                                 brute_force=brute) == base
+            slow = estimate_plan(p, planner.profile, planner.topology, slow={2: 1.5},
+                                 brute_force=brute)
+            assert estimate_plan(p, planner.profile, planner.topology,
+                                 slow={**ones, 2: 1.5}, brute_force=brute) == slow
+        assert planner.estimate_slow(p, ones) == planner.estimate_slow(p, {})

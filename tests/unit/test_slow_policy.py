@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chameleon_ft.policy import Planner, Strategy
 from chameleon_ft.recovery.slowdown import speed_bounds
@@ -207,3 +209,67 @@ def test_swap_never_takes_a_worker_a_rerouted_stage_still_names(paper32: Planner
     assert 5 in rerouted.dead_workers
     decision = paper32.decide_slow(rerouted, 9, 2.0, alive=range(32), slow_policy="swap")
     assert decision.strategy == "keep" and "no idle worker" in decision.reason
+
+
+ANSWERS = ("keep", "rebalance", "dynamic", "swap", "evict")
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_each_fixed_answer_is_honoured_and_undone_when_the_slowdown_ends(
+        spares: Planner, answer: str) -> None:
+    # With a spare every answer is feasible: the fixed one is taken, priced beside keep
+    # only; when the slowdown ends a worker still in the plan is priced back at full speed
+    # under the same answer, and one out of it re-joins exactly as a re-join does.
+    plan = spares.initial_plan
+    everyone = range(spares.config.total_workers)
+    decision = spares.decide_slow(plan, 3, 2.5, alive=everyone, slow_policy=answer,
+                                  hide_search=True)
+    assert decision.strategy == answer
+    assert {str(c.strategy) for c in decision.candidates} == {"keep", answer}
+    assert "fixed answer" in decision.reason and "infeasible" not in decision.reason
+    assert decision.plan.global_batch == plan.global_batch
+    assert (3 in decision.plan.stage_of_worker) == (answer in ("keep", "rebalance", "dynamic"))
+    end = spares.decide_slow_end(decision.plan, 3, alive=everyone, slow_policy=answer,
+                                 hide_search=True)
+    if answer == "keep":
+        assert end.strategy == "keep" and end.plan is plan
+    elif answer in ("rebalance", "dynamic"):
+        assert end.strategy == answer and end.plan == plan  # the failure-free split again
+    else:
+        rejoin = spares.decide_rejoin(decision.plan, [3], alive=everyone, hide_search=True)
+        assert (end.strategy, end.plan) == (rejoin.strategy, rejoin.plan)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([0, 3, 4, 7]), st.floats(1.05, 4.0), st.sampled_from([None, 600.0]))
+def test_chameleon_s_answer_scores_at_least_every_fixed_answer(
+        spares: Planner, worker: int, factor: float, horizon_s: float | None) -> None:
+    # Eq. 8 over the same window: Chameleon prices every fixed answer exactly as that
+    # answer's own decision does, and takes the best of them.
+    plan = spares.initial_plan
+    everyone = range(spares.config.total_workers)
+    ours = spares.decide_slow(plan, worker, factor, alive=everyone, horizon_s=horizon_s,
+                              hide_search=True)
+    scores = {str(c.strategy): c.score for c in ours.candidates if c.feasible}
+    assert set(scores) == set(ANSWERS)
+    for answer in ANSWERS:
+        fixed = spares.decide_slow(plan, worker, factor, alive=everyone, horizon_s=horizon_s,
+                                   slow_policy=answer, hide_search=True)
+        assert fixed.horizon_s == ours.horizon_s
+        assert fixed.chosen.score == pytest.approx(scores[answer], rel=1e-12)
+        assert ours.chosen.score >= fixed.chosen.score * (1 - 1e-12)
+    assert ours.chosen.score == scores[ours.strategy] == max(scores.values())
+
+
+def test_the_end_of_a_slowdown_under_chameleon_takes_the_best_score(spares: Planner) -> None:
+    plan = spares.initial_plan
+    everyone = range(spares.config.total_workers)
+    rebalanced = spares.decide_slow(plan, 3, 2.5, alive=everyone, slow_policy="rebalance").plan
+    end = spares.decide_slow_end(rebalanced, 3, alive=everyone)
+    assert {str(c.strategy) for c in end.candidates} == {"keep", "rebalance", "dynamic"}
+    assert end.chosen.score == max(c.score for c in end.candidates if c.feasible)
+    assert end.chosen.step_s <= spares.estimate_slow(rebalanced, {}).step_s
+    # another worker still slow: the end is priced at the remaining speeds
+    still = spares.decide_slow_end(rebalanced, 3, alive=everyone, slow={5: 2.0})
+    keep = next(c for c in still.candidates if c.strategy == Strategy.KEEP)
+    assert keep.step_s == spares.estimate_slow(rebalanced, {5: 2.0}).step_s

@@ -134,7 +134,8 @@ def test_stragglers_become_a_fail_slow_of_the_slow_worker() -> None:
     (lambda t: t.replace("\n0,0,0,0,", "\n0,0,0,-1,", 1),
      "straggler-csv line 2: column 'step' must be an integer >= 0"),
 ])
-def test_malformed_straggler_csv_is_refused_naming_the_column(edit, message: str) -> None:
+def test_malformed_straggler_csv_is_refused_naming_the_column(
+        edit: Callable[[str], str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         import_straggler_csv(edit(synthetic_straggler_ops(steps=3)))
 
@@ -218,10 +219,10 @@ def test_tensor_parallel_ranks_count_as_their_slowest() -> None:
     for step in range(9):
         for dp in range(3):
             for rank in range(2):
-                slow = 2.0 if (dp, rank) == (1, 1) and 2 <= step <= 5 else 1.0
-                rows.append(f"{dp},0,{2 * dp + rank},{step},forward-compute,0,{0.01 * slow}")
+                times = 2.0 if (dp, rank) == (1, 1) and 2 <= step <= 5 else 1.0
+                rows.append(f"{dp},0,{2 * dp + rank},{step},forward-compute,0,{0.01 * times}")
                 rows.append(f"{dp},0,{2 * dp + rank},{step},backward-compute,0.01,"
-                            f"{0.02 * slow}")
+                            f"{0.02 * times}")
     trace, _ = import_straggler_csv("\n".join(rows) + "\n", min_steps=2)
     slow, end = trace.events
     assert (slow.kind, slow.target, slow.factor) == (EventKind.SLOW, (1,), 2.0)
