@@ -344,3 +344,37 @@ def test_the_first_step_of_a_generation_is_no_reading() -> None:
                                                                            2: 50.0, 3: 1.0}))
     assert run.c.slow.history == {}
     assert not out or not of(out, m.SlowEvent)
+
+
+# ---------------------------------------------------------------------- the fault kind
+def test_a_slow_fault_reads_and_prints_the_same() -> None:
+    from chameleon_ft.spec.train import Fault, FaultKind, parse_fault
+
+    fault = parse_fault("rank=3,step=20,kind=slow,factor=3,steps=60")
+    assert fault == Fault(rank=3, step=20, kind=FaultKind.SLOW, factor=3.0, steps=60)
+    assert parse_fault(fault.to_text()) == fault
+    assert parse_fault("rank=1,step=2,kind=kill").to_text() == \
+        "rank=1,step=2,kind=kill,phase=forward"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("rank=3,step=2,kind=slow,factor=3", "steps: a slow fault needs factor=F"),
+    ("rank=3,step=2,kind=slow,steps=3", "factor: a slow fault needs factor=F"),
+    ("rank=3,step=2,kind=slow,factor=1,steps=3", "factor: must be > 1"),
+    ("rank=3,step=2,kind=slow,factor=0.5,steps=3", "factor: must be > 1"),
+    ("rank=3,step=2,kind=slow,factor=nan,steps=3", "factor: must be finite"),
+    ("rank=3,step=2,kind=slow,factor=inf,steps=3", "factor: must be finite"),
+    ("rank=3,step=2,kind=slow,factor=x,steps=3", "factor must be a number"),
+    ("rank=3,step=2,kind=slow,factor=2,steps=0", "steps: must be >= 1"),
+    ("rank=3,step=2,kind=slow,factor=2,steps=1.5", "rank, step and steps must be integers"),
+    ("rank=3,step=2,kind=slow,factor=2,steps=3,phase=backward", "phase: a slow fault"),
+    ("rank=3,step=2,kind=kill,factor=2", "factor: only a slow fault takes one"),
+    ("rank=3,step=2,kind=hang,steps=2", "steps: only a slow fault takes one"),
+    ("rank=3,step=2,kind=slow,speed=2", "unknown key 'speed'"),
+])
+def test_a_bad_slow_fault_is_one_line_naming_the_field(text: str, message: str) -> None:
+    from chameleon_ft.spec.train import parse_fault
+
+    with pytest.raises(ValueError, match=message) as info:
+        parse_fault(text)
+    assert str(info.value).startswith("fault: ") and "\n" not in str(info.value)
