@@ -143,9 +143,10 @@ def _summary(report: dict[str, Any]) -> list[str]:
              f"final loss {report['loss'][-1]:.4f}" if report["steps"] else "no steps"]
     for e in report["events"]:
         if e["cause"] in ("slow", "slow-end"):
-            what = "slow" if e["cause"] == "slow" else "at full speed again"
-            lines.append(f"worker {e['workers'][0]} {what} ({e['factor']}x) at step "
-                         f"{e['step']}: {e['strategy'] or 'no answer'}")
+            what = f"slow ({e['factor']:.2f}x)" if e["cause"] == "slow" else \
+                f"at full speed again ({e['measured']:.2f}x, was {e['factor']:.2f}x)"
+            lines.append(f"worker {e['workers'][0]} {what} at step {e['step']}: "
+                         f"{e['strategy'] or 'no answer'}")
             continue
         detect = "-" if e["detected_after_s"] is None else f"{e['detected_after_s']:.3f} s"
         trans = "-" if e["transition_s"] is None else f"{e['transition_s']:.3f} s"
