@@ -3,13 +3,15 @@ against a failure-free run of the same job in float64.
 
 Each run trains a small GPT on ``--workers`` worker processes with re-join on, while
 ``chameleon_ft.runtime.chaos.ChaosHooks`` injects ``--faults`` faults in episodes: kills,
-hangs, errors and glitches in every phase of a step, two workers at once, a fault during
-a recovery, during a migration, on a repaired worker. Then one more run has its
+hangs, errors and glitches in every phase of a step, slowdowns (a worker 1.3 to 3 times
+slower for 5 to 25 steps), two workers at once, a fault during a recovery, during a
+migration, on a repaired worker. Then one more run has its
 coordinator SIGKILLed (with one worker stopped) and is continued with ``--resume``.
 
 Reported: faults injected and fired, runs whose parameters equal the failure-free run's
 (max difference), steps lost outside restarts, stray processes, detection and recovery
-time (median, p99) and how often each strategy was chosen.
+time (median, p99), how often each strategy was chosen, and how many slow workers were
+declared and found at full speed again.
 
 Usage::
 

@@ -75,3 +75,29 @@ def test_layer_times_next_to_the_analytic_profile() -> None:
             "analytic_block_h200": {"fwd_s": analytic.fwd_s,
                                     "bwd_s": analytic.bwd_input_s + analytic.bwd_weight_s},
             "measured": measured}, indent=2))
+
+
+def test_a_slowdown_is_measured_on_the_device() -> None:
+    """An injected slowdown stretches a kernel's time as the device measures it (not its
+    launch), and an idle worker's probe reads the factor."""
+    from chameleon_ft.runtime.worker.device import StepTimer
+    from chameleon_ft.runtime.worker.slowdown import Probe
+
+    device = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=device)
+    for stretch in (1.0, 3.0):
+        timer = StepTimer(device)
+        times: list[float] = []
+        for _ in range(5):
+            with timer.time(times, stretch):
+                for _ in range(8):
+                    a = torch.tanh(a @ a / 64)
+        timer.resolve()
+        if stretch == 1.0:
+            base = min(times)
+        else:
+            assert 2.5 <= min(times) / base <= 3.5, (times, base)
+    layer = torch.nn.Linear(4096, 4096).to(device)
+    probe = Probe(layer, torch.randn(64, 4096, device=device), device)
+    assert probe.base_s > 0
+    assert 2.5 <= probe.time_s(3.0) / probe.base_s <= 3.5

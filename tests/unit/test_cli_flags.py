@@ -9,16 +9,19 @@ from chameleon_ft.cli import COMMANDS, build_parser
 
 FLAGS = {
     "estimate": {"--config", "--fail", "--json"},
-    "plan": {"--config", "--fail", "--horizon-s", "--json", "--node-mtbf-hours", "--policy"},
+    "plan": {"--config", "--fail", "--horizon-s", "--json", "--node-mtbf-hours", "--policy",
+             "--slow", "--slow-policy"},
     "simulate": {"--config", "--days", "--job", "--jobs", "--json", "--memory-checkpoint",
                  "--no-repair", "--node-mtbf-hours", "--spare-nodes",
                  "--out", "--policies", "--repair-hours", "--save-trace", "--scenario", "--seed",
-                 "--seeds", "--trace"},
+                 "--seeds", "--slow-policy", "--trace"},
+    "trace": {"--days", "--degraded-factor", "--format", "--input", "--min-steps",
+              "--num-nodes", "--out", "--threshold", "--workers-per-node"},
     "train": {"--config", "--drain-timeout", "--dtype", "--fault", "--host", "--job-name",
               "--json",
               "--log-every", "--out",
-              "--policy", "--port", "--rejoin", "--remote-workers", "--resume", "--steps",
-              "--tensorboard", "--token", "--trace", "--workers"},
+              "--policy", "--port", "--rejoin", "--remote-workers", "--resume",
+              "--slow-policy", "--steps", "--tensorboard", "--token", "--trace", "--workers"},
     "worker": {"--address", "--advertise-address", "--connect-timeout", "--coordinator",
                "--drain-timeout", "--job", "--num-workers", "--token"},
     "prepare-data": {"--input", "--out", "--tokenizer"},
@@ -41,6 +44,9 @@ def test_commands_and_flags_are_pinned() -> None:
 def test_required_flags() -> None:
     parser = build_parser()
     for argv in (["estimate"], ["plan", "--config", "x.toml"], ["train"],
+                 ["plan", "--config", "x.toml", "--fail", "1", "--slow", "2:2"],
+                 ["trace", "import", "--format", "node-json", "--input", "x.json"],
+                 ["trace", "--format", "node-json", "--input", "x.json", "--out", "y.csv"],
                  ["prepare-data", "--tokenizer", "t", "--out", "o.bin"]):
         try:
             parser.parse_args(argv)

@@ -16,7 +16,12 @@ step what must always hold:
   run that ended stays ended and emits nothing but checkpoint bookkeeping, and it ends
   (``Stop``) at most once;
 - at most ``keep_checkpoints`` complete checkpoints (and the one loaded) are remembered;
-- the join slots read at once and waited for are bounded, whatever the counter says.
+- the join slots read at once and waited for are bounded, whatever the counter says;
+- fail-slow: step timings (a worker often several times slower, some readings out of
+  bounds) and probes of any worker; a slow worker is declared again only after it was
+  cleared, cleared only once declared, marked only while alive; the policy is asked about
+  one only while training runs with no switch pending, and probes are asked of idle
+  workers only.
 
 A third of the examples also answer the machine's questions late, after later
 observations (beyond the shell's contract, which feeds answers first): there only "never
@@ -45,6 +50,7 @@ from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
 from chameleon_ft.runtime.control import machine, slots
 from chameleon_ft.runtime.control import messages as m
+from chameleon_ft.runtime.control import slowness as sw
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.model import RUNNING, Control, Mode, Settings, initial, mode
 from chameleon_ft.runtime.protocol import MALFORMED, MISSING, REPLAYED, ErrorReport
@@ -90,11 +96,16 @@ class TwoPhase:
 
 
 KINDS = (["reduced"] * 6 + ["tick"] * 4 + ["exits"] * 3 + ["errors"] * 5 + ["beats"] * 2
-         + ["registered"] * 2 + ["ready", "checkpoint", "checkpoint", "stale-vote", "join",
-                                 "relaunch", "software", "absent", "rejoin", "launched",
-                                 "signal", "trace-end", "crash"])
+         + ["registered"] * 2 + ["op-times"] * 5
+         + ["ready", "checkpoint", "checkpoint", "stale-vote", "join", "relaunch",
+            "software", "absent", "rejoin", "launched", "signal", "trace-end", "crash",
+            "probes", "slow-answer"])
 """What the shell observes, weighted so that runs commit, fail and recover often before a
 signal or a trace's end stops them."""
+SLOW_KINDS = (["reduced"] * 12 + ["probes"] * 4 + ["tick"] * 3 + ["op-times"] * 2
+              + ["exits", "errors", "slow-answer", "rejoin", "ready", "beats", "join",
+                 "registered"])
+"""Long runs of commits (each with its timings), probes, and a few failures."""
 DELAYS = [0.001] * 4 + [0.05] * 3 + [0.5, 1.95, 3.0, 15.0]
 """Time between observations: mostly a poll, sometimes past the hang or join deadlines."""
 
@@ -116,8 +127,9 @@ class Driver:
     built once), which keeps an example cheap."""
 
     def __init__(self, data: hs.DataObject, settings_: Settings, late: bool = False,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, kinds: tuple[str, ...] = KINDS) -> None:
         self.data, self.p = data, settings_
+        self.kinds = kinds
         self.late = late
         """Answers may come after later observations (the shell never does this: it feeds
         them first). Only the step's never raising is checked then."""
@@ -139,6 +151,11 @@ class Driver:
         """Join slots reserved so far."""
         self.honest = False
         """Every join slot read holds a request with a good proof."""
+        self.slow_worker = self.index(settings_.num_workers)
+        """The worker the step timings mostly find slow."""
+        self.probe_seq = 0
+        self.slowing = True
+        """Whether the slow worker is slow now (its spells start and end at random)."""
 
     def index(self, n: int) -> int:
         return int(self.data.draw(_below(n))) if n > 1 else 0
@@ -174,6 +191,11 @@ class Driver:
                                            local=True, replacement=e.replacement))
         elif isinstance(e, m.Decide):
             self.answers.append(m.Decision(now, self.policy(e.ask.usable), 0.0))
+        elif isinstance(e, m.Commit):  # the shell reads the step's timings at once
+            self.answers.append(self.op_times(now, e.gen, e.step, e.workers))
+        elif isinstance(e, m.DecideSlow):
+            answer = None if self.index(6) == 5 else self.policy(e.alive)
+            self.answers.append(m.SlowDecision(now, e.worker, e.end, e.gen, answer, "raised"))
         elif isinstance(e, m.DecideRejoin):
             plan = self.plan_over(sorted(self.c.run.alive))
             self.answers.append(m.RejoinDecision(now, None if plan is None else
@@ -227,7 +249,7 @@ class Driver:
         self.now += self.pick(DELAYS)
         now, s, c = self.now, self.c.run, self.c
         ids = list(range(self.p.num_workers))
-        kind = self.pick(KINDS)
+        kind = self.pick(self.kinds)
         if kind in ("signal", "trace-end", "crash") and self.index(4):
             kind = "tick"  # rarer still: most runs should fail and recover first
         gen = self.pick([s.gen, s.gen, s.gen, max(0, s.gen - 1), s.gen + 1])
@@ -274,8 +296,36 @@ class Driver:
                                        for _ in range(self.index(3))})
         if kind == "rejoin":
             return m.RejoinDecision(now, Decision("dynamic", self.plan_over(ids)))
+        if kind in ("op-times", "probes", "slow-answer"):
+            return self.slow_observation(kind, now, gen)
         return m.Launched(now, {w: f"x{w}" for w in self.some(ids, 2)},
                           local=bool(self.index(2)), replacement=True)
+
+    def slow_observation(self, kind: str, now: float, gen: int) -> m.Observation:
+        """Step timings of the last committed step (mostly), with one worker often slow
+        and some readings out of bounds; probes of any worker; a stray answer."""
+        s = self.c.run
+        ids = list(range(self.p.num_workers))
+        if kind == "op-times":
+            return self.op_times(now, gen, self.pick([s.next_step - 1, s.next_step]),
+                                 s.plan.workers)
+        if kind == "probes":
+            self.probe_seq += self.pick([1, 1, 1, 0, -1])
+            factor = self.pick([3.0, 3.0, 0.0]) if self.slowing else self.pick([1.0, 1.0, 0.0])
+            return m.Probes(now, {self.pick([self.slow_worker, *ids]): (self.probe_seq, factor)
+                                  for _ in range(1 + self.index(2))})
+        return m.SlowDecision(now, self.pick(ids), bool(self.index(2)), gen,
+                              self.policy(frozenset(s.alive)))
+
+    def op_times(self, now: float, gen: int, step: int, workers: Sequence[int]) -> m.OpTimes:
+        """One step's compute times: the slow worker 3x in spells (each reading may end
+        one), some readings out of bounds."""
+        if self.index(6) == 0:
+            self.slowing = not self.slowing
+        slow = self.pick([3.0, 3.0, 3.0, 1.0]) if self.slowing else 1.0
+        return m.OpTimes(now, gen, step, {
+            w: self.pick([1.0] * 6 + [1.2, float("nan"), -1.0, 0.0])
+            * (slow if w == self.slow_worker else 1.0) for w in workers})
 
     def checkpoint(self, now: float, gen: int) -> m.Observation:
         """Progress of a checkpoint being written (mostly), or of any."""
@@ -367,16 +417,38 @@ class Driver:
                 assert len(e.slots) <= slots.MAX_BACKLOG + slots.MAX_PENDING
         if self.p.keep_checkpoints is not None:
             assert len(s.checkpoints) <= self.p.keep_checkpoints + 1
+        self.check_slow(before, effects)
 
+    def check_slow(self, before: Control, effects: list[m.Effect]) -> None:
+        """Fail-slow: declared only when not slow, cleared only when slow, marks only for
+        live workers, questions only while a plan may change, probes only of idle ones."""
+        c, s = self.c, self.c.run
+        if mode(c) in RUNNING:
+            assert set(c.slow.marks) <= s.alive, (c.slow.marks, s.alive)
+        for e in effects:
+            was = before.slow.marks.get(e.worker) if isinstance(e, m.SlowEvent) else None
+            if isinstance(e, m.SlowEvent) and e.cause == "slow":
+                assert was is None or was.phase is sw.Phase.END, (e, was)
+            elif isinstance(e, m.SlowEvent):
+                assert was is not None and was.phase is not sw.Phase.END, (e, was)
+            if isinstance(e, m.DecideSlow):
+                assert s.pending is None and before.slow_ask is None, (e, s.pending)
+                assert e.worker in s.alive and e.alive <= s.alive
+            if isinstance(e, m.Publish):
+                assert e.probe <= s.alive - s.world, (e.probe, s.world)
+
+
+QUICK = sw.SlowRule(windows=((2, 2.0),), clear_steps=2)
+"""Bars a short generated run reaches: declared in two slow steps, cleared in two."""
 
 SETTINGS = hs.builds(
-    lambda workers, remote, rejoin, replay: Settings(
+    lambda workers, remote, rejoin, replay, rule: Settings(
         steps=30, num_workers=workers, num_local=workers - remote, num_layers=4, hang_s=2.0,
         heartbeat_s=0.1, max_retries=1, rejoin=rejoin, join_timeout_s=10.0,
         initial_plan=PLAN, replay=replay, keep_checkpoints=2, checkpoint_every=2,
-        checkpoint_deadline_s=5.0),
+        checkpoint_deadline_s=5.0, slow_rule=rule),
     workers=hs.sampled_from([4, 5]), remote=hs.sampled_from([0, 2]), rejoin=hs.booleans(),
-    replay=hs.booleans())
+    replay=hs.booleans(), rule=hs.sampled_from([QUICK, QUICK, sw.SlowRule()]))
 
 
 @settings(max_examples=300, derandomize=True, deadline=None,
@@ -399,6 +471,30 @@ def test_the_step_never_raises_and_keeps_its_invariants(data: hs.DataObject,
     for _ in range(data.draw(hs.integers(5, 60))):
         # the shell feeds the answers to a step's questions before it observes anything
         # else; late, some come after later observations
+        while run.answers and (not late or data.draw(hs.integers(0, 2))):
+            run.feed(run.answers.pop(0))
+        run.feed(run.observation())
+    while run.answers:
+        run.feed(run.answers.pop(0))
+
+
+@settings(max_examples=150, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=hs.data(), settings_=SETTINGS, late=hs.sampled_from([False, False, True]))
+def test_slow_workers_among_commits_and_failures_keep_the_invariants(
+        data: hs.DataObject, settings_: Settings, late: bool) -> None:
+    """Runs that commit often, a worker mostly slow in their timings: declarations,
+    questions, answers of every kind, switches, evictions with probes, ends."""
+    run = Driver(data, settings_, late, kinds=tuple(SLOW_KINDS))
+    run.feed(m.Launched(0.0, {w: f"i{w}" for w in range(settings_.num_local)}, local=True,
+                        replacement=False))
+    run.honest, run.reserved = True, settings_.num_workers - settings_.num_local
+    run.feed(m.JoinSlots(0.0, run.reserved))
+    while run.answers:
+        run.feed(run.answers.pop(0))
+    run.honest = False
+    run.feed(m.Registered(0.0, tuple(sorted(run.c.members.by_worker))))
+    for _ in range(data.draw(hs.integers(20, 80))):
         while run.answers and (not late or data.draw(hs.integers(0, 2))):
             run.feed(run.answers.pop(0))
         run.feed(run.observation())

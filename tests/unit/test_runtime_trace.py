@@ -231,6 +231,8 @@ def test_throughput_when_the_steps_ran_out_before_the_end() -> None:
     ("time_s,event,target\n1,node-fail,4\n9,end,\n", "node 4 is outside the cluster"),
     ("time_s,event,target\n1,worker-fail,3\n", "no 'end' row"),
     ("time_s,event,target\n1,explode,3\n9,end,\n", "unknown event"),
+    ("time_s,event,target,factor\n1,worker-fail,3,\n2,slow,2,2.5\n9,end,,\n",
+     "row 2 is a fail-slow; the runtime does not replay"),
 ])
 def test_bad_traces_are_one_line_errors(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "t.csv"

@@ -11,12 +11,8 @@ from typing import Any
 import pytest
 
 from chameleon_ft.plan import ExecutionPlan
-from chameleon_ft.sim.policies import (
-    BAMBOO_FALLBACK_SLOWDOWN,
-    BambooPolicy,
-    EventContext,
-    policy_names,
-)
+from chameleon_ft.sim.bamboo import BAMBOO_FALLBACK_SLOWDOWN, BambooPolicy
+from chameleon_ft.sim.policies import EventContext, policy_names
 from chameleon_ft.sim.report import (
     effective_training_table,
     policy_summary,

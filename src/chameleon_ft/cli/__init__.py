@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "estimate": "Estimate step time, throughput and memory of a job, failure-free or rerouted.",
     "plan": "Decide how to recover from a failure: every candidate, priced, and the choice.",
     "simulate": "Replay failure traces against every policy side by side.",
+    "trace": "Import a public fault trace (node faults, straggler timings) as a trace.",
     "train": "Train a GPT on worker processes and survive killed or hung workers.",
     "worker": "Join a running `chameleon train` from another host.",
     "prepare-data": "Tokenize local text or JSONL files into a token file for training.",

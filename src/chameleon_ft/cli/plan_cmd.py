@@ -1,4 +1,5 @@
-"""``chameleon plan``: every recovery candidate for a failure, priced, and the decision."""
+"""``chameleon plan``: every recovery candidate for a failure (``--fail``) or a slow worker
+(``--slow W:F``), priced, and the decision."""
 
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ from chameleon_ft.cli.common import (
 from chameleon_ft.policy import Decision, Planner
 from chameleon_ft.spec import load_config
 from chameleon_ft.spec.config import Config
-from chameleon_ft.spec.recovery import POLICY_NAMES
+from chameleon_ft.spec.recovery import POLICY_NAMES, SLOW_POLICY_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``chameleon plan``."""
     parser.add_argument("--config", required=True, metavar="FILE.toml", help="job file")
-    parser.add_argument("--fail", required=True, metavar="W[,W...]",
-                        help="failed worker ids (of the job's failure-free plan)")
+    event = parser.add_mutually_exclusive_group(required=True)
+    event.add_argument("--fail", metavar="W[,W...]",
+                       help="failed worker ids (of the job's failure-free plan)")
+    event.add_argument("--slow", metavar="W:F",
+                       help="worker W runs F times slower (a fail-slow): keep, rebalance, "
+                            "dynamic, swap and evict priced")
     window = parser.add_mutually_exclusive_group()
     window.add_argument("--horizon-s", type=float, metavar="D",
                         help="time until the plan next changes (Eq. 8); default: estimated")
@@ -34,7 +39,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prior mean time between failures of one node, for the estimate")
     parser.add_argument("--policy", choices=[p for p in POLICY_NAMES],
                         help="chameleon (adaptive) or a fixed strategy; default: the config's")
+    parser.add_argument("--slow-policy", choices=SLOW_POLICY_NAMES,
+                        help="the answer to a slow worker: chameleon (the best score) or a "
+                             "fixed one; default: the config's [recovery] slow_policy")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_slow(text: str) -> tuple[int, float]:
+    """``"W:F"`` as a worker id and a factor.
+
+    Raises:
+        ValueError: naming ``--slow`` for anything but ``integer:number`` with a factor > 1.
+    """
+    worker_text, sep, factor_text = text.partition(":")
+    try:
+        if not sep or not worker_text.strip().isdigit():
+            raise ValueError
+        factor = float(factor_text)
+    except ValueError:
+        raise ValueError(f"--slow: {text!r} is not W:F; give a worker id and its slowdown, "
+                         "such as 5:2.5") from None
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"--slow: the factor must be a number > 1 (F times slower), got "
+                         f"{factor_text!r}")
+    return int(worker_text), factor
 
 
 def _terms_text(terms: Mapping[str, float]) -> str:
@@ -53,17 +81,29 @@ def run(args: argparse.Namespace) -> int:
         ValueError: for bad flags or a failure nothing can recover from.
     """
     config = _config(args)
-    failed = parse_workers(args.fail)
-    check_workers(failed, config.num_workers)
-    planner = Planner(config, policy=args.policy)
-    # the spare nodes' workers are alive and idle: swap can put them in the failed places
-    alive = [w for w in range(config.total_workers) if w not in set(failed)]
-    decision = planner.decide(planner.initial_plan, failed, alive=alive,
-                              horizon_s=args.horizon_s)
-    if args.json:
-        print(dumps(_report(config, planner, decision, failed)))
+    slow: tuple[int, float] | None = None
+    if args.slow is not None:
+        slow = parse_slow(args.slow)
+        failed = [slow[0]]
+        check_workers(failed, config.num_workers, "--slow")
     else:
-        _print_report(config, planner, decision, failed)
+        failed = parse_workers(args.fail)
+        check_workers(failed, config.num_workers)
+    planner = Planner(config, policy=args.policy)
+    everyone = range(config.total_workers)
+    if slow is not None:
+        # every worker is alive (the spares idle); the slow one runs at its factor
+        decision = planner.decide_slow(planner.initial_plan, slow[0], slow[1], alive=everyone,
+                                       horizon_s=args.horizon_s, slow_policy=args.slow_policy)
+    else:
+        # the spare nodes' workers are alive and idle: swap can put them in the failed places
+        alive = [w for w in everyone if w not in set(failed)]
+        decision = planner.decide(planner.initial_plan, failed, alive=alive,
+                                  horizon_s=args.horizon_s)
+    if args.json:
+        print(dumps(_report(config, planner, decision, failed, slow)))
+    else:
+        _print_report(config, planner, decision, failed, slow)
     return 0
 
 
@@ -82,14 +122,18 @@ def _config(args: argparse.Namespace) -> Config:
                              f"{args.node_mtbf_hours}")
         config = replace(config, policy=replace(config.policy,
                                                 node_mtbf_hours=args.node_mtbf_hours))
+    if args.slow_policy is not None:
+        config = replace(config, recovery=replace(config.recovery,
+                                                  slow_policy=args.slow_policy))
     return config
 
 
 def _report(config: Config, planner: Planner, decision: Decision,
-            failed: list[int]) -> dict[str, Any]:
-    """The ``--json`` report: the decision, every candidate, the failure-free figures."""
+            failed: list[int], slow: tuple[int, float] | None) -> dict[str, Any]:
+    """The ``--json`` report: the decision, every candidate, the failure-free figures
+    (``slow`` and ``slow_policy`` for a slow worker instead of ``failed``)."""
     base = planner.failure_free
-    return {
+    doc = {
         "decision": {"strategy": decision.strategy, "reason": decision.reason,
                      "transition_s": decision.transition_s,
                      "horizon_s": decision.horizon_s,
@@ -107,10 +151,15 @@ def _report(config: Config, planner: Planner, decision: Decision,
         "search_s": decision.search_s,
         "setup_s": planner.setup_s,
     }
+    if slow is not None:
+        del doc["failed"]
+        doc["slow"] = {"worker": slow[0], "factor": slow[1]}
+        doc["slow_policy"] = config.recovery.slow_policy
+    return doc
 
 
 def _print_report(config: Config, planner: Planner, decision: Decision,
-                  failed: list[int]) -> None:
+                  failed: list[int], slow: tuple[int, float] | None) -> None:
     """The report for people: the job, the candidates' table, each one's transition
     terms, the decision."""
     base = planner.failure_free
@@ -121,8 +170,10 @@ def _print_report(config: Config, planner: Planner, decision: Decision,
           f"{human_seconds(base.step_s)}, {base.throughput_samples_s:.4g} samples/s")
     horizon = ("expected " if decision.horizon_expected else "") + human_seconds(
         decision.horizon_s)
-    print(f"failed workers: {','.join(map(str, failed))}; policy {planner.policy}; "
-          f"horizon {horizon}")
+    event = (f"slow worker {slow[0]} at {slow[1]:g}x; slow policy "
+             f"{config.recovery.slow_policy}" if slow is not None
+             else f"failed workers: {','.join(map(str, failed))}")
+    print(f"{event}; policy {planner.policy}; horizon {horizon}")
     header = ["strategy", "feasible", "step", "samples/s", "vs failure-free", "transition",
               "score", "peak mem/device", "why"]
     print(table(_candidate_rows(decision, base.throughput_samples_s), header))

@@ -9,6 +9,9 @@ Three ways to say what to simulate::
 
 ``--spare-nodes K`` adds K warm spare nodes to the fleet (the ``swap`` policy joins the
 default policies) and ``--memory-checkpoint`` keeps checkpoints in host memory too.
+``--slow-policy`` sets the answer to slow workers (a trace's fail-slows): ``keep`` leaves
+them be (no fail-slow handling), a fixed answer for every policy that plans with Chameleon's
+planner, ``chameleon`` (the default) Chameleon's choice.
 
 With ``--out`` the JSON and Markdown reports and the PNG plots are written there, only
 once every run has finished (a simulation process that died is one line on stderr and in
@@ -30,6 +33,7 @@ from chameleon_ft.sim.report import ProgressBar, render, report_json, report_mar
 from chameleon_ft.sim.runner import default_jobs, run_scenario
 from chameleon_ft.sim.scenarios import PRESETS, Scenario, preset_scenario, scenario_from_config
 from chameleon_ft.spec.config import load_config
+from chameleon_ft.spec.recovery import SLOW_POLICY_NAMES
 from chameleon_ft.spec.scenario import POLICY_NAMES, RepairKind
 
 
@@ -65,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-checkpoint", action="store_true",
                         help="keep checkpoints in other hosts' memory too ([recovery] "
                              "memory_checkpoint)")
+    parser.add_argument("--slow-policy", choices=SLOW_POLICY_NAMES,
+                        help="the answer to slow workers ([recovery] slow_policy): chameleon "
+                             "(default), or keep (no fail-slow handling), rebalance, dynamic, "
+                             "swap, evict")
     parser.add_argument("--jobs", type=int, metavar="N",
                         help="processes running policies and seeds at once (default: every "
                              "core); the results do not depend on it")
@@ -119,6 +127,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         config = replace(config, cluster=replace(config.cluster, spare_nodes=args.spare_nodes))
     if args.memory_checkpoint:
         config = replace(config, recovery=replace(config.recovery, memory_checkpoint=True))
+    if args.slow_policy is not None:
+        config = replace(config, recovery=replace(config.recovery, slow_policy=args.slow_policy))
     if simulation.is_sweep and (args.node_mtbf_hours is not None or args.repair_hours is not None
                                 or args.no_repair or args.trace is not None):
         raise ValueError("--scenario: a sweep sets the failure rate and repair time itself; "

@@ -25,6 +25,7 @@ from typing import Any
 
 from chameleon_ft import logs
 from chameleon_ft.runtime import auth
+from chameleon_ft.spec.recovery import SLOW_POLICY_NAMES
 from chameleon_ft.spec.train import TRAIN_DTYPES, parse_fault
 
 EXIT_FAILED = 1
@@ -45,10 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "disk-full|disk-error|read-only[,phase=forward|backward|reduce|"
                              "optimizer|recovery|migration|checkpoint]; fires once, the first "
                              "time worker R reaches the phase at a step >= S (disk faults fail "
-                             "its checkpoint write); repeatable")
+                             "its checkpoint write); or rank=R,step=S,kind=slow,factor=F,"
+                             "steps=N: worker R computes F times slower for N steps from "
+                             "step S; repeatable")
     parser.add_argument("--policy", metavar="NAME",
                         help="chameleon (adaptive), reroute, dynamic, restart, shrink or "
                              "reroute-then-dynamic ([policy] name)")
+    parser.add_argument("--slow-policy", choices=SLOW_POLICY_NAMES,
+                        help="the answer to a slow worker: chameleon (the best score), or "
+                             "keep, rebalance, dynamic, swap or evict ([recovery] "
+                             "slow_policy)")
     parser.add_argument("--dtype", choices=TRAIN_DTYPES,
                         help="numerics ([train] dtype): float32; float64 for exact "
                              "comparisons; bfloat16 for mixed precision (bf16 compute, "
@@ -125,13 +132,22 @@ def _config(args: argparse.Namespace) -> Any:
             train = replace(train, **overrides)
         except ValueError as exc:
             raise ValueError(f"train.{exc}") from None
-    return replace(config, train=train)
+    recovery = config.recovery
+    if args.slow_policy is not None:
+        recovery = replace(recovery, slow_policy=args.slow_policy)
+    return replace(config, train=train, recovery=recovery)
 
 
 def _summary(report: dict[str, Any]) -> list[str]:
     lines = [f"trained {len(report['steps'])} steps in {report['total_s']:.1f} s; "
              f"final loss {report['loss'][-1]:.4f}" if report["steps"] else "no steps"]
     for e in report["events"]:
+        if e["cause"] in ("slow", "slow-end"):
+            what = f"slow ({e['factor']:.2f}x)" if e["cause"] == "slow" else \
+                f"at full speed again ({e['measured']:.2f}x, was {e['factor']:.2f}x)"
+            lines.append(f"worker {e['workers'][0]} {what} at step {e['step']}: "
+                         f"{e['strategy'] or 'no answer'}")
+            continue
         detect = "-" if e["detected_after_s"] is None else f"{e['detected_after_s']:.3f} s"
         trans = "-" if e["transition_s"] is None else f"{e['transition_s']:.3f} s"
         lines.append(f"failure of worker(s) {e['workers']} at step {e['step']}: detected after "

@@ -2,8 +2,10 @@
 
 The one format the simulator replays and the runtime replays (``chameleon train
 --trace``): a time-ordered tuple of :class:`TraceEvent`. Targets are integers whose meaning
-depends on the kind: a worker id for ``worker-fail``, node ids for ``node-fail``,
-``group-fail`` and ``repair``, nothing for ``software`` and ``end``.
+depends on the kind: a worker id for ``worker-fail``, ``slow`` and ``slow-end``, node ids
+for ``node-fail``, ``group-fail`` and ``repair``, nothing for ``software`` and ``end``. A
+``slow`` event also carries its factor: the worker's compute runs that many times slower
+until its ``slow-end`` (a fail-slow, docs/design.md section 6).
 """
 
 from __future__ import annotations
@@ -26,12 +28,25 @@ class EventKind(StrEnum):
     """A job-level fault (software bug, NCCL watchdog): every process restarts, no hardware lost."""
     REPAIR = "repair"
     """Failed hosts come back (a replaced node, or a node whose dead worker was fixed)."""
+    SLOW = "slow"
+    """One live worker's compute runs ``factor`` times slower (a fail-slow: a throttled or
+    degraded GPU, a contended host); a ``slow`` of a worker already slow sets its new
+    factor."""
+    SLOW_END = "slow-end"
+    """A slow worker runs at full speed again."""
     END = "end"
     """The end of the trace: the simulated duration."""
 
 
 FAILURE_KINDS = frozenset({EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL})
 """Kinds that take hardware away."""
+
+SLOW_KINDS = frozenset({EventKind.SLOW, EventKind.SLOW_END})
+"""Kinds that change a live worker's speed (no hardware is lost)."""
+
+
+_WORKER_KINDS = frozenset({EventKind.WORKER_FAIL, EventKind.SLOW, EventKind.SLOW_END})
+"""Kinds whose target is one worker id rather than node ids."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +57,17 @@ class TraceEvent:
     """Seconds since the start of training."""
     kind: EventKind
     target: tuple[int, ...] = ()
-    """Worker id (``worker-fail``) or node ids (``node-fail``, ``group-fail``, ``repair``)."""
+    """Worker id (``worker-fail``, ``slow``, ``slow-end``) or node ids (``node-fail``,
+    ``group-fail``, ``repair``)."""
+    factor: float | None = None
+    """A ``slow`` event's slowdown: its worker's compute takes ``factor`` (> 1) times as
+    long; ``None`` for every other kind."""
 
     def workers(self, workers_per_node: int) -> tuple[int, ...]:
-        """The workers the event names: a ``worker-fail``'s worker, every worker of the
-        other events' nodes (node ``n`` holds workers ``n * W .. (n + 1) * W - 1``), none
-        for ``software``."""
-        if self.kind == EventKind.WORKER_FAIL:
+        """The workers the event names: a ``worker-fail``'s, ``slow``'s or ``slow-end``'s
+        worker, every worker of the other events' nodes (node ``n`` holds workers
+        ``n * W .. (n + 1) * W - 1``), none for ``software``."""
+        if self.kind in _WORKER_KINDS:
             return self.target
         return tuple(w for n in self.target
                      for w in range(n * workers_per_node, (n + 1) * workers_per_node))
@@ -65,8 +84,14 @@ class Trace:
 
     @property
     def num_failures(self) -> int:
-        """Hardware failures plus software faults."""
-        return sum(1 for e in self.events if e.kind != EventKind.REPAIR)
+        """Hardware failures plus software faults (fail-slows are not failures)."""
+        return sum(1 for e in self.events
+                   if e.kind != EventKind.REPAIR and e.kind not in SLOW_KINDS)
+
+    @property
+    def has_slow(self) -> bool:
+        """Whether some event is a fail-slow (``slow`` or ``slow-end``)."""
+        return any(e.kind in SLOW_KINDS for e in self.events)
 
     def count(self, kinds: Iterable[EventKind]) -> int:
         """Events of the given kinds."""

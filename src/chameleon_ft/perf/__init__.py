@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from chameleon_ft.perf.estimator import Breakdown, Estimate, Estimator, estimate, estimator_for
+from chameleon_ft.perf.estimator import (
+    Breakdown,
+    Estimate,
+    Estimator,
+    estimate,
+    estimator_for,
+    speeds_from_factors,
+)
 from chameleon_ft.perf.network import Topology
 from chameleon_ft.perf.schedule import Op, OpKind, Schedule
 from chameleon_ft.perf.sync import Bucket, sync_rounds, tie_members
@@ -28,5 +35,5 @@ def build_schedule(plan: ExecutionPlan, profile: Profile, topology: Topology,
 
 
 __all__ = ["Breakdown", "Bucket", "Estimate", "Estimator", "Op", "OpKind", "Schedule",
-           "Topology", "build_schedule", "estimate", "estimator_for", "sync_rounds",
-           "tie_members"]
+           "Topology", "build_schedule", "estimate", "estimator_for", "speeds_from_factors",
+           "sync_rounds", "tie_members"]

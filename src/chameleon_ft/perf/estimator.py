@@ -31,7 +31,7 @@ import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -490,8 +490,39 @@ def estimator_for(profile: Profile, topology: Topology) -> Estimator:
     return est
 
 
+def speeds_from_factors(factors: Mapping[int, float],
+                        workers: Container[int] | None = None) -> dict[int, float]:
+    """The relative speeds the estimator divides each operation's duration by, from
+    slowdown factors: a worker at factor ``F`` computes ``F`` times slower (speed ``1/F``);
+    its transfers and all-reduces are not slowed (a fail-slow of a GPU or its host; a slow
+    link is the network's, and the model keeps links uniform).
+
+    Args:
+        factors: worker -> slowdown factor (>= 1).
+        workers: keep only these workers (a plan's): others change no estimate, and the
+            estimate's cache key names only what matters.
+
+    Returns:
+        Worker -> speed for every factor above 1, in worker order: a factor of 1 leaves
+        the worker out, so its estimate is the unit-speed one, exactly.
+
+    Raises:
+        ValueError: for a factor that is not a finite number >= 1.
+    """
+    out: dict[int, float] = {}
+    for worker in sorted(factors):
+        factor = factors[worker]
+        if isinstance(factor, bool) or not (math.isfinite(factor) and factor >= 1.0):
+            raise ValueError(f"slow: worker {worker}'s factor must be a finite number >= 1, "
+                             f"got {factor!r}")
+        if factor > 1.0 and (workers is None or worker in workers):
+            out[worker] = 1.0 / factor
+    return out
+
+
 def estimate(plan: ExecutionPlan, profile: Profile, topology: Topology, *,
-             speeds: Mapping[int, float] | None = None, brute_force: bool = False) -> Estimate:
+             speeds: Mapping[int, float] | None = None, brute_force: bool = False,
+             slow: Mapping[int, float] | None = None) -> Estimate:
     """Estimate the step time and per-device memory of ``plan``.
 
     Args:
@@ -500,15 +531,22 @@ def estimate(plan: ExecutionPlan, profile: Profile, topology: Topology, *,
         topology: workers, nodes and links (``Topology.from_config(config)``).
         speeds: relative speed per worker (default 1.0).
         brute_force: skip the symmetry shortcut and caches (for tests).
+        slow: slowdown factor per worker (:func:`speeds_from_factors`), instead of
+            ``speeds``.
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
-        ValueError: when a worker of the plan does not exist in the topology.
+        ValueError: when a worker of the plan does not exist in the topology, for a bad
+            factor, or when both ``speeds`` and ``slow`` are given.
     """
     for w in plan.workers:
         if not 0 <= w < topology.num_workers:
             raise ValueError(f"plan: worker {w} is outside the cluster's "
                              f"{topology.num_workers} workers")
+    if slow is not None:
+        if speeds is not None:
+            raise ValueError("estimate: give speeds or slow factors, not both")
+        speeds = speeds_from_factors(slow, plan.stage_of_worker)
     return estimator_for(profile, topology).estimate(plan, speeds, brute_force)

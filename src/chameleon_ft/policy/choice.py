@@ -34,8 +34,9 @@ from chameleon_ft.recovery.types import (
 from chameleon_ft.spec.config import Config
 
 _ORDER = {s: i for i, s in enumerate(
-    (Strategy.KEEP, Strategy.REROUTE, Strategy.RECYCLE, Strategy.SWAP,
-     Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC, Strategy.SHRINK, Strategy.RESTART))}
+    (Strategy.KEEP, Strategy.REBALANCE, Strategy.REROUTE, Strategy.RECYCLE, Strategy.SWAP,
+     Strategy.REROUTE_THEN_DYNAMIC, Strategy.DYNAMIC, Strategy.SHRINK, Strategy.EVICT,
+     Strategy.RESTART))}
 """Final tie-break between equal scores: cheaper, less disruptive strategies first."""
 
 _BEATEN_MARGIN = 1e-6

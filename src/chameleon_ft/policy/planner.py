@@ -14,6 +14,9 @@ one with the policy:
   ``reroute-then-dynamic`` / ``swap``: that strategy; ``restart`` only when it is
   infeasible.
 
+A slow worker (a fail-slow) is answered by ``decide_slow`` and the end of its slowdown by
+``decide_slow_end`` (``slow.py``, mixed in).
+
 Idle live workers (warm spares, ``[cluster] spare_nodes``; repaired or left-over workers)
 are passed in ``alive``: ``swap`` puts them in the failed workers' places, and a re-formed
 plan may use them, never more workers than the job's layout has.
@@ -49,6 +52,7 @@ from chameleon_ft.policy.candidates import (
 from chameleon_ft.policy.choice import Chooser, Decision, pick, rejoin_policy
 from chameleon_ft.policy.inputs import DecisionInputs, check_horizon, check_policy
 from chameleon_ft.policy.renaming import carried_estimate, rename_candidate
+from chameleon_ft.policy.slow import SlowDecisions
 from chameleon_ft.policy.symmetry import canonical_renaming, interchangeable_form
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery import dynamic
@@ -69,7 +73,7 @@ class _Stopped(Exception):
     """A precompute asked to stop in the middle of a failure set (``Planner._stop``)."""
 
 
-class Planner:
+class Planner(SlowDecisions):
     """Recovery planning for one job.
 
     Args:

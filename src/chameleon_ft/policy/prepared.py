@@ -247,5 +247,16 @@ class PreparedPlanner:
         self.cancel()
         return self._planner.decide_rejoin(plan, returned, **kwargs)
 
+    def decide_slow(self, plan: ExecutionPlan, worker: int, factor: float,
+                    **kwargs: Any) -> Decision:
+        """:meth:`Planner.decide_slow`, after telling the preparation to stop."""
+        self.cancel()
+        return self._planner.decide_slow(plan, worker, factor, **kwargs)
+
+    def decide_slow_end(self, plan: ExecutionPlan, worker: int, **kwargs: Any) -> Decision:
+        """:meth:`Planner.decide_slow_end`, after telling the preparation to stop."""
+        self.cancel()
+        return self._planner.decide_slow_end(plan, worker, **kwargs)
+
 
 __all__ = ["PrepareStatus", "PreparedPlanner"]

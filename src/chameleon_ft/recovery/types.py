@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 
 
 class Strategy(StrEnum):
-    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin;
-    ``recycle`` is ``reroute`` with ReCycle's decoupled backward; ``swap`` puts idle (spare)
-    workers in the failed workers' places of the same plan."""
+    """Ways to recover (docs/design.md section 2); ``keep`` only answers a rejoin or a slow
+    worker; ``recycle`` is ``reroute`` with ReCycle's decoupled backward; ``swap`` puts idle
+    (spare) workers in the failed (or slow) workers' places of the same plan; ``rebalance``
+    and ``evict`` answer a slow worker only (fewer micro-batches to its pipeline; out of the
+    plan as if it had died, docs/design.md 3.4)."""
 
     REROUTE = "reroute"
     RECYCLE = "recycle"
@@ -38,6 +40,8 @@ class Strategy(StrEnum):
     REROUTE_THEN_DYNAMIC = "reroute-then-dynamic"
     SWAP = "swap"
     KEEP = "keep"
+    REBALANCE = "rebalance"
+    EVICT = "evict"
 
 
 class CheckpointSource(StrEnum):

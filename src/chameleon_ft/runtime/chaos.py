@@ -5,7 +5,9 @@ and, from a seeded generator, injects one *episode* at a time once the previous 
 settled (its recovery committed a step and every fault it armed has fired):
 
 - ``single``: a kill, hang, error or glitch in the forward, backward or optimizer phase
-  of a random worker of the running plan;
+  of a random worker of the running plan, or a slowdown (a fail-slow: 1.3 to 3 times
+  slower for 5 to 25 steps; it keeps training, and its answer changes the plan at a step
+  boundary);
 - ``double``: two workers of the plan stopped or killed by signals at the same instant,
   in the middle of a step (this often leaves a layer without replicas: a restart);
 - ``cascade``: a single fault, then a second one while the recovery from it runs (in the
@@ -32,9 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chameleon_ft.runtime.coordinator.shell import Coordinator, Event, Hooks
+from chameleon_ft.runtime.report.records import SLOW_CAUSES
 from chameleon_ft.spec.train import Fault
 
-KINDS = ("kill", "hang", "error", "glitch")
+KINDS = ("kill", "hang", "error", "glitch", "slow")
+SLOW_FACTORS = (1.3, 3.0)
+"""The range a ``slow`` fault's factor is drawn from (Falcon's, docs/design.md 6)."""
+SLOW_STEPS = (5, 25)
+"""The range of a ``slow`` fault's length in steps."""
 PHASES = ("forward", "backward", "optimizer")
 EPISODES = ("single", "double", "cascade", "migration", "repaired")
 
@@ -111,7 +118,7 @@ class ChaosHooks(Hooks):
         waiting = self._waiting(coord)
         if self.pending is not None or self._remaining() <= 0 or step >= self.last_step:
             return False
-        if any(e.resumed_at_s is None and not e.idle for e in coord.events):
+        if any(e.resumed_at_s is None and not e.idle and not e.slow for e in coord.events):
             return False
         if waiting:
             return False
@@ -120,10 +127,15 @@ class ChaosHooks(Hooks):
     def _phase_fault(self, coord: Coordinator, episode: str, rank: int, step: int,
                      phase: str | None = None, kinds: tuple[str, ...] = KINDS) -> None:
         kind = self.rng.choice(kinds)
-        if phase is None:
-            phases = PHASES if kind != "glitch" else PHASES[:2]
-            phase = self.rng.choice(phases)
-        fault = Fault(rank=rank, step=step, kind=kind, phase=phase)
+        if kind == "slow":  # from the start of the step's compute
+            fault = Fault(rank=rank, step=step, kind=kind,
+                          factor=round(self.rng.uniform(*SLOW_FACTORS), 2),
+                          steps=self.rng.randint(*SLOW_STEPS))
+        else:
+            if phase is None:
+                phases = PHASES if kind != "glitch" else PHASES[:2]
+                phase = self.rng.choice(phases)
+            fault = Fault(rank=rank, step=step, kind=kind, phase=phase)
         index = coord.inject(fault)
         self.injected.append(Injected(episode, fault.to_text(), index, step,
                                       at_commit=self.commits, rank=rank))
@@ -246,6 +258,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "detect_median_s": pct(detect, 0.5), "detect_p99_s": pct(detect, 0.99),
         "recover_median_s": pct(recover, 0.5), "recover_p99_s": pct(recover, 0.99),
         "events": sum(r["events"] for r in runs),
+        "slow_declared": sum(r.get("slow_declared", 0) for r in runs),
+        "slow_cleared": sum(r.get("slow_cleared", 0) for r in runs),
         "strategies": {s: sum(r["strategies"].get(s, 0) for r in runs)
                        for s in sorted({k for r in runs for k in r["strategies"]})},
     }
@@ -258,7 +272,8 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
     fired_phase = sum(1 for f in report["faults"] if f["fired"])
     signalled = sum(1 for x in hooks.injected if x.index is None)
     retracted = sum(1 for x in hooks.injected if x.retracted)
-    events = [e for e in report["events"] if not e.get("idle")]
+    slow = [e for e in report["events"] if e["cause"] in SLOW_CAUSES]
+    events = [e for e in report["events"] if not e.get("idle") and e["cause"] not in SLOW_CAUSES]
     committed = [s["step"] for s in report["steps"]]
     lost_by_restarts = sum(e["lost_steps"] for e in events if e["strategy"] == "restart")
     lost_outside = sum(e["lost_steps"] for e in events if e["strategy"] != "restart")
@@ -296,6 +311,8 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
         "stray": stray,
         "detect_s": detect, "recover_s": recover,
         "episodes": [x.episode for x in hooks.injected],
+        "slow_declared": sum(1 for e in slow if e["cause"] == "slow"),
+        "slow_cleared": sum(1 for e in slow if e["cause"] == "slow-end"),
     }
 
 

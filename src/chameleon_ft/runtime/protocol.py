@@ -46,9 +46,14 @@ CURRENT_GEN_KEY = "gen/current"
 """The newest published generation (numbered by itself): workers behind skip to it."""
 
 FAULTS_KEY = "faults/list"
-"""JSON ``[[rank, step, kind, phase], ...]`` (numbered by version); an index is a fault id."""
+"""JSON ``[[rank, step, kind, phase, factor, steps], ...]`` (numbered by version; factor
+and steps null but for a ``slow`` fault); an index is a fault id."""
 FAULTS_VERSION_KEY = "faults/version"
 """Counter bumped whenever the fault list changes (a hint: workers re-read the list)."""
+
+PROGRESS_KEY = "progress"
+"""The committed steps so far (numbered by them): how an idle worker follows the job's
+steps (a slowdown lasts so many of them)."""
 
 MAX_REPORTS = 8
 """Error reports of one worker in one generation, at most (it writes one or two)."""
@@ -211,6 +216,12 @@ def setup_key(worker: int, incarnation: str) -> str:
     """The generation whose groups the process last began to build (numbered by it): a
     process can stay inside a superseded generation's uninterruptible set-up."""
     return f"setup/{worker}/{incarnation}"
+
+
+def probe_key(worker: int, incarnation: str) -> str:
+    """JSON ``{"factor": F}`` (numbered): a probe of the idle process ``incarnation``, its
+    time over its own probe at start (a slow worker out of the plan, fail-slow)."""
+    return f"probe/{worker}/{incarnation}"
 
 
 def worker_info_key(worker: int, incarnation: str) -> str:

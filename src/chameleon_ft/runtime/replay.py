@@ -102,7 +102,8 @@ def load_trace(path: str | Path, *, num_nodes: int, workers_per_node: int) -> Tr
 
     Raises:
         ValueError: ``--trace: ...`` for a file that cannot be read, a malformed row, a
-            worker or node outside the cluster, events out of order, or no ``end`` row.
+            worker or node outside the cluster, events out of order, no ``end`` row, or
+            fail-slow rows (the runtime injects slowdowns with ``--fault``, not from traces).
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -111,9 +112,16 @@ def load_trace(path: str | Path, *, num_nodes: int, workers_per_node: int) -> Tr
     except UnicodeDecodeError:
         raise ValueError(f"--trace: {str(path)!r} is not a text file") from None
     try:
-        return trace_from_csv(text, num_nodes=num_nodes, workers_per_node=workers_per_node)
+        trace = trace_from_csv(text, num_nodes=num_nodes, workers_per_node=workers_per_node)
     except ValueError as exc:
         raise ValueError(f"--trace: {path}: {exc}") from None
+    slow = next((row for row, e in enumerate(trace.events, start=1)
+                 if e.kind in (EventKind.SLOW, EventKind.SLOW_END)), None)
+    if slow is not None:
+        raise ValueError(f"--trace: {path}: row {slow} is a fail-slow; the runtime does not "
+                         "replay slow and slow-end rows: drop them, and inject slowdowns with "
+                         "--fault rank=R,step=S,kind=slow,factor=F,steps=N")
+    return trace
 
 
 class TraceTarget(Protocol):

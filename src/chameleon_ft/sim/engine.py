@@ -23,6 +23,7 @@ Semantics (docs/design.md section 6, issue 4):
 - Time lost is booked by cause in failure-free-equivalent seconds, so the causes add up to
   ``duration_s - samples / failure_free_throughput``. The wall seconds spent training steps
   whose work is kept (at whatever speed) are counted too (``training_s``).
+- Fail-slows (``slow`` and ``slow-end`` rows): ``slowrun.py``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chameleon_ft.failures import EventKind, Trace, TraceEvent
+from chameleon_ft.failures import SLOW_KINDS, EventKind, Trace, TraceEvent
 from chameleon_ft.plan import ExecutionPlan
-from chameleon_ft.sim.events import Commit, Switch
+from chameleon_ft.sim.events import Commit, Respeed, SlowCheck, Switch
 from chameleon_ft.sim.policies import DOWN, Choice, EventContext, SimPolicy, software_restart
+from chameleon_ft.sim.slowrun import Horizons, SlowRun
 from chameleon_ft.spec.recovery import RecoverySpec
 
 
@@ -94,7 +96,11 @@ class RunResult:
         return sum(n for _, n in self.decisions)
 
 
-class _Run:
+_Item = TraceEvent | Commit | Switch | Respeed | SlowCheck
+"""What the event queue holds."""
+
+
+class _Run(SlowRun):
     """Mutable state of one simulation; private to :func:`simulate`."""
 
     def __init__(self, trace: Trace, policy: SimPolicy, *, failure_free_samples_s: float,
@@ -139,8 +145,9 @@ class _Run:
         self.decisions: dict[str, int] = {}
         self.num_software = 0
         self.timeline: list[tuple[float, float]] = []
-        self.queue: list[tuple[float, int, TraceEvent | Commit | Switch]] = []
+        self.queue: list[tuple[float, int, _Item]] = []
         self.seq = 0
+        self.init_slow()
         self.mark()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -160,7 +167,7 @@ class _Run:
         elif not self.timeline or self.timeline[-1][1] != rate:
             self.timeline.append((self.now, rate))
 
-    def push(self, time_s: float, item: TraceEvent | Commit | Switch) -> None:
+    def push(self, time_s: float, item: _Item) -> None:
         heapq.heappush(self.queue, (time_s, self.seq, item))
         self.seq += 1
 
@@ -228,7 +235,13 @@ class _Run:
         """``dt`` seconds of the running plan; returns its throughput."""
         rate = self.committed.throughput_samples_s
         self.samples += rate * dt
-        self._book("degraded_s", dt * (self.ff - rate) / self.ff)
+        nominal = self.committed.nominal
+        if nominal is None:
+            self._book("degraded_s", dt * (self.ff - rate) / self.ff)
+        else:  # a slowed plan: its shortfall against itself at full speed is the slowdown's
+            full = nominal.throughput_samples_s
+            self._book("degraded_s", dt * (self.ff - full) / self.ff)
+            self._book("slow_s", dt * (full - rate) / self.ff)
         self.since_checkpoint_s += dt
         self.since_memory_s += dt
         self.training_s += dt
@@ -284,7 +297,8 @@ class _Run:
             self.training_s -= lost_s
 
     def context(self, next_event_s: float) -> EventContext:
-        return EventContext(alive=frozenset(self.alive), now_s=self.now,
+        alive = self.alive - self.excluded if self.excluded else self.alive
+        return EventContext(alive=frozenset(alive), now_s=self.now,
                             next_event_in_s=next_event_s - self.now,
                             since_checkpoint_s=self.since_checkpoint_s,
                             since_memory_checkpoint_s=self.since_memory_s)
@@ -336,13 +350,15 @@ class _Run:
     def commit(self) -> None:
         """The pending transition ends; its plan runs from now."""
         assert self.pending is not None
-        self.committed = self.pending
+        self.committed = self.priced(self.pending)
         self.pending = None
         self.pending_failed = frozenset()
         self.run_start_s = self.now
         self.run_start_samples = self.samples
         self.run_start_steps = self.steps
         self._schedule_switch()
+        if self.slow or self.deferred_checks:
+            self.after_commit()
 
     def _schedule_switch(self) -> None:
         """For a two-phase choice: switch at the first step boundary after the migration."""
@@ -367,6 +383,8 @@ class _Run:
         hit = set(event.workers(self.workers_per_node)) & self.alive
         self.alive -= hit
         self.deferred_returned -= hit
+        if self.speed_seq:
+            self.died(hit)
         base_plan = self.committed.plan
         if base_plan is None:
             if self.pending is not None and self.pending.plan is not None and (
@@ -409,6 +427,8 @@ class _Run:
             base = self.pending
         else:
             running = self.committed
+            if running.nominal is not None:
+                running = running.nominal  # priced again at the speeds of the restart
             base = Choice(strategy="restart", plan=running.plan, step_s=running.step_s,
                           throughput_samples_s=running.throughput_samples_s,
                           state=running.state)
@@ -441,7 +461,7 @@ class _Run:
             # copied in the background; the step in flight is not lost.
             self.decisions[choice.strategy] = self.decisions.get(choice.strategy, 0) + 1
             self.token += 1
-            self.committed = choice
+            self.committed = self.priced(choice)
             self._schedule_switch()
             return
         self.interrupt()
@@ -514,9 +534,13 @@ def _replay(run: _Run, trace: Trace, progress: Callable[[int], None] | None) -> 
     for event in events:
         run.push(event.time_s, event)
     handled = 0  # trace events popped so far
+    horizons = Horizons(trace) if trace.has_slow else None
 
     def next_trace_s() -> float:
-        """Time of the next trace event not yet handled (the oracle's true horizon)."""
+        """Time of the next trace event not yet handled (the oracle's true horizon; with
+        fail-slows, the next one that is not a speed change)."""
+        if horizons is not None:
+            return horizons.next_change_s(handled)
         return events[handled].time_s if handled < len(events) else trace.duration_s
 
     while run.queue:
@@ -528,12 +552,20 @@ def _replay(run: _Run, trace: Trace, progress: Callable[[int], None] | None) -> 
             run.on_commit(item, next_trace_s())
         elif isinstance(item, Switch):
             run.on_switch(item)
+        elif isinstance(item, Respeed):
+            run.on_respeed(item)
+        elif isinstance(item, SlowCheck):
+            assert horizons is not None
+            run.on_slow_check(item, min(next_trace_s(),
+                                        horizons.next_speed_s(item.worker, time_s)))
         else:
             handled += 1
             if item.kind == EventKind.REPAIR:
                 run.on_repair(item, next_trace_s())
             elif item.kind == EventKind.SOFTWARE:
                 run.on_software()
+            elif item.kind in SLOW_KINDS:
+                run.on_speed(item)
             else:
                 run.on_failure(item, next_trace_s())
             if progress is not None and handled % 64 == 0:

@@ -12,18 +12,28 @@
   re-join.
 
 Each peer decides from the planner's job (templates, estimates) but never from
-Chameleon's candidates or scores.
+Chameleon's candidates or scores. Neither answers a slow worker but as a failure
+(``policies.fail_stop``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import unfold_profile
 from chameleon_ft.recovery.oobleck import OobleckSpec, instantiate, oobleck_spec, reconfigure
-from chameleon_ft.sim.policies import KEEP, Choice, EventContext, PlannerPolicy, terms_choice
+from chameleon_ft.sim.policies import (
+    KEEP,
+    Choice,
+    EventContext,
+    PlannerPolicy,
+    fail_stop,
+    slowed,
+    terms_choice,
+)
 from chameleon_ft.spec.job import Schedule
 from chameleon_ft.spec.recovery import RecoverySpec
 
@@ -69,6 +79,7 @@ class OobleckPolicy:
         planner = oobleck_planner(planner)
         self._planner = planner
         self._restart = PlannerPolicy("restart", planner, recovery)
+        self._recovery = recovery
         initial = planner.initial_plan
         self.spec: OobleckSpec = oobleck_spec(
             planner.templates, num_workers=len(initial.workers),
@@ -106,6 +117,23 @@ class OobleckPolicy:
         if base.plan is not None:
             return Choice(strategy=KEEP, plan=None)
         return self._own_ranks(self._restart.on_rejoin(base, returned, ctx))
+
+    def priced(self, choice: Choice, slow: Mapping[int, float]) -> Choice:
+        """``choice`` at the slow workers' speeds (on Oobleck's own layers)."""
+        return slowed(choice, slow, self._step_s)
+
+    def _step_s(self, plan: ExecutionPlan, slow: Mapping[int, float]) -> float:
+        return float(self._planner.estimate_slow(plan, slow).step_s)
+
+    def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
+                ctx: EventContext) -> Choice:
+        """Oobleck has no answer to a slow worker but its failure path (``fail_stop``)."""
+        return fail_stop(self, self._recovery, base, worker, ctx)
+
+    def on_slow_end(self, base: Choice, worker: int, slow: Mapping[int, float],
+                    ctx: EventContext) -> Choice:
+        """Nothing to do: the worker runs at full speed again."""
+        return Choice(strategy=KEEP, plan=None)
 
     def _own_ranks(self, choice: Choice) -> Choice:
         """A restart's layout with Oobleck's rank assignment (consecutive workers)."""

@@ -12,9 +12,8 @@ own only the decision.
 - ``oracle``: the planner's candidates scored by Eq. 8 with the TRUE time to the next
   event of the trace, an upper bound on what any choice among the same candidates does
   over that window.
-- ``bamboo``: redundant computation modelled from published figures (docs/design.md,
-  "Sources of the defaults"); the constants and rules are documented on
-  :class:`BambooPolicy`.
+- ``bamboo`` (``bamboo.py``): redundant computation modelled from published figures
+  (docs/design.md, "Sources of the defaults").
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.spec.recovery import RecoverySpec
 from chameleon_ft.spec.scenario import POLICY_NAMES
 
@@ -61,6 +60,9 @@ class Choice:
     switch to this choice (its ``stall_s`` is the switch pause). For reroute-then-dynamic."""
     then_after_s: float = 0.0
     """How long ``plan`` runs before ``then`` takes over."""
+    nominal: Choice | None = field(default=None, compare=False, repr=False)
+    """The same choice at full speed, when this one is priced at slow workers' speeds
+    (:func:`slowed`); ``None``: nothing in ``plan`` runs slow."""
 
     @property
     def keep(self) -> bool:
@@ -86,7 +88,8 @@ class EventContext:
 
 
 class SimPolicy(Protocol):
-    """The interface the engine drives."""
+    """The interface the engine drives; a trace with fail-slows also asks
+    :class:`SlowPolicy`'s methods."""
 
     name: str
 
@@ -101,6 +104,59 @@ class SimPolicy(Protocol):
     def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
         """Decide whether to use the ``returned`` workers (``keep`` leaves ``base`` running)."""
         ...
+
+
+class SlowPolicy(Protocol):
+    """What the engine asks a policy about fail-slows (every policy here answers)."""
+
+    def priced(self, choice: Choice, slow: Mapping[int, float]) -> Choice:
+        """``choice`` at the speeds of the ``slow`` workers (worker -> factor)."""
+        ...
+
+    def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
+                ctx: EventContext) -> Choice:
+        """Answer ``worker`` of ``base.plan`` running ``factor`` times slower (``slow``:
+        every slow worker, it included); ``keep`` leaves ``base`` running."""
+        ...
+
+    def on_slow_end(self, base: Choice, worker: int, slow: Mapping[int, float],
+                    ctx: EventContext) -> Choice:
+        """Answer ``worker`` of ``base.plan`` running at full speed again (``slow``: the
+        workers still slow)."""
+        ...
+
+
+def slowed(choice: Choice, slow: Mapping[int, float],
+           step_s: Callable[[ExecutionPlan, Mapping[int, float]], float]) -> Choice:
+    """``choice`` at the ``slow`` workers' speeds: its step stretched by what the slow
+    workers cost its plan by ``step_s(plan, slow)`` (the estimator at those speeds) over
+    ``step_s(plan, {})``; the full-speed choice itself when none of them runs in it.
+
+    Args:
+        choice: a choice (priced at full speed, or already slowed).
+        slow: worker -> factor of every slow worker.
+        step_s: a plan's step seconds at the given factors.
+
+    Returns:
+        The choice to run; its ``nominal`` is the full-speed one.
+    """
+    base = choice.nominal if choice.nominal is not None else choice
+    plan = base.plan
+    if plan is None or not any(w in plan.stage_of_worker for w in slow):
+        return base
+    ratio = step_s(plan, slow) / step_s(plan, {})
+    return replace(base, step_s=base.step_s * ratio,
+                   throughput_samples_s=base.throughput_samples_s / ratio, nominal=base)
+
+
+def fail_stop(policy: SimPolicy, recovery: RecoverySpec, base: Choice, worker: int,
+              ctx: EventContext) -> Choice:
+    """A peer's answer to a slow worker: none with ``slow_policy = "keep"``, else the
+    worker treated as dead (the common practice, a fail-slow handled as a fail-stop),
+    through the policy's own failure path."""
+    if recovery.slow_policy == "keep" or base.plan is None:
+        return Choice(strategy=KEEP, plan=None)
+    return policy.on_failure(base, frozenset({worker}), replace(ctx, alive=ctx.alive - {worker}))
 
 
 def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
@@ -186,6 +242,22 @@ class PlannerLike(Protocol):
                       alive: Collection[int] | None = None, now_s: float = 0.0,
                       horizon_s: float | None = None, policy: str | None = None,
                       detail: bool = True, hide_search: bool = False) -> Any: ...
+
+    def decide_slow(self, plan: ExecutionPlan, worker: int, factor: float, *,
+                    alive: Collection[int] | None = None,
+                    slow: Mapping[int, float] | None = None, now_s: float = 0.0,
+                    horizon_s: float | None = None, policy: str | None = None,
+                    slow_policy: str | None = None, hide_search: bool = False,
+                    since_checkpoint_s: float | None = None,
+                    since_memory_checkpoint_s: float | None = None) -> Any: ...
+
+    def decide_slow_end(self, plan: ExecutionPlan, worker: int, *,
+                        alive: Collection[int] | None = None,
+                        slow: Mapping[int, float] | None = None, now_s: float = 0.0,
+                        horizon_s: float | None = None, policy: str | None = None,
+                        slow_policy: str | None = None, hide_search: bool = False) -> Any: ...
+
+    def estimate_slow(self, plan: ExecutionPlan, slow: Mapping[int, float]) -> Any: ...
 
 
 def decision_choice(decision: Any, recovery: RecoverySpec) -> Choice:
@@ -304,173 +376,37 @@ class PlannerPolicy:
             return Choice(strategy=DOWN, plan=None)
         return decision_choice(decision, self._recovery)
 
+    def priced(self, choice: Choice, slow: Mapping[int, float]) -> Choice:
+        """``choice`` at the slow workers' speeds (the planner's estimate)."""
+        return slowed(choice, slow, self._step_s)
 
-# ----------------------------------------------------------------------- Bamboo
-BAMBOO_TAX = 0.24
-"""Steady throughput tax of redundant computation: the middle of the 19.7-27.9 % that
-Oobleck's simulator charges Bamboo (``bamboo_simulator.py``), paid even with no failure."""
-BAMBOO_FALLBACK_SLOWDOWN = 1.5
-"""Step slowdown while a node runs its own and its dead successor's stage
-(``fallback_slowdown`` in Bamboo's simulator). One slow pipeline slows the whole
-synchronous step, so the whole job runs 1.5x slower."""
-BAMBOO_RECONFIGURE_FRACTION = 0.05
-"""Bamboo reconfigures when ``2 * overloaded / active`` exceeds this (risk of a fatal
-adjacent failure; ``simulate_should_reconfigure``)."""
-BAMBOO_RENDEZVOUS_S = 30.0
-"""Global rendezvous timeout of a Bamboo reconfiguration (Bamboo's simulator)."""
+    def _step_s(self, plan: ExecutionPlan, slow: Mapping[int, float]) -> float:
+        return float(self._planner.estimate_slow(plan, slow).step_s)
 
-
-@dataclass(frozen=True)
-class BambooState:
-    """Which stages of the current plan have a dead worker covered by their predecessor."""
-
-    covered: frozenset[tuple[int, int]] = frozenset()
-    """``(pipeline, stage)`` positions run by the worker of ``(pipeline, stage - 1)``."""
-
-
-class BambooPolicy:
-    """Bamboo (Thorpe et al., NSDI 2023) as published figures model it.
-
-    Rules (docs/design.md, "Sources of the defaults"):
-
-    - Always: throughput x (1 - ``tax``) for the redundant forward work.
-    - A failure of stage ``s`` whose predecessor ``s - 1`` (cyclic, in the same pipeline) is
-      alive, not itself covering a stage, and whose own worker was not covering one: the
-      predecessor takes over after detection only (fallback groups are pre-built; a
-      hardware failure has no preemption notice, so ``detect_s`` is still paid), and the
-      job runs ``BAMBOO_FALLBACK_SLOWDOWN`` slower.
-    - Any other failure (adjacent stages, e.g. a whole pipeline on one node) is fatal: a
-      full restart from the checkpoint (detect + restart + load + the work since it).
-    - When ``2 * covered / active > BAMBOO_RECONFIGURE_FRACTION`` after a takeover, or when a
-      returned node can end an overload or add a pipeline, Bamboo reconfigures: a rendezvous
-      (``BAMBOO_RENDEZVOUS_S``) plus reloading the model state into the new layout
-      (``checkpoint_load_s``, standing for Bamboo's 76-450 s local restart), no lost work.
-      The new layout is ``floor(alive / S)`` uniform pipelines of the original ``S``
-      stages and layer bounds (Bamboo keeps its pipeline depth), stage-major over the
-      sorted live workers, never more workers than the job's layout (idle warm spares
-      replace lost workers, they add no pipelines).
-    - Memory for the successor's weights is not checked: optimistic for Bamboo.
-    """
-
-    def __init__(self, initial: ExecutionPlan, failure_free_step_s: float,
-                 step_time: Callable[[ExecutionPlan], float], recovery: RecoverySpec, *,
-                 tax: float = BAMBOO_TAX, name: str = "bamboo") -> None:
-        """Model Bamboo on a job.
-
-        Args:
-            initial: the failure-free plan (its layout is Bamboo's pipeline layout).
-            failure_free_step_s: the step time of ``initial`` without redundancy.
-            step_time: step time of a plan (the estimator), called once per pipeline count.
-            recovery: detection, restart and load times.
-            tax: the steady throughput tax.
-            name: the policy name in reports.
-        """
-        self.name = name
-        self._initial = initial
-        self._step_time = step_time
-        self._recovery = recovery
-        self._tax = tax
-        self._num_stages = initial.pipelines[0].num_stages
-        self._bounds = initial.pipelines[0].layout
-        self._steps: dict[int, float] = {initial.num_pipelines: failure_free_step_s}
-
-    def _run(self, strategy: str, plan: ExecutionPlan, state: BambooState,
-             terms: Mapping[str, float], rollback: bool) -> Choice:
-        step_s = self._steps[plan.num_pipelines]
-        if state.covered:
-            step_s *= BAMBOO_FALLBACK_SLOWDOWN
-        throughput = plan.global_batch / step_s * (1.0 - self._tax)
-        return terms_choice(strategy, plan, step_s=step_s, throughput_samples_s=throughput,
-                            transition_s=sum(terms.values()), terms=terms, rollback=rollback,
-                            state=state)
-
-    def start(self) -> Choice:
-        """The initial layout, taxed."""
-        return self._run("initial", self._initial, BambooState(), {}, False)
-
-    def layout(self, alive: Collection[int]) -> ExecutionPlan | None:
-        """The clean layout Bamboo rebuilds on ``alive`` workers, or ``None`` if none fits."""
-        num_stages = self._num_stages
-        num_microbatches = self._initial.num_microbatches
-        usable = min(len(alive), len(self._initial.workers))
-        num_pipelines = min(usable // num_stages, num_microbatches)
-        if num_pipelines < 1:
-            return None
-        workers = sorted(alive)[: num_pipelines * num_stages]
-        base, extra = divmod(num_microbatches, num_pipelines)
-        pipelines = tuple(
-            Pipeline(tuple(Stage(workers[s * num_pipelines + p], lo, hi)
-                           for s, (lo, hi) in enumerate(self._bounds)),
-                     base + (1 if p < extra else 0))
-            for p in range(num_pipelines))
-        plan = ExecutionPlan(num_layers=self._initial.num_layers, pipelines=pipelines,
-                             micro_batch=self._initial.micro_batch,
-                             schedule=self._initial.schedule)
-        if num_pipelines not in self._steps:
-            self._steps[num_pipelines] = self._step_time(plan)
-        return plan
-
-    def _rebuild(self, strategy: str, alive: Collection[int], terms: Mapping[str, float],
-                 rollback: bool) -> Choice:
-        plan = self.layout(alive)
-        if plan is None:
-            return Choice(strategy=DOWN, plan=None)
-        return self._run(strategy, plan, BambooState(), terms, rollback)
-
-    def _restart_terms(self, detect: bool) -> dict[str, float]:
-        rec = self._recovery
-        terms = {"restart_s": rec.restart_s, "load_s": rec.checkpoint_load_s}
-        if detect:
-            terms["detect_s"] = rec.detect_s
-        return terms
-
-    def _reconfigure_terms(self, detect: bool) -> dict[str, float]:
-        terms = {"rendezvous_s": BAMBOO_RENDEZVOUS_S, "load_s": self._recovery.checkpoint_load_s}
-        if detect:
-            terms["detect_s"] = self._recovery.detect_s
-        return terms
-
-    def on_failure(self, base: Choice, failed: frozenset[int], ctx: EventContext) -> Choice:
-        """Takeover, reconfiguration or fatal restart, by the rules above."""
-        plan = base.plan
-        if plan is None:
-            return base
-        state: BambooState = base.state if base.state is not None else BambooState()
-        positions = plan.stage_of_worker
-        hit = {positions[w] for w in failed if w in positions} - state.covered
-        if not hit:
-            return Choice(strategy=KEEP, plan=None)
-        covered = set(state.covered)
-        fatal = self._num_stages == 1
-        for p, s in sorted(hit):
-            pred = (p, (s - 1) % self._num_stages)
-            succ = (p, (s + 1) % self._num_stages)
-            # The predecessor must be alive (not hit now, not already dead and covered);
-            # the dead worker must not have been covering its successor, whose only
-            # replica it held.
-            if pred in hit or pred in covered or succ in covered:
-                fatal = True
-                break
-            covered.add((p, s))
-        if fatal:
-            return self._rebuild("restart", ctx.alive, self._restart_terms(True), True)
-        active = len(positions) - len(covered)
-        if active <= 0 or 2 * len(covered) / active > BAMBOO_RECONFIGURE_FRACTION:
-            return self._rebuild("reconfigure", ctx.alive, self._reconfigure_terms(True), False)
-        return self._run("takeover", plan, BambooState(frozenset(covered)),
-                         {"detect_s": self._recovery.detect_s}, False)
-
-    def on_rejoin(self, base: Choice, returned: frozenset[int], ctx: EventContext) -> Choice:
-        """Reconfigure when the returned nodes end an overload or add a pipeline."""
+    def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
+                ctx: EventContext) -> Choice:
+        """The planner's answer to a slow worker (``Planner.decide_slow``)."""
         if base.plan is None:
-            return self._rebuild("restart", ctx.alive, self._restart_terms(False), True)
-        state: BambooState = base.state if base.state is not None else BambooState()
-        usable = min(len(ctx.alive), len(self._initial.workers))
-        more = min(usable // self._num_stages,
-                   self._initial.num_microbatches) > base.plan.num_pipelines
-        if state.covered or more:
-            return self._rebuild("reconfigure", ctx.alive, self._reconfigure_terms(False), False)
-        return Choice(strategy=KEEP, plan=None)
+            return Choice(strategy=KEEP, plan=None)
+        try:
+            decision = self._planner.decide_slow(
+                base.plan, worker, factor, alive=ctx.alive, slow=slow, now_s=ctx.now_s,
+                horizon_s=self._horizon(ctx), policy=self._policy, hide_search=True,
+                since_checkpoint_s=ctx.since_checkpoint_s,
+                since_memory_checkpoint_s=ctx.since_memory_checkpoint_s)
+        except ValueError:
+            return Choice(strategy=KEEP, plan=None)
+        return decision_choice(decision, self._recovery)
+
+    def on_slow_end(self, base: Choice, worker: int, slow: Mapping[int, float],
+                    ctx: EventContext) -> Choice:
+        """The planner's answer to a slowdown's end (``Planner.decide_slow_end``)."""
+        if base.plan is None:
+            return Choice(strategy=KEEP, plan=None)
+        decision = self._planner.decide_slow_end(
+            base.plan, worker, alive=ctx.alive, slow=slow, now_s=ctx.now_s,
+            horizon_s=self._horizon(ctx), policy=self._policy, hide_search=True)
+        return decision_choice(decision, self._recovery)
 
 
 def policy_names(names: Sequence[str]) -> tuple[str, ...]:

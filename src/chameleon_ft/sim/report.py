@@ -7,6 +7,7 @@ failed run leaves nothing half-written.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -439,16 +440,18 @@ def write_files(out_dir: str | Path, files: dict[str, bytes]) -> list[Path]:
         ValueError: when the folder cannot be created or written.
     """
     out = Path(out_dir)
+    temps: list[tuple[Path, Path]] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
-        temps = []
         for name, data in files.items():
-            temp = out / f".{name}.tmp"
-            temp.write_bytes(data)
-            temps.append((temp, out / name))
+            temps.append((out / f".{name}.tmp", out / name))
+            temps[-1][0].write_bytes(data)
         for temp, final in temps:
             os.replace(temp, final)
     except OSError as exc:
+        for temp, _ in temps:  # no half-written file stays behind
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
         raise ValueError(f"--out: cannot write to {str(out)!r}: {exc.strerror}") from None
     return [final for _, final in temps]
 

@@ -12,7 +12,7 @@ import gc
 import math
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,10 +22,11 @@ from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.policy import Planner
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.recovery.restorer import load_matching
+from chameleon_ft.sim.bamboo import BambooPolicy
 from chameleon_ft.sim.engine import RunResult, simulate
 from chameleon_ft.sim.forked import Send, peak_rss_bytes, run_forked
 from chameleon_ft.sim.peers import OOBLECK_FAULT_THRESHOLD, OobleckPolicy
-from chameleon_ft.sim.policies import BambooPolicy, PlannerPolicy, SimPolicy
+from chameleon_ft.sim.policies import PlannerPolicy, SimPolicy
 from chameleon_ft.sim.scenarios import Scenario
 from chameleon_ft.sim.traces import generate_trace
 from chameleon_ft.spec.config import Config
@@ -165,8 +166,11 @@ def make_policy(name: str, planner: Planner, config: Config, *, bamboo_tax: floa
         def step_time(plan: ExecutionPlan) -> float:
             return float(planner.estimate(plan).step_s)
 
+        def slow_step_time(plan: ExecutionPlan, slow: Mapping[int, float]) -> float:
+            return float(planner.estimate_slow(plan, slow).step_s)
+
         return BambooPolicy(planner.initial_plan, planner.failure_free.step_s, step_time,
-                            config.recovery, tax=bamboo_tax)
+                            config.recovery, tax=bamboo_tax, slow_step_time=slow_step_time)
     return PlannerPolicy(name, planner, config.recovery)
 
 

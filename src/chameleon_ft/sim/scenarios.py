@@ -11,6 +11,10 @@ and Chameleon's horizon estimate starts from it and learns from the failures it 
 - ``llama3-16k``: Llama 3 405B on 16,384 H100 (examples/llama3-405b-16k.toml's job) for
   54 days at Llama 3's published rate (419 interruptions in 54 days on 2,048 nodes) and mix;
   repairs by automated node replacement in 5 min to 2 h (docs/design.md, "Sources of the defaults").
+- ``llama3-16k-slow``: ``llama3-16k`` with fail-slows (docs/design.md section 6): Falcon's
+  durations (30 s to 10 h, log-uniform) and factors of 1.3x to 3x, at the rate that delays
+  this job 1.34x when nobody answers them (Falcon's average job); the failures are those of
+  ``llama3-16k``, seed for seed.
 - ``llama3-64k``: the same job at 65,536 H100 (8,192 nodes, dp 512, 16 micro-batches per
   pipeline as at 16k) with the same per-node failure rate, mix and repairs: about 1,700
   interruptions in 54 days; the simulator's scale benchmark.
@@ -130,6 +134,23 @@ _LLAMA3_64K = """\
 
 """ + _LLAMA3_JOB.format(nodes=8192, dp=512, batch=8192)
 
+_LLAMA3_16K_SLOW = """\
+# llama3-16k with fail-slows: workers that keep running, slower. Falcon's study of a
+# 10,000-GPU production cluster (arXiv:2410.12588) saw fail-slows last from tens of seconds
+# to nearly ten hours and delay the average job 1.34x. Here they last 30 s to 10 h
+# (log-uniform), slow a worker 1.3x to 3x, and start on a node once per 3,500 hours: the
+# rate at which this job, left slow (--slow-policy keep), takes 1.34x as long as without
+# them (docs/design.md section 6). The failures are those of llama3-16k, seed for seed.
+#
+#   chameleon simulate --scenario llama3-16k-slow
+#   chameleon simulate --scenario llama3-16k-slow --slow-policy keep
+
+""" + _LLAMA3_JOB.format(nodes=2048, dp=128, batch=2048) + """\
+slow_node_mtbf_hours = 3500.0
+slow_min_factor = 1.3
+slow_max_factor = 3.0
+"""
+
 PRESETS: dict[str, str] = {
     "paper32": f"""\
 # The Chameleon paper's 32-device setting (examples/paper32.toml's job) with failures every
@@ -161,6 +182,7 @@ repair = "exponential"
 repair_hours = 3.0
 """,
     "llama3-16k": _LLAMA3_16K,
+    "llama3-16k-slow": _LLAMA3_16K_SLOW,
     "llama3-64k": _LLAMA3_64K,
     "spot": f"""\
 # The 32 devices of paper32 on preemptible (spot) nodes: whole nodes are taken away every

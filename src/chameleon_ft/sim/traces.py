@@ -13,6 +13,10 @@ trace they have without spares, so a job with spares and one without meet the sa
 failures on the same nodes (a paired comparison), and job-level software faults come from
 the job's stream only (an idle spare raises none).
 
+With ``[failures] slow_node_mtbf_hours`` set, fail-slows are drawn as streams of their own
+(the job's nodes, then the spares') and merged in (``slowtraces.py``): the failures stay
+those of the same seed without them.
+
 The trace format itself (events, CSV, validation) is :mod:`chameleon_ft.failures`.
 """
 
@@ -26,6 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from chameleon_ft.failures import EventKind, Trace, TraceEvent, validate_trace
+from chameleon_ft.sim.slowtraces import draw_fail_slows, with_fail_slows
 from chameleon_ft.spec.scenario import FailureSpec, Interarrival, RepairKind
 
 _KINDS = (EventKind.WORKER_FAIL, EventKind.NODE_FAIL, EventKind.GROUP_FAIL, EventKind.SOFTWARE)
@@ -68,6 +73,17 @@ def generate_trace(failures: FailureSpec, *, num_nodes: int, workers_per_node: i
         # a stable merge: at equal times the job's event comes first
         events = sorted(events + moved, key=lambda e: e.time_s)
     trace = Trace(events=tuple(events), duration_s=float(duration_s))
+    if failures.slow_node_mtbf_hours is not None:
+        episodes = draw_fail_slows(failures, num_nodes=num_nodes,
+                                   workers_per_node=workers_per_node, duration_s=duration_s,
+                                   rng=np.random.default_rng((seed, 2)))
+        if spare_nodes:
+            episodes += draw_fail_slows(failures, num_nodes=spare_nodes,
+                                        workers_per_node=workers_per_node,
+                                        duration_s=duration_s,
+                                        rng=np.random.default_rng((seed, 3)),
+                                        first_node=num_nodes)
+        trace = with_fail_slows(trace, sorted(episodes), workers_per_node=workers_per_node)
     validate_trace(trace, num_nodes=num_nodes + spare_nodes, workers_per_node=workers_per_node)
     return trace
 

@@ -19,6 +19,7 @@ Defaults come from published measurements (see docs/design.md, "Sources of the d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from chameleon_ft.spec._fields import check_choice, check_int, check_positive, fail
@@ -26,6 +27,18 @@ from chameleon_ft.spec._fields import check_choice, check_int, check_positive, f
 POLICY_NAMES = ("chameleon", "reroute", "recycle", "dynamic", "restart", "shrink",
                 "reroute-then-dynamic", "swap")
 """Accepted values of ``policy.name``."""
+
+SLOW_POLICY_NAMES = ("chameleon", "keep", "rebalance", "dynamic", "swap", "evict")
+"""Accepted values of ``recovery.slow_policy``."""
+
+FALCON_SLOW_MIN_S = 30.0
+"""Shortest fail-slow Falcon reports (Wu et al., arXiv:2410.12588: "tens of seconds")."""
+FALCON_SLOW_MAX_S = 36_000.0
+"""Longest fail-slow Falcon reports ("nearly ten hours")."""
+FALCON_SLOW_MEAN_S = (FALCON_SLOW_MAX_S - FALCON_SLOW_MIN_S) / math.log(
+    FALCON_SLOW_MAX_S / FALCON_SLOW_MIN_S)
+"""The mean duration, about 5,070 s, of a fail-slow log-uniform over Falcon's range (our
+reading of "tens of seconds to nearly ten hours"; the study publishes no mean)."""
 
 LLAMA3_NODE_MTBF_HOURS = 2048 * 54 * 24 / 419
 """Llama 3's unexpected-interruption rate per 8-GPU node: about 6,335 hours (264 days)."""
@@ -109,12 +122,28 @@ class RecoverySpec:
     default: the restorer already spreads a receiver's layers over different senders, and
     the receiver's own link bounds the time, so splitting barely shortens migration while
     the DSATUR colouring of the transfers grows quadratically with their number."""
+    slow_policy: str = "chameleon"
+    """The answer to a slow worker (a fail-slow, docs/design.md 3.4): ``chameleon`` prices
+    keep, rebalance, dynamic, swap and evict and takes the best over the expected slowdown
+    (a fixed-strategy policy evicts, as if the worker had died, the common practice);
+    ``keep``, ``rebalance`` (fewer micro-batches to its pipeline), ``dynamic`` (the slow
+    worker's pipeline re-split at its measured speed), ``swap`` (an idle worker takes its
+    place) or ``evict`` fix the answer."""
+    slow_expected_s: float = FALCON_SLOW_MEAN_S
+    """Expected length of a fail-slow, the window a slow worker's answer is scored over
+    (with the expected time to the next failure): the mean of Falcon's range, about 1.4 h."""
+    slow_detect_steps: int = 5
+    """Steps a slowdown (or its end) runs before the job notices it (the runtime detects
+    one within 5 steps); the simulator decides that much later."""
 
     def __post_init__(self) -> None:
         check_int("search_extra_stages", self.search_extra_stages, minimum=0)
         check_int("search_exhaustive_workers", self.search_exhaustive_workers, minimum=1)
         check_int("migration_max_parts", self.migration_max_parts)
         check_int("memory_checkpoint_every", self.memory_checkpoint_every)
+        check_choice("slow_policy", self.slow_policy, SLOW_POLICY_NAMES)
+        check_positive("slow_expected_s", self.slow_expected_s)
+        check_int("slow_detect_steps", self.slow_detect_steps, minimum=0)
         if self.memory_checkpoint and not self.checkpoint:
             fail("memory_checkpoint", "needs checkpoints (recovery.checkpoint = true): the "
                  "copies in memory are of the checkpointed state")

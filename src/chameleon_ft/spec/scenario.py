@@ -22,7 +22,11 @@ from chameleon_ft.spec._fields import (
     from_mapping,
     prefixed,
 )
-from chameleon_ft.spec.recovery import LLAMA3_NODE_MTBF_HOURS
+from chameleon_ft.spec.recovery import (
+    FALCON_SLOW_MAX_S,
+    FALCON_SLOW_MIN_S,
+    LLAMA3_NODE_MTBF_HOURS,
+)
 
 POLICY_NAMES = ("chameleon", "oobleck", "recycle", "reroute", "dynamic", "restart", "shrink",
                 "bamboo", "oracle", "swap")
@@ -79,6 +83,21 @@ class FailureSpec:
     """Shortest repair for ``uniform``, hours (automated node replacement: ~5 min)."""
     repair_max_hours: float = 2.0
     """Longest repair for ``uniform``, hours."""
+    slow_node_mtbf_hours: float | None = None
+    """Mean time between fail-slows starting on one node, hours (a worker of it, drawn
+    uniformly, runs slower for a while); unset: no fail-slows. Drawn as a stream of their
+    own, so the failures stay those of the same seed without them (``sim/slowtraces.py``;
+    the presets' rate: docs/design.md section 6)."""
+    slow_min_s: float = FALCON_SLOW_MIN_S
+    """Shortest fail-slow, seconds; durations are log-uniform between this and
+    ``slow_max_s`` (Falcon, arXiv:2410.12588: "tens of seconds to nearly ten hours")."""
+    slow_max_s: float = FALCON_SLOW_MAX_S
+    """Longest fail-slow, seconds."""
+    slow_min_factor: float = 1.3
+    """Smallest slowdown factor of a fail-slow (uniform between this and
+    ``slow_max_factor``; the range of slowdowns the runtime must detect, issue 34)."""
+    slow_max_factor: float = 3.0
+    """Largest slowdown factor of a fail-slow."""
 
     def __post_init__(self) -> None:
         check_positive("node_mtbf_hours", self.node_mtbf_hours)
@@ -98,6 +117,24 @@ class FailureSpec:
         if self.repair_max_hours < self.repair_min_hours:
             fail("repair_max_hours", f"{self.repair_max_hours} is below repair_min_hours "
                  f"{self.repair_min_hours}")
+        self._check_slow()
+
+    def _check_slow(self) -> None:
+        """The fail-slow settings: positive rate and durations, factors above 1, ranges in
+        order."""
+        if self.slow_node_mtbf_hours is not None:
+            check_positive("slow_node_mtbf_hours", self.slow_node_mtbf_hours)
+        check_positive("slow_min_s", self.slow_min_s)
+        check_positive("slow_max_s", self.slow_max_s)
+        if self.slow_max_s < self.slow_min_s:
+            fail("slow_max_s", f"{self.slow_max_s} is below slow_min_s {self.slow_min_s}")
+        if not (math.isfinite(self.slow_min_factor) and self.slow_min_factor > 1.0):
+            fail("slow_min_factor", f"must be a number > 1 (F times slower), got "
+                 f"{self.slow_min_factor}")
+        if not (math.isfinite(self.slow_max_factor)
+                and self.slow_min_factor <= self.slow_max_factor <= 1000.0):
+            fail("slow_max_factor", f"must be between slow_min_factor "
+                 f"({self.slow_min_factor}) and 1000, got {self.slow_max_factor}")
 
     @property
     def repairs(self) -> bool:

@@ -1,7 +1,8 @@
 """Runtime training settings (section ``[train]``): used by ``chameleon train`` only.
 
 Also the fault-injection plan: ``rank=R,step=S,kind=kill|hang|stall|error|glitch|disk-full|
-disk-error|read-only[,phase=...]``,
+disk-error|read-only[,phase=...]``, or ``rank=R,step=S,kind=slow,factor=F,steps=N`` (a
+fail-slow),
 parsed here (pure Python) so that the CLI, the config file and the tests share one format.
 """
 
@@ -49,6 +50,12 @@ class FaultKind(StrEnum):
     """The same with ``EIO`` (a failing disk)."""
     READ_ONLY = "read-only"
     """The same with ``EROFS`` (the folder became read-only)."""
+    SLOW = "slow"
+    """A fail-slow: from step ``step`` the worker computes ``factor`` times slower for
+    ``steps`` of the job's steps (after each forward, backward and optimizer step it waits
+    ``factor - 1`` times that operation's measured duration, the device's on a GPU), then
+    runs at full speed again. It keeps training: the coordinator sees it only in its op
+    timings (docs/design.md 4.3)."""
 
 
 DISK_FAULTS = (FaultKind.DISK_FULL.value, FaultKind.DISK_ERROR.value, FaultKind.READ_ONLY.value)
@@ -102,13 +109,18 @@ class Fault:
     ``disk-error``, ``read-only``)."""
     phase: str = FaultPhase.FORWARD.value
     """``forward``, ``backward``, ``reduce``, ``optimizer``, ``recovery``, ``migration``
-    or ``checkpoint``."""
+    or ``checkpoint`` (a ``slow`` fault starts with the step's compute: ``forward``)."""
+    factor: float | None = None
+    """``slow`` only: how many times slower the worker computes (> 1)."""
+    steps: int | None = None
+    """``slow`` only: for how many of the job's steps (>= 1)."""
 
     def __post_init__(self) -> None:
         check_int("rank", self.rank, minimum=0)
         check_int("step", self.step, minimum=0)
         check_choice("kind", self.kind, [k.value for k in FaultKind])
         check_choice("phase", self.phase, [p.value for p in FaultPhase])
+        self._check_slow()
         if self.kind == FaultKind.GLITCH and self.phase in (FaultPhase.OPTIMIZER,
                                                              FaultPhase.CHECKPOINT):
             fail("phase", f"a glitch is a communication failure; the {self.phase} phase "
@@ -120,13 +132,39 @@ class Fault:
             fail("phase", f"a {self.kind} fault happens while writing a checkpoint; use "
                  "phase=checkpoint")
 
+    def _check_slow(self) -> None:
+        if self.kind != FaultKind.SLOW:
+            for name in ("factor", "steps"):
+                if getattr(self, name) is not None:
+                    fail(name, f"only a slow fault takes one (kind={self.kind}); leave "
+                         f"{name}= out")
+            return
+        if self.factor is None or self.steps is None:
+            fail("factor" if self.factor is None else "steps",
+                 "a slow fault needs factor=F (times slower, > 1) and steps=N (how long)")
+        check_positive("factor", self.factor)
+        if self.factor <= 1.0:
+            fail("factor", f"must be > 1 (F times slower), got {self.factor!r}")
+        check_int("steps", self.steps)
+        if self.phase != FaultPhase.FORWARD:
+            fail("phase", "a slow fault slows the compute from the start of its step; leave "
+                 "phase= out (or forward)")
+
     def to_text(self) -> str:
-        """The ``rank=R,step=S,kind=K,phase=P`` form."""
+        """The ``rank=R,step=S,kind=K,phase=P`` form (``kind=slow,factor=F,steps=N``)."""
+        if self.kind == FaultKind.SLOW:
+            return (f"rank={self.rank},step={self.step},kind=slow,factor={self.factor:g},"
+                    f"steps={self.steps}")
         return f"rank={self.rank},step={self.step},kind={self.kind},phase={self.phase}"
 
 
+FAULT_KEYS = ("rank", "step", "kind", "phase", "factor", "steps")
+"""The parts of a fault's text."""
+
+
 def parse_fault(text: str) -> Fault:
-    """Parse ``rank=R,step=S,kind=kill|hang|stall|error|glitch[,phase=...]``.
+    """Parse ``rank=R,step=S,kind=kill|hang|stall|error|glitch[,phase=...]`` (or
+    ``rank=R,step=S,kind=slow,factor=F,steps=N``).
 
     Raises:
         ValueError: naming ``fault`` and the offending part.
@@ -140,19 +178,26 @@ def parse_fault(text: str) -> Fault:
             fail("fault", f"{text!r}: expected key=value parts, got {part!r}")
         key, _, value = part.partition("=")
         key = key.strip()
-        if key not in ("rank", "step", "kind", "phase"):
-            fail("fault", f"{text!r}: unknown key {key!r}; use rank, step, kind, phase")
+        if key not in FAULT_KEYS:
+            fail("fault", f"{text!r}: unknown key {key!r}; use {', '.join(FAULT_KEYS)}")
         values[key] = value.strip()
     for required in ("rank", "step"):
         if required not in values:
             fail("fault", f"{text!r}: {required}= is required")
     try:
         rank, step = int(values["rank"]), int(values["step"])
+        steps = int(values["steps"]) if "steps" in values else None
     except ValueError:
-        fail("fault", f"{text!r}: rank and step must be integers")
+        fail("fault", f"{text!r}: rank, step and steps must be integers")
+    try:
+        factor = float(values["factor"]) if "factor" in values else None
+    except ValueError:
+        fail("fault", f"{text!r}: factor must be a number (F times slower), got "
+             f"{values['factor']!r}")
     try:
         return Fault(rank=rank, step=step, kind=values.get("kind", FaultKind.KILL.value),
-                     phase=values.get("phase", FaultPhase.FORWARD.value))
+                     phase=values.get("phase", FaultPhase.FORWARD.value), factor=factor,
+                     steps=steps)
     except ValueError as exc:
         raise ValueError(f"fault: {text!r}: {exc}") from None
 
@@ -245,7 +290,8 @@ class TrainSpec:
     launched itself, once training runs again, and let the policy decide whether to fold
     it back in (the plan changes at a step boundary, state migrates to it)."""
     faults: tuple[str, ...] = ()
-    """Injected faults, each ``rank=R,step=S,kind=kill|hang|stall|error|glitch[,phase=...]``."""
+    """Injected faults, each ``rank=R,step=S,kind=kill|hang|stall|error|glitch[,phase=...]``
+    or ``rank=R,step=S,kind=slow,factor=F,steps=N``."""
     activation_checkpointing: str = ActivationCheckpointing.NONE.value
     """``none``, or ``full``: each layer keeps only its input and recomputes its forward in
     its backward (the same parameters, less activation memory). One switch with

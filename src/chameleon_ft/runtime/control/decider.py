@@ -149,15 +149,25 @@ def recovery(state: st.RunState, ask: Ask | None,
     strategy = str(decision.strategy)
     if reloads(decision):  # every worker of the plan loads the checkpoint in place
         return decision, st.Recovery("restart", plan, restored_step=state.latest_checkpoint())
-    chosen: Any = getattr(decision, "chosen", None)
-    interim = getattr(chosen, "interim_plan", None)
+    interim, after = two_phase(decision)
     if strategy == "reroute-then-dynamic" and interim is not None:
-        after = 1
-        if chosen.interim_step_s and chosen.interim_s:
-            after = max(1, math.ceil(chosen.interim_s / chosen.interim_step_s))
         return decision, st.Recovery(strategy, plan, migration=decision.migration,
                                      interim=interim, switch_after=after)
     return decision, st.Recovery(strategy, plan, migration=decision.migration)
+
+
+def two_phase(decision: DecisionLike) -> tuple[ExecutionPlan | None, int]:
+    """A two-phase decision's interim plan (None: it has one phase) and the steps to train
+    on it before switching: the background migration's time over the interim step."""
+    chosen: Any = getattr(decision, "chosen", None)
+    interim = getattr(chosen, "interim_plan", None)
+    if not isinstance(interim, ExecutionPlan):
+        return None, 1
+    step_s, total_s = getattr(chosen, "interim_step_s", None), getattr(chosen, "interim_s", None)
+    after = 1
+    if step_s and total_s:
+        after = max(1, math.ceil(total_s / step_s))
+    return interim, after
 
 
 def escalation(state: st.RunState, max_retries: int) -> st.RunState | Stop:
@@ -173,13 +183,15 @@ def escalation(state: st.RunState, max_retries: int) -> st.RunState | Stop:
     return Stop(f"errors persist after {max_retries} retries and a restart")
 
 
-def rejoin_question(state: st.RunState) -> tuple[ExecutionPlan, frozenset[int]] | None:
-    """The re-join question to ask the policy now, if any: idle workers while training
-    runs and no switch is pending (the same question is asked once: the caller keeps the
-    last one asked)."""
-    if state.pending is not None or not state.idle or state.mode is not st.Mode.TRAINING:
+def rejoin_question(state: st.RunState, exclude: frozenset[int] = frozenset()
+                    ) -> tuple[ExecutionPlan, frozenset[int]] | None:
+    """The re-join question to ask the policy now, if any: idle workers (but ``exclude``:
+    slow ones) while training runs and no switch is pending (the same question is asked
+    once: the caller keeps the last one asked)."""
+    idle = state.idle - exclude
+    if state.pending is not None or not idle or state.mode is not st.Mode.TRAINING:
         return None
-    return state.plan, state.idle
+    return state.plan, idle
 
 
 def rejoin_strategy(state: st.RunState, decision: DecisionLike) -> str:

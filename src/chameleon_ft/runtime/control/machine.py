@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from chameleon_ft.runtime.control import joining, rules, saving
+from chameleon_ft.runtime.control import joining, rules, saving, slowrules
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control.model import Control, Mode, Settings, mode
 
@@ -55,7 +55,9 @@ HANDLERS: dict[type, Callable[[Control, Any, Settings], Out]] = {
     m.JoinRequests: joining.on_joins,
     m.Relaunch: joining.on_relaunch,
     m.CheckpointLayers: saving.on_layers, m.CheckpointDone: saving.on_done,
-    m.CheckpointFailed: saving.on_failed}
+    m.CheckpointFailed: saving.on_failed,
+    m.OpTimes: slowrules.on_op_times, m.Probes: slowrules.on_probes,
+    m.SlowDecision: slowrules.on_slow_decision}
 """The handler of each observation while the run goes on."""
 
 AFTER_THE_END: dict[type, Callable[[Control, Any, Settings], Out]] = {

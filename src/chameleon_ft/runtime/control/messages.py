@@ -16,6 +16,12 @@ from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.recovery.types import Migration
 from chameleon_ft.runtime.control.decider import Ask, DecisionLike
 from chameleon_ft.runtime.control.detector import Report
+from chameleon_ft.runtime.control.slow_messages import DecideSlow as DecideSlow
+from chameleon_ft.runtime.control.slow_messages import OpTimes as OpTimes
+from chameleon_ft.runtime.control.slow_messages import Probes as Probes
+from chameleon_ft.runtime.control.slow_messages import SlowDecision as SlowDecision
+from chameleon_ft.runtime.control.slow_messages import SlowEvent as SlowEvent
+from chameleon_ft.runtime.control.slow_messages import SlowResolved as SlowResolved
 from chameleon_ft.runtime.control.state import Load
 
 # ---------------------------------------------------------------------- observations
@@ -238,7 +244,7 @@ class ShellFailed:
 Observation = (Tick | Exits | Beats | Errors | Registered | Ready | Reduced | CheckpointLayers
                | CheckpointDone | CheckpointFailed | JoinSlots | JoinRequests | StopAsked
                | Relaunch | SoftwareFault | TraceEnd | Decision | RejoinDecision | Absent
-               | Launched | LaunchFailed | ShellFailed)
+               | Launched | LaunchFailed | ShellFailed | OpTimes | Probes | SlowDecision)
 
 # ---------------------------------------------------------------------- effects
 
@@ -266,6 +272,8 @@ class Publish:
     """Every alive worker's process (a worker whose process is not named is fenced)."""
     collective_s: float
     idle: frozenset[int] = frozenset()
+    probe: frozenset[int] = frozenset()
+    """Slow workers out of the plan: they time a probe while idle (fail-slow)."""
 
 
 @dataclass(frozen=True)
@@ -534,4 +542,5 @@ class FinalDone:
 Effect = (Log | Publish | Abort | Commit | ExpectCheckpoint | Fence | Launch | Reply
           | ReadJoins | Refused | StartFrom | Failure | Resolved | Decide | DecideRejoin
           | ProbeAbsent | SaveCheckpoint | DropCheckpoint | MarkCorrupt | DropTimelines
-          | Retire | Rejoined | Stop | AskFinal | FinalDone)
+          | Retire | Rejoined | Stop | AskFinal | FinalDone | DecideSlow | SlowEvent
+          | SlowResolved)

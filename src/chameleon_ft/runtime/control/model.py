@@ -21,6 +21,7 @@ from chameleon_ft.runtime.control import checkpoints as ck
 from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import slots as sl
+from chameleon_ft.runtime.control import slowness as sw
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.state import Mode as Mode  # derived here (mode())
 
@@ -61,6 +62,11 @@ class Settings:
     deadline_of: Callable[[ExecutionPlan, Any], tuple[float, str | None]] = \
         lambda _plan, _migration: (3.0, None)
     """A generation's collective deadline, and a log line when it was raised."""
+    layer_costs: tuple[float, ...] | None = None
+    """Per layer, its forward and backward seconds in the profile: what a worker's step
+    compute is expected to be (fail-slow detection; None: one per layer)."""
+    slow_rule: sw.SlowRule = field(default_factory=sw.SlowRule)
+    """When a worker is declared slow, and fast again."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,10 @@ class Control:
     """The run is over and nothing more is waited for: the shell ends."""
     joins: sl.Window = field(default_factory=sl.Window)
     """The join slots read so far, and those waited for."""
+    slow: sw.SlowWatch = field(default_factory=sw.SlowWatch)
+    """What fail-slow detection remembers, and the slow workers."""
+    slow_ask: tuple[int, bool, int] | None = None
+    """The slow worker the policy is being asked about: ``(worker, end, generation)``."""
 
 
 def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
@@ -161,6 +171,8 @@ class Wanted:
     joins_recheck_at_s: float | None = None
     """When join slots reserved but not yet written are looked at again (None: none
     is)."""
+    probes: Mapping[int, str] = field(default_factory=dict)
+    """Slow workers out of the plan whose probes are read, by worker (their process)."""
 
 
 def wanted(c: Control) -> Wanted:
@@ -180,7 +192,8 @@ def wanted(c: Control) -> Wanted:
                   votes_step=run.next_step if voting else None,
                   voters=tuple(sorted(run.plan.workers)) if voting else (),
                   beats=incarnations(c, run.alive), unregistered=unregistered, joins=True,
-                  joins_recheck_at_s=recheck)
+                  joins_recheck_at_s=recheck,
+                  probes=incarnations(c, sw.out_of(c.slow, run.world) & run.alive))
 
 
 def incarnations(c: Control, workers: Iterable[int]) -> dict[int, str]:

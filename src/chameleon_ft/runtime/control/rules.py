@@ -16,6 +16,7 @@ from chameleon_ft.runtime.control import checkpoints as ck
 from chameleon_ft.runtime.control import decider, detector, saving
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import messages as m
+from chameleon_ft.runtime.control import slowness as sw
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.model import (
     PUBLISHED,
@@ -45,7 +46,8 @@ def new_generation(c: Control, run: st.RunState, now_s: float, p: Settings) -> O
         effects.insert(0, m.Log(raised))
     world = tuple(sorted(run.world))
     effects.append(m.Publish(run.gen, run.plan, run.migration, run.load, run.next_step, world,
-                             incarnations(c, run.alive), collective_s, run.idle))
+                             incarnations(c, run.alive), collective_s, run.idle,
+                             sw.out_of(c.slow, run.world) & run.alive))
     gens = dict(c.gens)
     gens[run.gen] = GenInfo(published_s=now_s, collective_s=collective_s, world=world,
                             first_step=run.next_step, last_step=run.next_step - 1)
@@ -104,7 +106,8 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Settings) -> Ou
     members, logs = mb.died(c.members, failed)
     fenced = incarnations(c, failed)
     beats = {k: v for k, v in c.beats.items() if k[0] not in failed}
-    c = replace(c, run=run, members=members, gens=gens, beats=beats)
+    c = replace(c, run=run, members=members, gens=gens, beats=beats,
+                slow=sw.forget(c.slow, failed))
     cause = "; ".join(f"w{w}: {dead[w]}" for w in sorted(failed))
     workers = tuple(sorted(failed))
     effects: list[m.Effect] = [m.Fence(workers, fenced), *(m.Log(x) for x in logs)]
@@ -132,6 +135,8 @@ def decide(c: Control, now_s: float, p: Settings) -> Out:
     request = decider.request(c.run)
     if isinstance(request, decider.Decided):
         return recover(c, None, request.decision, now_s, 0.0, p)
+    # a slow worker out of the plan is no spare until it is fast again
+    request = replace(request, usable=request.usable - sw.out_of(c.slow, c.run.world))
     return replace(c, ask=request), [m.Decide(request, _since_checkpoint(c, now_s))]
 
 
@@ -151,6 +156,8 @@ def recover(c: Control, ask: decider.Ask | None, decision: decider.DecisionLike,
         run = st.recovered(s, rec)
     except ValueError as exc:
         return fail(c, f"the policy's plan is unusable: {exc}")
+    # a slow worker the new plan still runs is asked about again, on that plan
+    c = replace(c, slow=sw.ask_again(c.slow, run.plan.workers))
     doc = taken.to_dict()
     resolved = m.Resolved(str(taken.strategy), taken.reason, doc, decide_s, lost,
                           plan=taken.plan, candidates=tuple(doc.get("candidates") or ()))
@@ -335,11 +342,12 @@ def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
         return c, effects + more
     if end:
         return switch(c, obs.now_s, p, effects)
-    question = decider.rejoin_question(c.run)
+    slow_out = sw.out_of(c.slow, c.run.world)  # no re-join until fast again
+    question = decider.rejoin_question(c.run, exclude=slow_out)
     if question is None or question == c.rejoin_asked:
         return c, effects
-    return replace(c, rejoin_asked=question), [*effects,
-                                               m.DecideRejoin(*question, alive=c.run.alive)]
+    return replace(c, rejoin_asked=question), [
+        *effects, m.DecideRejoin(*question, alive=c.run.alive - slow_out)]
 
 
 def switch(c: Control, now_s: float, p: Settings, effects: list[m.Effect]) -> Out:
@@ -358,17 +366,18 @@ def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Settings) -> Out:
     """The policy's answer about idle workers: keep them idle, or switch at the next
     boundary to a plan that uses them."""
     s = c.run
+    idle = s.idle - sw.out_of(c.slow, s.world)  # slow ones were not offered
     if obs.decision is None:
-        return c, [m.Log(f"rejoin of {sorted(s.idle)} not possible: {obs.error}")]
+        return c, [m.Log(f"rejoin of {sorted(idle)} not possible: {obs.error}")]
     decision = obs.decision
     strategy = decider.rejoin_strategy(s, decision)
     effects: list[m.Effect] = [
-        m.Rejoined(tuple(sorted(s.idle)), s.next_step, strategy, decision.reason),
-        m.Log(f"idle worker(s) {sorted(s.idle)}: {strategy} ({decision.reason})")]
+        m.Rejoined(tuple(sorted(idle)), s.next_step, strategy, decision.reason),
+        m.Log(f"idle worker(s) {sorted(idle)}: {strategy} ({decision.reason})")]
     if strategy == "keep" or decision.plan is None:
         return c, effects
     try:
-        run = st.rejoin_planned(s, decision.plan, decision.migration, s.idle)
+        run = st.rejoin_planned(s, decision.plan, decision.migration, idle)
     except ValueError as exc:
         return c, [*effects, m.Log(f"rejoin plan unusable: {exc}")]
     return replace(c, run=run), effects

@@ -60,6 +60,16 @@ INIT = Load("init")
 
 
 @dataclass(frozen=True)
+class Then:
+    """The second phase of a two-phase switch: the plan that follows, ``after`` steps on
+    the first (an eviction that reroutes now and re-plans with the layers migrated)."""
+
+    plan: ExecutionPlan
+    migration: Migration | None
+    after: int = 1
+
+
+@dataclass(frozen=True)
 class PendingSwitch:
     """A plan to switch to at a step boundary, with the migration that prepares it."""
 
@@ -69,11 +79,16 @@ class PendingSwitch:
     """Switch when this step commits."""
     rejoin: tuple[int, ...] = ()
     """Repaired (idle) workers the new plan folds back in."""
+    then: Then | None = None
+    """The switch after this one, if it is the first of two."""
 
     @property
     def workers(self) -> frozenset[int]:
-        """Every worker the switch needs alive: the new plan's and the migration's."""
-        return world_of(self.plan, self.migration)
+        """Every worker the switch needs alive: the new plan's and the migration's (and
+        the second phase's)."""
+        world = world_of(self.plan, self.migration)
+        return world if self.then is None else world | world_of(self.then.plan,
+                                                                self.then.migration)
 
 
 def world_of(plan: ExecutionPlan, migration: Migration | None) -> frozenset[int]:
@@ -339,9 +354,12 @@ def switched(state: RunState) -> RunState:
     pending = state.pending
     if pending is None:
         raise ValueError("no switch is pending")
+    then = pending.then
+    second = None if then is None else PendingSwitch(
+        then.plan, then.migration, at_step=state.next_step + max(1, then.after) - 1)
     # the workers it folds in are idle, so alive already (one that died since is not)
     return replace(state, gen=state.gen + 1, plan=pending.plan, migration=pending.migration,
-                   load=None, pending=None,
+                   load=None, pending=second,
                    idle=state.alive - world_of(pending.plan, pending.migration))
 
 
@@ -352,16 +370,22 @@ def rejoin_ready(state: RunState, workers: Iterable[int]) -> RunState:
 
 
 def rejoin_planned(state: RunState, plan: ExecutionPlan, migration: Migration | None,
-                   workers: Iterable[int]) -> RunState:
-    """The policy folds idle workers back in at the next step boundary.
+                   workers: Iterable[int], *, interim: ExecutionPlan | None = None,
+                   switch_after: int = 1) -> RunState:
+    """The policy folds idle workers back in at the next step boundary (or answers a slow
+    worker: ``workers`` empty); with ``interim``, that plan first, then ``plan`` after
+    ``switch_after`` steps on it.
 
     Raises:
         ValueError: when a switch is already pending or the plan needs dead workers.
     """
     if state.pending is not None:
         raise ValueError("a switch is already pending")
-    pending = PendingSwitch(plan, migration, at_step=state.next_step,
-                            rejoin=tuple(sorted(frozenset(workers) & state.idle)))
+    rejoin = tuple(sorted(frozenset(workers) & state.idle))
+    pending = PendingSwitch(plan, migration, at_step=state.next_step, rejoin=rejoin) \
+        if interim is None else PendingSwitch(interim, None, at_step=state.next_step,
+                                              rejoin=rejoin,
+                                              then=Then(plan, migration, switch_after))
     unknown = pending.workers - state.alive
     if unknown:
         raise ValueError(f"the re-join plan uses workers {sorted(unknown)} that are not alive")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import messages as m
+from chameleon_ft.runtime.coordinator import slow
 from chameleon_ft.runtime.report.records import Event, StepRecord, step_metrics
 from chameleon_ft.runtime.step_sync import extra_groups, step_reductions
 from chameleon_ft.runtime.storage.checkpoint import CheckpointError
@@ -49,7 +50,7 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> Answer:
         "rounds": rounds, "migration": migration,
         "load": None if e.load is None else {"kind": e.load.kind, "step": e.load.step},
         "incarnations": {str(w): inc for w, inc in sorted(e.incarnations.items())},
-        "collective_timeout_s": e.collective_s,
+        "collective_timeout_s": e.collective_s, "probe": sorted(e.probe),
         **step_reductions(e.plan, tied_parameters(coord.job.model),
                           coord.config.optimizer.clip_grad_norm)}
     coord.hooks.before_publish(coord, directive)
@@ -74,11 +75,12 @@ def _do_commit(coord: Coordinator, e: m.Commit) -> Answer:
     if e.forget_previous:
         coord.cs.forget_step(e.gen, e.step - 1)
     grad_norm, lr = step_metrics(timings)
+    times = slow.op_times(now, e.gen, e.step, timings)
     coord.report.committed(StepRecord(e.step, loss, now - e.start_s, e.gen, now,
                                       len(workers), grad_norm, lr), timings,
                            recovered=e.recovered)
     coord.hooks.on_commit(coord, e.step)
-    return None
+    return times
 
 
 def _do_fence(coord: Coordinator, e: m.Fence) -> Answer:
@@ -140,7 +142,7 @@ def _do_failure(coord: Coordinator, e: m.Failure) -> Answer:
 
 
 def _do_resolved(coord: Coordinator, e: m.Resolved) -> Answer:
-    event = coord.report.events[-1]
+    event = next(x for x in reversed(coord.report.events) if not x.slow)
     event.strategy, event.reason = e.strategy, e.reason
     event.decision, event.decide_s = dict(e.decision), e.decide_s
     event.lost_steps = e.lost_steps
@@ -283,6 +285,7 @@ _PERFORM: dict[type, Callable[[Any, Any], Answer]] = {
     m.Stop: _do_stop,
     m.AskFinal: _do_ask_final,
     m.FinalDone: _do_final_done,
+    **slow.PERFORM,
 }
 
 

@@ -27,7 +27,8 @@ class FaultBook:
 
     def publish(self, store: ControlStore) -> None:
         """Arm the faults (workers re-read the list when it changes)."""
-        store.publish_faults([[f.rank, f.step, f.kind, f.phase] for f in self.faults])
+        store.publish_faults([[f.rank, f.step, f.kind, f.phase, f.factor, f.steps]
+                              for f in self.faults])
 
     def inject(self, store: ControlStore, fault: Fault) -> int:
         """Arm one more fault while the run goes on; returns its index."""
@@ -48,8 +49,9 @@ class FaultBook:
         failed = set(failed)
         times = []
         for index, fault in enumerate(self.faults):
-            # a glitch does not take its worker out: it explains no death
-            if fault.rank not in failed or index in self.used or fault.kind == "glitch":
+            # a glitch or a slowdown does not take its worker out: it explains no death
+            if fault.rank not in failed or index in self.used or fault.kind in ("glitch",
+                                                                                "slow"):
                 continue
             doc = store.fired(index)
             if doc is not None:
@@ -57,6 +59,20 @@ class FaultBook:
                 self.used.add(index)
         times += [self.killed_at.pop(w) for w in sorted(failed) if w in self.killed_at]
         return min(times) if times else None
+
+    def slow_time(self, store: ControlStore, worker: int, now_s: float,
+                  end: bool) -> float | None:
+        """When an injected slowdown of ``worker`` began (``end``: ended), run clock; the
+        newest one that fired (None: none did, or it has not ended)."""
+        for index in reversed(range(len(self.faults))):
+            fault = self.faults[index]
+            if fault.rank != worker or fault.kind != "slow":
+                continue
+            doc = store.fired(index)
+            at = None if doc is None else doc.get("ended" if end else "time")
+            if isinstance(at, (int, float)):
+                return now_s - (time.time() - float(at))
+        return None
 
     def report(self, store: ControlStore) -> list[dict[str, Any]]:
         """Every injected fault, whether and where it fired."""
@@ -66,5 +82,7 @@ class FaultBook:
             out.append({"fault": fault.to_text(), "fired": fired is not None,
                         "retracted": index in self.retracted,
                         **({"fired_step": fired["step"], "fired_gen": fired["gen"],
-                            "fired_pid": fired["pid"]} if fired else {})})
+                            "fired_pid": fired["pid"]} if fired else {}),
+                        **({"ended_step": fired["ended_step"]}
+                           if fired and "ended_step" in fired else {})})
         return out

@@ -7,7 +7,7 @@ The control plane asks (``Decide`` / ``DecideRejoin`` effects); the shell calls 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.profile import Profile
@@ -48,6 +48,19 @@ class PlannerDecide:
         """The policy's answer to repaired workers coming back."""
         decision: DecisionLike = self.prepared.decide_rejoin(
             plan, sorted(returned), alive=sorted(alive), now_s=now_s)
+        return decision
+
+    def slow(self, plan: ExecutionPlan, worker: int, factor: float, alive: frozenset[int],
+             slow: Mapping[int, float], now_s: float, end: bool) -> DecisionLike:
+        """The policy's answer to ``worker`` running ``factor`` times slower (``end``: to
+        its slowdown's end), with the other slow workers' factors (``[recovery]
+        slow_policy`` picks the answer)."""
+        if end:
+            ended: DecisionLike = self.prepared.decide_slow_end(
+                plan, worker, alive=sorted(alive), slow=dict(slow), now_s=now_s)
+            return ended
+        decision: DecisionLike = self.prepared.decide_slow(
+            plan, worker, factor, alive=sorted(alive), slow=dict(slow), now_s=now_s)
         return decision
 
     def precompute(self, plan: ExecutionPlan, idle: frozenset[int] = frozenset()) -> None:

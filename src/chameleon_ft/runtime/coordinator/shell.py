@@ -34,6 +34,7 @@ from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.model import Control, Settings, Wanted, initial, wanted
 from chameleon_ft.runtime.coordinator import effects as fx
+from chameleon_ft.runtime.coordinator import slow
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
 from chameleon_ft.runtime.coordinator.finish import finish
@@ -416,7 +417,8 @@ class Coordinator:
             join_hint=f"; start the rest with `chameleon worker --coordinator "
                       f"{self.host}:{self.port}`",
             checkpoint_every=self.train.checkpoint_every,
-            checkpoint_deadline_s=job.checkpoint_deadline_s())
+            checkpoint_deadline_s=job.checkpoint_deadline_s(),
+            layer_costs=tuple(x.fwd_s + x.bwd_s for x in job.profile.layers))
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -503,7 +505,7 @@ class Coordinator:
         reserved = self.cs.join_slots()
         now = self.now()
         due = want.joins_recheck_at_s is not None and now >= want.joins_recheck_at_s
-        if self._news("joins", (), reserved) or due:
+        if self.news("joins", (), reserved) or due:
             self.feed(m.JoinSlots(now, reserved))
 
     def _observe_errors(self) -> None:
@@ -526,18 +528,19 @@ class Coordinator:
         want = self.wanted()
         if want.gen is not None and want.ready:
             count = self.cs.ready(want.gen)
-            if self._news("ready", (want.gen,), count):
+            if self.news("ready", (want.gen,), count):
                 self.feed(m.Ready(self.now(), want.gen, count))
             if self.ctl.ready_s is not None:
                 self._note_memory_reload(want.gen)
         want = self.wanted()
         if want.gen is not None and want.votes_step is not None:
             count = self.cs.reduced(want.gen, want.votes_step, want.voters)
-            if self._news("votes", (want.gen, want.votes_step), count):
+            if self.news("votes", (want.gen, want.votes_step), count):
                 self.feed(m.Reduced(self.now(), want.gen, want.votes_step, count))
+        slow.observe_probes(self)
         return beats_due
 
-    def _news(self, kind: str, of: tuple[int, ...], count: int) -> bool:
+    def news(self, kind: str, of: tuple[int, ...], count: int) -> bool:
         """Whether a counter changed since it was last fed (only news is fed: each poll
         would otherwise step the control plane for nothing)."""
         if self._counts.get(kind) == (of, count):

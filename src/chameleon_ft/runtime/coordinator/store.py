@@ -26,6 +26,7 @@ from chameleon_ft.runtime.protocol import (
     JOIN_SLOTS_KEY,
     MALFORMED,
     MAX_REPORTS,
+    PROGRESS_KEY,
     ErrorReport,
     JobInfo,
     abort_key,
@@ -47,6 +48,7 @@ from chameleon_ft.runtime.protocol import (
     loss_key,
     memory_fetched_key,
     message_kind,
+    probe_key,
     ready_key,
     reduced_key,
     refusals_key,
@@ -158,7 +160,8 @@ class ControlStore:
 
     # ------------------------------------------------------------------ faults
     def publish_faults(self, faults: list[list[Any]]) -> None:
-        """The injected faults ``[rank, step, kind, phase]`` (workers re-read on change)."""
+        """The injected faults ``[rank, step, kind, phase, factor, steps]`` (workers re-read
+        on change)."""
         self._faults_version += 1
         self.signed.put(FAULTS_KEY, json.dumps(faults), seq=self._faults_version)
         self.store.add(FAULTS_VERSION_KEY, 1)
@@ -192,8 +195,10 @@ class ControlStore:
         self.signed.put(abort_key(gen), "1")
 
     def commit(self, gen: int, step: int, *, end: bool) -> None:
-        """``step`` commits (``end``: and the generation ends at this boundary)."""
+        """``step`` commits (``end``: and the generation ends at this boundary); the job's
+        progress says so to idle workers."""
         self.signed.put(verdict_key(gen, step), COMMIT_END if end else COMMIT)
+        self.signed.put(PROGRESS_KEY, str(step + 1), seq=step + 1)
 
     def forget_step(self, gen: int, step: int) -> None:
         """Delete a committed step's votes and verdict (every worker read them)."""
@@ -273,7 +278,7 @@ class ControlStore:
         self._reported.drop(worker, incarnation)
         keys = [heartbeat_key(worker, incarnation), refusals_key(worker, incarnation),
                 worker_info_key(worker, incarnation), setup_key(worker, incarnation),
-                start_gen_key(worker, incarnation)]
+                start_gen_key(worker, incarnation), probe_key(worker, incarnation)]
         self._delete(keys)
         for key in keys:
             self.signed.forget(key)
@@ -284,6 +289,21 @@ class ControlStore:
         workers = self._reported.total(self._watched)
         mine = self.refusals.counts()
         return {"coordinator": mine, "workers": workers, "total": merge_counts(mine, workers)}
+
+    def probes(self, incarnations: dict[int, str]) -> dict[int, tuple[int, float]]:
+        """The newest sealed probe of each process: worker -> (its number, its factor);
+        a process without one, or whose probe is not a finite number, is left out."""
+        out = {}
+        for w, inc in incarnations.items():
+            opened = self.signed.latest(probe_key(w, inc), source=f"worker {w}")
+            if opened is None:
+                continue
+            try:
+                factor = float(json.loads(opened.payload)["factor"])
+            except (ValueError, TypeError, KeyError):
+                continue
+            out[w] = (opened.seq, factor)
+        return out
 
     def registered(self, worker: int, incarnation: str) -> bool:
         """Whether the process ``incarnation`` of ``worker`` announced itself."""

@@ -36,6 +36,11 @@ def step_metrics(timings: list[dict[str, Any]]) -> tuple[float | None, float | N
     return norm, lr
 
 
+SLOW_CAUSES = ("slow", "slow-end")
+"""The causes of a slow worker's records (docs/design.md 4.3): nothing failed, so no
+transition is measured."""
+
+
 @dataclass
 class Event:
     """One failure and the recovery from it."""
@@ -65,6 +70,15 @@ class Event:
     from_memory_layers: int = 0
     """Layers the recovery reloaded from peers' memory instead of storage (checkpoints in
     memory), counted over the workers that loaded them."""
+    factor: float | None = None
+    """``slow`` and ``slow-end``: the factor the worker was declared slow with."""
+    measured: float | None = None
+    """``slow-end``: the median factor of the readings that found it at full speed."""
+
+    @property
+    def slow(self) -> bool:
+        """A slow worker's record (declared or fast again), not a failure."""
+        return self.cause in SLOW_CAUSES
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -101,8 +115,9 @@ class TransitionMeter:
         self.measuring: list[_Measuring] = []
 
     def failed(self, event: Event) -> None:
-        """A failure was detected (an idle worker's death is never measured)."""
-        if not event.idle:
+        """A failure was detected (an idle worker's death is never measured, nor a slow
+        worker's record)."""
+        if not event.idle and not event.slow:
             self.waiting.append(event)
 
     def committed(self, record: StepRecord) -> list[Event]:

@@ -157,14 +157,18 @@ class Channel:
                     return opened.payload
                 raise GenerationOver(f"generation {gen} is over")
 
-    def directive(self, gen: int) -> tuple[int, dict[str, Any]]:
+    def directive(self, gen: int, between: Callable[[], None] | None = None
+                  ) -> tuple[int, dict[str, Any]]:
         """The directive of ``gen``, or of the newest generation if the coordinator has
-        moved past ``gen`` (a generation that is not the newest is over)."""
+        moved past ``gen`` (a generation that is not the newest is over); ``between`` is
+        called after each slice without one (an idle slow worker's probe)."""
         while True:
             gen = max(gen, self.current_gen())
             key = proto.directive_key(gen)
             opened = self._present(key)
             if opened is None:
+                if between is not None:
+                    between()
                 continue
             try:
                 doc = json.loads(opened.payload)
@@ -233,6 +237,16 @@ class Channel:
         if losses:
             self.signed.put(proto.loss_key(gen, step, self.worker), json.dumps(losses))
         self.signed.put(proto.timing_key(gen, step, self.worker), json.dumps(timing))
+
+    def progress(self) -> int:
+        """The job's committed steps so far, as the coordinator last said (0: none)."""
+        opened = self.signed.latest(proto.PROGRESS_KEY)
+        return 0 if opened is None else opened.seq
+
+    def probe(self, seq: int, factor: float) -> None:
+        """Probe number ``seq`` of this idle process: its time over its own at start."""
+        self.signed.put(proto.probe_key(self.worker, self.incarnation),
+                        json.dumps({"factor": factor}), seq=seq)
 
     def fetched(self, gen: int, layers: int) -> None:
         """``layers`` more layers reloaded from peers' memory in ``gen``."""

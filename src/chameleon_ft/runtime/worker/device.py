@@ -164,18 +164,28 @@ class StepTimer:
         self._open: list[tuple[Any, Any, list[float]]] = []
 
     @contextmanager
-    def time(self, into: list[float]) -> Iterator[None]:
+    def time(self, into: list[float], stretch: float = 1.0) -> Iterator[None]:
         """Time the body; the seconds are appended to ``into`` (on CUDA, by
-        :meth:`resolve`)."""
+        :meth:`resolve`). ``stretch`` > 1 (an injected slowdown) makes the body last that
+        many times its own duration: it waits ``stretch - 1`` times what the body took
+        (on CUDA the device's time, read once the body's work completed, with the device
+        left idle meanwhile), inside the timing."""
         if not self.cuda:
             start = time.perf_counter()
             yield
+            if stretch > 1.0:
+                time.sleep((stretch - 1.0) * (time.perf_counter() - start))
             into.append(time.perf_counter() - start)
             return
         begin = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs GPUs
         end = torch.cuda.Event(enable_timing=True)  # pragma: no cover
         begin.record()  # pragma: no cover
         yield  # pragma: no cover
+        if stretch > 1.0:  # pragma: no cover
+            body = torch.cuda.Event(enable_timing=True)
+            body.record()
+            body.synchronize()
+            time.sleep((stretch - 1.0) * begin.elapsed_time(body) / 1e3)
         end.record()  # pragma: no cover
         self._open.append((begin, end, into))  # pragma: no cover
 

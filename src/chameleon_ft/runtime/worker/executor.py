@@ -83,10 +83,12 @@ class StepRun:
         step: the step.
         first_action: called with ``forward`` / ``backward`` the first time each happens
             (where injected faults fire).
+        stretch: each compute lasts this many times its own duration (an injected
+            slowdown, ``worker.slowdown``).
     """
 
     def __init__(self, worker: Stage, comm: Comm, plan: ExecutionPlan, step: int,
-                 first_action: Callable[[str], None]) -> None:
+                 first_action: Callable[[str], None], stretch: float = 1.0) -> None:
         self.w, self.comm, self.plan, self.step = worker, comm, plan, step
         self.first_action = first_action
         self.offsets = plan.microbatch_offsets()
@@ -103,6 +105,7 @@ class StepRun:
         self.max_mb = max(pipe.num_microbatches for pipe in plan.pipelines)
         self.seen: set[str] = set()
         self.timer = StepTimer(worker.device)
+        self.stretch = stretch
 
     def _tag(self, message: Message) -> int:
         kind = FORWARD if message.kind is Kind.ACTIVATION else BACKWARD
@@ -173,7 +176,7 @@ class StepRun:
             x = self._take(Kind.ACTIVATION, p, s, m)
             x.requires_grad_(x.is_floating_point())
         y = self._samples(p, m)[1] if last else None
-        with self.timer.time(self.result.forward_s), self.w.watch.computing():
+        with self.timer.time(self.result.forward_s, self.stretch), self.w.watch.computing():
             out = self.w.stage(x)
             if y is not None:
                 out = self.w.loss(out, y) / self.w.loss_count
@@ -196,7 +199,8 @@ class StepRun:
                 raise RuntimeError(f"pipeline {p} stage {s}: the gradient received is "
                                    f"{tuple(grad.shape)} {grad.dtype}, the stage's output "
                                    f"{tuple(out.shape)} {out.dtype}")
-        with self.timer.time(self.result.backward_s), self.w.watch.computing():
+        with self.timer.time(self.result.backward_s, self.stretch), \
+                self.w.watch.computing():
             if out.requires_grad:  # not when every parameter up to here is frozen
                 out.backward(grad)
         if s > 0:

@@ -35,6 +35,8 @@ class Faults:
         """Hangs the worker's device (the ``stall`` kind; never returns)."""
         self.armed: list[tuple[int, int, str, str]] = []
         """``(index, step, kind, phase)``."""
+        self.slowdowns: dict[int, tuple[float, int]] = {}
+        """Armed ``slow`` faults: index -> (factor, steps)."""
         self.version = -1
 
     def refresh(self) -> None:
@@ -43,9 +45,46 @@ class Faults:
         if version == self.version:
             return
         self.version = version
-        self.armed = [(index, int(step), str(kind), str(phase))
-                      for index, (rank, step, kind, phase) in enumerate(self.chan.faults())
-                      if rank == self.worker]
+        armed, self.slowdowns = [], {}
+        for index, (rank, step, kind, phase, *more) in enumerate(self.chan.faults()):
+            if rank != self.worker:
+                continue
+            armed.append((index, int(step), str(kind), str(phase)))
+            if kind == "slow" and len(more) == 2:
+                self.slowdowns[index] = (float(more[0]), int(more[1]))
+        self.armed = armed
+
+    def _claim(self, index: int, step: int, gen: int, **extra: object) -> dict[str, object] | None:
+        """Claim fault ``index`` and record that it fires now (None: another process of
+        this rank fired it already)."""
+        if not self.chan.claim_fault(index, os.getpid()):
+            return None
+        doc = {"time": time.time(), "step": step, "gen": gen, "worker": self.worker,
+               "incarnation": self.incarnation, "pid": os.getpid(), **extra}
+        self.chan.fired(index, doc)
+        return doc
+
+    def slow_from(self, step: int, gen: int) -> tuple[int, float, int, dict[str, object]] | None:
+        """Fire the ``slow`` fault due at the start of ``step``, if any.
+
+        Returns:
+            Its index, factor, the first step at full speed again and its fired record
+            (re-written when the slowdown ends).
+        """
+        for fault in list(self.armed):
+            index, fstep, kind, _ = fault
+            if kind != "slow" or step < fstep or index not in self.slowdowns:
+                continue
+            self.armed.remove(fault)
+            factor, steps = self.slowdowns[index]
+            doc = self._claim(index, step, gen, factor=factor, until_step=step + steps)
+            if doc is not None:
+                return index, factor, step + steps, doc
+        return None
+
+    def slow_ended(self, index: int, doc: dict[str, object], step: int) -> None:
+        """Record that slowdown ``index`` ended at ``step`` (the job's)."""
+        self.chan.fired(index, {**doc, "ended": time.time(), "ended_step": step})
 
     def maybe_fire(self, step: int, phase: str, gen: int) -> OSError | None:
         """Fire the faults due at this phase of this step (kill, hang, stall, glitch,
@@ -60,14 +99,11 @@ class Faults:
         """
         for fault in list(self.armed):
             index, fstep, kind, fphase = fault
-            if fphase != phase or step < fstep:
+            if fphase != phase or step < fstep or kind == "slow":
                 continue
             self.armed.remove(fault)
-            if not self.chan.claim_fault(index, os.getpid()):
+            if self._claim(index, step, gen) is None:
                 continue  # another process of this rank fired it already
-            self.chan.fired(index, {"time": time.time(), "step": step, "gen": gen,
-                                    "worker": self.worker, "incarnation": self.incarnation,
-                                    "pid": os.getpid()})
             if kind in DISK_ERRNO:
                 code = DISK_ERRNO[kind]
                 return OSError(code, f"{os.strerror(code)} (injected)")

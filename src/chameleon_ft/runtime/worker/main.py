@@ -72,6 +72,7 @@ from chameleon_ft.runtime.worker.liveness import (
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies, peer_of
 from chameleon_ft.runtime.worker.memory import peak_resident_bytes, reset_peak, resident_bytes
 from chameleon_ft.runtime.worker.migration import Migration
+from chameleon_ft.runtime.worker.slowdown import Probe, Slowdown, probe_inputs
 from chameleon_ft.runtime.workload.bundle import Workload, open_workload
 from chameleon_ft.runtime.workload.models import StageModel, tied_copies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
@@ -133,9 +134,13 @@ class Worker:
         """Seconds from reporting "reduced" to reading the verdict, last step."""
         self.stage = StageModel(checkpointing=self.checkpointing)
         self.faults = Faults(self.chan, self.id, incarnation, stall=self.watch.stall)
+        self.slowdown = Slowdown(self.faults)
+        """An injected fail-slow, if one runs (``worker.slowdown``)."""
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
+        self.probe = Probe(*probe_inputs(self), self.device)
+        """What this worker times while a slow worker out of the plan."""
         if reset_peak():  # what training adds is measured from here
             self.rss_base_bytes = resident_bytes()
 
@@ -292,8 +297,10 @@ class Worker:
             # a repaired worker: the coordinator says from which generation on it follows
             gen = self.chan.start_gen()
         previous: groups.Generation | None = None
+        probing = False
         while True:
-            gen, directive = self.chan.directive(gen)
+            gen, directive = self.chan.directive(gen, self._probe_once if probing else None)
+            probing = self.id in directive.get("probe", ())
             _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
                        directive.get("world"))
             if directive["action"] == "stop":
@@ -314,6 +321,16 @@ class Worker:
                              f"{traceback.format_exc()}", gen)
                 raise
             gen += 1
+
+    def _probe_once(self) -> None:
+        """While waiting out of the plan as a slow worker: follow the job's steps (the
+        slowdown ends on time) and time a probe when one is due."""
+        try:
+            factor = self.slowdown.at_step(self.chan.progress(), None)
+            if self.probe.due():
+                self.probe.report(self.chan, factor)
+        except dist.DistStoreError as exc:  # the coordinator is slow or gone: the watchdog
+            _log.debug("probe not reported: %s", exc)
 
     def _enter(self, generation: groups.Generation | None) -> None:
         with self.gen_changed:
@@ -421,11 +438,12 @@ class Worker:
             CommError: when a transfer or all-reduce of this worker failed.
         """
         self.faults.refresh()
+        stretch = self.slowdown.at_step(step, gen)
         for state in self.layers.values():
             state.zero_grad()
         result = StepRun(self, comm, plan, step,
-                         lambda phase: self.faults.maybe_fire(step, phase, gen)
-                         ).run(program)
+                         lambda phase: self.faults.maybe_fire(step, phase, gen),
+                         stretch).run(program)
         self.faults.maybe_fire(step, "reduce", gen)
         reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
         self._report_step(gen, step, result, reduced)
@@ -440,7 +458,7 @@ class Worker:
             raise RuntimeError(f"worker {self.id}: the checkpoint's copy of its layers did "
                                "not finish")
         optimizer_s: list[float] = []
-        with self.optimizer_timer.time(optimizer_s), self.watch.computing():
+        with self.optimizer_timer.time(optimizer_s, stretch), self.watch.computing():
             for state in self.layers.values():
                 state.step(step)
         self.pending_optimizer_s = optimizer_s
