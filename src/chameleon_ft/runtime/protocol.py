@@ -28,6 +28,7 @@ from typing import Any
 
 from chameleon_ft.runtime.documents import ErrorReport as ErrorReport
 from chameleon_ft.runtime.documents import JobInfo as JobInfo
+from chameleon_ft.runtime.documents import ReattachReport as ReattachReport
 from chameleon_ft.runtime.signing import Signer
 
 JOB_KEY = "job"
@@ -45,6 +46,11 @@ ABORT = "abort"
 CURRENT_GEN_KEY = "gen/current"
 """The newest published generation (numbered by itself): workers behind skip to it."""
 
+PROGRESS_KEY = "coordinator/progress"
+"""Numbered by the coordinator's loop, which advances it as it polls (not the store's own
+thread): a worker that sees it frozen for the hang deadline takes the coordinator for
+gone, as one that refuses connections."""
+
 FAULTS_KEY = "faults/list"
 """JSON ``[[rank, step, kind, phase], ...]`` (numbered by version); an index is a fault id."""
 FAULTS_VERSION_KEY = "faults/version"
@@ -60,7 +66,7 @@ def message_kind(key: str) -> str:
     head = parts[0]
     if head.startswith("gen") and head[3:].isdigit() and len(parts) > 1:
         return "rendezvous" if parts[1] in ("world", "world-down", "bucket") else parts[1]
-    if head in ("gen", "faults", "join") and len(parts) > 1:
+    if head in ("gen", "faults", "join", "coordinator") and len(parts) > 1:
         return f"{head}-{parts[1]}"
     return {"hb": "heartbeat"}.get(head, head)
 
@@ -194,6 +200,12 @@ def final_more_key(gen: int, worker: int) -> str:
 def final_done_key(gen: int) -> str:
     """Set when the final checkpoint is complete: the workers leave."""
     return f"gen{gen}/final/done"
+
+
+def reattach_key(worker: int) -> str:
+    """JSON ``ReattachReport``: what ``worker`` holds, for a coordinator that took the run
+    over (sealed for its term)."""
+    return f"reattach/{worker}"
 
 
 def heartbeat_key(worker: int, incarnation: str) -> str:
