@@ -22,6 +22,7 @@ from chameleon_ft.runtime.control import decider, detector
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import slots as sl
 from chameleon_ft.runtime.control import state as st
+from chameleon_ft.runtime.control.reports import Taking
 from chameleon_ft.runtime.control.state import Mode as Mode  # derived here (mode())
 
 PUBLISHED = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
@@ -61,6 +62,12 @@ class Settings:
     deadline_of: Callable[[ExecutionPlan, Any], tuple[float, str | None]] = \
         lambda _plan, _migration: (3.0, None)
     """A generation's collective deadline, and a log line when it was raised."""
+    reattach_s: float = 4.0
+    """How long a coordinator that took a run over waits for its workers' reports (a
+    worker that has not reported by then is dead)."""
+    resume_fallback: bool = True
+    """A run taken over that no worker reports to may resume from its checkpoint (False:
+    it has none, and fails)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,11 @@ class Control:
     """The run is over and nothing more is waited for: the shell ends."""
     joins: sl.Window = field(default_factory=sl.Window)
     """The join slots read so far, and those waited for."""
+    taking: Taking | None = None
+    """Set while this coordinator takes the run over: the workers' reports so far."""
+    apply: tuple[int, int] | None = None
+    """``(gen, step)``: a step the previous coordinator committed that re-attached workers
+    apply first (carried by the next directive)."""
 
 
 def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
@@ -125,6 +137,8 @@ def mode(c: Control) -> Mode:
     """The mode of a control value."""
     if c.run.mode in (Mode.FAILED, Mode.FINISHED):
         return c.run.mode
+    if c.taking is not None:
+        return Mode.REATTACHING
     if c.joining_until_s is not None:
         return Mode.JOINING
     if c.relaunching_until_s is not None:
@@ -161,6 +175,8 @@ class Wanted:
     joins_recheck_at_s: float | None = None
     """When join slots reserved but not yet written are looked at again (None: none
     is)."""
+    reattach: bool = False
+    """The run is being taken over: every worker id's report is read."""
 
 
 def wanted(c: Control) -> Wanted:
@@ -168,6 +184,8 @@ def wanted(c: Control) -> Wanted:
     k = mode(c)
     if k in (Mode.FINISHED, Mode.FAILED):
         return Wanted(None)
+    if k is Mode.REATTACHING:
+        return Wanted(None, reattach=True)
     by = c.members.by_worker
     unregistered = {w: x.incarnation for w, x in sorted(by.items())
                     if not x.registered and not x.gone}
