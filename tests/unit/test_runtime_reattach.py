@@ -92,7 +92,7 @@ def test_a_steady_run_trains_on_from_its_committed_step_in_a_new_generation() ->
     assert publish.load is None and publish.migration is None and publish.apply is None
     assert dict(publish.incarnations) == NAMES  # the same processes: nobody relaunched
     (record,) = of(out, m.Reattached)
-    assert record.step == 10 and [w for w, _, _ in record.workers] == [0, 1, 2, 3]
+    assert record.step == 10 and [w for w, _, _, _ in record.workers] == [0, 1, 2, 3]
     assert mode(run.c) is Mode.TRAINING and run.c.run.state_plan == PLAN
     assert not of(out, m.Launch) and not of(out, m.Fence)
 
@@ -155,7 +155,8 @@ def test_members_that_do_not_report_in_time_are_dead() -> None:
     (failure,) = of(out, m.Failure)
     assert failure.workers == (3,) and "did not report" in failure.cause
     assert of(out, m.Decide)[0].ask.failed == {3}
-    assert of(out, m.Reattached)[0].workers == ((0, 1000, "h"), (1, 1001, "h"), (2, 1002, "h"))
+    assert of(out, m.Reattached)[0].workers == ((0, "inc0", 1000, "h"), (1, "inc1", 1001, "h"),
+                                                (2, "inc2", 1002, "h"))
 
 
 def test_a_fenced_process_is_not_taken_for_its_replacement() -> None:

@@ -102,7 +102,8 @@ def _join(store: dist.TCPStore, job: JobInfo, token: str, wanted_job: str, addre
     from chameleon_ft.runtime import protocol as proto
     from chameleon_ft.runtime.signing import SignedStore, Signer, control_key
 
-    signed = SignedStore(store, Signer(control_key(auth.secret_of(token)), job.job_id))
+    signed = SignedStore(store, Signer(control_key(auth.secret_of(token)), job.job_id,
+                                       job.term))
     nonce = signed.raw_peek(proto.JOIN_NONCE_KEY)  # unsealed here: a forged one only fails
     request = auth.JoinRequest(
         wnonce=auth.new_nonce(), proof="", job=wanted_job, host=socket.gethostname(),

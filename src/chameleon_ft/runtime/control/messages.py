@@ -549,11 +549,11 @@ class FinalDone:
 @dataclass(frozen=True)
 class Reattached:
     """The run was taken over at committed step ``step``: these processes of the
-    previous coordinator's were re-attached, each ``(worker, pid, host)`` (a record in
-    the report)."""
+    previous coordinator's were re-attached, each ``(worker, incarnation, pid, host)``
+    (the shell holds those of its host; a record in the report)."""
 
     step: int
-    workers: tuple[tuple[int, int, str], ...]
+    workers: tuple[tuple[int, str, int, str], ...]
 
 
 Effect = (Log | Publish | Abort | Commit | ExpectCheckpoint | Fence | Launch | Reply

@@ -125,7 +125,7 @@ def take_over(c: Control, now_s: float, p: Settings) -> Out:
                 watch=detector.Watch(gen=run.gen), beats={}, gens={}, joining_until_s=None,
                 relaunching_until_s=None, ready_s=None, last_commit_s=None, recovering=False,
                 apply=apply, checkpoint_times={run.latest_checkpoint(): now_s})
-    records = tuple((w, r.pid, r.host) for w, r in sorted(chosen.items()))
+    records = tuple((w, r.incarnation, r.pid, r.host) for w, r in sorted(chosen.items()))
     effects: list[m.Effect] = [
         m.Reattached(run.next_step, records),
         m.Log(f"took the run over at step {run.next_step}: re-attached worker(s) "

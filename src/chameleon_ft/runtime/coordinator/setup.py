@@ -14,6 +14,7 @@ from typing import Any
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.runtime import auth
+from chameleon_ft.runtime.coordinator import record
 from chameleon_ft.runtime.coordinator.resources import check_memory
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.replay import TraceDriver
@@ -94,6 +95,11 @@ class Job:
     start_step: int = 0
     resumed_from: Manifest | None = None
     notes: list[str] = field(default_factory=list)
+    term: int = 0
+    """This coordinator's term: one more than the run's previous coordinator's."""
+    takeover: bool = False
+    """The run did not end: its workers may be alive, waiting for a coordinator; they are
+    re-attached (``control.reattach``) before anything is launched."""
 
     @property
     def num_workers(self) -> int:
@@ -240,8 +246,12 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     if log_every is not None and log_every < 1:
         raise ValueError(f"--log-every: must be >= 1, got {log_every}")
     remote_possible = num_local < config.total_workers or not auth.is_loopback(host)
-    secret_token = _token(token)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir()
+    digest = config_digest(config, workload)
+    earlier = _earlier_run(run_dir, digest, host, port, token) if resume else None
+    if earlier is not None:
+        token, port = earlier.token, earlier.port if not earlier.ended else port
+    secret_token = _token(token)
     job = Job(config=config, workload=workload, model=built_model, data=built_data,
               profile=prof, plan0=plan0, policy=policy_name, faults=list(faults),
               num_local=num_local, host=host, port=port, token=secret_token,
@@ -250,11 +260,13 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
               secret=auth.secret_of(secret_token),
               job_name=job_name or (config.model.name if config.model is not None
                                     else "") or "chameleon",
-              job_id=auth.new_nonce(), nonce=auth.new_nonce(), out_dir=run_dir,
-              out_dir_given=out_dir is not None,
+              job_id=auth.new_nonce() if earlier is None else earlier.job_id,
+              nonce=auth.new_nonce(), out_dir=run_dir, out_dir_given=out_dir is not None,
               ckpt=CheckpointStore(run_dir, config.train.keep_checkpoints),
-              digest=config_digest(config, workload), trace=trace, log_every=log_every,
-              notes=notes)
+              digest=digest, trace=trace, log_every=log_every, notes=notes,
+              term=0 if earlier is None else earlier.term + 1,
+              takeover=earlier is not None and not earlier.ended
+              and config.train.coordinator_grace_s > 0)
     _prepare_checkpoints(job, resume)
     if trace is not None:
         trace.check_job(num_nodes=config.cluster.total_nodes,
@@ -288,8 +300,41 @@ def _prepare_checkpoints(job: Job, resume: bool) -> None:
                          "continues a run instead)")
 
 
+def _earlier_run(run_dir: Path, digest: str, host: str, port: int,
+                 token: str | None) -> record.RunRecord | None:
+    """The record of the run being resumed (None: none), checked against what this
+    coordinator was given: its workers look for the next coordinator at the run's address,
+    and prove they know its token.
+
+    Raises:
+        ValueError: for another token, address or model than the run's.
+    """
+    earlier = record.read(run_dir)
+    if earlier is None:
+        return None
+    if earlier.digest != digest:
+        raise ValueError(f"--resume: the run in {run_dir} trains another model or numerics "
+                         "(model, dtype, seed, batch, optimizer); use the config it was "
+                         "started with")
+    if token is not None and token != earlier.token:
+        raise ValueError(f"--token: the run in {run_dir} was started with another token; "
+                         f"give the same one, or none (its folder keeps it)")
+    if not earlier.ended and host != earlier.host:
+        raise ValueError(f"--host: the run in {run_dir} listens on {earlier.host}, where its "
+                         f"workers look for the next coordinator; give --host {earlier.host}")
+    if not earlier.ended and port not in (0, earlier.port):
+        raise ValueError(f"--port: the run in {run_dir} listens on port {earlier.port}, where "
+                         f"its workers look for the next coordinator; give --port "
+                         f"{earlier.port} or leave it out")
+    return earlier
+
+
 def _prepare_resume(job: Job) -> None:
     manifest = job.ckpt.latest()
+    if manifest is None and job.takeover:
+        job.notes.append(f"note: {job.out_dir}/checkpoints holds no complete checkpoint: "
+                         "the run goes on only if its workers are still alive")
+        return
     if manifest is None:
         raise ValueError(f"--resume: no complete checkpoint in {job.out_dir}/checkpoints; "
                          "run without --resume to start from step 0")
@@ -300,7 +345,7 @@ def _prepare_resume(job: Job) -> None:
     if manifest.num_layers != job.num_layers:
         raise ValueError(f"--resume: the checkpoint has {manifest.num_layers} layers, the "
                          f"model {job.num_layers}")
-    if manifest.step >= job.config.train.steps:
+    if manifest.step >= job.config.train.steps and not job.takeover:
         raise ValueError(f"--resume: the checkpoint already holds {manifest.step} steps; "
                          f"ask for more with --steps (now {job.config.train.steps})")
     job.start_step = manifest.step

@@ -26,8 +26,10 @@ from chameleon_ft.runtime.protocol import (
     JOIN_SLOTS_KEY,
     MALFORMED,
     MAX_REPORTS,
+    PROGRESS_KEY,
     ErrorReport,
     JobInfo,
+    ReattachReport,
     abort_key,
     checkpoint_count_key,
     checkpoint_failed_key,
@@ -48,6 +50,7 @@ from chameleon_ft.runtime.protocol import (
     memory_fetched_key,
     message_kind,
     ready_key,
+    reattach_key,
     reduced_key,
     refusals_key,
     rendezvous_keys,
@@ -155,6 +158,27 @@ class ControlStore:
         """The job as published (None: not yet, or refused)."""
         opened = self.signed.peek(JOB_KEY)
         return None if opened is None else JobInfo.from_json(opened.payload)
+
+    def progress(self, count: int) -> None:
+        """The loop's progress value, numbered ``count`` (the workers watch it move)."""
+        self.signed.put(PROGRESS_KEY, "", seq=count)
+
+    def reattach_report(self, worker: int) -> ReattachReport | None:
+        """What ``worker`` reported to this coordinator taking the run over (None: nothing
+        yet, or refused: forged, of another term, or not a report of that worker)."""
+        key = reattach_key(worker)
+        opened = self.signed.peek(key, source=f"worker {worker}")
+        if opened is None:
+            return None
+        try:
+            report = ReattachReport.from_json(opened.payload)
+        except ValueError:
+            report = None
+        if report is None or report.worker != worker:
+            self.refusals.refuse(key, opened.payload, "sealed but not a re-attach report",
+                                 source=f"worker {worker}")
+            return None
+        return report
 
     # ------------------------------------------------------------------ faults
     def publish_faults(self, faults: list[list[Any]]) -> None:

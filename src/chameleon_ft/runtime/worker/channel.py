@@ -55,7 +55,7 @@ def read_job(raw: Any, secret: bytes) -> tuple[proto.JobInfo, Signer]:
         job = proto.JobInfo.from_json(payload_of(value))
     except Forged:
         raise ValueError("the store does not hold a chameleon job of this version") from None
-    signer = Signer(control_key(secret), job.job_id)
+    signer = Signer(control_key(secret), job.job_id, job.term)
     try:
         signer.open(proto.JOB_KEY, value)
     except Forged:
@@ -84,6 +84,9 @@ class Shared:
         self.fetched: dict[int, int] = {}
         """Per recent generation: layers reloaded from peers' memory."""
         self.refusals_written = 0
+        self.link: Any = None
+        """The process's tie to its coordinator (``worker.link.Link``): a wait on a lost
+        coordinator is abandoned."""
 
     def next_report(self, gen: int) -> int | None:
         """The index of this process's next error report of ``gen`` (None: none left)."""
@@ -121,7 +124,13 @@ class Channel:
         return 0 if opened is None else opened.seq
 
     def _present(self, key: str) -> Opened | None:
-        """Wait one slice for ``key``; its sealed value, or None (absent, or refused)."""
+        """Wait one slice for ``key``; its sealed value, or None (absent, or refused).
+
+        Raises:
+            CoordinatorLost: when the coordinator is lost (``worker.link``).
+        """
+        if self.shared.link is not None:
+            self.shared.link.check()
         try:
             self.raw.wait([key], timedelta(seconds=WAIT_SLICE_S))
         except dist.DistStoreError:
@@ -157,10 +166,14 @@ class Channel:
                     return opened.payload
                 raise GenerationOver(f"generation {gen} is over")
 
-    def directive(self, gen: int) -> tuple[int, dict[str, Any]]:
+    def directive(self, gen: int,
+                  again: Callable[[], None] | None = None) -> tuple[int, dict[str, Any]]:
         """The directive of ``gen``, or of the newest generation if the coordinator has
-        moved past ``gen`` (a generation that is not the newest is over)."""
+        moved past ``gen`` (a generation that is not the newest is over); ``again`` is
+        called before each slice of the wait."""
         while True:
+            if again is not None:
+                again()
             gen = max(gen, self.current_gen())
             key = proto.directive_key(gen)
             opened = self._present(key)
@@ -177,6 +190,11 @@ class Channel:
     def start_gen(self) -> int:
         """The first generation a repaired worker follows."""
         return int(self.await_value(proto.start_gen_key(self.worker, self.incarnation)))
+
+    def progress(self) -> int | None:
+        """The coordinator's progress value (None: none yet, or refused)."""
+        opened = self.signed.latest(proto.PROGRESS_KEY)
+        return None if opened is None else opened.seq
 
     def aborted(self, gen: int) -> bool:
         """Wait one slice for ``gen``'s abort; whether it was aborted."""
@@ -205,6 +223,11 @@ class Channel:
     def register(self, info: dict[str, Any]) -> None:
         """Announce this process (host, pid, address)."""
         self.signed.put(proto.worker_info_key(self.worker, self.incarnation), json.dumps(info))
+
+    def reattach(self, report: str) -> None:
+        """Tell a coordinator that took the run over what this worker holds (JSON
+        ``ReattachReport``, sealed for its term)."""
+        self.signed.put(proto.reattach_key(self.worker), report)
 
     def began(self, gen: int) -> None:
         """This process begins to build ``gen``'s groups."""
