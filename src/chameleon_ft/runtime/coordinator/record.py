@@ -18,6 +18,7 @@ import os
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 RECORD_FILE = "coordinator.json"
 """The record's name in the run folder."""
@@ -36,6 +37,9 @@ class RunRecord:
     """The model and numerics (``setup.config_digest``): a takeover must not change them."""
     ended: bool = False
     """The run ended (finished, stopped, or failed with its workers told to stop)."""
+    boundaries: list[list[Any]] | None = None
+    """Every layer's output shape and dtype (``JobInfo.boundaries``): a coordinator that
+    takes the run over publishes the job without learning them again."""
 
     def ending(self) -> RunRecord:
         """This record, with the run ended."""
@@ -60,9 +64,11 @@ def read(out_dir: Path) -> RunRecord | None:
                          f"(permissions {mode:o}); make it 600 (chmod 600) if you trust it")
     try:
         doc = json.loads(text)
+        boundaries = doc.get("boundaries")
         return RunRecord(job_id=str(doc["job_id"]), token=str(doc["token"]),
                          host=str(doc["host"]), port=int(doc["port"]), term=int(doc["term"]),
-                         digest=str(doc["digest"]), ended=bool(doc.get("ended", False)))
+                         digest=str(doc["digest"]), ended=bool(doc.get("ended", False)),
+                         boundaries=list(boundaries) if isinstance(boundaries, list) else None)
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -100,6 +100,9 @@ class Job:
     takeover: bool = False
     """The run did not end: its workers may be alive, waiting for a coordinator; they are
     re-attached (``control.reattach``) before anything is launched."""
+    boundaries: list[list[Any]] | None = None
+    """The layers' output shapes and dtypes, as the run's record keeps them (None: to
+    learn)."""
 
     @property
     def num_workers(self) -> int:
@@ -227,12 +230,11 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
 
     Raises:
         ValueError: for faults naming missing workers, layouts that do not fit, a token
-            that is too short, a resume without a checkpoint, workers that would not fit
-            the host's memory, or a trace the run cannot replay.
+            that is too short or not the resumed run's, a resume without a checkpoint or
+            live workers, workers that would not fit the host, a trace it cannot replay.
     """
     workload = Workload(config, model, data, optimizer, lr_schedule)
-    built_model = workload.model()
-    built_data = workload.data(built_model)
+    built_data = workload.data(built_model := workload.model())
     workload.optimizer()  # a bad optimizer is refused before anything starts
     workload.lr_schedule()
     config, num_local, policy_name, notes = _checked_config(config, num_local_workers,
@@ -247,10 +249,8 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
         raise ValueError(f"--log-every: must be >= 1, got {log_every}")
     remote_possible = num_local < config.total_workers or not auth.is_loopback(host)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir()
-    digest = config_digest(config, workload)
-    earlier = _earlier_run(run_dir, digest, host, port, token) if resume else None
-    if earlier is not None:
-        token, port = earlier.token, earlier.port if not earlier.ended else port
+    earlier, token, port = _earlier_run(run_dir, digest := config_digest(config, workload),
+                                        host, port, token, resume)
     secret_token = _token(token)
     job = Job(config=config, workload=workload, model=built_model, data=built_data,
               profile=prof, plan0=plan0, policy=policy_name, faults=list(faults),
@@ -260,13 +260,11 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
               secret=auth.secret_of(secret_token),
               job_name=job_name or (config.model.name if config.model is not None
                                     else "") or "chameleon",
-              job_id=auth.new_nonce() if earlier is None else earlier.job_id,
-              nonce=auth.new_nonce(), out_dir=run_dir, out_dir_given=out_dir is not None,
+              job_id=auth.new_nonce(), nonce=auth.new_nonce(), out_dir=run_dir,
+              out_dir_given=out_dir is not None,
               ckpt=CheckpointStore(run_dir, config.train.keep_checkpoints),
-              digest=digest, trace=trace, log_every=log_every, notes=notes,
-              term=0 if earlier is None else earlier.term + 1,
-              takeover=earlier is not None and not earlier.ended
-              and config.train.coordinator_grace_s > 0)
+              digest=digest, trace=trace, log_every=log_every, notes=notes)
+    _continue(job, earlier)
     _prepare_checkpoints(job, resume)
     if trace is not None:
         trace.check_job(num_nodes=config.cluster.total_nodes,
@@ -300,18 +298,27 @@ def _prepare_checkpoints(job: Job, resume: bool) -> None:
                          "continues a run instead)")
 
 
-def _earlier_run(run_dir: Path, digest: str, host: str, port: int,
-                 token: str | None) -> record.RunRecord | None:
+def _continue(job: Job, earlier: record.RunRecord | None) -> None:
+    """The same run, one more coordinator: its job id, the next term; its workers are
+    taken over unless the run ended (or they leave with their coordinator: no grace)."""
+    if earlier is None:
+        return
+    job.job_id, job.term, job.boundaries = earlier.job_id, earlier.term + 1, earlier.boundaries
+    job.takeover = not earlier.ended and job.config.train.coordinator_grace_s > 0
+
+
+def _earlier_run(run_dir: Path, digest: str, host: str, port: int, token: str | None,
+                 resume: bool) -> tuple[record.RunRecord | None, str | None, int]:
     """The record of the run being resumed (None: none), checked against what this
-    coordinator was given: its workers look for the next coordinator at the run's address,
-    and prove they know its token.
+    coordinator was given (its workers look for the next coordinator at the run's address,
+    and prove they know its token), with the token and port to use.
 
     Raises:
         ValueError: for another token, address or model than the run's.
     """
-    earlier = record.read(run_dir)
+    earlier = record.read(run_dir) if resume else None
     if earlier is None:
-        return None
+        return None, token, port
     if earlier.digest != digest:
         raise ValueError(f"--resume: the run in {run_dir} trains another model or numerics "
                          "(model, dtype, seed, batch, optimizer); use the config it was "
@@ -326,7 +333,7 @@ def _earlier_run(run_dir: Path, digest: str, host: str, port: int,
         raise ValueError(f"--port: the run in {run_dir} listens on port {earlier.port}, where "
                          f"its workers look for the next coordinator; give --port "
                          f"{earlier.port} or leave it out")
-    return earlier
+    return earlier, earlier.token, port if earlier.ended else earlier.port
 
 
 def _prepare_resume(job: Job) -> None:

@@ -310,8 +310,6 @@ class Coordinator:
         open_run(self)
         self.settings = self._settings()
         self.control = initial(self._start_state(), now_s=self.now(), settings=self.settings)
-        if job.takeover:  # the previous coordinator's workers report first
-            self.control = reattach.start(self.control, self.now(), self.settings)
         old_handlers = self._install_signal_handlers()
         try:
             try:
@@ -354,8 +352,9 @@ class Coordinator:
         self.decide_fn()
         announce(self)
         self.report.open()
-        if job.takeover:
-            return  # no worker is launched before the previous coordinator's report
+        if job.takeover:  # the previous coordinator's workers report first (from now)
+            self.control = reattach.start(self.ctl, self.now(), self.settings)
+            return
         launched = fx.perform(self, m.Launch(tuple(range(job.num_local)), replacement=False))
         if launched is not None:
             self.feed(launched)

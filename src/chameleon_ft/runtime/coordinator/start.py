@@ -6,6 +6,7 @@ say where it listens."""
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -86,8 +87,8 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
     """What every worker needs to know of the job (published in the store)."""
     job, train = coord.job, coord.train
     x, y = job.data.microbatch(0, 0, coord.config.job.micro_batch)
-    boundaries = [[list(shape), str(out_dtype).removeprefix("torch.")]
-                  for shape, out_dtype in _boundaries(coord, x)]
+    boundaries = job.boundaries or [[list(shape), str(out_dtype).removeprefix("torch.")]
+                                    for shape, out_dtype in _boundaries(coord, x)]
     return proto.JobInfo(
         job_name=job.job_name, job_id=job.job_id, nonce=job.nonce,
         num_workers=job.num_workers, num_layers=job.num_layers, dtype=train.dtype,
@@ -141,6 +142,8 @@ def announce(coord: Coordinator) -> None:
                          f"pickle to {size / 2**20:.1f} MiB; the workers receive at most "
                          f"{STORE_VALUE_BYTES >> 20} MiB through the store: give file paths or "
                          "small factories that load the data on the workers")
+    coord.record = replace(coord.record, boundaries=info.boundaries)
+    record.write(job.out_dir, coord.record)
     coord.cs.set_job(info)
     coord.book.publish(coord.cs)
     coord.desk = JoinDesk(coord.cs, token=job.token, job_name=job.job_name, job_id=job.job_id,
