@@ -180,6 +180,10 @@ class ControlStore:
             return None
         return report
 
+    def forget_reports(self, num_workers: int) -> None:
+        """Delete the re-attach reports (the run was taken over)."""
+        self._delete(reattach_key(w) for w in range(num_workers))
+
     # ------------------------------------------------------------------ faults
     def publish_faults(self, faults: list[list[Any]]) -> None:
         """The injected faults ``[rank, step, kind, phase]`` (workers re-read on change)."""

@@ -91,4 +91,5 @@ class Takeover:
                 coord.launcher.adopt(worker, incarnation, pid, doc.started)
             records.append({"worker": worker, "pid": pid, "host": host, "local": local})
         coord.report.took_over(e.step, records)
+        coord.cs.forget_reports(coord.job.num_workers)
         self.seen.clear()

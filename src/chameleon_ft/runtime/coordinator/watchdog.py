@@ -34,7 +34,7 @@ class LoopWatch:
         limit_s: how long the loop may stay in one pass (the hang deadline).
         progress_every_s: how often the sealed progress value advances.
         on_stuck: called on the watchdog's thread with the reason and where the loop is
-            (default: :func:`die`, which needs ``report``).
+            (the coordinator's: :func:`die` after writing the report).
     """
 
     def __init__(self, limit_s: float, progress_every_s: float,

@@ -93,7 +93,7 @@ def recover(w: Worker, cause: BaseException, previous: Generation | None) -> Non
         try:
             _follow(w, found, report)
             return
-        except (CoordinatorLost, GenerationOver, dist.DistError, OSError) as exc:
+        except (CoordinatorLost, dist.DistError, OSError) as exc:
             link.lose(time.monotonic(), str(exc) or type(exc).__name__)
 
 
@@ -120,5 +120,8 @@ def _follow(w: Worker, found: Found, report: ReattachReport) -> None:
         return
     if w.voted is not None:  # the same coordinator: it commits the step once all voted
         gen, step = w.voted
-        verdict = w.chan.await_value(proto.verdict_key(gen, step), gen).decode()
+        try:
+            verdict = w.chan.await_value(proto.verdict_key(gen, step), gen).decode()
+        except GenerationOver:  # it moved on without committing it
+            verdict = proto.ABORT
         apply(w, [gen, step] if verdict in (proto.COMMIT, proto.COMMIT_END) else None)
