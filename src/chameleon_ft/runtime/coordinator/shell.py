@@ -170,7 +170,7 @@ class Coordinator:
         """The last readiness, vote and join slot counts fed."""
         self.takeover = Takeover()
         """The workers' reports, when this coordinator takes the run over."""
-        self.watch = LoopWatch(self.job.hang_s, self.train.heartbeat_s / 2,
+        self.watch = LoopWatch(2 * self.job.hang_s, self.train.heartbeat_s / 2,
                                lambda why, where: die(self._stuck, why, where))
         """The loop's progress, as the workers and the watchdog see it."""
 

@@ -4,11 +4,12 @@ The loop marks each pass (:meth:`LoopWatch.polled`) and, every half heartbeat, a
 the sealed progress value in the store (``protocol.PROGRESS_KEY``): a worker that sees
 it frozen for the hang deadline takes the coordinator for gone, whatever the store's own
 thread still answers. A thread here, which touches neither the store nor the loop's state,
-sees the loop frozen for the hang deadline (a policy call that never returns, a defect
-that loops), writes ``report.json`` saying where the loop is stuck (the effect it
-performs, its innermost frames) and ends the process with status 1: its store goes with
-it, so the workers see the coordinator gone at once and wait ``[train]
-coordinator_grace_s`` for the next one.
+sees the loop frozen for twice the hang deadline (a policy call that never returns, a
+defect that loops; the workers took it for gone after one), writes ``report.json``
+saying where the loop is stuck (the effect it performs, its innermost frames) and ends the
+process with status 1: its store goes with it, so the workers see the coordinator gone at
+once and wait ``[train] coordinator_grace_s`` for the next one. Time the whole process did
+not run (a starved host, a stop) does not count: its loop did not run either.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ STUCK_STATUS = 1
 """The exit status of a coordinator whose loop is stuck (training failed)."""
 FRAMES = 4
 """Innermost frames of the stuck loop the report names."""
+STARVED_S = 0.5
+"""A watchdog tick this late means the whole process did not run meanwhile."""
 
 
 class LoopWatch:
@@ -71,9 +74,16 @@ class LoopWatch:
         self.armed = False
 
     def _watch(self) -> None:
+        interval_s = min(0.1, self.limit_s / 8)
+        last = time.monotonic()
         while self.armed:
-            time.sleep(min(0.1, self.limit_s / 8))
-            frozen_s = time.monotonic() - self.polled_s
+            time.sleep(interval_s)
+            now = time.monotonic()
+            late_s, last = now - last - interval_s, now
+            if late_s > STARVED_S:  # this process did not run (its host starved it, or it
+                # was stopped): neither did its loop, which is not stuck for that
+                self.polled_s = min(now, self.polled_s + late_s)
+            frozen_s = now - self.polled_s
             if self.armed and frozen_s > self.limit_s:
                 where = self.where()
                 reason = (f"the coordinator's loop made no progress for {frozen_s:.1f} s, "
