@@ -550,7 +550,8 @@ class FinalDone:
 class Reattached:
     """The run was taken over at committed step ``step``: these processes of the
     previous coordinator's were re-attached, each ``(worker, incarnation, pid, host)``
-    (the shell holds those of its host; a record in the report)."""
+    (the shell holds those of its host; a record in the report). None: nobody reported,
+    the run resumes from its checkpoint after ``step`` steps."""
 
     step: int
     workers: tuple[tuple[int, str, int, str], ...]

@@ -160,7 +160,8 @@ def _fallback(c: Control, now_s: float, p: Settings) -> Out:
                           f"within {p.reattach_s:g} s, and there is no complete checkpoint "
                           "to resume from", bad_input=True)
     c = replace(c, taking=None, joining_until_s=now_s + p.join_timeout_s)
-    effects: list[m.Effect] = [m.Log(f"no worker of the run reported within "
+    effects: list[m.Effect] = [m.Reattached(c.run.next_step, ()),
+                               m.Log(f"no worker of the run reported within "
                                      f"{p.reattach_s:g} s: resuming from its checkpoint")]
     if p.num_local:
         effects.append(m.Launch(tuple(range(p.num_local)), replacement=False))

@@ -47,7 +47,8 @@ def _base_report(coord: Coordinator, stop: m.Stop, *, live: bool = True) -> dict
         "spare_workers": coord.config.num_spare_workers,
         "total_s": coord.now(),
         "run_dir": str(job.out_dir),
-        "resumed_from_step": None if job.resumed_from is None else job.resumed_from.step,
+        "resumed_from_step": None if job.resumed_from is None or coord.report.reattached
+        else job.resumed_from.step,
         "coordinator_term": job.term,
         "reattached": list(coord.report.reattached),
         "committed_steps": stop.step,

@@ -258,7 +258,7 @@ class Launcher:
         (a re-attached worker); False when it is gone."""
         try:
             proc = Adopted(pid, started)
-        except OSError:  # gone, or pid file descriptors are not supported here
+        except (OSError, AttributeError):  # gone, or no pid file descriptors here
             return False
         self.procs[worker] = Proc(worker, incarnation, proc, host=socket.gethostname(),
                                   local_index=worker)
