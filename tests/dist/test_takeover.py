@@ -86,6 +86,29 @@ def test_a_verdict_read_by_some_workers_only_is_applied_by_the_others(
         kill_all(*pids)
 
 
+def test_a_worker_that_does_not_report_is_dead_and_recovered_from(
+        tmp_path: Path, reference: Any) -> None:
+    """Worker 3 is stopped when its coordinator dies: it never reports to the new one,
+    which treats it as dead once its bound passed and recovers through the policy."""
+    first = Coordinating(tmp_path, TRAIN, port=0)
+    pids = first.pids()
+    try:
+        until(lambda: first.committed() >= 9, 60)
+        os.kill(pids[3], signal.SIGSTOP)
+        first.kill()
+        second = Coordinating(tmp_path, TRAIN, resume=True)
+        assert second.wait(120) == 0, [x for _, x in second.mine()][-20:]
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert [r["worker"] for r in report["reattached"]] == [0, 1, 2]
+        (event,) = report["events"]
+        assert event["workers"] == [3] and "did not report" in event["cause"]
+        assert event["strategy"] not in ("", "none", "restart"), event
+        _, params = reference("float64", STEPS)
+        assert max_abs_diff(_params(tmp_path), params) < 1e-9
+    finally:
+        kill_all(*pids)
+
+
 def test_without_a_new_coordinator_the_workers_exit_after_the_grace(tmp_path: Path) -> None:
     grace_s = 2.0
     first = Coordinating(tmp_path, {**TRAIN, "coordinator_grace_s": grace_s}, port=0)

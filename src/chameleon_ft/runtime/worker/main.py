@@ -182,6 +182,8 @@ class Worker:
         self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
         self.rendezvous = self.chan.rendezvous(max(5.0, 2 * self.hang_s))
         """The store this process's groups meet in (kept: torch calls it)."""
+        self.kept: list[Any] = []
+        """Earlier coordinators' rendezvous stores (groups being closed may call them)."""
         self.blobs = BlobClient(self.host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s,
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))

@@ -105,6 +105,7 @@ def _follow(w: Worker, found: Found, report: ReattachReport) -> None:
     w.store = found.raw
     w.store.set_timeout(timedelta(seconds=max(5.0, 2 * w.hang_s)))
     w.chan = Channel(found.raw, w.shared)
+    w.kept = [*w.kept[-3:], w.rendezvous]  # groups being closed may still call it
     w.rendezvous = w.chan.rendezvous(max(5.0, 2 * w.hang_s))
     w.faults.chan = w.chan
     w.blobs.port = found.job.blob_port
