@@ -22,7 +22,7 @@ from chameleon_ft.runtime.coordinator import record
 from chameleon_ft.runtime.coordinator.setup import config_digest, prepare
 from chameleon_ft.runtime.signing import SignedStore, Signer, control_key
 from chameleon_ft.runtime.worker import link as link_mod
-from chameleon_ft.runtime.worker.link import CoordinatorLost, Link, find
+from chameleon_ft.runtime.worker.link import Link, find
 from chameleon_ft.spec.config import config_from_mapping
 
 DOC: dict[str, Any] = {
@@ -133,12 +133,11 @@ def exits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_silent_or_frozen_coordinator_is_lost_and_the_grace_ends_the_process(
         exits: list[str]) -> None:
     tie = Link("127.0.0.1", 1, hang_s=0.2, grace_s=0.3, term=0)
-    tie.check()
+    tie.judge()
+    assert not tie.lost
     time.sleep(0.25)
     tie.judge()  # no heartbeat for the hang deadline
     assert tie.lost and "took no heartbeat" in tie.why
-    with pytest.raises(CoordinatorLost):
-        tie.check()
     tie.attached(0)
     for _ in range(6):  # beats taken, but the loop's progress value does not move
         tie.beat_taken()
@@ -146,6 +145,16 @@ def test_a_silent_or_frozen_coordinator_is_lost_and_the_grace_ends_the_process(
         time.sleep(0.05)
         tie.judge()
     assert tie.lost and "made no progress" in tie.why
+    tie.progress(8)  # it moved again: slow, not gone
+    assert not tie.lost
+    for _ in range(6):
+        tie.beat_taken()
+        time.sleep(0.05)
+        tie.judge()
+    assert tie.lost
+    tie.recovering = True  # the training thread gave it up: only it decides now
+    tie.progress(9)
+    assert tie.lost
     time.sleep(0.35)
     with pytest.raises(SystemExit):
         tie.judge()

@@ -39,7 +39,7 @@ from chameleon_ft.runtime.coordinator.setup import Job, prepare
 from chameleon_ft.runtime.coordinator.start import announce, open_run
 from chameleon_ft.runtime.coordinator.start import bound_store as bound_store
 from chameleon_ft.runtime.coordinator.takeover import Takeover
-from chameleon_ft.runtime.coordinator.watchdog import LoopWatch, die
+from chameleon_ft.runtime.coordinator.watchdog import LoopWatch, die, stuck_after_s
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.report.records import Event, StepRecord
 from chameleon_ft.runtime.report.run import RunReport
@@ -170,7 +170,7 @@ class Coordinator:
         """The last readiness, vote and join slot counts fed."""
         self.takeover = Takeover()
         """The workers' reports, when this coordinator takes the run over."""
-        self.watch = LoopWatch(2 * self.job.hang_s, self.train.heartbeat_s / 2,
+        self.watch = LoopWatch(stuck_after_s(self.job.hang_s), self.train.heartbeat_s / 2,
                                lambda why, where: die(self._stuck, why, where))
         """The loop's progress, as the workers and the watchdog see it."""
 

@@ -4,8 +4,8 @@ The loop marks each pass (:meth:`LoopWatch.polled`) and, every half heartbeat, a
 the sealed progress value in the store (``protocol.PROGRESS_KEY``): a worker that sees
 it frozen for the hang deadline takes the coordinator for gone, whatever the store's own
 thread still answers. A thread here, which touches neither the store nor the loop's state,
-sees the loop frozen for twice the hang deadline (a policy call that never returns, a
-defect that loops; the workers took it for gone after one), writes ``report.json``
+sees the loop frozen for twice the hang deadline, at least 10 s (a policy call that never
+returns, a defect that loops; the workers took it for gone after one), writes ``report.json``
 saying where the loop is stuck (the effect it performs, its innermost frames) and ends the
 process with status 1: its store goes with it, so the workers see the coordinator gone at
 once and wait ``[train] coordinator_grace_s`` for the next one. Time the whole process did
@@ -28,6 +28,15 @@ FRAMES = 4
 """Innermost frames of the stuck loop the report names."""
 STARVED_S = 0.5
 """A watchdog tick this late means the whole process did not run meanwhile."""
+STUCK_FLOOR_S = 10.0
+"""The loop is judged stuck after twice the hang deadline, and never before this: a disk
+that takes seconds to sync a file (a shared file system) is slow, not stuck, and a stuck
+loop held longer costs little (its workers took it for gone after one hang deadline)."""
+
+
+def stuck_after_s(hang_s: float) -> float:
+    """How long the loop may stay in one pass before the watchdog ends the process."""
+    return max(2 * hang_s, STUCK_FLOOR_S)
 
 
 class LoopWatch:

@@ -84,9 +84,6 @@ class Shared:
         self.fetched: dict[int, int] = {}
         """Per recent generation: layers reloaded from peers' memory."""
         self.refusals_written = 0
-        self.link: Any = None
-        """The process's tie to its coordinator (``worker.link.Link``): a wait on a lost
-        coordinator is abandoned."""
 
     def next_report(self, gen: int) -> int | None:
         """The index of this process's next error report of ``gen`` (None: none left)."""
@@ -124,13 +121,8 @@ class Channel:
         return 0 if opened is None else opened.seq
 
     def _present(self, key: str) -> Opened | None:
-        """Wait one slice for ``key``; its sealed value, or None (absent, or refused).
-
-        Raises:
-            CoordinatorLost: when the coordinator is lost (``worker.link``).
-        """
-        if self.shared.link is not None:
-            self.shared.link.check()
+        """Wait one slice for ``key``; its sealed value, or None (absent, or refused). A
+        coordinator that is only slow is waited for (a dead one fails the request)."""
         try:
             self.raw.wait([key], timedelta(seconds=WAIT_SLICE_S))
         except dist.DistStoreError:

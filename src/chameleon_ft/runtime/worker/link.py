@@ -1,22 +1,26 @@
 """A worker's tie to its coordinator: whether the coordinator is there, and the next one
-found when it goes (docs/design.md 4.2, "A coordinator replaced under live workers").
+found when it goes (docs/design.md 4.1, "A coordinator replaced under live workers").
 
 The coordinator is *lost* when its port refuses connections, when its store took no
 heartbeat for the hang deadline (stopped, cut off), or when its progress value
 (``protocol.PROGRESS_KEY``, advanced by its loop, not by the store's own thread) stayed
-frozen for the hang deadline (a loop stuck in a policy call). The worker then keeps its
-state (the layers and optimizer state of its last committed step, and the gradients of a
-step it reduced whose verdict it never read), abandons the generation in flight, and for
-``[train] coordinator_grace_s`` looks for a coordinator on the job's address, with
-bounded retries:
+frozen for the hang deadline (a loop stuck in a policy call). A lost coordinator is
+still waited on and beaten to: if its progress moves again it was only slow, and it is no
+longer lost (nothing was abandoned). Once its store fails (its process died, or its own
+watchdog ended it) the training thread keeps the worker's state (the layers and optimizer
+state of its last committed step, and the gradients of a step it reduced whose verdict it
+never read), abandons the generation in flight, and looks, with bounded retries, for a
+coordinator on the job's address:
 
 - one of a later term (``chameleon train --resume``, or the scheduler restarting it):
   the worker reports what it holds (sealed for that term) and follows its directives;
-- the same one, whose progress moved again (it was slow, not gone): the worker goes on
-  with it (its next directive fences the worker if it was declared dead meanwhile);
-- none by the end of the grace: the worker exits (``EXIT_COORDINATOR_GONE``), as it did
-  before coordinators could be replaced. The watchdog thread enforces the end of the
-  grace whatever the training thread is blocked in.
+- the same one, whose progress moved again (its store failed one request, it did not
+  die): the worker goes on with it (its next directive fences the worker if it was
+  declared dead meanwhile);
+- none by the end of ``[train] coordinator_grace_s`` from the loss: the worker exits
+  (``EXIT_COORDINATOR_GONE``), as it did before coordinators could be replaced. The
+  watchdog thread enforces the end of the grace whatever the training thread is blocked
+  in.
 """
 
 from __future__ import annotations
@@ -47,10 +51,6 @@ def process_start(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
-
-
-class CoordinatorLost(RuntimeError):
-    """The coordinator died, froze or went silent: the generation in flight is abandoned."""
 
 
 def refused(host: str, port: int) -> bool:
@@ -95,6 +95,9 @@ class Link:
         self.lock = threading.Lock()
         self.lost_at: float | None = None
         self.why = ""
+        self.recovering = False
+        """The training thread gave the coordinator up (its store failed) and looks for
+        one to follow: only it decides which (``find``)."""
         now = time.monotonic()
         self.beat_s = now
         """When the coordinator last took a heartbeat."""
@@ -114,24 +117,20 @@ class Link:
         self.beat_s = time.monotonic()
 
     def progress(self, seq: int | None) -> None:
-        """The progress value as read (None: none yet)."""
+        """The progress value as read with a heartbeat the coordinator took (None: none
+        yet). Lost, it moved again: the coordinator was slow, not gone (the worker's
+        waits on it went on: nothing was abandoned)."""
         if seq is not None and seq > self.progress_seq:
             self.progress_seq, self.progress_s = seq, time.monotonic()
+            with self.lock:
+                if self.lost_at is not None and not self.recovering:
+                    self.lost_at, self.why = None, ""
 
     def lose(self, at_s: float, why: str) -> None:
         """The coordinator is lost since ``at_s`` (the first report wins)."""
         with self.lock:
             if self.lost_at is None:
                 self.lost_at, self.why = min(at_s, time.monotonic()), why
-
-    def check(self) -> None:
-        """Raise when the coordinator is lost.
-
-        Raises:
-            CoordinatorLost: it is.
-        """
-        if self.lost_at is not None:
-            raise CoordinatorLost(self.why)
 
     def judge(self) -> None:
         """Lose the coordinator when it took no heartbeat, or its progress value did not
@@ -154,7 +153,7 @@ class Link:
         with self.lock:
             if term != self.term:
                 self.progress_seq = -1  # the next coordinator numbers its own
-            self.term, self.lost_at, self.why = term, None, ""
+            self.term, self.lost_at, self.why, self.recovering = term, None, "", False
             self.beat_s = self.progress_s = time.monotonic()
             self.epoch += 1
 

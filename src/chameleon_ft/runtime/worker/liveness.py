@@ -111,8 +111,10 @@ class Liveness:
         """Beat every interval while the device completes its work, and read the
         coordinator's progress value; a refused connection means the coordinator is gone.
         A slow answer under load is not a death: a beat may time out, only the watchdog
-        decides. While the coordinator is lost nothing is beaten; once one is attached
-        (the training thread found it) the beats go to it over a new connection."""
+        decides. A lost coordinator is still beaten to (one that was only slow takes the
+        beats, its progress value moves, and it is no longer lost); once another is
+        attached (the training thread found it) the beats go to it over a new
+        connection."""
         tie = self.coordinator
         chan: Channel | None = None
         epoch = -1
@@ -120,9 +122,6 @@ class Liveness:
         while True:
             if self.watch.pending_s() > self.stall_limit_s():
                 self._stalled(chan)
-            if tie.lost:
-                time.sleep(self.heartbeat_s)
-                continue
             if epoch != tie.epoch or chan is None:
                 epoch, chan = tie.epoch, self._connected(max(self.hang_s / 2, 0.2))
                 if chan is None:
@@ -163,7 +162,7 @@ class Liveness:
                 self.changed.wait_for(lambda: (g := self.current()) is not None
                                       and not g.broken, timeout=WAIT_SLICE_S)
                 gen = self.current()
-            if gen is None or gen.broken or tie.lost:
+            if gen is None or gen.broken:
                 continue
             if epoch != tie.epoch or chan is None:
                 epoch, chan = tie.epoch, self._connected(max(self.hang_s / 2, 0.2))

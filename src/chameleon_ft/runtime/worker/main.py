@@ -60,7 +60,7 @@ from chameleon_ft.runtime.worker.device import memory as device_memory
 from chameleon_ft.runtime.worker.executor import StepResult, StepRun
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
 from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
-from chameleon_ft.runtime.worker.link import CoordinatorLost, Link
+from chameleon_ft.runtime.worker.link import Link
 from chameleon_ft.runtime.worker.liveness import (
     EXIT_COORDINATOR_GONE,
     EXIT_ERROR,
@@ -174,9 +174,8 @@ class Worker:
         self.shared = Shared(signer, self.id, self.incarnation, _log.warning)
         self.chan = Channel(self.store, self.shared)
         self.hang_s = self.job.hang_timeout_s
-        self.link = self.shared.link = Link(self.host, self.port, hang_s=self.hang_s,
-                                            grace_s=self.job.coordinator_grace_s,
-                                            term=self.job.term)
+        self.link = Link(self.host, self.port, hang_s=self.hang_s,
+                         grace_s=self.job.coordinator_grace_s, term=self.job.term)
         # the watchdog decides whether the coordinator is gone; the training thread's
         # requests may take longer on a loaded host without that meaning anything
         self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
@@ -317,7 +316,7 @@ class Worker:
                 previous = self._run_generation(gen, directive, previous)
             except GenerationOver:
                 previous = self.current
-            except (CoordinatorLost, dist.DistError) as exc:  # the coordinator went away
+            except dist.DistError as exc:  # its store failed: the coordinator went away
                 reattach.recover(self, exc, previous)
                 previous, gen = None, self.directive_gen
             except Exception as exc:  # injected, or a bug: the worker is going away
@@ -574,7 +573,7 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
                secret=secret, replacement=replacement, place=place).run()
     except InjectedError:
         code = EXIT_ERROR
-    except (dist.DistError, CoordinatorLost):  # before it could follow the coordinator
+    except dist.DistError:  # the coordinator went away before the worker followed it
         code = EXIT_COORDINATOR_GONE
     except BaseException:
         _log.error("%s", traceback.format_exc().rstrip())

@@ -31,7 +31,7 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.documents import HeldState, ReattachReport
 from chameleon_ft.runtime.worker.channel import Channel, GenerationOver
 from chameleon_ft.runtime.worker.groups import close_later
-from chameleon_ft.runtime.worker.link import CoordinatorLost, Found, find, process_start
+from chameleon_ft.runtime.worker.link import Found, find, process_start
 
 if TYPE_CHECKING:
     from chameleon_ft.runtime.worker.groups import Generation
@@ -77,9 +77,10 @@ def apply(w: Worker, ask: Any) -> None:
 
 
 def recover(w: Worker, cause: BaseException, previous: Generation | None) -> None:
-    """The coordinator was lost (``cause``): abandon the generation in flight, and wait
-    (at most the grace: the process exits then) for a coordinator to follow."""
+    """The coordinator's store failed (``cause``): abandon the generation in flight, and
+    wait (at most the grace: the process exits then) for a coordinator to follow."""
     link = w.link
+    link.recovering = True
     link.lose(time.monotonic(), str(cause) or type(cause).__name__)
     _log.warning("worker %d: %s; waiting up to %g s for a coordinator", w.id, link.why,
                  link.grace_s)
@@ -93,7 +94,7 @@ def recover(w: Worker, cause: BaseException, previous: Generation | None) -> Non
         try:
             _follow(w, found, report)
             return
-        except (CoordinatorLost, dist.DistError, OSError) as exc:
+        except (dist.DistError, OSError) as exc:
             link.lose(time.monotonic(), str(exc) or type(exc).__name__)
 
 
