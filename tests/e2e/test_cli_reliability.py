@@ -29,6 +29,7 @@ dtype = "float64"
 hang_timeout_s = 1.5
 heartbeat_s = 0.1
 checkpoint_every = 5
+coordinator_grace_s = 0.0
 """
 TOKEN = "an-e2e-token-of-enough-length"
 HANG_S = 1.5

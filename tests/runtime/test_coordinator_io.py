@@ -134,6 +134,9 @@ class _Fakes:
         return {3: -9}
 
     # the control store
+    def progress(self, count: int) -> None:
+        pass
+
     def error_reports(self, gen: int, first: int) -> tuple[Any, ...]:
         return ("malformed",)
 

@@ -18,7 +18,7 @@ import pytest
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
-from chameleon_ft.runtime.control import machine, slots
+from chameleon_ft.runtime.control import machine, reattach, slots
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.members import MAX_FAILED_STARTS
@@ -733,8 +733,58 @@ def test_a_shell_that_cannot_go_on_stops_training_in_every_mode() -> None:
     assert stop.bad_input
 
 
+def test_a_run_taken_over_moves_by_what_its_workers_report() -> None:
+    """Every way out of ``reattaching``: by a complete set of reports (train on, a stale
+    worker to recover, the last step already done), by the deadline (an idle or a plan's
+    member missing, nobody at all with and without a checkpoint), a signal, a crash."""
+    from test_runtime_reattach import held, report
+
+    five = replace(SETTINGS, num_workers=5, num_local=5)
+    names = {w: f"inc{w}" for w in range(5)}
+
+    def taking(settings: Settings = SETTINGS) -> Run:
+        run = Run(settings)
+        run.c = reattach.start(run.c, 0.0, settings)
+        return run
+
+    def reports(run: Run, *made: Any) -> None:
+        run.feed(m.Reports(run.at(), tuple(made)))
+
+    cases = []
+    steady = taking()
+    reports(steady, *(report(w) for w in range(4)))
+    cases.append((steady, Mode.TRAINING))
+    stale = taking()
+    reports(stale, report(0), report(1), report(2), report(3, 9))
+    cases.append((stale, Mode.DECIDING))
+    done = taking(replace(SETTINGS, steps=10))
+    reports(done, *(report(w) for w in range(4)))
+    cases.append((done, Mode.FINISHED))
+    for settings, step, missing, after in ((five, 10, 4, Mode.TRAINING),
+                                           (five, 10, 3, Mode.DECIDING),
+                                           (replace(five, steps=10), 10, 4, Mode.FINISHED)):
+        late = taking(settings)
+        reports(late, *(report(w, step, names=names) for w in range(5) if w != missing))
+        late.feed(m.Tick(late.at(5.0)))
+        cases.append((late, after))
+    nobody = taking()
+    nobody.feed(m.Tick(nobody.at(5.0)))
+    cases.append((nobody, Mode.JOINING))
+    bare = taking(replace(SETTINGS, resume_fallback=False))
+    bare.feed(m.Tick(bare.at(5.0)))
+    cases.append((bare, Mode.FAILED))
+    for obs in (m.StopAsked(1.0, "SIGINT"), m.ShellFailed(1.0, "OSError: disk")):
+        stopped = taking()
+        stopped.feed(obs)
+        cases.append((stopped, Mode.FAILED))
+    for run, expected in cases:
+        assert mode(run.c) is expected, (expected, run.effects)
+    assert held(0, 1).step == 1
+
+
 # ---------------------------------------------------------------------- the diagram
 SCENARIOS: list[Callable[[], None]] = [
+    test_a_run_taken_over_moves_by_what_its_workers_report,
     test_a_replacement_that_keeps_dying_after_it_joined_is_given_up,
     test_a_failure_right_after_a_reload_reloads_again_never_keeps,
     test_two_remote_joiners_never_get_the_same_dead_id,
@@ -770,7 +820,7 @@ def test_each_transition_names_modes_and_a_known_cause(edge: tuple[Mode, str, Mo
     before, cause, after = edge
     assert before is not after
     assert cause in {"tick", "exits", "death", "registered", "reduced", "stop", "software",
-                     "trace-end", "decision", "unexplained", "crash"}
+                     "trace-end", "decision", "unexplained", "crash", "reports"}
 
 
 # ---------------------------------------------------------------------- state on disk

@@ -48,11 +48,12 @@ from hypothesis import strategies as hs
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
-from chameleon_ft.runtime.control import machine, slots
+from chameleon_ft.runtime.control import machine, reattach, slots
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import slowness as sw
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.model import RUNNING, Control, Mode, Settings, initial, mode
+from chameleon_ft.runtime.control.reports import Held, Report
 from chameleon_ft.runtime.protocol import MALFORMED, MISSING, REPLAYED, ErrorReport
 
 PLAN = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)
@@ -99,7 +100,7 @@ KINDS = (["reduced"] * 6 + ["tick"] * 4 + ["exits"] * 3 + ["errors"] * 5 + ["bea
          + ["registered"] * 2 + ["op-times"] * 5
          + ["ready", "checkpoint", "checkpoint", "stale-vote", "join", "relaunch",
             "software", "absent", "rejoin", "launched", "signal", "trace-end", "crash",
-            "probes", "slow-answer"])
+            "probes", "slow-answer", "reports"])
 """What the shell observes, weighted so that runs commit, fail and recover often before a
 signal or a trace's end stops them."""
 SLOW_KINDS = (["reduced"] * 12 + ["probes"] * 4 + ["tick"] * 3 + ["op-times"] * 2
@@ -127,7 +128,8 @@ class Driver:
     built once), which keeps an example cheap."""
 
     def __init__(self, data: hs.DataObject, settings_: Settings, late: bool = False,
-                 resumed: bool = False, kinds: tuple[str, ...] = KINDS) -> None:
+                 resumed: bool = False, kinds: tuple[str, ...] = KINDS,
+                 takeover: bool = False) -> None:
         self.data, self.p = data, settings_
         self.kinds = kinds
         self.late = late
@@ -138,6 +140,8 @@ class Driver:
             start = replace(st.start(settings_.initial_plan, range(settings_.num_workers),
                                      step=10, load=st.Load("restore", 10)), checkpoints=(4, 10))
         self.c = initial(start, now_s=0.0, settings=settings_)
+        if takeover:  # a coordinator taking the run over: the workers report first
+            self.c = reattach.start(self.c, 0.0, settings_)
         self.now = 0.0
         self.answers: list[m.Observation] = []
         self.beats: dict[int, int] = {}
@@ -253,6 +257,8 @@ class Driver:
         if kind in ("signal", "trace-end", "crash") and self.index(4):
             kind = "tick"  # rarer still: most runs should fail and recover first
         gen = self.pick([s.gen, s.gen, s.gen, max(0, s.gen - 1), s.gen + 1])
+        if kind == "reports" or (c.taking is not None and self.index(3)):
+            return m.Reports(now, tuple(self.report() for _ in range(self.index(6))))
         if kind == "reduced":
             return m.Reduced(now, s.gen, s.next_step, self.pick([len(s.plan.workers), 1]))
         if kind == "stale-vote":
@@ -326,6 +332,31 @@ class Driver:
         return m.OpTimes(now, gen, step, {
             w: self.pick([1.0] * 6 + [1.2, float("nan"), -1.0, 0.0])
             * (slow if w == self.slow_worker else 1.0) for w in workers})
+
+    def report(self) -> Report:
+        """What one worker of a run being taken over reports: any state of any plan, a
+        pending step, or nothing; under the names of any directive."""
+        ids = list(range(self.p.num_workers))
+        worker = self.pick(ids)
+        if self.index(2):  # mostly what a steady run leaves: PLAN's state, a step pending
+            mine = frozenset(PLAN.layers_by_worker.get(worker, range(0)))
+            at = self.pick([9, 10, 10])
+            return Report(worker, f"i{worker}", 5, 5, {w: f"i{w}" for w in ids},
+                          Held(at, 5, PLAN, mine), Held(at + 1, 5, PLAN, mine)
+                          if self.index(2) else None)
+        plans = [PLAN, two_stage((0, 1), (2, 3)), two_stage((0, 2)), two_stage((1, 3))]
+        gen, step = self.pick([3, 4, 5]), self.pick([8, 9, 10])
+
+        def state(at: int) -> Held:
+            plan = self.pick(plans)
+            layers = frozenset(plan.layers_by_worker.get(worker, range(0)))
+            return Held(at, self.pick([gen, gen - 1]), plan,
+                        layers | frozenset(self.some(range(4), 2)))
+
+        names = {w: self.pick([f"i{w}", f"x{w}"]) for w in ids if self.index(5)}
+        return Report(worker, self.pick([f"i{worker}", f"x{worker}"]), gen + self.index(2),
+                      gen, names, None if not self.index(6) else state(step),
+                      state(step + 1) if not self.index(3) else None)
 
     def checkpoint(self, now: float, gen: int) -> m.Observation:
         """Progress of a checkpoint being written (mostly), or of any."""
@@ -454,14 +485,18 @@ SETTINGS = hs.builds(
 @settings(max_examples=300, derandomize=True, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=hs.data(), settings_=SETTINGS, late=hs.sampled_from([False, False, True]),
-       resumed=hs.sampled_from([True, False]))
+       resumed=hs.sampled_from([True, False]),
+       takeover=hs.sampled_from([False, False, False, True]))
 def test_the_step_never_raises_and_keeps_its_invariants(data: hs.DataObject,
                                                         settings_: Settings,
-                                                        late: bool, resumed: bool) -> None:
-    run = Driver(data, settings_, late, resumed)
-    run.feed(m.Launched(0.0, {w: f"i{w}" for w in range(settings_.num_local)}, local=True,
-                        replacement=False))
-    if data.draw(hs.integers(0, 7)) < 7:  # usually they join; sometimes the deadline decides
+                                                        late: bool, resumed: bool,
+                                                        takeover: bool) -> None:
+    run = Driver(data, settings_, late, resumed, takeover=takeover)
+    if not takeover:  # taken over: the previous coordinator's workers report (or not)
+        run.feed(m.Launched(0.0, {w: f"i{w}" for w in range(settings_.num_local)},
+                            local=True, replacement=False))
+    if not takeover and data.draw(hs.integers(0, 7)) < 7:
+        # usually they join; sometimes the deadline decides
         run.honest, run.reserved = True, settings_.num_workers - settings_.num_local
         run.feed(m.JoinSlots(0.0, run.reserved))
         while run.answers:

@@ -102,7 +102,8 @@ def _join(store: dist.TCPStore, job: JobInfo, token: str, wanted_job: str, addre
     from chameleon_ft.runtime import protocol as proto
     from chameleon_ft.runtime.signing import SignedStore, Signer, control_key
 
-    signed = SignedStore(store, Signer(control_key(auth.secret_of(token)), job.job_id))
+    signed = SignedStore(store, Signer(control_key(auth.secret_of(token)), job.job_id,
+                                       job.term))
     nonce = signed.raw_peek(proto.JOIN_NONCE_KEY)  # unsealed here: a forged one only fails
     request = auth.JoinRequest(
         wnonce=auth.new_nonce(), proof="", job=wanted_job, host=socket.gethostname(),
@@ -333,9 +334,12 @@ def _start(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo, tok
 def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
           drain: Drain) -> None:
     """Wait for this host's workers: they leave by themselves when the coordinator stops
-    the run or goes (their heartbeat is a watchdog). Bounded by the drain's grace after a
-    signal, and by twice the hang deadline once the coordinator stops answering."""
+    the run, or when it went and no other came within ``coordinator_grace_s`` (their
+    heartbeat is a watchdog). Bounded by the drain's grace after a signal, and by twice
+    the hang deadline plus that grace once no coordinator answers on the job's address
+    (a new one, taking the run over, answers on a new connection)."""
     from chameleon_ft.runtime import protocol as proto
+    from chameleon_ft.runtime.worker.link import client, refused
 
     sentinels = [proc.sentinel for _, proc in procs]
     silent_since: float | None = None
@@ -355,9 +359,14 @@ def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
             silent_since = None
         except Exception:
             silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since > 2 * job.hang_timeout_s + 1:
+            if time.monotonic() - silent_since > 2 * job.hang_timeout_s + \
+                    job.coordinator_grace_s + 1:
                 _log.warning("the coordinator is gone; stopping this host's workers")
                 return
+            host, port = store.host, store.port
+            with contextlib.suppress(Exception):  # a coordinator that took the run over
+                if not refused(host, port):
+                    store = client(host, port, max(job.hang_timeout_s / 2, 0.2))
 
 
 def _reap(procs: list[tuple[int, Any]], patience_s: float) -> None:

@@ -65,6 +65,12 @@ class JobInfo:
     nccl_semantics: bool = False
     """Run gloo groups behind NCCL's completion semantics (``worker.nccl_like``): how the
     tests exercise the NCCL path on CPU."""
+    term: int = 0
+    """The coordinator's term: 0 for the run's first coordinator, one more for each that
+    took the run over (every control value is sealed for it; a worker re-attaches only to
+    a later term)."""
+    coordinator_grace_s: float = 30.0
+    """How long a worker whose coordinator went away waits for the next one."""
 
     def to_json(self) -> str:
         """Serialise."""
@@ -118,3 +124,86 @@ class ErrorReport:
                        corrupt_step=None if corrupt is None else int(corrupt))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ValueError("malformed error report") from None
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """Layers a worker holds as committed after ``step`` steps, placed by the plan of
+    generation ``gen`` (the generation whose commit or load made them)."""
+
+    step: int
+    gen: int
+    layers: tuple[int, ...]
+    plan: dict[str, Any]
+    """The plan of generation ``gen`` (``ExecutionPlan.to_dict``)."""
+
+    def to_doc(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"step": self.step, "gen": self.gen, "layers": list(self.layers),
+                "plan": self.plan}
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> HeldState | None:
+        """Parse :meth:`to_doc` output (None stays None).
+
+        Raises:
+            ValueError: for a malformed state.
+        """
+        if doc is None:
+            return None
+        try:
+            return cls(step=int(doc["step"]), gen=int(doc["gen"]),
+                       layers=tuple(int(i) for i in doc["layers"]), plan=dict(doc["plan"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("malformed held state") from None
+
+
+@dataclass(frozen=True)
+class ReattachReport:
+    """What a worker whose coordinator went away tells the next one (its
+    ``reattach/{worker}`` key, sealed for the new coordinator's term): its process, the
+    newest generation it followed, and the state it holds."""
+
+    worker: int
+    incarnation: str
+    host: str
+    pid: int
+    started: int
+    """When the process started (clock ticks since boot, ``/proc``): with the pid, it
+    names the process (a pid can be reused, the pair cannot)."""
+    seen_gen: int
+    """The newest generation it knows was published (-1: none)."""
+    gen: int
+    """The newest generation whose directive it read (-1: none)."""
+    members: dict[str, str]
+    """That directive's incarnations (worker -> incarnation): who was alive then."""
+    held: HeldState | None
+    """The state it holds (None: none yet)."""
+    pending: HeldState | None = None
+    """The state it holds if the step it reduced and whose verdict it never read
+    committed (its gradients are kept): its stage's layers one step later."""
+
+    def to_json(self) -> str:
+        """Serialise."""
+        doc = dict(vars(self))
+        doc["held"] = None if self.held is None else self.held.to_doc()
+        doc["pending"] = None if self.pending is None else self.pending.to_doc()
+        return json.dumps(doc)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ReattachReport:
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            ValueError: for a malformed report.
+        """
+        try:
+            d = json.loads(text)
+            return cls(worker=int(d["worker"]), incarnation=str(d["incarnation"]),
+                       host=str(d["host"]), pid=int(d["pid"]), started=int(d["started"]),
+                       seen_gen=int(d["seen_gen"]), gen=int(d["gen"]),
+                       members={str(k): str(v) for k, v in dict(d["members"]).items()},
+                       held=HeldState.from_doc(d["held"]),
+                       pending=HeldState.from_doc(d.get("pending")))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise ValueError("malformed re-attach report") from None

@@ -28,6 +28,7 @@ from typing import Any
 
 from chameleon_ft.runtime.documents import ErrorReport as ErrorReport
 from chameleon_ft.runtime.documents import JobInfo as JobInfo
+from chameleon_ft.runtime.documents import ReattachReport as ReattachReport
 from chameleon_ft.runtime.signing import Signer
 
 JOB_KEY = "job"
@@ -45,13 +46,18 @@ ABORT = "abort"
 CURRENT_GEN_KEY = "gen/current"
 """The newest published generation (numbered by itself): workers behind skip to it."""
 
+PROGRESS_KEY = "coordinator/progress"
+"""Numbered by the coordinator's loop, which advances it as it polls (not the store's own
+thread): a worker that sees it frozen for the hang deadline takes the coordinator for
+gone, as one that refuses connections."""
+
 FAULTS_KEY = "faults/list"
 """JSON ``[[rank, step, kind, phase, factor, steps], ...]`` (numbered by version; factor
 and steps null but for a ``slow`` fault); an index is a fault id."""
 FAULTS_VERSION_KEY = "faults/version"
 """Counter bumped whenever the fault list changes (a hint: workers re-read the list)."""
 
-PROGRESS_KEY = "progress"
+STEPS_KEY = "steps/committed"
 """The committed steps so far (numbered by them): how an idle worker follows the job's
 steps (a slowdown lasts so many of them)."""
 
@@ -65,7 +71,7 @@ def message_kind(key: str) -> str:
     head = parts[0]
     if head.startswith("gen") and head[3:].isdigit() and len(parts) > 1:
         return "rendezvous" if parts[1] in ("world", "world-down", "bucket") else parts[1]
-    if head in ("gen", "faults", "join") and len(parts) > 1:
+    if head in ("gen", "faults", "join", "coordinator") and len(parts) > 1:
         return f"{head}-{parts[1]}"
     return {"hb": "heartbeat"}.get(head, head)
 
@@ -199,6 +205,12 @@ def final_more_key(gen: int, worker: int) -> str:
 def final_done_key(gen: int) -> str:
     """Set when the final checkpoint is complete: the workers leave."""
     return f"gen{gen}/final/done"
+
+
+def reattach_key(worker: int) -> str:
+    """JSON ``ReattachReport``: what ``worker`` holds, for a coordinator that took the run
+    over (sealed for its term)."""
+    return f"reattach/{worker}"
 
 
 def heartbeat_key(worker: int, incarnation: str) -> str:

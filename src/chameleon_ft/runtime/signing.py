@@ -8,9 +8,10 @@ names the generation: every per-generation key lives under ``gen{g}/``), a seque
 number and the payload::
 
     value = b"{seq}.{tag}." + payload
-    tag = HMAC-SHA256(key, job_id NUL name NUL seq NUL payload)[:16], hex
+    tag = HMAC-SHA256(key, job_id[#term] NUL name NUL seq NUL payload)[:16], hex
 
-A value copied from another key, another generation or another job fails its tag. A key
+A value copied from another key, another generation, another job or another coordinator's
+term (``#term``, from the first coordinator that took the run over on) fails its tag. A key
 written more than once (a heartbeat, the current generation, the fault list) numbers its
 values, and its readers keep the highest number they accepted and refuse a lower one (a
 replay); a key written once is never read with an older value of its own. A refused value
@@ -94,12 +95,20 @@ class Signer:
     Args:
         key: the MAC key (:func:`control_key`).
         job_id: the job's id (random per run): values of another run never pass.
+        term: the coordinator's term (0 for the run's first coordinator, one more for each
+            that took the run over): values sealed under another term never pass, so a
+            value an earlier coordinator wrote cannot be replayed to a later one's workers.
     """
 
-    def __init__(self, key: bytes, job_id: str) -> None:
+    def __init__(self, key: bytes, job_id: str, term: int = 0) -> None:
         self.key = key
         self.job_id = job_id
-        self._job = job_id.encode()
+        self.term = term
+        self._job = (job_id if term == 0 else f"{job_id}#{term}").encode()
+
+    def at_term(self, term: int) -> Signer:
+        """A signer of the same job and key for coordinator term ``term``."""
+        return Signer(self.key, self.job_id, term)
 
     @classmethod
     def private(cls) -> Signer:

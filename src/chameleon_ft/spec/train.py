@@ -271,6 +271,12 @@ class TrainSpec:
     hang_timeout_s: float = 0.0
     """A worker whose heartbeat is silent this long is declared hung and fenced; workers
     whose coordinator is silent this long exit. 0 (default): ``max(2 s, 20 heartbeats)``."""
+    coordinator_grace_s: float = 30.0
+    """How long workers whose coordinator died, froze or stopped advancing its progress
+    value wait for a new one on the job's address (``chameleon train --resume`` with the
+    same ``--out``, ``--host`` and ``--port``, or the scheduler restarting it) before they
+    exit; a new one within the grace re-attaches them, their state kept (0: they exit at
+    once)."""
     max_retries: int = 2
     """Consecutive recoveries from errors that no death explains (the same step redone on
     rebuilt groups) before escalating to a checkpoint restart; if errors go on after
@@ -318,6 +324,7 @@ class TrainSpec:
         for name in ("timeout_s", "collective_timeout_s", "hang_timeout_s"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("join_timeout_s", self.join_timeout_s)
+        check_positive("coordinator_grace_s", self.coordinator_grace_s, allow_zero=True)
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
         check_int("max_retries", self.max_retries, minimum=0)
         check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from chameleon_ft.runtime.control import joining, rules, saving, slowrules
+from chameleon_ft.runtime.control import joining, reattach, rules, saving, slowrules
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control.model import Control, Mode, Settings, mode
 
@@ -23,7 +23,10 @@ Out = tuple[Control, list[m.Effect]]
 
 J, T, D, R = Mode.JOINING, Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING
 RL, DR, FN, FL = Mode.RELAUNCHING, Mode.DRAINING, Mode.FINISHED, Mode.FAILED
+RA = Mode.REATTACHING
 TRANSITIONS: frozenset[tuple[Mode, str, Mode]] = frozenset({
+    *((RA, label, k) for label in ("reports", "tick") for k in (T, D, FN)),
+    (RA, "tick", J), (RA, "tick", FL), (RA, "stop", FL),
     (J, "registered", T), (J, "exits", FL), (J, "tick", FL),
     (J, "stop", FL),
     (T, "reduced", FN), (T, "death", D), (T, "death", R), (T, "death", RL), (T, "death", FL),
@@ -38,7 +41,7 @@ TRANSITIONS: frozenset[tuple[Mode, str, Mode]] = frozenset({
     (RL, "stop", FL),
     (DR, "reduced", FN), (DR, "tick", FN), (DR, "death", FN), (DR, "unexplained", FN),
     (DR, "unexplained", FL),
-    *((k, "crash", FL) for k in (J, T, D, R, RL, DR)),
+    *((k, "crash", FL) for k in (RA, J, T, D, R, RL, DR)),
 })
 """Every change of mode the step makes, labelled by what caused it (a step that keeps
 the mode is not listed). docs/design.md 4.1 draws exactly these."""
@@ -57,8 +60,15 @@ HANDLERS: dict[type, Callable[[Control, Any, Settings], Out]] = {
     m.CheckpointLayers: saving.on_layers, m.CheckpointDone: saving.on_done,
     m.CheckpointFailed: saving.on_failed,
     m.OpTimes: slowrules.on_op_times, m.Probes: slowrules.on_probes,
-    m.SlowDecision: slowrules.on_slow_decision}
-"""The handler of each observation while the run goes on."""
+    m.SlowDecision: slowrules.on_slow_decision,
+    m.Reports: lambda c, obs, p: (c, [])}
+"""The handler of each observation while the run goes on (a report that comes after the
+run was taken over is late: ignored)."""
+
+WHILE_TAKING_OVER: dict[type, Callable[[Control, Any, Settings], Out]] = {
+    m.Reports: reattach.on_reports, m.Tick: reattach.on_tick, m.StopAsked: reattach.on_stop,
+    m.ShellFailed: rules.on_shell_failed}
+"""What matters while a run is being taken over (nothing runs: nothing else is seen)."""
 
 AFTER_THE_END: dict[type, Callable[[Control, Any, Settings], Out]] = {
     m.CheckpointLayers: saving.on_layers, m.CheckpointDone: saving.on_done,
@@ -72,7 +82,7 @@ _LABELS: dict[type, str] = {
     m.Registered: "registered", m.Reduced: "reduced", m.StopAsked: "stop",
     m.LaunchFailed: "exits", m.ShellFailed: "crash",
     m.SoftwareFault: "software", m.TraceEnd: "trace-end", m.Decision: "decision",
-    m.Absent: "unexplained"}
+    m.Absent: "unexplained", m.Reports: "reports"}
 
 
 def label(before: Mode, obs: m.Observation) -> str:
@@ -96,7 +106,10 @@ def step(c: Control, obs: m.Observation, p: Settings) -> tuple[Control, list[m.E
         if c.closed or type(obs) not in AFTER_THE_END:
             return c, []
         return _guarded(AFTER_THE_END, c, obs, p)
-    new, effects = _guarded(HANDLERS, c, obs, p)
+    if before is Mode.REATTACHING and type(obs) not in WHILE_TAKING_OVER:
+        return c, []
+    table = WHILE_TAKING_OVER if before is Mode.REATTACHING else HANDLERS
+    new, effects = _guarded(table, c, obs, p)
     edge = transition(before, obs, mode(new))
     if edge is not None and edge not in TRANSITIONS:
         effects.append(m.Log(f"internal: undeclared transition {edge} (please report)"))

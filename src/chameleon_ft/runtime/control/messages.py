@@ -241,10 +241,20 @@ class ShellFailed:
     """The job could not start as given (the reason names what to change)."""
 
 
+@dataclass(frozen=True)
+class Reports:
+    """What workers of a run being taken over reported (each id's report key as read: a
+    :class:`~chameleon_ft.runtime.control.reattach.Report`, its seal checked)."""
+
+    now_s: float
+    reports: tuple[Any, ...]
+
+
 Observation = (Tick | Exits | Beats | Errors | Registered | Ready | Reduced | CheckpointLayers
                | CheckpointDone | CheckpointFailed | JoinSlots | JoinRequests | StopAsked
                | Relaunch | SoftwareFault | TraceEnd | Decision | RejoinDecision | Absent
-               | Launched | LaunchFailed | ShellFailed | OpTimes | Probes | SlowDecision)
+               | Launched | LaunchFailed | ShellFailed | OpTimes | Probes | SlowDecision
+               | Reports)
 
 # ---------------------------------------------------------------------- effects
 
@@ -274,6 +284,10 @@ class Publish:
     idle: frozenset[int] = frozenset()
     probe: frozenset[int] = frozenset()
     """Slow workers out of the plan: they time a probe while idle (fail-slow)."""
+    apply: tuple[int, int] | None = None
+    """``(gen, step)``: a step of generation ``gen`` the previous coordinator committed
+    and some re-attached workers never read the verdict of; they apply their kept
+    gradients first."""
 
 
 @dataclass(frozen=True)
@@ -512,6 +526,8 @@ class Stop:
     """The job could not start as given (its workers did not join or start)."""
     write: bool = False
     final_timeout_s: float = 0.0
+    apply: tuple[int, int] | None = None
+    """As :attr:`Publish.apply` (the run took over just after its last step committed)."""
 
 
 @dataclass(frozen=True)
@@ -539,8 +555,19 @@ class FinalDone:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class Reattached:
+    """The run was taken over at committed step ``step``: these processes of the
+    previous coordinator's were re-attached, each ``(worker, incarnation, pid, host)``
+    (the shell holds those of its host; a record in the report). None: nobody reported,
+    the run resumes from its checkpoint after ``step`` steps."""
+
+    step: int
+    workers: tuple[tuple[int, str, int, str], ...]
+
+
 Effect = (Log | Publish | Abort | Commit | ExpectCheckpoint | Fence | Launch | Reply
           | ReadJoins | Refused | StartFrom | Failure | Resolved | Decide | DecideRejoin
           | ProbeAbsent | SaveCheckpoint | DropCheckpoint | MarkCorrupt | DropTimelines
           | Retire | Rejoined | Stop | AskFinal | FinalDone | DecideSlow | SlowEvent
-          | SlowResolved)
+          | SlowResolved | Reattached)

@@ -23,6 +23,7 @@ from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import slots as sl
 from chameleon_ft.runtime.control import slowness as sw
 from chameleon_ft.runtime.control import state as st
+from chameleon_ft.runtime.control.reports import Taking
 from chameleon_ft.runtime.control.state import Mode as Mode  # derived here (mode())
 
 PUBLISHED = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
@@ -67,6 +68,12 @@ class Settings:
     compute is expected to be (fail-slow detection; None: one per layer)."""
     slow_rule: sw.SlowRule = field(default_factory=sw.SlowRule)
     """When a worker is declared slow, and fast again."""
+    reattach_s: float = 4.0
+    """How long a coordinator that took a run over waits for its workers' reports (a
+    worker that has not reported by then is dead)."""
+    resume_fallback: bool = True
+    """A run taken over that no worker reports to may resume from its checkpoint (False:
+    it has none, and fails)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,11 @@ class Control:
     """What fail-slow detection remembers, and the slow workers."""
     slow_ask: tuple[int, bool, int] | None = None
     """The slow worker the policy is being asked about: ``(worker, end, generation)``."""
+    taking: Taking | None = None
+    """Set while this coordinator takes the run over: the workers' reports so far."""
+    apply: tuple[int, int] | None = None
+    """``(gen, step)``: a step the previous coordinator committed that re-attached workers
+    apply first (carried by the next directive)."""
 
 
 def initial(run: st.RunState, *, now_s: float, settings: Settings) -> Control:
@@ -135,6 +147,8 @@ def mode(c: Control) -> Mode:
     """The mode of a control value."""
     if c.run.mode in (Mode.FAILED, Mode.FINISHED):
         return c.run.mode
+    if c.taking is not None:
+        return Mode.REATTACHING
     if c.joining_until_s is not None:
         return Mode.JOINING
     if c.relaunching_until_s is not None:
@@ -173,6 +187,8 @@ class Wanted:
     is)."""
     probes: Mapping[int, str] = field(default_factory=dict)
     """Slow workers out of the plan whose probes are read, by worker (their process)."""
+    reattach: bool = False
+    """The run is being taken over: every worker id's report is read."""
 
 
 def wanted(c: Control) -> Wanted:
@@ -180,6 +196,8 @@ def wanted(c: Control) -> Wanted:
     k = mode(c)
     if k in (Mode.FINISHED, Mode.FAILED):
         return Wanted(None)
+    if k is Mode.REATTACHING:
+        return Wanted(None, reattach=True)
     by = c.members.by_worker
     unregistered = {w: x.incarnation for w, x in sorted(by.items())
                     if not x.registered and not x.gone}

@@ -47,20 +47,24 @@ def new_generation(c: Control, run: st.RunState, now_s: float, p: Settings) -> O
     world = tuple(sorted(run.world))
     effects.append(m.Publish(run.gen, run.plan, run.migration, run.load, run.next_step, world,
                              incarnations(c, run.alive), collective_s, run.idle,
-                             sw.out_of(c.slow, run.world) & run.alive))
+                             sw.out_of(c.slow, run.world) & run.alive, c.apply))
     gens = dict(c.gens)
     gens[run.gen] = GenInfo(published_s=now_s, collective_s=collective_s, world=world,
                             first_step=run.next_step, last_step=run.next_step - 1)
     return replace(c, gens=gens, watch=detector.Watch(gen=run.gen), ready_s=None,
-                   last_commit_s=None), effects
+                   last_commit_s=None, apply=None), effects
 
 
 def fail(c: Control, reason: str, *, bad_input: bool = False) -> Out:
     """Training cannot go on: the final generation tells every worker to stop, uploading
     nothing; the report gives the reason."""
-    run = st.stopped(c.run, reason)
+    run = c.run
+    if c.taking is not None:  # a run being taken over: past every generation its workers saw
+        run = replace(run, gen=max([run.gen, *(r.seen_gen for by in c.taking.reports.values()
+                                               for r in by.values())]))
+    run = st.stopped(run, reason)
     return replace(c, run=run, ask=None, joining_until_s=None, relaunching_until_s=None,
-                   closed=True), [
+                   closed=True, taking=None), [
         m.Stop(gen=run.gen, step=run.next_step, final={}, reason=reason, failed=True,
                bad_input=bad_input)]
 
@@ -78,7 +82,9 @@ def finish(c: Control, now_s: float, p: Settings) -> Out:
     wait_s = len(ck.FINAL_ATTEMPTS) * p.checkpoint_deadline_s + \
         FINAL_ATTEMPT_SLACK * p.hang_s
     stop = m.Stop(gen=run.gen, step=run.next_step, final=holders, reason=reason,
-                  interrupted=interrupted, write=write, final_timeout_s=wait_s)
+                  interrupted=interrupted, write=write, final_timeout_s=wait_s,
+                  apply=c.apply)
+    c = replace(c, apply=None)
     done = [e for e in before if isinstance(e, m.FinalDone)]
     return c, [*(e for e in before if not isinstance(e, m.FinalDone)), stop, *done]
 

@@ -28,6 +28,9 @@ class Mode(StrEnum):
     into joining, relaunching, deciding and recovering
     (:func:`chameleon_ft.runtime.control.model.mode`)."""
 
+    REATTACHING = "reattaching"
+    """A coordinator took the run over: the previous one's workers report what they hold;
+    nothing is published yet."""
     JOINING = "joining"
     """Workers are launched or admitted; nothing is published yet."""
     TRAINING = "training"

@@ -51,6 +51,7 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> Answer:
         "load": None if e.load is None else {"kind": e.load.kind, "step": e.load.step},
         "incarnations": {str(w): inc for w, inc in sorted(e.incarnations.items())},
         "collective_timeout_s": e.collective_s, "probe": sorted(e.probe),
+        "apply": None if e.apply is None else list(e.apply),
         **step_reductions(e.plan, tied_parameters(coord.job.model),
                           coord.config.optimizer.clip_grad_norm)}
     coord.hooks.before_publish(coord, directive)
@@ -96,6 +97,9 @@ def _do_launch(coord: Coordinator, e: m.Launch) -> Answer:
     except Exception as exc:  # the OS refused a process, an address, a pipe
         return m.LaunchFailed(coord.now(), e.workers, f"{type(exc).__name__}: {exc}",
                               e.replacement)
+    if e.workers and e.workers == tuple(range(coord.job.num_local)) and not e.replacement:
+        pids = " ".join(map(str, coord.launcher.pids(e.workers)))
+        coord.log(f"launched workers 0-{len(e.workers) - 1} (pids {pids})")
     return m.Launched(coord.now(), incarnations, local=True, replacement=e.replacement)
 
 
@@ -236,7 +240,8 @@ def _do_stop(coord: Coordinator, e: m.Stop) -> Answer:
     coord.cs.publish(e.gen, {"action": "stop", "gen": e.gen, "step": e.step,
                              "final": {str(i): list(ws) for i, ws in e.final.items()},
                              "write": e.write, "failed": e.failed, "reason": e.reason,
-                             "final_timeout_s": e.final_timeout_s}, [])
+                             "final_timeout_s": e.final_timeout_s,
+                             "apply": None if e.apply is None else list(e.apply)}, [])
     return None
 
 
@@ -286,7 +291,17 @@ _PERFORM: dict[type, Callable[[Any, Any], Answer]] = {
     m.AskFinal: _do_ask_final,
     m.FinalDone: _do_final_done,
     **slow.PERFORM,
+    m.Reattached: lambda coord, e: coord.takeover.reattached(coord, e),
 }
+
+_CALLS = {m.Decide: "a call of the recovery policy (Decide)",
+          m.DecideRejoin: "a call of the recovery policy (DecideRejoin)",
+          m.Launch: "starting worker processes (Launch)"}
+
+
+def describe(effect: m.Effect) -> str:
+    """What the loop does while it performs ``effect`` (the watchdog names it)."""
+    return _CALLS.get(type(effect), f"performing {type(effect).__name__}")
 
 
 def perform(coord: Coordinator, effect: m.Effect) -> Answer:

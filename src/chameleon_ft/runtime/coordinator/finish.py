@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from chameleon_ft.runtime.coordinator.shell import Coordinator
 
 
-def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
+def _base_report(coord: Coordinator, stop: m.Stop, *, live: bool = True) -> dict[str, Any]:
+    """The report's common part (``live`` False: nothing is read from the store, which a
+    stuck loop may hold)."""
     job = coord.job
     steps = coord.report.ordered_steps()
     report: dict[str, Any] = {
@@ -36,8 +38,8 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "rejoins": list(coord.report.rejoins),
         "refused": list(coord.report.refused),
         "refused_total": coord.report.refused_total,
-        "forgeries": _forgeries(coord),
-        "faults": _faults(coord),
+        "forgeries": _forgeries(coord) if live else {"coordinator": coord.cs.refusals.counts()},
+        "faults": _faults(coord) if live else [{"fault": f.to_text()} for f in coord.faults],
         "initial_plan": job.plan0.to_dict(),
         "final_plan": coord.state.plan.to_dict(),
         "dtype": coord.train.dtype,
@@ -45,7 +47,10 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "spare_workers": coord.config.num_spare_workers,
         "total_s": coord.now(),
         "run_dir": str(job.out_dir),
-        "resumed_from_step": None if job.resumed_from is None else job.resumed_from.step,
+        "resumed_from_step": None if job.resumed_from is None or coord.report.reattached
+        else job.resumed_from.step,
+        "coordinator_term": job.term,
+        "reattached": list(coord.report.reattached),
         "committed_steps": stop.step,
         "interrupted": stop.reason if stop.interrupted else None,
         "failed": stop.reason if stop.failed else None,
@@ -100,6 +105,20 @@ def _write_report(coord: Coordinator, report: dict[str, Any]) -> str | None:
         coord.log(why)
         return why
     return None
+
+
+def stuck_report(coord: Coordinator, reason: str, stuck: dict[str, Any]) -> None:
+    """The coordinator's loop is stuck (its watchdog's view, from another thread): the
+    report says why and where, from what this process holds (no store read, no child).
+
+    Raises:
+        OSError: when the run folder refuses it.
+    """
+    run = coord.ctl.run
+    stop = m.Stop(gen=run.gen, step=run.next_step, final={}, reason=reason, failed=True)
+    _settle_events(coord)
+    coord.report.write(_base_report(coord, stop, live=False) | {"param_hash": None,
+                                                                 "stuck": stuck}, files=False)
 
 
 def _failed(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
@@ -183,8 +202,8 @@ def _wait_exits(coord: Coordinator) -> None:
     alive = sorted(coord.state.alive)
     coord.launcher.join(alive, max(5.0, 2 * coord.job.hang_s))
     for w, code in sorted(coord.launcher.exits().items()):
-        if w not in alive or code == 0:
-            continue
+        if w not in alive or code == 0 or coord.launcher.adopted(w):
+            continue  # an adopted process's status is not this coordinator's to read
         now = coord.now()
         fault_at = coord.book.fault_time(coord.cs, [w], now)
         coord.report.failed(Event(

@@ -13,6 +13,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import select
 import signal
 import socket
 import time
@@ -24,6 +25,7 @@ from typing import Any
 from chameleon_ft import logs
 from chameleon_ft.runtime import auth
 from chameleon_ft.runtime.placement import Place
+from chameleon_ft.runtime.worker.link import process_start
 
 POLL_S = 0.002
 """Coordinator poll interval: bounds the commit latency it adds to every step."""
@@ -136,6 +138,44 @@ def adapter_modules(model: Any) -> tuple[str, ...]:
     return (module,) if module.startswith("chameleon_ft.") else ()
 
 
+class Adopted:
+    """A process of this host that this coordinator did not start (a worker of the run's
+    previous coordinator, re-attached), held by a pid file descriptor: its exit is seen at
+    once and a signal can never reach another process that took its pid. Its exit status
+    is not this coordinator's to read (it is not its child): -1.
+
+    Raises:
+        ProcessLookupError: when no process ``pid`` started at ``started`` runs.
+    """
+
+    def __init__(self, pid: int, started: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+        if process_start(pid) != started:
+            os.close(self.fd)
+            raise ProcessLookupError(pid)
+
+    @property
+    def sentinel(self) -> int:
+        """Readable once the process exited (``multiprocessing.connection.wait``)."""
+        return self.fd
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs, then -1."""
+        readable, _, _ = select.select([self.fd], [], [], 0)
+        return -1 if readable else None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout``) for it to exit."""
+        select.select([self.fd], [], [], timeout)
+
+    def kill(self) -> None:
+        """SIGKILL it (nothing when it is gone)."""
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+
+
 @dataclass
 class Proc:
     """The process currently holding a worker id (``process`` None: a remote worker)."""
@@ -213,6 +253,23 @@ class Launcher:
         self.procs[worker] = Proc(worker, incarnation, host=host, local_index=index)
         return index
 
+    def adopt(self, worker: int, incarnation: str, pid: int, started: int) -> bool:
+        """Hold the process ``pid`` of this host (started at ``started``) as ``worker``'s
+        (a re-attached worker); False when it is gone."""
+        try:
+            proc = Adopted(pid, started)
+        except (OSError, AttributeError):  # gone, or no pid file descriptors here
+            return False
+        self.procs[worker] = Proc(worker, incarnation, proc, host=socket.gethostname(),
+                                  local_index=worker)
+        self.all_procs.append(proc)
+        return True
+
+    def adopted(self, worker: int) -> bool:
+        """Whether ``worker``'s process was adopted (not started here)."""
+        p = self.procs.get(worker)
+        return p is not None and isinstance(p.process, Adopted)
+
     def pids(self, ids: Iterable[int]) -> list[int]:
         """The pids of local workers."""
         return [p.process.pid for w in ids if (p := self.procs.get(w)) is not None
@@ -236,8 +293,7 @@ class Launcher:
             proc = None if p is None else p.process
             if proc is None or proc.pid is None or proc.exitcode is not None:
                 continue
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
+            proc.kill()
             killed.append(w)
         return killed
 
@@ -265,6 +321,5 @@ class Launcher:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.all_procs:
             if proc.exitcode is None and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.join(5.0)

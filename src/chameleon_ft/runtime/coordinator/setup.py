@@ -14,6 +14,7 @@ from typing import Any
 from chameleon_ft.plan import ExecutionPlan, initial_plan
 from chameleon_ft.profile import Profile, build_profile
 from chameleon_ft.runtime import auth
+from chameleon_ft.runtime.coordinator import record
 from chameleon_ft.runtime.coordinator.resources import check_memory
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.replay import TraceDriver
@@ -94,6 +95,14 @@ class Job:
     start_step: int = 0
     resumed_from: Manifest | None = None
     notes: list[str] = field(default_factory=list)
+    term: int = 0
+    """This coordinator's term: one more than the run's previous coordinator's."""
+    takeover: bool = False
+    """The run did not end: its workers may be alive, waiting for a coordinator; they are
+    re-attached (``control.reattach``) before anything is launched."""
+    boundaries: list[list[Any]] | None = None
+    """The layers' output shapes and dtypes, as the run's record keeps them (None: to
+    learn)."""
 
     @property
     def num_workers(self) -> int:
@@ -221,12 +230,11 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
 
     Raises:
         ValueError: for faults naming missing workers, layouts that do not fit, a token
-            that is too short, a resume without a checkpoint, workers that would not fit
-            the host's memory, or a trace the run cannot replay.
+            that is too short or not the resumed run's, a resume without a checkpoint or
+            live workers, workers that would not fit the host, a trace it cannot replay.
     """
     workload = Workload(config, model, data, optimizer, lr_schedule)
-    built_model = workload.model()
-    built_data = workload.data(built_model)
+    built_data = workload.data(built_model := workload.model())
     workload.optimizer()  # a bad optimizer is refused before anything starts
     workload.lr_schedule()
     config, num_local, policy_name, notes = _checked_config(config, num_local_workers,
@@ -240,8 +248,10 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     if log_every is not None and log_every < 1:
         raise ValueError(f"--log-every: must be >= 1, got {log_every}")
     remote_possible = num_local < config.total_workers or not auth.is_loopback(host)
-    secret_token = _token(token)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir()
+    earlier, token, port = _earlier_run(run_dir, digest := config_digest(config, workload),
+                                        host, port, token, resume)
+    secret_token = _token(token)
     job = Job(config=config, workload=workload, model=built_model, data=built_data,
               profile=prof, plan0=plan0, policy=policy_name, faults=list(faults),
               num_local=num_local, host=host, port=port, token=secret_token,
@@ -253,8 +263,8 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
               job_id=auth.new_nonce(), nonce=auth.new_nonce(), out_dir=run_dir,
               out_dir_given=out_dir is not None,
               ckpt=CheckpointStore(run_dir, config.train.keep_checkpoints),
-              digest=config_digest(config, workload), trace=trace, log_every=log_every,
-              notes=notes)
+              digest=digest, trace=trace, log_every=log_every, notes=notes)
+    _continue(job, earlier)
     _prepare_checkpoints(job, resume)
     if trace is not None:
         trace.check_job(num_nodes=config.cluster.total_nodes,
@@ -288,8 +298,50 @@ def _prepare_checkpoints(job: Job, resume: bool) -> None:
                          "continues a run instead)")
 
 
+def _continue(job: Job, earlier: record.RunRecord | None) -> None:
+    """The same run, one more coordinator: its job id, the next term; its workers are
+    taken over unless the run ended (or they leave with their coordinator: no grace)."""
+    if earlier is None:
+        return
+    job.job_id, job.term, job.boundaries = earlier.job_id, earlier.term + 1, earlier.boundaries
+    job.takeover = not earlier.ended and job.config.train.coordinator_grace_s > 0
+
+
+def _earlier_run(run_dir: Path, digest: str, host: str, port: int, token: str | None,
+                 resume: bool) -> tuple[record.RunRecord | None, str | None, int]:
+    """The record of the run being resumed (None: none), checked against what this
+    coordinator was given (its workers look for the next coordinator at the run's address,
+    and prove they know its token), with the token and port to use.
+
+    Raises:
+        ValueError: for another token, address or model than the run's.
+    """
+    earlier = record.read(run_dir) if resume else None
+    if earlier is None:
+        return None, token, port
+    if earlier.digest != digest:
+        raise ValueError(f"--resume: the run in {run_dir} trains another model or numerics "
+                         "(model, dtype, seed, batch, optimizer); use the config it was "
+                         "started with")
+    if token is not None and token != earlier.token:
+        raise ValueError(f"--token: the run in {run_dir} was started with another token; "
+                         f"give the same one, or none (its folder keeps it)")
+    if not earlier.ended and host != earlier.host:
+        raise ValueError(f"--host: the run in {run_dir} listens on {earlier.host}, where its "
+                         f"workers look for the next coordinator; give --host {earlier.host}")
+    if not earlier.ended and port not in (0, earlier.port):
+        raise ValueError(f"--port: the run in {run_dir} listens on port {earlier.port}, where "
+                         f"its workers look for the next coordinator; give --port "
+                         f"{earlier.port} or leave it out")
+    return earlier, earlier.token, port if earlier.ended else earlier.port
+
+
 def _prepare_resume(job: Job) -> None:
     manifest = job.ckpt.latest()
+    if manifest is None and job.takeover:
+        job.notes.append(f"note: {job.out_dir}/checkpoints holds no complete checkpoint: "
+                         "the run goes on only if its workers are still alive")
+        return
     if manifest is None:
         raise ValueError(f"--resume: no complete checkpoint in {job.out_dir}/checkpoints; "
                          "run without --resume to start from step 0")
@@ -300,7 +352,7 @@ def _prepare_resume(job: Job) -> None:
     if manifest.num_layers != job.num_layers:
         raise ValueError(f"--resume: the checkpoint has {manifest.num_layers} layers, the "
                          f"model {job.num_layers}")
-    if manifest.step >= job.config.train.steps:
+    if manifest.step >= job.config.train.steps and not job.takeover:
         raise ValueError(f"--resume: the checkpoint already holds {manifest.step} steps; "
                          f"ask for more with --steps (now {job.config.train.steps})")
     job.start_step = manifest.step

@@ -15,40 +15,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from chameleon_ft import logs
 from chameleon_ft.profile import Profile
-from chameleon_ft.runtime.control import machine
+from chameleon_ft.runtime.control import machine, reattach
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.model import Control, Settings, Wanted, initial, wanted
 from chameleon_ft.runtime.coordinator import effects as fx
-from chameleon_ft.runtime.coordinator import slow
-from chameleon_ft.runtime.coordinator.bulk import BulkState
+from chameleon_ft.runtime.coordinator import record, slow
 from chameleon_ft.runtime.coordinator.faults import FaultBook
-from chameleon_ft.runtime.coordinator.finish import finish
-from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc, adapter_modules
+from chameleon_ft.runtime.coordinator.finish import finish, stuck_report
+from chameleon_ft.runtime.coordinator.launcher import POLL_S, Proc
 from chameleon_ft.runtime.coordinator.policy import Decide, PlannerDecide
 from chameleon_ft.runtime.coordinator.setup import Job, prepare
-from chameleon_ft.runtime.coordinator.start import announce
-from chameleon_ft.runtime.coordinator.store import ControlStore
-from chameleon_ft.runtime.deadlines import Deadline
-from chameleon_ft.runtime.protocol import message_kind
+from chameleon_ft.runtime.coordinator.start import announce, open_run
+from chameleon_ft.runtime.coordinator.start import bound_store as bound_store
+from chameleon_ft.runtime.coordinator.takeover import Takeover
+from chameleon_ft.runtime.coordinator.watchdog import LoopWatch, die, stuck_after_s
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.report.records import Event, StepRecord
 from chameleon_ft.runtime.report.run import RunReport
-from chameleon_ft.runtime.signing import Refusals, Signer, control_key
 from chameleon_ft.runtime.worker.groups import resolve_backend, resolve_device
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
@@ -82,26 +76,6 @@ class Hooks:
 
     def on_failure(self, coord: Coordinator, event: Event) -> None:
         """A failure was detected (before the decision)."""
-
-
-def bound_store(host: str, port: int, timeout_s: float) -> Any:
-    """The job's ``TCPStore``, listening on ``host`` only (a store started without a
-    listening socket of its own listens on every interface, whatever address the job
-    gave). The store owns the socket from then on (it closes it when it goes)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                         socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(1024)
-        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                              master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()
-    return store
 
 
 class Coordinator:
@@ -171,13 +145,14 @@ class Coordinator:
         self.nccl_semantics = nccl_semantics
         """The workers' gloo groups complete operations as NCCL's do (tests)."""
         self.decide: Decide | None = decide
-        self.host, self.port = host, port
+        self.host, self.port = host, self.job.port
         self.book = FaultBook(self.job.faults)
         self.report = RunReport(
             self.job.out_dir, steps=self.train.steps, start_step=self.job.start_step,
             tokens_per_step=self.config.job.global_batch * max(1, self.config.seq_len),
             log=self.log, log_every=self.job.log_every,
-            resumed=self.job.resumed_from is not None, tensorboard=tensorboard)
+            resumed=self.job.resumed_from is not None, tensorboard=tensorboard,
+            takeover=self.job.takeover)
         self.t0 = time.monotonic()
         self.control: Control | None = None
         self.signals: list[str] = []
@@ -193,6 +168,11 @@ class Coordinator:
         self._wanted: tuple[Control | None, Wanted] = (None, Wanted(None))
         self._counts: dict[str, tuple[tuple[int, ...], int]] = {}
         """The last readiness, vote and join slot counts fed."""
+        self.takeover = Takeover()
+        """The workers' reports, when this coordinator takes the run over."""
+        self.watch = LoopWatch(stuck_after_s(self.job.hang_s), self.train.heartbeat_s / 2,
+                               lambda why, where: die(self._stuck, why, where))
+        """The loop's progress, as the workers and the watchdog see it."""
 
     # ------------------------------------------------------------------ for harnesses
     @property
@@ -327,20 +307,7 @@ class Coordinator:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         if not job.out_dir_given:
             self.log(f"run directory: {job.out_dir} (checkpoints, report, parameters)")
-        try:
-            self.store = bound_store(self.host, self.port, self.train.join_timeout_s)
-        except OSError as exc:
-            raise ValueError(f"port: the coordinator cannot listen on {self.host}:{self.port} "
-                             f"({exc.strerror or exc}); give another --port or 0") from None
-        self.port = self.store.port
-        self.cs = ControlStore(
-            self.store, Signer(control_key(job.secret), job.job_id),
-            Refusals(lambda line: self.log(f"warning: {line}"), kind_of=message_kind))
-        self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
-                              timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
-                              deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
-        self.launcher = Launcher(self.host, self.port, job.secret,
-                                 preload=adapter_modules(job.model), num_local=job.num_local)
+        open_run(self)
         self.settings = self._settings()
         self.control = initial(self._start_state(), now_s=self.now(), settings=self.settings)
         old_handlers = self._install_signal_handlers()
@@ -350,6 +317,8 @@ class Coordinator:
                 self._loop()
             except Exception as exc:  # whatever it was, the run ends through the failure path
                 self._crashed(exc)
+            finally:
+                self.watch.stop()
             try:
                 return finish(self)
             except (WorkerFailure, ValueError):
@@ -358,28 +327,42 @@ class Coordinator:
                 raise WorkerFailure(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._restore_signal_handlers(old_handlers)
-            close = getattr(self.decide, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
-            self.launcher.reap()
+            self._close()
+
+    def _close(self) -> None:
+        """The run ended: the policy, the processes, the bulk channel and the store go;
+        the record says the run ended (no worker waits for a next coordinator)."""
+        close = getattr(self.decide, "close", None)
+        if close is not None:
             with contextlib.suppress(Exception):
-                self.bulk.close()
-            with contextlib.suppress(Exception):
-                del self.store
+                close()
+        self.launcher.reap()
+        with contextlib.suppress(Exception):
+            self.bulk.close()
+        with contextlib.suppress(Exception):
+            del self.store
+        with contextlib.suppress(OSError):
+            record.write(self.job.out_dir, self.record.ending())
 
     def _start(self) -> None:
-        """Publish the job, open the streamed files, launch the local workers."""
+        """Build the policy (before the loop, whose passes the workers watch), publish the
+        job, open the streamed files, launch the local workers."""
         job = self.job
         job.ckpt.mark_job(job.job_id)
+        self.decide_fn()
         announce(self)
         self.report.open()
+        if job.takeover:  # the previous coordinator's workers report first (from now)
+            self.control = reattach.start(self.ctl, self.now(), self.settings)
+            return
         launched = fx.perform(self, m.Launch(tuple(range(job.num_local)), replacement=False))
         if launched is not None:
             self.feed(launched)
-        if job.num_local and isinstance(launched, m.Launched):
-            pids = " ".join(map(str, self.launcher.pids(range(job.num_local))))
-            self.log(f"launched workers 0-{job.num_local - 1} (pids {pids})")
+
+    def _stuck(self, reason: str, where: dict[str, Any]) -> None:
+        """The watchdog found the loop stuck: the report says why (from its thread)."""
+        self.crash = reason
+        stuck_report(self, reason, where)
 
     def _crashed(self, exc: Exception) -> None:
         """An exception in the coordinator: training stops with its reason (through the
@@ -418,7 +401,8 @@ class Coordinator:
                       f"{self.host}:{self.port}`",
             checkpoint_every=self.train.checkpoint_every,
             checkpoint_deadline_s=job.checkpoint_deadline_s(),
-            layer_costs=tuple(x.fwd_s + x.bwd_s for x in job.profile.layers))
+            layer_costs=tuple(x.fwd_s + x.bwd_s for x in job.profile.layers),
+            reattach_s=max(3.0, 2 * job.hang_s), resume_fallback=job.resumed_from is not None)
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -449,6 +433,7 @@ class Coordinator:
     def _loop(self) -> None:
         """Observe, step, perform, until nothing more is waited for."""
         beats_due = 0.0
+        self.watch.start()
         while not self.ctl.closed:
             beats_due = self.poll(beats_due)
             if self.ctl.closed:
@@ -465,6 +450,9 @@ class Coordinator:
         exits); the step's votes come before time (a step every worker reduced commits,
         whatever errors came before it).
         """
+        self.watch.polled(self.cs.progress)
+        if self.wanted().reattach:
+            self.takeover.observe(self)
         self._observe_joins()
         if self.job.trace is not None and self.wanted().gen is not None:
             self.job.trace.poll(self)
@@ -586,6 +574,8 @@ class Coordinator:
                 self.control, out = machine.step(self.ctl, item, self.settings)
                 if self.control.run.next_step < before:
                     self.report.rewind(self.control.run.next_step)
-                queue.extend(fx.perform(self, effect) for effect in out)
+                for effect in out:
+                    self.watch.doing = fx.describe(effect)
+                    queue.append(fx.perform(self, effect))
         finally:
             self._feeding = False

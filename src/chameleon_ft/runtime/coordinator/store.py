@@ -27,8 +27,10 @@ from chameleon_ft.runtime.protocol import (
     MALFORMED,
     MAX_REPORTS,
     PROGRESS_KEY,
+    STEPS_KEY,
     ErrorReport,
     JobInfo,
+    ReattachReport,
     abort_key,
     checkpoint_count_key,
     checkpoint_failed_key,
@@ -50,6 +52,7 @@ from chameleon_ft.runtime.protocol import (
     message_kind,
     probe_key,
     ready_key,
+    reattach_key,
     reduced_key,
     refusals_key,
     rendezvous_keys,
@@ -158,6 +161,31 @@ class ControlStore:
         opened = self.signed.peek(JOB_KEY)
         return None if opened is None else JobInfo.from_json(opened.payload)
 
+    def progress(self, count: int) -> None:
+        """The loop's progress value, numbered ``count`` (the workers watch it move)."""
+        self.signed.put(PROGRESS_KEY, "", seq=count)
+
+    def reattach_report(self, worker: int) -> ReattachReport | None:
+        """What ``worker`` reported to this coordinator taking the run over (None: nothing
+        yet, or refused: forged, of another term, or not a report of that worker)."""
+        key = reattach_key(worker)
+        opened = self.signed.peek(key, source=f"worker {worker}")
+        if opened is None:
+            return None
+        try:
+            report = ReattachReport.from_json(opened.payload)
+        except ValueError:
+            report = None
+        if report is None or report.worker != worker:
+            self.refusals.refuse(key, opened.payload, "sealed but not a re-attach report",
+                                 source=f"worker {worker}")
+            return None
+        return report
+
+    def forget_reports(self, num_workers: int) -> None:
+        """Delete the re-attach reports (the run was taken over)."""
+        self._delete(reattach_key(w) for w in range(num_workers))
+
     # ------------------------------------------------------------------ faults
     def publish_faults(self, faults: list[list[Any]]) -> None:
         """The injected faults ``[rank, step, kind, phase, factor, steps]`` (workers re-read
@@ -198,7 +226,7 @@ class ControlStore:
         """``step`` commits (``end``: and the generation ends at this boundary); the job's
         progress says so to idle workers."""
         self.signed.put(verdict_key(gen, step), COMMIT_END if end else COMMIT)
-        self.signed.put(PROGRESS_KEY, str(step + 1), seq=step + 1)
+        self.signed.put(STEPS_KEY, str(step + 1), seq=step + 1)
 
     def forget_step(self, gen: int, step: int) -> None:
         """Delete a committed step's votes and verdict (every worker read them)."""

@@ -57,7 +57,7 @@ class RunReport:
 
     def __init__(self, out_dir: Path, *, steps: int, start_step: int, tokens_per_step: int,
                  log: Log, log_every: int | None, resumed: bool,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, takeover: bool = False) -> None:
         """Raises:
             ValueError: ``tensorboard`` without the ``tensorboard`` package.
         """
@@ -68,6 +68,10 @@ class RunReport:
         self.log = log
         self.every = log_every or (max(1, steps // 25) if steps > 50 else 1)
         self.resumed = resumed
+        self.takeover = takeover
+        """This coordinator takes the run over: the streamed files go on."""
+        self.reattached: list[dict[str, Any]] = []
+        """The previous coordinator's workers this one re-attached."""
         self.events: deque[Event] = deque(maxlen=MAX_RECORDS)
         self.events_left_out = 0
         self.meter = TransitionMeter()
@@ -96,9 +100,22 @@ class RunReport:
         self.board = Board(out_dir / "tensorboard") if tensorboard else None
 
     def open(self) -> None:
-        """Start the streamed files: a resumed run keeps the metrics of its earlier steps."""
+        """Start the streamed files: a resumed run keeps the metrics of its earlier steps,
+        a run taken over all its files (its committed step is known once its workers
+        reported: :meth:`took_over`)."""
+        if self.takeover:
+            return
         write_atomic(self.metrics_path, self._earlier_metrics().encode())
         write_atomic(self.op_times_path, b"")
+
+    def took_over(self, step: int, workers: list[dict[str, Any]]) -> None:
+        """The run was taken over at committed step ``step`` with these workers: its
+        steps so far are this run's, and none from ``step`` on is committed."""
+        self.reattached = workers
+        steps = [int(doc["step"]) for doc in self._lines() if isinstance(doc.get("step"), int)]
+        self.low, self.start_step = min([step, *steps]), step
+        if any(s >= step for s in steps):
+            self.rewind(step)
 
     def _earlier_metrics(self) -> str:
         """The metrics lines of the steps before this run's first (a resumed run's)."""
@@ -241,11 +258,12 @@ class RunReport:
         steps.update(self.steps)
         return [steps[k] for k in sorted(steps)]
 
-    def write(self, report: dict[str, Any]) -> dict[str, Any]:
+    def write(self, report: dict[str, Any], files: bool = True) -> dict[str, Any]:
         """Measure the transitions, then write ``report.json``, the compacted metrics
-        (one line per step, a redone step's last commit) and ``report.png``."""
+        (one line per step, a redone step's last commit) and ``report.png`` (``files``
+        False: ``report.json`` only, by this process alone)."""
         self.meter.close()
-        if self.board is not None:
+        if self.board is not None and files:
             self.board.close()
         report["events"] = [e.to_dict() for e in self.events]
         report["records_left_out"] = {
@@ -254,6 +272,8 @@ class RunReport:
             "corrupt_checkpoints": self.corrupt.left_out,
             "checkpoint_writes": self.checkpoint_writes.left_out}
         write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
+        if not files:
+            return report
         lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())
         try:
             write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())

@@ -55,7 +55,7 @@ def read_job(raw: Any, secret: bytes) -> tuple[proto.JobInfo, Signer]:
         job = proto.JobInfo.from_json(payload_of(value))
     except Forged:
         raise ValueError("the store does not hold a chameleon job of this version") from None
-    signer = Signer(control_key(secret), job.job_id)
+    signer = Signer(control_key(secret), job.job_id, job.term)
     try:
         signer.open(proto.JOB_KEY, value)
     except Forged:
@@ -121,7 +121,8 @@ class Channel:
         return 0 if opened is None else opened.seq
 
     def _present(self, key: str) -> Opened | None:
-        """Wait one slice for ``key``; its sealed value, or None (absent, or refused)."""
+        """Wait one slice for ``key``; its sealed value, or None (absent, or refused). A
+        coordinator that is only slow is waited for (a dead one fails the request)."""
         try:
             self.raw.wait([key], timedelta(seconds=WAIT_SLICE_S))
         except dist.DistStoreError:
@@ -157,18 +158,19 @@ class Channel:
                     return opened.payload
                 raise GenerationOver(f"generation {gen} is over")
 
-    def directive(self, gen: int, between: Callable[[], None] | None = None
-                  ) -> tuple[int, dict[str, Any]]:
+    def directive(self, gen: int,
+                  again: Callable[[], None] | None = None) -> tuple[int, dict[str, Any]]:
         """The directive of ``gen``, or of the newest generation if the coordinator has
-        moved past ``gen`` (a generation that is not the newest is over); ``between`` is
-        called after each slice without one (an idle slow worker's probe)."""
+        moved past ``gen`` (a generation that is not the newest is over); ``again`` is
+        called before each slice of the wait (a re-attached worker's report, an idle slow
+        worker's probe)."""
         while True:
+            if again is not None:
+                again()
             gen = max(gen, self.current_gen())
             key = proto.directive_key(gen)
             opened = self._present(key)
             if opened is None:
-                if between is not None:
-                    between()
                 continue
             try:
                 doc = json.loads(opened.payload)
@@ -181,6 +183,11 @@ class Channel:
     def start_gen(self) -> int:
         """The first generation a repaired worker follows."""
         return int(self.await_value(proto.start_gen_key(self.worker, self.incarnation)))
+
+    def progress(self) -> int | None:
+        """The coordinator's progress value (None: none yet, or refused)."""
+        opened = self.signed.latest(proto.PROGRESS_KEY)
+        return None if opened is None else opened.seq
 
     def aborted(self, gen: int) -> bool:
         """Wait one slice for ``gen``'s abort; whether it was aborted."""
@@ -210,6 +217,11 @@ class Channel:
         """Announce this process (host, pid, address)."""
         self.signed.put(proto.worker_info_key(self.worker, self.incarnation), json.dumps(info))
 
+    def reattach(self, report: str) -> None:
+        """Tell a coordinator that took the run over what this worker holds (JSON
+        ``ReattachReport``, sealed for its term)."""
+        self.signed.put(proto.reattach_key(self.worker), report)
+
     def began(self, gen: int) -> None:
         """This process begins to build ``gen``'s groups."""
         self.signed.put(proto.setup_key(self.worker, self.incarnation), str(gen), seq=gen)
@@ -238,9 +250,9 @@ class Channel:
             self.signed.put(proto.loss_key(gen, step, self.worker), json.dumps(losses))
         self.signed.put(proto.timing_key(gen, step, self.worker), json.dumps(timing))
 
-    def progress(self) -> int:
+    def committed_steps(self) -> int:
         """The job's committed steps so far, as the coordinator last said (0: none)."""
-        opened = self.signed.latest(proto.PROGRESS_KEY)
+        opened = self.signed.latest(proto.STEPS_KEY)
         return 0 if opened is None else opened.seq
 
     def probe(self, seq: int, factor: float) -> None:

@@ -428,8 +428,20 @@ class CheckpointIO:
             self._store = self._store_of()
         return self._store
 
+    def reconnect(self) -> None:
+        """Another coordinator is followed: the writer's next report opens a connection
+        to it (a report of a checkpoint it does not expect is ignored there)."""
+        self._store = None
+
     def _report(self, gen: int, step: int, layer: int, file: LayerFile,
                 write_s: float, held: int | None = None) -> None:
+        # a report that cannot be written (the coordinator went away) leaves the
+        # checkpoint incomplete: its deadline drops it there, the next one is written
+        with contextlib.suppress(Exception):
+            self._write_report(gen, step, layer, file, write_s, held)
+
+    def _write_report(self, gen: int, step: int, layer: int, file: LayerFile,
+                      write_s: float, held: int | None) -> None:
         self._client().layer_written(gen, step, layer, {
             "file": file.name, "size": file.size, "sha256": file.sha256,
             "worker": self.worker, "write_s": write_s, "memory": held})

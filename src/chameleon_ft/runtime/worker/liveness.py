@@ -15,15 +15,12 @@ the CPU, where the training thread computes itself, the compute in progress is w
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.worker.channel import WAIT_SLICE_S, Channel
@@ -37,29 +34,9 @@ from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable 
     exit_now,
 )
 from chameleon_ft.runtime.worker.groups import Generation
+from chameleon_ft.runtime.worker.link import Link, client, refused
 
 __all__ = ["WAIT_SLICE_S", "Liveness", "client", "refused"]
-
-
-def refused(host: str, port: int) -> bool:
-    """Whether nothing listens on ``host:port`` any more (a definite answer, unlike a
-    timeout)."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-
-
-def client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A store connection of the helper threads: connecting may take long on a loaded host
-    (it is no sign of a dead coordinator), each request then ``timeout_s``."""
-    store = dist.TCPStore(host, port, is_master=False,
-                          timeout=timedelta(seconds=max(timeout_s, 10.0)))
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return store
 
 
 class Liveness:
@@ -68,8 +45,7 @@ class Liveness:
     Args:
         worker: the worker id.
         incarnation: this process's incarnation.
-        host: the coordinator's host.
-        port: the store port.
+        coordinator: the worker's tie to its coordinator (lost, found again).
         heartbeat_s: the beat interval.
         hang_s: the hang deadline (also how long the coordinator may stay silent).
         current: returns the generation this worker takes part in now, if any.
@@ -79,22 +55,19 @@ class Liveness:
         link: the process's channel over a store connection of a thread here.
     """
 
-    def __init__(self, worker: int, incarnation: str, host: str, port: int, *,
+    def __init__(self, worker: int, incarnation: str, coordinator: Link, *,
                  heartbeat_s: float, hang_s: float,
                  current: Callable[[], Generation | None],
                  changed: threading.Condition, link: Callable[[Any], Channel],
                  watch: DeviceWatch | None = None,
                  device: torch.device | None = None) -> None:
         self.worker, self.incarnation = worker, incarnation
+        self.coordinator = coordinator
         self.link = link
         self.device = device or torch.device("cpu")
         self.watch = watch or DeviceWatch(self.device)
-        self.host, self.port = host, port
         self.heartbeat_s, self.hang_s = heartbeat_s, hang_s
         self.current, self.changed = current, changed
-        self.last_ok = time.monotonic()
-        self.gone = (f"chameleon worker {worker}: the coordinator at {host}:{port} stopped "
-                     "answering; exiting")
 
     def start(self) -> None:
         """Start the three threads (daemons: they die with the process)."""
@@ -110,48 +83,68 @@ class Liveness:
         gen = self.current()
         return max(self.hang_s, gen.abort_s if gen is not None else 0.0)
 
-    def _stalled(self, chan: Channel) -> None:
+    def _stalled(self, chan: Channel | None) -> None:
         """The device stopped completing its work: report a fatal error (the coordinator
         sees the death at once, also for a remote worker) and leave."""
         pending = self.watch.pending_s()
         why = (f"worker {self.worker}: work given to its device did not complete within "
                f"{pending:.1f} s (a hung kernel or collective); exiting")
         gen = self.current()
-        if gen is not None:
+        if gen is not None and chan is not None:
             report = proto.ErrorReport(worker=self.worker, fatal=True, peer=None, message=why)
             with contextlib.suppress(Exception):
                 chan.report(gen.gen, report)
         exit_now(EXIT_DEVICE_STALLED, f"chameleon {why}")
 
-    def _beat(self) -> None:
-        """Beat every interval while the device completes its work; a refused connection
-        means the coordinator is gone. A slow answer under load is not a death: a beat may
-        time out, only the watchdog decides."""
+    def _connected(self, timeout_s: float) -> Channel | None:
+        """A channel over a new connection to the coordinator (None: none answered; a
+        refusal means it is gone)."""
+        tie = self.coordinator
         try:
-            chan = self.link(client(self.host, self.port, max(self.hang_s / 2, 0.2)))
+            return self.link(client(tie.host, tie.port, timeout_s))
         except Exception:
-            exit_now(EXIT_COORDINATOR_GONE, self.gone)
+            if refused(tie.host, tie.port):
+                tie.lose(time.monotonic(), "the coordinator refused connections")
+            return None
+
+    def _beat(self) -> None:
+        """Beat every interval while the device completes its work, and read the
+        coordinator's progress value; a refused connection means the coordinator is gone.
+        A slow answer under load is not a death: a beat may time out, only the watchdog
+        decides. A lost coordinator is still beaten to (one that was only slow takes the
+        beats, its progress value moves, and it is no longer lost); once another is
+        attached (the training thread found it) the beats go to it over a new
+        connection."""
+        tie = self.coordinator
+        chan: Channel | None = None
+        epoch = -1
         count = 0
         while True:
             if self.watch.pending_s() > self.stall_limit_s():
                 self._stalled(chan)
+            if epoch != tie.epoch or chan is None:
+                epoch, chan = tie.epoch, self._connected(max(self.hang_s / 2, 0.2))
+                if chan is None:
+                    time.sleep(self.heartbeat_s)
+                    continue
             count += 1
             try:
                 chan.beat(count)  # numbered: a beat replayed later is refused
-                self.last_ok = time.monotonic()
+                tie.beat_taken()
+                tie.progress(chan.progress())
             except Exception:
-                if refused(self.host, self.port):
-                    exit_now(EXIT_COORDINATOR_GONE, self.gone)
+                if refused(tie.host, tie.port):
+                    tie.lose(time.monotonic(), "the coordinator refused connections")
             time.sleep(self.heartbeat_s)
 
     def _watchdog(self) -> None:
-        """Exit once the coordinator took no beat for the hang deadline (it died, is
-        stopped or cut off; a worker that was itself stopped and continued finds out at
-        its next look)."""
+        """Lose the coordinator once it took no beat, or its loop made no progress, for
+        the hang deadline (it died, is stopped, cut off or stuck; a worker that was itself
+        stopped and continued finds out at its next look), and exit once no other came
+        within the grace."""
         while True:
             time.sleep(min(self.heartbeat_s, self.hang_s / 4))
-            if time.monotonic() - self.last_ok > self.hang_s:
-                exit_now(EXIT_COORDINATOR_GONE, self.gone)
+            self.coordinator.judge()
 
     def _watch_aborts(self) -> None:
         """Break a generation's connections as soon as the coordinator aborts it.
@@ -159,8 +152,11 @@ class Liveness:
         Waits on the abort key of the current generation in short slices and re-reads
         which generation is current after each, so it follows the worker from generation
         to generation whatever way the previous one ended. A forged abort is waited past.
+        It follows the coordinator attached last (a new connection each time).
         """
-        chan = self.link(client(self.host, self.port, max(self.hang_s / 2, 0.2)))
+        tie = self.coordinator
+        chan: Channel | None = None
+        epoch = -1
         while True:
             with self.changed:
                 self.changed.wait_for(lambda: (g := self.current()) is not None
@@ -168,6 +164,11 @@ class Liveness:
                 gen = self.current()
             if gen is None or gen.broken:
                 continue
+            if epoch != tie.epoch or chan is None:
+                epoch, chan = tie.epoch, self._connected(max(self.hang_s / 2, 0.2))
+                if chan is None:
+                    time.sleep(WAIT_SLICE_S)
+                    continue
             try:
                 if not chan.aborted(gen.gen):
                     continue  # not aborted yet (or the store is slow): look again

@@ -46,7 +46,7 @@ from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
 from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
-from chameleon_ft.runtime.worker import groups
+from chameleon_ft.runtime.worker import groups, reattach
 from chameleon_ft.runtime.worker.channel import Channel, GenerationOver, Shared, read_job
 from chameleon_ft.runtime.worker.checkpoints import (
     CheckpointIO,
@@ -60,6 +60,7 @@ from chameleon_ft.runtime.worker.device import memory as device_memory
 from chameleon_ft.runtime.worker.executor import StepResult, StepRun
 from chameleon_ft.runtime.worker.faults import Faults, InjectedError
 from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
+from chameleon_ft.runtime.worker.link import Link
 from chameleon_ft.runtime.worker.liveness import (
     EXIT_COORDINATOR_GONE,
     EXIT_ERROR,
@@ -72,7 +73,7 @@ from chameleon_ft.runtime.worker.liveness import (
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies, peer_of
 from chameleon_ft.runtime.worker.memory import peak_resident_bytes, reset_peak, resident_bytes
 from chameleon_ft.runtime.worker.migration import Migration
-from chameleon_ft.runtime.worker.slowdown import Probe, Slowdown, probe_inputs
+from chameleon_ft.runtime.worker.slowdown import Probe, Slowdown, between, probe_inputs, prober
 from chameleon_ft.runtime.workload.bundle import Workload, open_workload
 from chameleon_ft.runtime.workload.models import StageModel, tied_copies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
@@ -111,27 +112,13 @@ class Worker:
         """Resident memory once this worker is set up (before it builds its stage), the
         peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
-        self.host, self.port, self.address = host, port, address
+        self.host, self.port, self.address, self.secret = host, port, address, secret
         self._connect(secret, connect_timeout_s, place or Place(0))
         self._open_workload()
         self.micro_batch = self.job.micro_batch
         self.loss_count = self.job.global_batch * self.job.targets_per_sample
         """The loss normaliser: target elements in the whole step."""
-        self.layers: dict[int, LayerTrainState] = {}
-        """The layers of this worker's current stage (trained and updated)."""
-        self.held: dict[int, LayerTrainState] = {}
-        """Every layer whose state this worker holds, valid after ``held_steps`` committed
-        steps: the stage's layers plus, until the next commit, the previous stage's (a
-        generation that fails before committing leaves the older placement intact, and the
-        coordinator plans the next recovery from it)."""
-        self.held_steps = 0
-        self.reserved_gen: int | None = None
-        """The generation whose checkpoint memory was reserved (at its first commit)."""
-        self.pending_optimizer_s: list[float] = []
-        """Seconds of the last optimizer step, once read off the device (reported with
-        the next step's timings)."""
-        self.last_commit_wait_s: float | None = None
-        """Seconds from reporting "reduced" to reading the verdict, last step."""
+        self._nothing_held()
         self.stage = StageModel(checkpointing=self.checkpointing)
         self.faults = Faults(self.chan, self.id, incarnation, stall=self.watch.stall)
         self.slowdown = Slowdown(self.faults)
@@ -143,6 +130,33 @@ class Worker:
         """What this worker times while a slow worker out of the plan."""
         if reset_peak():  # what training adds is measured from here
             self.rss_base_bytes = resident_bytes()
+
+    def _nothing_held(self) -> None:
+        """What this worker holds and has read: nothing yet."""
+        self.layers: dict[int, LayerTrainState] = {}
+        """The layers of this worker's current stage (trained and updated)."""
+        self.held: dict[int, LayerTrainState] = {}
+        """Every layer whose state this worker holds, valid after ``held_steps`` committed
+        steps: the stage's layers plus, until the next commit, the previous stage's (a
+        generation that fails before committing leaves the older placement intact, and the
+        coordinator plans the next recovery from it)."""
+        self.held_steps = 0
+        self.held_gen, self.held_plan = -1, None
+        """The generation whose commit or load made ``held``, and its plan (a dict)."""
+        self.voted: tuple[int, int] | None = None
+        """``(gen, step)`` reduced and voted for, its verdict not read yet (its gradients
+        are kept: a coordinator that takes the run over may say it committed)."""
+        self.directive_gen, self.members, self.plan_doc = -1, {}, None
+        """The newest directive read: its generation, incarnations and plan."""
+        self.again: Any = None
+        """Called before each slice of the wait for a directive (a re-attach report)."""
+        self.reserved_gen: int | None = None
+        """The generation whose checkpoint memory was reserved (at its first commit)."""
+        self.pending_optimizer_s: list[float] = []
+        """Seconds of the last optimizer step, once read off the device (reported with
+        the next step's timings)."""
+        self.last_commit_wait_s: float | None = None
+        """Seconds from reporting "reduced" to reading the verdict, last step."""
 
     def _open_workload(self) -> None:
         """The model, data, optimizer and numerics of the job (the data checked against
@@ -166,13 +180,18 @@ class Worker:
         self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=timedelta(seconds=connect_timeout_s))
         self.job, signer = read_job(self.store, secret)
-        self.chan = Channel(self.store, Shared(signer, self.id, self.incarnation, _log.warning))
+        self.shared = Shared(signer, self.id, self.incarnation, _log.warning)
+        self.chan = Channel(self.store, self.shared)
         self.hang_s = self.job.hang_timeout_s
+        self.link = Link(self.host, self.port, hang_s=self.hang_s,
+                         grace_s=self.job.coordinator_grace_s, term=self.job.term)
         # the watchdog decides whether the coordinator is gone; the training thread's
         # requests may take longer on a loaded host without that meaning anything
         self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
         self.rendezvous = self.chan.rendezvous(max(5.0, 2 * self.hang_s))
         """The store this process's groups meet in (kept: torch calls it)."""
+        self.kept: list[Any] = []
+        """Earlier coordinators' rendezvous stores (groups being closed may call them)."""
         self.blobs = BlobClient(self.host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s,
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
@@ -288,7 +307,7 @@ class Worker:
         """Register, then follow the coordinator's generations until told to stop."""
         self.chan.register({"host": socket.gethostname(), "pid": os.getpid(),
                             "address": self.address})
-        Liveness(self.id, self.incarnation, self.host, self.port,
+        Liveness(self.id, self.incarnation, self.link,
                  heartbeat_s=self.job.heartbeat_s, hang_s=self.hang_s,
                  current=lambda: self.current, changed=self.gen_changed, link=self.chan.on,
                  watch=self.watch, device=self.device).start()
@@ -299,38 +318,45 @@ class Worker:
         previous: groups.Generation | None = None
         probing = False
         while True:
-            gen, directive = self.chan.directive(gen, self._probe_once if probing else None)
-            probing = self.id in directive.get("probe", ())
-            _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
-                       directive.get("world"))
-            if directive["action"] == "stop":
-                if previous is not None:
-                    previous.close()
-                self._stop(directive)
-                return
-            if directive["incarnations"].get(str(self.id)) != self.incarnation:
-                exit_now(EXIT_FENCED, f"chameleon worker {self.id}: fenced by the "
-                         "coordinator (declared dead or replaced); exiting")
-            self.faults.refresh()
             try:
+                gen, directive = self.chan.directive(gen, between(
+                    self.again, prober(self) if probing else None))
+                self.again = None
+                probing = self.id in directive.get("probe", ())
+                if self._follow(gen, directive, previous):
+                    return
                 previous = self._run_generation(gen, directive, previous)
             except GenerationOver:
                 previous = self.current
+            except dist.DistError as exc:  # its store failed: the coordinator went away
+                reattach.recover(self, exc, previous)
+                previous, gen = None, self.directive_gen
             except Exception as exc:  # injected, or a bug: the worker is going away
                 self._report(True, None, f"{type(exc).__name__}: {exc}\n"
                              f"{traceback.format_exc()}", gen)
                 raise
             gen += 1
 
-    def _probe_once(self) -> None:
-        """While waiting out of the plan as a slow worker: follow the job's steps (the
-        slowdown ends on time) and time a probe when one is due."""
-        try:
-            factor = self.slowdown.at_step(self.chan.progress(), None)
-            if self.probe.due():
-                self.probe.report(self.chan, factor)
-        except dist.DistStoreError as exc:  # the coordinator is slow or gone: the watchdog
-            _log.debug("probe not reported: %s", exc)
+    def _follow(self, gen: int, directive: dict[str, Any],
+                previous: groups.Generation | None) -> bool:
+        """A directive read: stop (returns True once the final checkpoint is over), or
+        check this process is still the one it names; a step it committed while this
+        worker was away is applied first."""
+        _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
+                   directive.get("world"))
+        reattach.apply(self, directive.get("apply"))
+        self.directive_gen = gen
+        if directive["action"] == "stop":
+            if previous is not None:
+                previous.close()
+            self._stop(directive)
+            return True
+        if directive["incarnations"].get(str(self.id)) != self.incarnation:
+            exit_now(EXIT_FENCED, f"chameleon worker {self.id}: fenced by the "
+                     "coordinator (declared dead or replaced); exiting")
+        self.members, self.plan_doc = dict(directive["incarnations"]), directive["plan"]
+        self.faults.refresh()
+        return False
 
     def _enter(self, generation: groups.Generation | None) -> None:
         with self.gen_changed:
@@ -424,6 +450,7 @@ class Worker:
             raise RuntimeError(f"worker {self.id}: no state for layers {missing} in "
                                f"generation {gen}")
         self.held, self.held_steps = layers, d["step"]
+        self.held_gen, self.held_plan = gen, d["plan"]
         self._set_layers({i: layers[i] for i in wanted})
 
     # ------------------------------------------------------------------ one step
@@ -449,7 +476,9 @@ class Worker:
         self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
         self.chan.reduced(gen, step)
+        self.voted = (gen, step)
         verdict = self.chan.await_value(proto.verdict_key(gen, step), gen).decode()
+        self.voted = None
         self.last_commit_wait_s = time.perf_counter() - t_reduced
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
@@ -463,6 +492,7 @@ class Worker:
                 state.step(step)
         self.pending_optimizer_s = optimizer_s
         self.held, self.held_steps = dict(self.layers), step + 1  # other layers are now stale
+        self.held_gen, self.held_plan = gen, d["plan"]
         self._maybe_checkpoint(step + 1, plan, gen)
         return verdict == proto.COMMIT
 
@@ -556,7 +586,7 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
                secret=secret, replacement=replacement, place=place).run()
     except InjectedError:
         code = EXIT_ERROR
-    except dist.DistStoreError:
+    except dist.DistError:  # the coordinator went away before the worker followed it
         code = EXIT_COORDINATOR_GONE
     except BaseException:
         _log.error("%s", traceback.format_exc().rstrip())

@@ -85,6 +85,14 @@ class MemoryCopies:
         with self._store_lock:
             self._client().serve_copies(self.address, self.server.port)
 
+    def reconnect(self) -> None:
+        """Another coordinator is followed: open a connection to it and say there where
+        this worker serves its copies."""
+        with self._store_lock:
+            self._store = None
+            if self.server is not None:
+                self._client().serve_copies(self.address, self.server.port)
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()

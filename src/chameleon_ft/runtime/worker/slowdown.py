@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from chameleon_ft.runtime.worker.channel import Channel
 from chameleon_ft.runtime.worker.device import StepTimer
@@ -124,3 +126,30 @@ def probe_inputs(worker: Any) -> tuple[torch.nn.Module, torch.Tensor]:
         return worker.module(1).to(worker.dtype), worker.boundary_buffer(1).zero_()
     x, _ = worker.microbatch(0, 0)
     return worker.module(0).to(worker.dtype), worker.precision.inputs(x, worker.device)
+
+
+def prober(worker: Any) -> Callable[[], None]:
+    """What an idle slow worker does between slices of its wait for a directive: follow
+    the job's steps (its slowdown ends on time) and time a probe when one is due."""
+
+    def probe_once() -> None:
+        try:
+            factor = worker.slowdown.at_step(worker.chan.committed_steps(), None)
+            if worker.probe.due():
+                worker.probe.report(worker.chan, factor)
+        except dist.DistStoreError as exc:  # the coordinator is slow or gone: the watchdog
+            _log.debug("probe not reported: %s", exc)
+    return probe_once
+
+
+def between(again: Callable[[], None] | None,
+            probe: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Both callbacks of a wait for a directive, or the one given (a re-attached worker's
+    report, an idle slow worker's probe)."""
+    if again is None or probe is None:
+        return again if again is not None else probe
+
+    def both() -> None:
+        again()
+        probe()
+    return both
