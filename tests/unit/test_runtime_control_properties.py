@@ -469,7 +469,7 @@ class Driver:
                 assert e.probe <= s.alive - s.world, (e.probe, s.world)
 
 
-QUICK = sw.SlowRule(windows=((2, 2.0),), clear_steps=2)
+QUICK = sw.SlowRule(windows=((2, 2.0),), clear_steps=2, min_span_s=0.0)
 """Bars a short generated run reaches: declared in two slow steps, cleared in two."""
 
 SETTINGS = hs.builds(

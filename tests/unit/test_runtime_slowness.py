@@ -21,6 +21,8 @@ from chameleon_ft.runtime.control.model import Mode, mode
 PLAN8 = ExecutionPlan.uniform(dp=2, pp=4, num_layers=8, num_microbatches=8)
 """The testbed's layout: 2 pipelines x 4 stages, 4 micro-batches each."""
 RULE = sw.SlowRule()
+TABLE = replace(SETTINGS, slow_rule=sw.SlowRule(min_span_s=0.0))
+"""The rows below step through observations 10 ms apart: windows in steps only."""
 
 
 def heavy_tailed(rng: random.Random) -> float:
@@ -118,7 +120,8 @@ def test_a_worker_between_the_bars_is_neither_cleared_nor_declared_again() -> No
     for step in range(100):
         factor = 1.5 if 10 <= step < 40 else (1.15 if step >= 40 else 1.0)
         measured = {w: e * (factor if w == 2 else 1.0) for w, e in expected.items()}
-        watch, changes = sw.observe_step(watch, RULE, step=step, now_s=0.0, measured=measured,
+        watch, changes = sw.observe_step(watch, RULE, step=step, now_s=step * 0.5,
+                                         measured=measured,
                                          expected=expected, peers=peers)
         seen += changes
     assert [type(x).__name__ for x in seen] == ["Declared"]
@@ -170,21 +173,21 @@ def test_a_report_is_the_sum_of_its_operations() -> None:
 
 def test_probes_clear_a_slow_worker_out_of_the_plan() -> None:
     watch = sw.SlowWatch(marks={3: sw.Mark(3.0, 20, 1.0, sw.Phase.HELD)})
-    for seq in range(1, 6):
-        watch, changes = sw.observe_probe(watch, RULE, 3, seq, 3.0)
+    for seq in range(1, 6):  # about every half second
+        watch, changes = sw.observe_probe(watch, RULE, 3, seq, 3.0, seq / 2)
         assert changes == []
-    watch, changes = sw.observe_probe(watch, RULE, 3, 5, 1.0)  # a replay: ignored
+    watch, changes = sw.observe_probe(watch, RULE, 3, 5, 1.0, 3.0)  # a replay: ignored
     assert changes == []
     seen: list[sw.Change] = []
     for seq, factor in zip(range(6, 9), (1.0, 1.02, 1.3), strict=True):
-        watch, changes = sw.observe_probe(watch, RULE, 3, seq, factor)
+        watch, changes = sw.observe_probe(watch, RULE, 3, seq, factor, seq / 2)
         seen += changes
     assert seen == []  # the median of the last five is still slow
-    watch, changes = sw.observe_probe(watch, RULE, 3, 9, 0.98)
+    watch, changes = sw.observe_probe(watch, RULE, 3, 9, 0.98, 4.5)
     assert [type(x).__name__ for x in changes] == ["Cleared"]
     assert watch.marks[3].phase is sw.Phase.END
     for bad in (float("nan"), -1.0, 0.0, float("inf")):
-        assert sw.observe_probe(watch, RULE, 3, 99, bad)[1] == []
+        assert sw.observe_probe(watch, RULE, 3, 99, bad, 9.0)[1] == []
 
 
 def test_the_rule_refuses_bars_that_cannot_work() -> None:
@@ -197,7 +200,7 @@ def test_the_rule_refuses_bars_that_cannot_work() -> None:
 # ---------------------------------------------------------------------- the control plane
 def _started() -> Run:
     """A run with five clean steps of readings (a window needs as many)."""
-    run = Run().start()
+    run = Run(TABLE).start()
     _slow_steps(run, 0, 1.0, 6)
     return run
 
@@ -298,7 +301,7 @@ def test_probes_end_an_eviction_and_the_policy_re_plans() -> None:
 
 
 def test_an_answer_after_the_plan_moved_is_asked_again() -> None:
-    run = Run(replace(SETTINGS, num_workers=5, num_local=5), workers=5).start()
+    run = Run(replace(TABLE, num_workers=5, num_local=5), workers=5).start()
     _slow_steps(run, 0, 1.0, 6)
     _slow_steps(run, 2, 3.0, 4)
     ask = run.c.slow_ask
@@ -338,7 +341,7 @@ def test_an_answer_that_cannot_be_taken_keeps_the_plan(decision: Any) -> None:
 
 
 def test_the_first_step_of_a_generation_is_no_reading() -> None:
-    run = Run().start()
+    run = Run(TABLE).start()
     s = run.c.run
     out = run.commit() + run.feed(m.OpTimes(run.at(), s.gen, s.next_step, {0: 1.0, 1: 1.0,
                                                                            2: 50.0, 3: 1.0}))
@@ -378,3 +381,27 @@ def test_a_bad_slow_fault_is_one_line_naming_the_field(text: str, message: str) 
     with pytest.raises(ValueError, match=message) as info:
         parse_fault(text)
     assert str(info.value).startswith("fault: ") and "\n" not in str(info.value)
+
+
+def test_a_window_of_short_steps_spans_its_time() -> None:
+    """Steps of 20 ms (a tiny model on the CPU): the host starving one worker for ten of
+    them (0.2 s) declares nothing, as ten 0.5 s steps would; 3x held for 2 s does."""
+    expected = sw.plan_compute(PLAN8, None)
+    peers = sw.plan_peers(PLAN8)
+
+    def run(step_s: float, slow_steps: range) -> list[sw.Change]:
+        watch, seen = sw.SlowWatch(), []
+        for step in range(400):
+            factor = 3.0 if step in slow_steps else 1.0
+            measured = {w: e * (factor if w == 2 else 1.0) for w, e in expected.items()}
+            watch, changes = sw.observe_step(watch, RULE, step=step, now_s=step * step_s,
+                                             measured=measured, expected=expected,
+                                             peers=peers)
+            seen += changes
+        return seen
+
+    assert run(0.02, range(100, 110)) == []
+    assert [type(x).__name__ for x in run(0.5, range(100, 110))] == ["Declared", "Cleared"]
+    found = run(0.02, range(100, 200))
+    assert [type(x).__name__ for x in found] == ["Declared", "Cleared"]
+    assert isinstance(found[0], sw.Declared) and found[0].window >= 1.5 / 0.02

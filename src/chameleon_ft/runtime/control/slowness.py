@@ -16,12 +16,17 @@ percent of the peers, a few are off by tens of percent, sometimes two or three i
 1.45x). So a worker is declared slow only when the *median* of its log factors over a
 window stays above a bar, with longer windows for lower bars (:class:`SlowRule`: 3x is
 seen in 3 slow steps, 1.2x after 11): a burst of outliers shorter than half a window
-never declares one. The bar of each window is also at least ``noise_z`` robust standard
-deviations of that window's median (a MAD of every worker's recent factors around its
-own median, which a steady offset cannot inflate), so a host whose noise is wide
-everywhere declares nothing it cannot tell from it. A declared worker is cleared once the median of its
-last ``clear_steps`` factors falls to ``clear_factor``: a gap between the bars
-(hysteresis) keeps a worker near the bar from flapping.
+never declares one. A window also spans at least ``min_span_s`` of time: the operating
+system starves a process of a loaded host for tens to hundreds of milliseconds at a time,
+ten steps of a job whose steps take 20 ms (a tiny model on the CPU read 2.3x over ten
+steps that way), so a short step's window holds as many more steps. The bar of each
+window is also at least ``noise_z`` robust standard deviations of that window's median (a
+MAD of every worker's recent factors around its own median, which a steady offset cannot
+inflate), so a host whose noise is wide everywhere declares nothing it cannot tell from
+it (six: four let a tiny CPU model's noise through once in 1,800 recorded steps). A
+declared worker is cleared once the median of its last ``clear_steps`` factors (over the
+same span) falls to ``clear_factor``: a gap between the bars (hysteresis) keeps a worker
+near the bar from flapping.
 
 A slow worker out of the plan (evicted, swapped out) computes nothing the steps measure:
 while it is idle it times a probe (one forward and backward of one layer) against its
@@ -64,8 +69,13 @@ class SlowRule:
     """Steps (or probes, out of the plan) whose median factor clears a slow worker."""
     clear_factor: float = 1.1
     """That median must be at most this."""
-    noise_z: float = 4.0
+    noise_z: float = 6.0
     """A window's bar is at least this many robust standard deviations of its median."""
+    min_span_s: float = 1.5
+    """A window (and the clearing one) spans at least this long, from its first reading
+    to its last: more steps than it names when steps are short."""
+    max_history: int = 256
+    """Readings kept per worker at most (a window of short steps is cut there)."""
 
     def __post_init__(self) -> None:
         if not self.windows or any(n < 1 or f <= 1.0 for n, f in self.windows):
@@ -73,10 +83,12 @@ class SlowRule:
         if self.clear_steps < 1 or not 1.0 <= self.clear_factor < min(f for _, f in
                                                                        self.windows):
             raise ValueError("clear_factor: must be >= 1 and below every window's factor")
+        if not (self.min_span_s >= 0 and self.max_history >= self.history_steps):
+            raise ValueError("max_history: must hold the longest window; min_span_s >= 0")
 
     @property
-    def history(self) -> int:
-        """Log factors kept per worker: the longest window."""
+    def history_steps(self) -> int:
+        """The most readings a window names: the longest window, or the clearing one."""
         return max(max(n for n, _ in self.windows), self.clear_steps)
 
 
@@ -126,17 +138,20 @@ class Cleared:
 
 Change = Declared | Cleared
 
+Reading = tuple[float, float]
+"""``(time_s, log factor)``: one step's (or probe's) reading of one worker."""
+
 
 @dataclass(frozen=True)
 class SlowWatch:
     """What detection remembers: each worker's recent log factors, the slow workers, and
     the probes of slow workers out of the plan."""
 
-    history: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
-    """Per worker of the plan, its newest log factors (oldest first)."""
+    history: Mapping[int, tuple[Reading, ...]] = field(default_factory=dict)
+    """Per worker of the plan, its newest readings (oldest first)."""
     marks: Mapping[int, Mark] = field(default_factory=dict)
-    probes: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
-    """Per slow worker out of the plan, its newest probe log factors."""
+    probes: Mapping[int, tuple[Reading, ...]] = field(default_factory=dict)
+    """Per slow worker out of the plan, its newest probe readings."""
     probe_seq: Mapping[int, int] = field(default_factory=dict)
     """Per slow worker out of the plan, the last probe read."""
 
@@ -220,36 +235,54 @@ def step_factors(measured: Mapping[int, float], expected: Mapping[int, float],
     return out
 
 
-def noise_sigma(history: Mapping[int, tuple[float, ...]]) -> float:
+def noise_sigma(history: Mapping[int, tuple[Reading, ...]]) -> float:
     """The robust standard deviation of one step's log factor over time: the median of
     every recent reading's distance to its own worker's median, pooled over the workers
     (a MAD). A worker slow all along, and the peer whose reference it is, stay at their
     own median and add nothing; a pooled MAD around one centre would count their offset as
     noise, half the readings of a plan of two pipelines."""
-    pooled = [abs(x - centre) for values in history.values() if len(values) >= 2
+    pooled = [abs(x - centre) for readings in history.values() if len(readings) >= 2
+              for values in ([f for _, f in readings],)
               for centre in (statistics.median(values),) for x in values]
     if len(pooled) < 3:
         return 0.0
     return MAD_TO_SIGMA * statistics.median(pooled)
 
 
-def _declares(values: tuple[float, ...], rule: SlowRule, sigma: float) -> Declared | None:
-    """The window that declares a worker with these log factors (newest last), if any."""
+def window(readings: tuple[Reading, ...], n: int, rule: SlowRule) -> list[float] | None:
+    """The log factors of the newest window of at least ``n`` readings that spans
+    ``rule.min_span_s`` (None: the readings do not reach that far yet)."""
+    if len(readings) < n:
+        return None
+    last = readings[-1][0]
+    k = n
+    while readings[-k][0] > last - rule.min_span_s:
+        if k == len(readings):
+            return None
+        k += 1
+    return [f for _, f in readings[-k:]]
+
+
+def _declares(readings: tuple[Reading, ...], rule: SlowRule, sigma: float) -> Declared | None:
+    """The window that declares a worker with these readings (newest last), if any."""
     for n, factor in sorted(rule.windows):
-        if len(values) < n:
+        values = window(readings, n, rule)
+        if values is None:
             continue
-        median = statistics.median(values[-n:])
-        bar = max(math.log(factor), rule.noise_z * sigma * MEDIAN_EFFICIENCY / math.sqrt(n))
+        median = statistics.median(values)
+        bar = max(math.log(factor),
+                  rule.noise_z * sigma * MEDIAN_EFFICIENCY / math.sqrt(len(values)))
         if median >= bar:
-            return Declared(-1, math.exp(median), n)
+            return Declared(-1, math.exp(median), len(values))
     return None
 
 
-def _clears(values: tuple[float, ...], rule: SlowRule) -> float | None:
+def _clears(readings: tuple[Reading, ...], rule: SlowRule) -> float | None:
     """The median factor that clears a slow worker with these readings, if it does."""
-    if len(values) < rule.clear_steps:
+    values = window(readings, rule.clear_steps, rule)
+    if values is None:
         return None
-    median = statistics.median(values[-rule.clear_steps:])
+    median = statistics.median(values)
     return math.exp(median) if median <= math.log(rule.clear_factor) else None
 
 
@@ -272,8 +305,8 @@ def observe_step(watch: SlowWatch, rule: SlowRule, *, step: int, now_s: float,
         The new value, and the workers declared and cleared (in worker order).
     """
     factors = step_factors(measured, expected, peers)
-    keep = rule.history
-    history = {w: (*watch.history.get(w, ()), f)[-keep:] for w, f in factors.items()}
+    history = {w: _kept((*watch.history.get(w, ()), (now_s, f)), rule)
+               for w, f in factors.items()}
     history |= {w: v for w, v in watch.history.items() if w in expected and w not in history}
     sigma = noise_sigma(history)
     marks = dict(watch.marks)
@@ -295,10 +328,21 @@ def observe_step(watch: SlowWatch, rule: SlowRule, *, step: int, now_s: float,
     return replace(watch, history=history, marks=marks), changes
 
 
+def _kept(readings: tuple[Reading, ...], rule: SlowRule) -> tuple[Reading, ...]:
+    """The readings a window may still need: the newest ``history_steps``, and before
+    them those within ``min_span_s`` of the newest, at most ``max_history``."""
+    keep = rule.history_steps
+    last = readings[-1][0]
+    while keep < len(readings) and readings[-keep - 1][0] > last - rule.min_span_s:
+        keep += 1
+    return readings[-min(keep + 1, rule.max_history):]
+
+
 def observe_probe(watch: SlowWatch, rule: SlowRule, worker: int, seq: int,
-                  factor: float) -> tuple[SlowWatch, list[Change]]:
-    """A probe of a slow worker out of the plan: ``factor`` is its probe's time over its
-    own at start (bounded here: only a new, finite, positive reading counts)."""
+                  factor: float, now_s: float) -> tuple[SlowWatch, list[Change]]:
+    """A probe of a slow worker out of the plan, read at ``now_s``: ``factor`` is its
+    probe's time over its own at start (bounded here: only a new, finite, positive
+    reading counts)."""
     mark = watch.marks.get(worker)
     if mark is None or mark.phase is Phase.END or seq <= watch.probe_seq.get(worker, -1) \
             or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
@@ -306,7 +350,7 @@ def observe_probe(watch: SlowWatch, rule: SlowRule, worker: int, seq: int,
         return watch, []
     limit = math.log(MAX_FACTOR)
     value = max(-limit, min(limit, math.log(factor)))
-    values = (*watch.probes.get(worker, ()), value)[-rule.clear_steps:]
+    values = _kept((*watch.probes.get(worker, ()), (now_s, value)), rule)
     watch = replace(watch, probes={**watch.probes, worker: values},
                     probe_seq={**watch.probe_seq, worker: seq})
     back = _clears(values, rule)

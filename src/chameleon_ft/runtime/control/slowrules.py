@@ -60,7 +60,7 @@ def on_probes(c: Control, obs: m.Probes, p: Settings) -> Out:
     watch, changes = c.slow, []
     for w in sorted(out_of_plan(c) & frozenset(obs.readings)):
         seq, factor = obs.readings[w]
-        watch, more = sw.observe_probe(watch, p.slow_rule, w, seq, factor)
+        watch, more = sw.observe_probe(watch, p.slow_rule, w, seq, factor, obs.now_s)
         changes += more
     c = replace(c, slow=watch)
     effects = noticed(c, changes, obs.now_s)
