@@ -6,7 +6,7 @@ compute ``F`` times slower from the first step ``>= S`` it runs, for ``N`` of th
 steps: each timed operation (forward, backward, optimizer step; ``device.StepTimer``)
 waits ``F - 1`` times its own measured duration before it ends, so its reported time is
 ``F`` times the real one, on any model. A worker out of the plan follows the job's steps
-through the coordinator's progress key, so its slowdown ends on time too.
+through the committed-steps key (``protocol.STEPS_KEY``), so its slowdown ends on time too.
 
 The probe is one forward and backward of one layer (the first middle layer, on a buffer
 of the shape it takes) on a fixed micro-batch, timed the way the steps are (under the
