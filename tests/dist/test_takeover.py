@@ -26,7 +26,7 @@ from chameleon_ft.spec.train import parse_fault
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 STEPS = 30
-HANG_S = 1.5
+HANG_S = 2.0
 TRAIN = {"steps": STEPS, "dtype": "float64", "hang_timeout_s": HANG_S,
          "collective_timeout_s": 3.0, "checkpoint_every": 4, "coordinator_grace_s": 20.0}
 """The tiny job (about 20 ms a step), with a grace that leaves time for a new coordinator."""

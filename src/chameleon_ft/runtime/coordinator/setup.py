@@ -23,7 +23,7 @@ from chameleon_ft.runtime.workload.bundle import Workload
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.job import RUNTIME_SCHEDULES
 from chameleon_ft.spec.recovery import POLICY_NAMES
-from chameleon_ft.spec.train import Fault, check_faults
+from chameleon_ft.spec.train import Fault, TrainSpec, check_faults
 
 RUNTIME_POLICIES = ("chameleon", "reroute", "dynamic", "restart", "shrink",
                     "reroute-then-dynamic", "swap")
@@ -250,7 +250,7 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     remote_possible = num_local < config.total_workers or not auth.is_loopback(host)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir()
     earlier, token, port = _earlier_run(run_dir, digest := config_digest(config, workload),
-                                        host, port, token, resume)
+                                        host, port, token, config.train if resume else None)
     secret_token = _token(token)
     job = Job(config=config, workload=workload, model=built_model, data=built_data,
               profile=prof, plan0=plan0, policy=policy_name, faults=list(faults),
@@ -308,17 +308,19 @@ def _continue(job: Job, earlier: record.RunRecord | None) -> None:
 
 
 def _earlier_run(run_dir: Path, digest: str, host: str, port: int, token: str | None,
-                 resume: bool) -> tuple[record.RunRecord | None, str | None, int]:
-    """The record of the run being resumed (None: none), checked against what this
-    coordinator was given (its workers look for the next coordinator at the run's address,
-    and prove they know its token), with the token and port to use.
+                 resume: TrainSpec | None) -> tuple[record.RunRecord | None, str | None, int]:
+    """The record of the run being resumed (None: none; ``resume``: the job's ``[train]``
+    when resuming), checked against what this coordinator was given (its workers, when
+    they may still wait, look for the next coordinator at the run's address, and prove
+    they know its token), with the token and port to use.
 
     Raises:
         ValueError: for another token, address or model than the run's.
     """
     earlier = record.read(run_dir) if resume else None
-    if earlier is None:
+    if earlier is None or resume is None:
         return None, token, port
+    waiting = not earlier.ended and resume.coordinator_grace_s > 0
     if earlier.digest != digest:
         raise ValueError(f"--resume: the run in {run_dir} trains another model or numerics "
                          "(model, dtype, seed, batch, optimizer); use the config it was "
@@ -326,14 +328,14 @@ def _earlier_run(run_dir: Path, digest: str, host: str, port: int, token: str | 
     if token is not None and token != earlier.token:
         raise ValueError(f"--token: the run in {run_dir} was started with another token; "
                          f"give the same one, or none (its folder keeps it)")
-    if not earlier.ended and host != earlier.host:
+    if waiting and host != earlier.host:
         raise ValueError(f"--host: the run in {run_dir} listens on {earlier.host}, where its "
                          f"workers look for the next coordinator; give --host {earlier.host}")
-    if not earlier.ended and port not in (0, earlier.port):
+    if waiting and port not in (0, earlier.port):
         raise ValueError(f"--port: the run in {run_dir} listens on port {earlier.port}, where "
                          f"its workers look for the next coordinator; give --port "
                          f"{earlier.port} or leave it out")
-    return earlier, earlier.token, port if earlier.ended else earlier.port
+    return earlier, earlier.token, earlier.port if waiting else port
 
 
 def _prepare_resume(job: Job) -> None:

@@ -475,8 +475,8 @@ class Worker:
         reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
         self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
-        self.chan.reduced(gen, step)
-        self.voted = (gen, step)
+        self.voted = (gen, step)  # before the vote: a vote written as its store failed
+        self.chan.reduced(gen, step)  # may still commit the step (its gradients are kept)
         verdict = self.chan.await_value(proto.verdict_key(gen, step), gen).decode()
         self.voted = None
         self.last_commit_wait_s = time.perf_counter() - t_reduced
