@@ -405,3 +405,20 @@ def test_a_window_of_short_steps_spans_its_time() -> None:
     found = run(0.02, range(100, 200))
     assert [type(x).__name__ for x in found] == ["Declared", "Cleared"]
     assert isinstance(found[0], sw.Declared) and found[0].window >= 1.5 / 0.02
+
+
+def test_a_window_that_cannot_span_its_time_is_cut_at_the_history_kept() -> None:
+    rule = sw.SlowRule(max_history=30)
+    expected = sw.plan_compute(PLAN8, None)
+    peers = sw.plan_peers(PLAN8)
+    watch, seen = sw.SlowWatch(), []
+    for step in range(200):  # 1 ms steps: 1.5 s would be 1,500 of them
+        factor = 3.0 if step >= 100 else 1.0
+        measured = {w: e * (factor if w == 5 else 1.0) for w, e in expected.items()}
+        watch, changes = sw.observe_step(watch, rule, step=step, now_s=step * 0.001,
+                                         measured=measured, expected=expected, peers=peers)
+        seen += [(step, x) for x in changes]
+        assert all(len(v) <= 30 for v in watch.history.values())
+    # every window is the 30 readings kept: with half of them at 3x their median is
+    # sqrt(3), past the 1.4x bar
+    assert [(s, type(x).__name__, x.worker) for s, x in seen] == [(114, "Declared", 5)]

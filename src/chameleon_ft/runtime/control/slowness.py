@@ -38,9 +38,11 @@ Every number read from a report is bounded first (finite, not negative, lists of
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -249,30 +251,40 @@ def noise_sigma(history: Mapping[int, tuple[Reading, ...]]) -> float:
     return MAD_TO_SIGMA * statistics.median(pooled)
 
 
+def _span_start(readings: tuple[Reading, ...], span_s: float) -> int | None:
+    """The index of the newest reading at least ``span_s`` older than the last (None:
+    none is)."""
+    after = bisect.bisect_right(readings, readings[-1][0] - span_s, key=lambda r: r[0])
+    return after - 1 if after else None
+
+
 def window(readings: tuple[Reading, ...], n: int, rule: SlowRule) -> list[float] | None:
     """The log factors of the newest window of at least ``n`` readings that spans
-    ``rule.min_span_s`` (None: the readings do not reach that far yet)."""
+    ``rule.min_span_s``, or all of them once ``rule.max_history`` are kept (None: the
+    readings do not reach that far yet)."""
     if len(readings) < n:
         return None
-    last = readings[-1][0]
-    k = n
-    while readings[-k][0] > last - rule.min_span_s:
-        if k == len(readings):
-            return None
-        k += 1
-    return [f for _, f in readings[-k:]]
+    start = _span_start(readings, rule.min_span_s)
+    if start is None and len(readings) < rule.max_history:
+        return None
+    first = min(len(readings) - n, 0 if start is None else start)
+    return [f for _, f in readings[first:]]
 
 
-def _declares(readings: tuple[Reading, ...], rule: SlowRule, sigma: float) -> Declared | None:
-    """The window that declares a worker with these readings (newest last), if any."""
+def _declares(readings: tuple[Reading, ...], rule: SlowRule,
+              sigma: Callable[[], float]) -> Declared | None:
+    """The window that declares a worker with these readings (newest last), if any
+    (``sigma``: the noise, computed only for a window above its factor's bar)."""
+    medians: dict[int, float] = {}  # short steps stretch every window alike: one median
     for n, factor in sorted(rule.windows):
         values = window(readings, n, rule)
         if values is None:
             continue
-        median = statistics.median(values)
-        bar = max(math.log(factor),
-                  rule.noise_z * sigma * MEDIAN_EFFICIENCY / math.sqrt(len(values)))
-        if median >= bar:
+        median = medians.get(len(values))
+        if median is None:
+            median = medians[len(values)] = statistics.median(values)
+        if median >= math.log(factor) and median >= \
+                rule.noise_z * sigma() * MEDIAN_EFFICIENCY / math.sqrt(len(values)):
             return Declared(-1, math.exp(median), len(values))
     return None
 
@@ -308,7 +320,7 @@ def observe_step(watch: SlowWatch, rule: SlowRule, *, step: int, now_s: float,
     history = {w: _kept((*watch.history.get(w, ()), (now_s, f)), rule)
                for w, f in factors.items()}
     history |= {w: v for w, v in watch.history.items() if w in expected and w not in history}
-    sigma = noise_sigma(history)
+    sigma = functools.cache(lambda: noise_sigma(history))  # rarely needed: computed once
     marks = dict(watch.marks)
     changes: list[Change] = []
     for w in sorted(factors):
@@ -329,13 +341,11 @@ def observe_step(watch: SlowWatch, rule: SlowRule, *, step: int, now_s: float,
 
 
 def _kept(readings: tuple[Reading, ...], rule: SlowRule) -> tuple[Reading, ...]:
-    """The readings a window may still need: the newest ``history_steps``, and before
-    them those within ``min_span_s`` of the newest, at most ``max_history``."""
-    keep = rule.history_steps
-    last = readings[-1][0]
-    while keep < len(readings) and readings[-keep - 1][0] > last - rule.min_span_s:
-        keep += 1
-    return readings[-min(keep + 1, rule.max_history):]
+    """The readings a window may still need: the newest ``history_steps``, and those
+    back to the first at least ``min_span_s`` before the newest; ``max_history`` at most."""
+    start = _span_start(readings, rule.min_span_s)
+    first = min(len(readings) - rule.history_steps, 0 if start is None else start)
+    return readings[max(first, len(readings) - rule.max_history, 0):]
 
 
 def observe_probe(watch: SlowWatch, rule: SlowRule, worker: int, seq: int,
