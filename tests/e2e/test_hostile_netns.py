@@ -28,7 +28,11 @@ from chameleon_ft.runtime.workload.reference import train_reference
 from chameleon_ft.spec import load_config
 
 TOKEN = "a-test-token-of-enough-length"
-STEPS = 40
+STEPS = 42
+"""Not a multiple of ``checkpoint_every``: the final checkpoint is written at the end, so
+the workers wait on its completion key while the stranger's forgery stands there (after a
+periodic checkpoint at the last step the coordinator could say it is over before any
+worker looked, and the forgery would go unread)."""
 JOB = TINY_MODEL + LAYOUT + f"""
 [train]
 steps = {STEPS}
