@@ -52,6 +52,7 @@ def test_a_coordinator_killed_mid_run_is_replaced_under_live_workers(
         report = json.loads((tmp_path / "report.json").read_text())
         assert [(r["worker"], r["pid"]) for r in report["reattached"]] == \
             list(enumerate(pids))  # the same processes: nobody was relaunched
+        assert all(r["local"] for r in report["reattached"])  # held by pid descriptor
         assert report["coordinator_term"] == 1 and not report["events"]
         assert [s["step"] for s in report["steps"]] == list(range(STEPS))
         _, params = reference("float64", STEPS)

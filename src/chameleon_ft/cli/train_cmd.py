@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run directory: checkpoints, report.json, params.pt, "
                              "metrics.jsonl (default: a new runs/train-<time>)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its newest complete checkpoint")
+                        help="continue the run in --out: under its live workers when its "
+                             "coordinator went away less than [train] coordinator_grace_s "
+                             "ago (same --host/--port), else from its newest complete "
+                             "checkpoint")
     parser.add_argument("--tensorboard", action="store_true",
                         help="also write TensorBoard event files (loss, grad_norm, lr, "
                              "tokens/s, step time) under the run directory's tensorboard/; "

@@ -150,10 +150,12 @@ class Adopted:
 
     def __init__(self, pid: int, started: int) -> None:
         self.pid = pid
-        self.fd = os.pidfd_open(pid)
+        self.fd = -1
+        fd = os.pidfd_open(pid)
         if process_start(pid) != started:
-            os.close(self.fd)
+            os.close(fd)
             raise ProcessLookupError(pid)
+        self.fd = fd
 
     @property
     def sentinel(self) -> int:
@@ -174,6 +176,12 @@ class Adopted:
         """SIGKILL it (nothing when it is gone)."""
         with contextlib.suppress(ProcessLookupError, OSError):
             signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass
