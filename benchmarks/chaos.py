@@ -123,7 +123,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
         report = coord.run()
     except (WorkerFailure, ValueError) as exc:
         log(f"FAILED: {exc}")
-        pids = [p.pid for p in coord.all_procs if p.pid is not None]
+        pids = list(coord.launched_pids)
         time.sleep(0.5)
         return {"failed": str(exc), "policy": policy, "injected": len(hooks.injected),
                 "fired": 0, "exact": False, "max_diff": float("inf"),
@@ -133,7 +133,7 @@ def run_chaos(doc: dict[str, Any], faults: int, seed: int, out: Path,
     finally:
         if sink is not None:
             sink.close()
-    pids = [p.pid for p in coord.all_procs if p.pid is not None]
+    pids = list(coord.launched_pids)
     time.sleep(0.5)
     result = check_run(report, coord.params, reference, hooks, pids, steps)
     result["wall_s"] = time.monotonic() - started

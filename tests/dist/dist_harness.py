@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_job import TINY
 
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.chaos import alive
@@ -22,18 +23,7 @@ from chameleon_ft.runtime.nccl_model import check_directive
 from chameleon_ft.spec.config import config_from_mapping
 from chameleon_ft.spec.train import parse_fault
 
-TINY: dict[str, Any] = {
-    "model": {"name": "tiny", "num_blocks": 2, "hidden_size": 32, "num_heads": 2,
-              "vocab_size": 256, "seq_len": 32},
-    "cluster": {"num_nodes": 2, "devices_per_node": 2, "device": "cpu"},
-    "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2},
-    "profile": {"kind": "analytic"},
-    "recovery": {"detect_s": 0.05, "rebuild_s": 0.05, "restart_s": 1.0,
-                 "checkpoint_load_s": 0.1, "checkpoint_interval_s": 5.0},
-    "train": {"steps": 6, "dtype": "float64", "lr": 3e-3, "timeout_s": 2.0,
-              "heartbeat_s": 0.1, "checkpoint_every": 2},
-}
-"""4 workers (dp 2 x pp 2) of a 2-block GPT: about 20 ms of compute per step."""
+
 
 
 def tiny_config(model_override: dict[str, Any] | None = None,
@@ -63,7 +53,9 @@ class CheckedTraffic(Hooks):
 
     def before_publish(self, coord: Coordinator, directive: dict[str, Any]) -> None:
         self.inner.before_publish(coord, directive)
-        boundaries = proto.JobInfo.from_json(coord.cs.store.get(proto.JOB_KEY)).boundaries
+        job_info = coord.cs.job()
+        assert job_info is not None
+        boundaries = job_info.boundaries
         self.findings += [f"generation {directive['gen']}: {f}"
                           for f in check_directive(directive, boundaries)]
         self.checked += 1
@@ -119,7 +111,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         print("\n".join(lines[-40:]))  # pytest shows it with the failure
         raise
     finally:
-        pids = [p.pid for p in coord.all_procs if p.pid is not None]
+        pids = list(coord.launched_pids)
         for pid in pids:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):

@@ -30,7 +30,7 @@ def test_random_faults_in_one_run_are_survived_exactly(tmp_path: Path) -> None:
     hooks = ChaosHooks(seed=3, budget=faults, last_step=steps - 25)
     coord = Coordinator(config_from_mapping(doc), out_dir=tmp_path / "chaos", hooks=hooks)
     report = coord.run()
-    pids = [p.pid for p in coord.all_procs if p.pid is not None]
+    pids = list(coord.launched_pids)
     result = check_run(report, coord.params, ref.params, hooks, pids, steps)
     assert result["injected"] >= faults - 1, hooks.injected
     assert result["fired"] == result["injected"], report["faults"]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dist_harness import alive, max_abs_diff, run_job
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.documents import ErrorReport
 from chameleon_ft.runtime.coordinator.policy import PlannerDecide
 from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks, WorkerFailure
 from chameleon_ft.spec.train import Fault
@@ -146,20 +147,28 @@ def test_blocked_workers_are_released_at_once_after_a_switch(tmp_path: Path, ref
     assert max_abs_diff(params, reference("float64", steps=steps)[1]) < 1e-9
 
 
-def test_unwritten_and_malformed_reports_do_not_block_the_loop(tmp_path: Path,
-                                                               reference: Any) -> None:
+def test_forged_reports_and_a_flooded_counter_do_not_block_the_loop(tmp_path: Path,
+                                                                    reference: Any) -> None:
+    """A stranger announces a billion error reports and writes a fatal one for every
+    worker (unsealed, and one sealed for another key): each is refused and counted, none
+    kills anyone, and the real failure is still seen at once."""
     class BadReports(Hooks):
         def before_publish(self, coord: Coordinator, directive: dict[str, Any]) -> None:
             if directive["gen"] != 0:
                 return
             host, port = coord.host, coord.port
+            sealed = coord.cs.signer.seal(proto.error_key(0, 0, 1),
+                                          ErrorReport(0, True, None, "copied").to_json())
 
             def write() -> None:
                 client = dist.TCPStore(host, port, is_master=False,
                                        timeout=timedelta(seconds=5))
                 time.sleep(0.2)
-                client.add(proto.error_slot_key(0), 2)  # two slots reserved...
-                client.set(proto.error_key(0, 1), "{not json")  # ...one written, garbage
+                for w in (0, 2, 3):
+                    client.set(proto.error_key(0, w, 0),
+                               ErrorReport(w, True, None, "forged").to_json())
+                client.set(proto.error_key(0, 1, 0), sealed)  # sealed for another key
+                client.add(proto.error_bell_key(0), 10 ** 9)
 
             threading.Thread(target=write, daemon=True).start()
 
@@ -170,9 +179,10 @@ def test_unwritten_and_malformed_reports_do_not_block_the_loop(tmp_path: Path,
                                    faults=("rank=3,step=50,kind=kill,phase=backward",))
     _clean(pids)
     (event,) = report["events"]
-    assert event["detected_after_s"] < 1.0
-    assert any("never written" in m for m in report["log"])
-    assert any("malformed error report" in m for m in report["log"])
+    assert event["workers"] == [3] and event["detected_after_s"] < 1.0
+    refused = report["forgeries"]["coordinator"]
+    assert refused["error"] == 4 and refused["errors-count"] == 1, report["forgeries"]
+    assert any("refused the value at 'gen0/error/" in m for m in report["log"])
     assert max_abs_diff(params, reference("float64", steps=steps)[1]) < 1e-9
 
 

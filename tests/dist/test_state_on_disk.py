@@ -189,7 +189,7 @@ def test_a_drain_lets_the_step_in_flight_commit_and_checkpoints_it(tmp_path: Pat
 
     coord = Coordinator(config, out_dir=tmp_path, hooks=TermAfterCommit(), data=data)
     report = coord.run()
-    _clean([p.pid for p in coord.all_procs if p.pid is not None])
+    _clean(list(coord.launched_pids))
     # the step in flight when the signal came (step 4, ~2 s: longer than the hang deadline)
     # committed, and the final checkpoint holds it
     assert report["interrupted"] == "SIGTERM"
@@ -205,6 +205,6 @@ def test_resume_on_a_plan_with_fewer_workers(tmp_path: Path, reference: Any) -> 
     doc["train"].update(steps=10, checkpoint_every=2)
     coord = Coordinator(config_from_mapping(doc), out_dir=tmp_path, resume=True)
     resumed = coord.run()
-    _clean([p.pid for p in coord.all_procs if p.pid is not None])
+    _clean(list(coord.launched_pids))
     assert resumed["resumed_from_step"] == 6 and resumed["num_workers"] == 2
     assert max_abs_diff(coord.params, reference("float64", 10)[1]) < 1e-9

@@ -140,3 +140,23 @@ def test_two_hosts_on_loopback_with_a_remote_kill(tiny: Path, tmp_path: Path) ->
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_final_checkpoint_the_disk_refuses_exits_3_with_the_model(tiny: Path,
+                                                                    tmp_path: Path) -> None:
+    """The checkpoint folder refuses the final checkpoint: params.pt is written from the
+    copy uploaded into the run folder, and the exit status says so (3)."""
+    out = tmp_path / "run"
+    proc = subprocess.run(cmd("train", "--config", str(tiny), "--out", str(out), "--json",
+                              "--fault", "rank=1,step=4,kind=disk-full,phase=checkpoint"),
+                          capture_output=True, text=True, timeout=120, env=env())
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("chameleon train: trained 5 steps and wrote params.pt, but the "
+                           "checkpoint folder refused the final checkpoint"), last
+    report = json.loads(proc.stdout)
+    assert report["final_state"] == "final-state" and report["failed"] is None
+    assert [d["step"] for d in report["dropped_checkpoints"]] == [5]
+    assert (out / "params.pt").is_file() and (out / "final-state" / "step00000005").is_dir()

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import LAYOUT, ROOT, TINY_MODEL, cmd, env
+from procs import kill_groups
 
 from chameleon_ft.runtime.workload.reference import train_reference
 from chameleon_ft.spec import load_config
@@ -95,15 +95,6 @@ def _address(proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, int]:
     raise AssertionError("the coordinator never announced its address")
 
 
-def _stop_all(procs: list[subprocess.Popen[str]]) -> None:
-    """Kill every process group started here (each task and its workers), by id."""
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_worker_remote_joins_from_launcher_variables_and_recovers(tmp_path: Path
@@ -133,7 +124,7 @@ def test_every_worker_remote_joins_from_launcher_variables_and_recovers(tmp_path
             assert train.returncode == 0, err[-4000:]
             outputs = [p.communicate(timeout=60)[0] for p in procs[1:]]
         finally:
-            _stop_all(procs)
+            kill_groups(*procs)
     report = json.loads(out)
     assert len(report["loss"]) == STEPS
     (event,) = report["events"]

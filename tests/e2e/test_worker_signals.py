@@ -5,7 +5,6 @@ them within ``--drain-timeout``. Nothing is left behind either way."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import LAYOUT, ROOT, TINY_MODEL, cmd, env
+from procs import kill_groups
 
 TOKEN = "a-test-token-of-enough-length"
 JOB = TINY_MODEL + LAYOUT + """
@@ -68,14 +68,6 @@ def _group_gone(pgid: int, timeout_s: float) -> bool:
     return False
 
 
-def _kill(*procs: subprocess.Popen[str]) -> None:
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_to_every_task_drains_into_a_final_checkpoint(tmp_path: Path) -> None:
@@ -98,7 +90,7 @@ def test_sigterm_to_every_task_drains_into_a_final_checkpoint(tmp_path: Path) ->
             ["0", "1", "2", "3"], worker_out
         assert _group_gone(worker.pid, 10) and _group_gone(train.pid, 10)
     finally:
-        _kill(train, worker)
+        kill_groups(train, worker)
 
 
 @pytest.mark.slow
@@ -116,4 +108,4 @@ def test_sigterm_to_a_worker_task_alone_stops_its_workers_within_the_grace(tmp_p
         assert len(re.findall(r"worker \d exited with status -9", worker_out)) == 4, worker_out
         assert _group_gone(worker.pid, 10)
     finally:
-        _kill(train, worker)
+        kill_groups(train, worker)

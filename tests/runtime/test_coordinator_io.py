@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +16,8 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.coordinator.shell import bound_store
 from chameleon_ft.runtime.report.records import StepRecord
 from chameleon_ft.runtime.report.run import RunReport
-from chameleon_ft.runtime.worker.main import GenerationOver, Worker
+from chameleon_ft.runtime.signing import Signer
+from chameleon_ft.runtime.worker.channel import Channel, GenerationOver, Shared
 
 
 def _listening_on(port: int) -> set[str]:
@@ -60,39 +60,39 @@ class RacyStore:
     """A store whose wait times out exactly when the verdict lands and the coordinator
     publishes the next generation (the race a worker must not lose)."""
 
-    def __init__(self) -> None:
+    def __init__(self, signer: Signer) -> None:
+        self.signer = signer
         self.keys: dict[str, bytes] = {}
         self.waits = 0
 
     def wait(self, keys: list[str], timeout: Any) -> None:
         self.waits += 1
         if self.waits == 1:
-            self.keys[keys[0]] = proto.COMMIT_END.encode()  # written meanwhile
-            self.keys[proto.CURRENT_GEN_KEY] = b"6"
+            self.keys[keys[0]] = self.signer.seal(keys[0], proto.COMMIT_END)  # written meanwhile
+            self.keys[proto.CURRENT_GEN_KEY] = self.signer.seal(proto.CURRENT_GEN_KEY, "6", 6)
             raise dist.DistStoreError("timeout")
         raise AssertionError("the verdict was there: no second wait")
 
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.keys for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.keys[key]
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        assert expected == desired  # a read
+        return self.keys.get(key, expected)
 
 
 def test_a_verdict_written_just_before_the_next_generation_is_read() -> None:
     """A worker that saw generation 6 published after its wait timed out gave generation 5
     up, though the verdict of its step was written before: it skipped a committed step
     everyone else applied, and its stale state went into the final upload."""
-    store = RacyStore()
-    me = SimpleNamespace(store=store, _current_gen=lambda: int(store.get(proto.CURRENT_GEN_KEY)))
+    signer = Signer.private()
+    store = RacyStore(signer)
+    chan = Channel(store, Shared(signer, 0, "i0"))
     key = proto.verdict_key(5, 40)
-    assert Worker._await(me, key, 5) == proto.COMMIT_END.encode()  # type: ignore[arg-type]
-    late = RacyStore()
-    late.wait = lambda keys, timeout: (late.keys.__setitem__(proto.CURRENT_GEN_KEY, b"6"),  # type: ignore[method-assign]
-                                       (_ for _ in ()).throw(dist.DistStoreError("timeout")))
-    me = SimpleNamespace(store=late, _current_gen=lambda: 6)
+    assert chan.await_value(key, 5) == proto.COMMIT_END.encode()
+    late = RacyStore(signer)
+    late.wait = lambda keys, timeout: (  # type: ignore[method-assign]
+        late.keys.__setitem__(proto.CURRENT_GEN_KEY, signer.seal(proto.CURRENT_GEN_KEY, "6", 6)),
+        (_ for _ in ()).throw(dist.DistStoreError("timeout")))
     with pytest.raises(GenerationOver):
-        Worker._await(me, key, 5)  # type: ignore[arg-type]
+        Channel(late, Shared(signer, 0, "i0")).await_value(key, 5)
 
 
 def test_metrics_and_timings_go_to_disk_as_steps_commit(tmp_path: Path) -> None:
@@ -106,8 +106,8 @@ def test_metrics_and_timings_go_to_disk_as_steps_commit(tmp_path: Path) -> None:
     assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
     assert json.loads(lines[0])["tokens_per_s"] == pytest.approx(128.0)
     assert len(report.op_times()) == 12
-    assert not any(isinstance(v, list) and len(v) >= 12 for v in vars(report).values()
-                   if v is not report.commits), "op timings kept in memory"
+    assert not any(isinstance(v, list) and len(v) >= 12 for v in vars(report).values()), \
+        "op timings kept in memory"
     report.rewind(1)  # a restart redoes steps 1 and 2
     report.committed(StepRecord(1, 0.7, 0.5, 1, 5.0, 4), [])
     written = report.write({})
@@ -123,9 +123,8 @@ class _Fakes:
         self.gen, self.step = gen, step
 
     # bulk state
-    def poll(self, store: Any, now_s: float,
-             gone: Any = None) -> tuple[list[tuple[int, int]], list[Any]]:
-        return [(self.step, self.gen)], []
+    def poll(self, store: Any, now_s: float) -> tuple[list[Any], list[Any]]:
+        return [(self.step, self.gen, frozenset(range(4)))], []
 
     def gone(self, worker: int) -> bool:
         return False
@@ -135,8 +134,8 @@ class _Fakes:
         return {3: -9}
 
     # the control store
-    def error_slots(self, gen: int, first: int) -> tuple[Any, ...]:
-        return ()
+    def error_reports(self, gen: int, first: int) -> tuple[Any, ...]:
+        return ("malformed",)
 
     def beats(self, incarnations: dict[int, str]) -> dict[int, tuple[str, int]]:
         return {w: (inc, 1) for w, inc in incarnations.items()}
@@ -144,15 +143,18 @@ class _Fakes:
     def ready(self, gen: int) -> int:
         return 4
 
-    def reduced(self, gen: int, step: int) -> int:
+    def reduced(self, gen: int, step: int, workers: Any) -> int:
         return 4
 
     def registered(self, worker: int, incarnation: str) -> bool:
         return True
 
     # join requests
-    def requests(self, now_s: float) -> list[Any]:
-        return []
+    def join_slots(self) -> int:
+        return 0
+
+    def take(self, slots: Any) -> tuple[Any, ...]:
+        return ()
 
 
 def test_one_poll_sees_checkpoints_and_reports_before_deaths_and_votes_before_time(
@@ -175,18 +177,18 @@ def test_one_poll_sees_checkpoints_and_reports_before_deaths_and_votes_before_ti
            "job": {"pp": 2, "dp": 2, "global_batch": 8, "micro_batch": 2},
            "train": {"steps": 60, "dtype": "float64"}}
     coord = Coordinator(config_from_mapping(doc), out_dir=tmp_path, check_resources=False)
-    coord.params_m = coord._params()
-    c = initial(st.start(coord.job.plan0, range(4)), now_s=0.0, params=coord.params_m)
+    coord.settings = coord._settings()
+    c = initial(st.start(coord.job.plan0, range(4)), now_s=0.0, settings=coord.settings)
     c, _ = machine.step(c, m.Launched(0.0, {w: f"i{w}" for w in range(4)}, local=True,
-                                      replacement=False), coord.params_m)
-    c, _ = machine.step(c, m.Registered(0.0, (0, 1, 2, 3)), coord.params_m)
+                                      replacement=False), coord.settings)
+    c, _ = machine.step(c, m.Registered(0.0, (0, 1, 2, 3)), coord.settings)
     coord.control = replace(c, ready_s=0.0)
     fakes = _Fakes(gen=0, step=0)
     coord.bulk = coord.launcher = coord.cs = coord.desk = fakes  # type: ignore[assignment]
     seen: list[str] = []
     coord.feed = lambda obs: seen.append(type(obs).__name__)  # type: ignore[method-assign]
     coord.poll(0.0)
-    assert seen.index("CheckpointWritten") < seen.index("Exits")
+    assert seen.index("CheckpointLayers") < seen.index("Exits")
     # a failing worker writes its report, then exits: the report comes first, so its
     # death is explained by its error (seen as "exit (status 1)" when polled late)
     assert seen.index("Errors") < seen.index("Exits")

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from chameleon_ft.runtime.signing import Signer
 from chameleon_ft.runtime.storage import diskwriter
 from chameleon_ft.runtime.storage.packing import pack, pack_parts
+from chameleon_ft.runtime.worker.channel import Channel, Shared
 
 pytestmark = pytest.mark.skipif(not diskwriter.supported(), reason="Linux only")
 
@@ -129,18 +132,6 @@ def test_the_writer_exits_when_the_worker_closes_its_end(tmp_path) -> None:
     assert proc.returncode == 0
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.keys: dict[str, object] = {}
-
-    def set(self, key: str, value: object) -> None:
-        self.keys[key] = value
-
-    def add(self, key: str, n: int) -> int:
-        self.keys[key] = int(self.keys.get(key, 0)) + n  # type: ignore[arg-type]
-        return int(self.keys[key])  # type: ignore[arg-type]
-
-
 def test_without_shared_memory_the_worker_writes_the_same_file(tmp_path, monkeypatch) -> None:
     """Where the system refuses anonymous memory files, the snapshot is ordinary memory
     and the worker writes the file itself: the same bytes, reported the same way."""
@@ -152,12 +143,15 @@ def test_without_shared_memory_the_worker_writes_the_same_file(tmp_path, monkeyp
     monkeypatch.setattr(os, "memfd_create", refuse)
     host, tree = _snapshot()
     assert host.arenas[3].fd is None
-    store = _Store()
-    io = CheckpointIO(0, tmp_path, None, lambda: store)  # type: ignore[arg-type]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    chan = Channel(store, Shared(Signer.private(), 0, "i0"))
+    io = CheckpointIO(0, tmp_path, None, lambda: chan)  # type: ignore[arg-type]
     io.host = host
     assert io.write(4, 1, {3: tree})
     assert io.disk is None or io.disk.pid is None  # no writer process was needed
     written = next(tmp_path.glob(".partial-*/layer3.bin")).read_bytes()
     assert written == pack(tree)
-    doc = json.loads(store.keys["gen1/ckpt/4/layer/3"])  # type: ignore[arg-type]
+    opened = chan.signed.peek("gen1/ckpt/4/layer/3")
+    assert opened is not None
+    doc = json.loads(opened.payload)
     assert doc["sha256"] == hashlib.sha256(written).hexdigest()

@@ -7,6 +7,7 @@ a group of the next generation under a new store prefix must work.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -16,18 +17,29 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.coordinator.store import ControlStore
+from chameleon_ft.runtime.signing import Signer
+from chameleon_ft.runtime.worker.channel import Channel, Shared
 from chameleon_ft.runtime.worker.groups import break_connections, make_group
 
 TIMEOUT_S = 5.0
 
 
-def _groups(store: dist.TCPStore, prefix: str, size: int) -> list[dist.ProcessGroup]:
+def _groups(store: dist.TCPStore, prefix: str, size: int,
+            signer: Signer | None = None) -> list[dist.ProcessGroup]:
+    """``size`` ranks' groups under ``prefix`` (through the sealing rendezvous store with
+    ``signer``)."""
     out: list[dist.ProcessGroup | None] = [None] * size
+    kept = []
 
     def build(rank: int) -> None:
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                timeout=timedelta(seconds=TIMEOUT_S))
-        out[rank] = make_group(client, prefix, rank, size, backend="gloo",
+        meet: dist.Store = client
+        if signer is not None:
+            meet = Channel(client, Shared(signer, rank, f"i{rank}")).rendezvous(TIMEOUT_S)
+            kept.append(meet)
+        out[rank] = make_group(meet, prefix, rank, size, backend="gloo",
                                timeout_s=TIMEOUT_S, address="127.0.0.1")
 
     threads = [threading.Thread(target=build, args=(r,)) for r in range(size)]
@@ -78,11 +90,16 @@ def test_retiring_knows_the_keys_gloos_rendezvous_writes() -> None:
     """Retiring a generation deletes gloo's rendezvous keys by name: a torch whose layout
     differs must fail here, not leak keys in every generation of every run."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    control = proto.ControlStore(store)
-    prefix = proto.world_prefix(7)
+    control = ControlStore(store)
     before = store.num_keys()
-    control.publish(7, {"action": "train"}, [(prefix, 3)])
-    _groups(store, prefix, 3)
+    control.publish(7, {"action": "train", "world": [0, 1, 2]}, [(proto.world_prefix(7), 3)])
+    directive = control.signed.peek(proto.directive_key(7))
+    assert directive is not None
+    salt = json.loads(directive.payload)["rendezvous"]
+    prefix = proto.hidden_prefix(proto.world_prefix(7),
+                                 proto.rendezvous_tag(control.signer, 7, salt))
+    assert prefix.startswith(proto.world_prefix(7)) and prefix != proto.world_prefix(7)
+    _groups(store, prefix, 3, control.signer)
     keys = proto.rendezvous_keys([(prefix, 3)])
     assert keys and store.check(keys)
     control.retire(7, 0, -1, [0, 1, 2])

@@ -4,9 +4,12 @@ reload takes only bytes that match the manifest."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+
+import torch.distributed as dist
 
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.signing import Signer, control_key
+from chameleon_ft.runtime.worker.channel import Channel, Shared
 from chameleon_ft.runtime.worker.memcopies import KEEP_STEPS, MemoryCopies, peer_of
 
 
@@ -19,26 +22,14 @@ def test_the_peer_is_the_next_worker_on_another_node() -> None:
     assert peer_of(0, [0, 1], 2) is None  # every one on its node: no copy
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.keys: dict[str, Any] = {}
-
-    def set(self, key: str, value: Any) -> None:
-        self.keys[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key: str) -> bytes:
-        return self.keys[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.keys for k in keys)
-
-
 def test_a_holder_keeps_two_checkpoints_and_a_reload_checks_the_bytes() -> None:
-    store = _Store()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     secret = b"s" * 32
+    signer = Signer(control_key(secret), "job")
 
     def copies(worker: int) -> MemoryCopies:
-        return MemoryCopies(worker, "127.0.0.1", secret, lambda: store, Deadline(5.0, 0.1),
+        chan = Channel(store, Shared(signer, worker, f"i{worker}"))
+        return MemoryCopies(worker, "127.0.0.1", secret, lambda: chan, Deadline(5.0, 0.1),
                             5.0)
 
     holder, writer = copies(2), copies(0)

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from rerouted_step import FULLY_REROUTED, fully_rerouted_plan
 
-from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ft.plan.plan import Reroute
 from chameleon_ft.runtime.traffic import Do, Instruction, step_program
 from chameleon_ft.runtime.worker import groups
 from chameleon_ft.runtime.worker.comm import Comm
@@ -30,18 +29,9 @@ from chameleon_ft.runtime.worker.executor import StepRun
 
 TIMEOUT_S = 5.0
 WORLD = [2, 3]
-PLAN = ExecutionPlan(num_layers=4, pipelines=(
-    Pipeline((Stage(0, 0, 2), Stage(1, 2, 4)), 3), Pipeline((Stage(2, 0, 2), Stage(3, 2, 4)), 3)),
-    reroutes=(Reroute(0, 0, ((2, 3),)), Reroute(0, 1, ((3, 3),))))
-ACTIONS = {
-    2: (("F", 0, 0, 0), ("F", 0, 0, 1), ("F", 1, 0, 0), ("F", 1, 0, 1), ("B", 0, 0, 0),
-        ("F", 0, 0, 2), ("B", 0, 0, 1), ("B", 0, 0, 2), ("B", 1, 0, 0), ("F", 1, 0, 2),
-        ("B", 1, 0, 1), ("B", 1, 0, 2)),
-    3: (("F", 0, 1, 0), ("B", 0, 1, 0), ("F", 0, 1, 1), ("B", 0, 1, 1), ("F", 0, 1, 2),
-        ("B", 0, 1, 2), ("F", 1, 1, 0), ("B", 1, 1, 0), ("F", 1, 1, 1), ("B", 1, 1, 1),
-        ("F", 1, 1, 2), ("B", 1, 1, 2)),
-}
-"""The list scheduler's merge for this plan (tests/unit/test_runtime_p2p.py)."""
+PLAN = fully_rerouted_plan()
+ACTIONS = FULLY_REROUTED
+"""The list scheduler's merge for this plan (``tests/shared/rerouted_step.py``)."""
 GEN = itertools.count()
 
 

@@ -100,14 +100,14 @@ def test_a_place_is_checked() -> None:
 # ---------------------------------------------------------------------- the coordinator
 def test_admission_honours_the_launchers_index_and_fills_gaps_without_one() -> None:
     launcher = Launcher("127.0.0.1", 1, b"k")
-    assert launcher.admitted(4, "node-b", alive=[], wanted=3)[1] == 3
+    assert launcher.admitted(4, "node-b", "inc-4", alive=[], wanted=3) == 3
     # no index from the launcher: the lowest one no live worker of that host holds
-    assert launcher.admitted(5, "node-b", alive=[4])[1] == 0
-    assert launcher.admitted(6, "node-b", alive=[4, 5])[1] == 1
-    assert launcher.admitted(7, "node-c", alive=[4, 5, 6])[1] == 0  # another host
-    assert launcher.admitted(8, "node-b", alive=[4, 5, 6, 7])[1] == 2
+    assert launcher.admitted(5, "node-b", "inc-5", alive=[4]) == 0
+    assert launcher.admitted(6, "node-b", "inc-6", alive=[4, 5]) == 1
+    assert launcher.admitted(7, "node-c", "inc-7", alive=[4, 5, 6]) == 0  # another host
+    assert launcher.admitted(8, "node-b", "inc-8", alive=[4, 5, 6, 7]) == 2
     # a dead worker's index is free again (8 died: its replacement takes index 2)
-    assert launcher.admitted(9, "node-b", alive=[4, 5, 6, 7])[1] == 2
+    assert launcher.admitted(9, "node-b", "inc-9", alive=[4, 5, 6, 7]) == 2
 
 
 def test_a_join_request_carries_a_bounded_index() -> None:

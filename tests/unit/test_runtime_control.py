@@ -18,12 +18,12 @@ import pytest
 from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.plan.plan import Pipeline, Stage
 from chameleon_ft.recovery.types import Migration, Transfer
-from chameleon_ft.runtime.control import machine
+from chameleon_ft.runtime.control import machine, slots
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
 from chameleon_ft.runtime.control.members import MAX_FAILED_STARTS
-from chameleon_ft.runtime.control.model import Mode, Params, initial, mode
-from chameleon_ft.runtime.protocol import MISSING, ErrorReport
+from chameleon_ft.runtime.control.model import Mode, Settings, initial, mode
+from chameleon_ft.runtime.protocol import MALFORMED, MISSING, ErrorReport
 
 PLAN = ExecutionPlan.uniform(dp=2, pp=2, num_layers=4, num_microbatches=4)
 """2 pipelines x 2 stages over 4 layers; stage s of pipeline p on worker s * 2 + p."""
@@ -36,7 +36,7 @@ def two_stage(*pipelines: tuple[int, int]) -> ExecutionPlan:
     return ExecutionPlan(num_layers=4, pipelines=pipes)
 
 
-PARAMS = Params(steps=100, num_workers=4, num_local=4, num_layers=4, hang_s=2.0,
+SETTINGS = Settings(steps=100, num_workers=4, num_local=4, num_layers=4, hang_s=2.0,
                 heartbeat_s=0.1, max_retries=2, rejoin=False, join_timeout_s=10.0,
                 initial_plan=PLAN)
 
@@ -68,13 +68,16 @@ class Candidate:
 class Run:
     """A control value driven through observations; every effect is kept."""
 
-    def __init__(self, params: Params = PARAMS, workers: int = 4, step: int = 0) -> None:
-        self.p = params
+    def __init__(self, settings: Settings = SETTINGS, workers: int = 4, step: int = 0) -> None:
+        self.p = settings
         load = st.Load("restore", step) if step else st.INIT
-        self.c = initial(st.start(params.initial_plan, range(workers), step=step, load=load),
-                         now_s=0.0, params=params)
+        self.c = initial(st.start(settings.initial_plan, range(workers), step=step, load=load),
+                         now_s=0.0, settings=settings)
         self.effects: list[m.Effect] = []
         self.now = 0.0
+        self.joiners = 0
+        self.reserved = 0
+        """Join slots reserved so far."""
 
     def feed(self, obs: m.Observation) -> list[m.Effect]:
         before = mode(self.c)
@@ -99,7 +102,7 @@ class Run:
         """Launch and register every worker: generation 0 is published."""
         self.launch(range(self.p.num_local))
         out = self.feed(m.Registered(self.at(), tuple(range(self.p.num_workers))))
-        assert m.Publish(0) in out
+        assert 0 in published(out)
         return self
 
     def commit(self, steps: int = 1) -> list[m.Effect]:
@@ -107,9 +110,24 @@ class Run:
         for _ in range(steps):
             s = self.c.run
             if self.c.ready_s is None:
-                out += self.feed(m.Ready(self.at(), s.gen))
-            out += self.feed(m.Reduced(self.at(), s.gen, s.next_step))
+                out += self.feed(m.Ready(self.at(), s.gen, len(s.world)))
+            out += self.feed(m.Reduced(self.at(), s.gen, s.next_step, len(s.plan.workers)))
         return out
+
+    def join(self, refusal: str | None = None) -> m.Reply:
+        """A join request in the next slot; returns the answer."""
+        self.joiners += 1
+        joiner = m.Joiner(f"request {self.joiners}", f"r{self.joiners}", refusal)
+        (reply,) = of(self.slots(joiner), m.Reply)
+        return reply  # type: ignore[no-any-return]
+
+    def slots(self, *held: m.Joiner | str) -> list[m.Effect]:
+        """Join slots reserved with what each holds, read as the control plane asks (the
+        shell's part played here); returns the effects of the read."""
+        self.reserved += len(held)
+        (read,) = of(self.feed(m.JoinSlots(self.at(), self.reserved)), m.ReadJoins)
+        assert read.slots == tuple(range(self.reserved - len(held), self.reserved))
+        return self.feed(m.JoinRequests(self.at(), tuple(zip(read.slots, held, strict=True))))
 
     def kill(self, *workers: int) -> list[m.Effect]:
         return self.feed(m.Exits(self.at(), {w: -9 for w in workers}))
@@ -120,6 +138,11 @@ class Run:
 
 def of(effects: Iterable[m.Effect], kind: type) -> list[Any]:
     return [e for e in effects if isinstance(e, kind)]
+
+
+def published(effects: Iterable[m.Effect]) -> list[int]:
+    """The generations published."""
+    return [e.gen for e in of(effects, m.Publish)]
 
 
 def logs(effects: Iterable[m.Effect]) -> str:
@@ -134,7 +157,7 @@ def _mig(layer: int, src: int, dst: int) -> Migration:
 
 def _with_rejoined_worker() -> Run:
     """A run whose last switch folded repaired worker 4 in (nothing committed since)."""
-    run = Run(replace(PARAMS, num_workers=5, num_local=5), workers=5).start()
+    run = Run(replace(SETTINGS, num_workers=5, num_local=5), workers=5).start()
     run.commit(2)
     run.feed(m.RejoinDecision(run.at(), None, "unused"))
     plan = two_stage((0, 2), (1, 4))
@@ -148,7 +171,7 @@ def _with_rejoined_worker() -> Run:
 def test_a_replacement_that_keeps_dying_after_it_joined_is_given_up() -> None:
     """A repaired worker that died after it was up was relaunched for ever (only deaths
     before ``ready`` counted), each cycle a failure and a recovery."""
-    run = Run(replace(PARAMS, rejoin=True), workers=4).start()
+    run = Run(replace(SETTINGS, rejoin=True), workers=4).start()
     run.commit(2)
     run.kill(3)
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
@@ -172,7 +195,7 @@ def test_a_replacement_that_keeps_dying_after_it_joined_is_given_up() -> None:
 
 
 def test_a_repair_that_trained_resets_the_count() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit()
     for _ in range(MAX_FAILED_STARTS + 1):
         run.kill(3)
@@ -208,13 +231,10 @@ def test_a_failure_right_after_a_reload_reloads_again_never_keeps() -> None:
 
 
 def test_two_remote_joiners_never_get_the_same_dead_id() -> None:
-    params = replace(PARAMS, num_local=2, rejoin=True)
+    params = replace(SETTINGS, num_local=2, rejoin=True)
     run = Run(params)
     run.launch(range(2))
-    for _ in range(2):
-        (reply,) = of(run.feed(m.JoinAsked(run.at())), m.Reply)
-        run.feed(m.Launched(run.at(), {reply.worker: f"r{reply.worker}"}, local=False,
-                            replacement=False))
+    assert [run.join().worker for _ in range(2)] == [2, 3]
     run.feed(m.Registered(run.at(), (0, 1, 2, 3)))
     run.commit()
     run.feed(m.Beats(run.at(), {w: (run.c.members.incarnation(w), 1) for w in range(4)}))
@@ -223,15 +243,30 @@ def test_two_remote_joiners_never_get_the_same_dead_id() -> None:
                                 for w in range(4)}))
     assert 3 not in run.c.run.alive
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
-    first = of(run.feed(m.JoinAsked(run.at())), m.Reply)[0]
-    assert first.worker == 3 and first.replacement
-    run.feed(m.Launched(run.at(), {3: "new3"}, local=False, replacement=True))
-    second = of(run.feed(m.JoinAsked(run.at())), m.Reply)[0]
+    first = run.join()
+    assert first.worker == 3 and first.replacement and first.incarnation
+    assert run.c.members.incarnation(3) == first.incarnation  # held at once
+    second = run.join()
     assert second.worker is None and "already has" in second.reason
     # a joiner that never registers gives its id back after the join deadline
     run.now += params.join_timeout_s + 1
-    third = of(run.feed(m.JoinAsked(run.at())), m.Reply)[0]
+    third = run.join()
     assert third.worker == 3
+    # two joiners in one poll: one id each
+    run.kill(2)
+    run.answer(Chosen("reroute", two_stage((0, 1), (1, 0))))
+    run.now += params.join_timeout_s + 1
+    out = run.slots(m.Joiner("a", "ra"), MISSING, m.Joiner("b", "rb"))
+    # the unwritten slot holds up nobody; it is waited for
+    assert [r.worker for r in of(out, m.Reply)] == [2, 3] and not of(out, m.Refused)
+    unwritten = run.reserved - 2
+    assert list(run.c.joins.pending) == [unwritten]
+    run.now += SETTINGS.hang_s + 0.1
+    (read,) = of(run.feed(m.JoinSlots(run.at(), run.reserved)), m.ReadJoins)
+    assert read.slots == (unwritten,)  # looked at again
+    out = run.feed(m.JoinRequests(run.at(), ((unwritten, MISSING),)))
+    assert [(e.kind, e.why) for e in of(out, m.Refused)] == [
+        ("join-slot", "reserved, never written")] and not run.c.joins.pending
 
 
 def test_a_fully_reduced_step_commits_even_when_errors_went_unexplained() -> None:
@@ -242,7 +277,7 @@ def test_a_fully_reduced_step_commits_even_when_errors_went_unexplained() -> Non
     report = ErrorReport(worker=0, fatal=False, peer=None, message="slow peer")
     run.feed(m.Errors(run.at(), run.c.run.gen, (report,)))
     run.now += 10.0  # long past the deadline for unexplained errors
-    out = run.feed(m.Reduced(run.at(), run.c.run.gen, run.c.run.next_step))
+    out = run.feed(m.Reduced(run.at(), run.c.run.gen, run.c.run.next_step, 4))
     assert of(out, m.Commit) and not of(out, m.Abort)
     assert not of(run.feed(m.Tick(run.at())), m.ProbeAbsent)
 
@@ -275,7 +310,7 @@ def test_a_run_that_cannot_go_on_tells_its_workers_to_stop() -> None:
 def test_the_final_holders_are_the_workers_whose_state_is_at_the_last_step() -> None:
     """A worker dropped by a switch keeps the placement it left; once a later plan
     committed, it is not a final holder."""
-    run = Run(replace(PARAMS, steps=7)).start()
+    run = Run(replace(SETTINGS, steps=7)).start()
     run.commit(3)
     run.feed(m.RejoinDecision(run.at(), None, "unused"))
     run.c = replace(run.c, run=st.rejoin_planned(run.c.run, two_stage((0, 2), (1, 2)),
@@ -300,7 +335,7 @@ def test_a_kill_is_recovered_by_the_policys_plan() -> None:
     assert decide.ask.failed == {3} and decide.ask.base == PLAN
     assert mode(run.c) is Mode.DECIDING
     out = run.answer(Chosen("dynamic", two_stage((0, 2), (1, 2))))
-    assert m.Publish(1) in out and mode(run.c) is Mode.RECOVERING
+    assert published(out) == [1] and mode(run.c) is Mode.RECOVERING
     run.commit()
     assert mode(run.c) is Mode.TRAINING and run.c.run.next_step == 3
 
@@ -325,7 +360,7 @@ class RollingBack(Chosen):
 
 
 def test_a_swap_onto_a_wiped_stage_reloads_in_place_on_its_plan() -> None:
-    spares = replace(PARAMS, num_workers=6, num_local=6)
+    spares = replace(SETTINGS, num_workers=6, num_local=6)
     run = Run(spares, workers=6).start()
     assert run.c.run.idle == {4, 5}  # the spare node's workers start idle
     run.commit(5)
@@ -351,7 +386,7 @@ def test_a_hang_is_a_death_after_the_deadline() -> None:
                                   for w in range(4)})
 
     run.feed(beats())
-    run.now += PARAMS.hang_s - PARAMS.heartbeat_s - 0.05
+    run.now += SETTINGS.hang_s - SETTINGS.heartbeat_s - 0.05
     assert not of(run.feed(beats()), m.Failure)
     run.now += 0.1
     (failure,) = of(run.feed(beats()), m.Failure)
@@ -394,7 +429,7 @@ def test_a_failure_during_a_recovery_is_a_failure_of_the_new_generation() -> Non
 
 
 def test_a_repaired_worker_rejoins_at_a_step_boundary() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit()
     run.kill(3)
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
@@ -403,13 +438,13 @@ def test_a_repaired_worker_rejoins_at_a_step_boundary() -> None:
     assert launch.workers == (3,) and launch.replacement
     run.launch([3], replacement=True)
     out = run.feed(m.Registered(run.at(), (3,)))
-    assert m.StartFrom(3, run.c.run.gen + 1) in out
+    assert m.StartFrom(3, run.c.members.incarnation(3), run.c.run.gen + 1) in out
     out = run.commit()
     (ask,) = of(out, m.DecideRejoin)
     assert ask.idle == {3}
     run.feed(m.RejoinDecision(run.at(), Chosen("dynamic", PLAN, _mig(2, 2, 3))))
     out = run.commit()
-    assert of(out, m.Commit)[0].end and m.Publish(run.c.run.gen) in out
+    assert of(out, m.Commit)[0].end and published(out) == [run.c.run.gen]
     assert run.c.run.plan == PLAN and not run.c.run.idle
 
 
@@ -419,7 +454,7 @@ def test_a_retry_runs_the_recovery_plan_then_escalates_then_stops() -> None:
     run.kill(3)
     recovery = two_stage((0, 2), (1, 2))
     run.answer(Chosen("reroute", recovery))
-    for attempt in range(PARAMS.max_retries + 2):
+    for attempt in range(SETTINGS.max_retries + 2):
         run.feed(m.Errors(run.at(), run.c.run.gen,
                           (ErrorReport(0, False, None, "glitch"),)))
         run.now += 5.0
@@ -427,10 +462,10 @@ def test_a_retry_runs_the_recovery_plan_then_escalates_then_stops() -> None:
         in_flight = run.c.run.next_step
         out = run.feed(m.Absent(run.at(), probe.gen, {}))
         assert m.Abort(probe.gen, in_flight) in out
-        if attempt < PARAMS.max_retries:
+        if attempt < SETTINGS.max_retries:
             assert run.c.run.plan == recovery and run.c.run.retries == attempt + 1
             assert "retry" in logs(out)
-        elif attempt == PARAMS.max_retries:
+        elif attempt == SETTINGS.max_retries:
             assert run.c.run.load == st.INIT and "restarting from the checkpoint" in logs(out)
         else:
             (stop,) = of(out, m.Stop)
@@ -476,20 +511,27 @@ def test_a_restart_between_the_two_phases_drops_the_switch() -> None:
     assert run.c.run.pending is None
 
 
-def test_unwritten_and_malformed_reports_do_not_block() -> None:
+def test_a_malformed_report_is_logged_and_the_next_one_read() -> None:
     run = Run().start()
     run.commit()
-    out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
-    assert not of(out, m.Failure) and run.c.watch.errors_seen == 0
-    run.now += PARAMS.hang_s + 0.1
-    out = run.feed(m.Errors(run.at(), 0, (MISSING, ErrorReport(1, True, None, "x"))))
-    assert "was never written" in logs(out) and of(out, m.Failure)[0].workers == (1,)
-    out = run.feed(m.Errors(run.at(), run.c.run.gen, ("malformed",)))
-    assert "malformed" in logs(out)
+    out = run.feed(m.Errors(run.at(), 0, (MALFORMED, ErrorReport(1, True, None, "x"))))
+    assert "malformed" in logs(out) and of(out, m.Failure)[0].workers == (1,)
+    assert run.c.watch.errors_read == 2
+
+
+def test_a_flood_of_join_slots_is_skipped_and_counted() -> None:
+    run = Run().start()
+    out = run.feed(m.JoinSlots(run.at(), 10**9))
+    (refused,) = of(out, m.Refused)
+    (read,) = of(out, m.ReadJoins)
+    assert refused.kind == "join-flood" and len(read.slots) == slots.MAX_BACKLOG
+    out = run.feed(m.JoinRequests(run.at(), tuple((i, MISSING) for i in read.slots)))
+    assert len(run.c.joins.pending) == slots.MAX_PENDING  # the oldest are given up
+    assert len(of(out, m.Refused)) == slots.MAX_BACKLOG - slots.MAX_PENDING
 
 
 def test_every_worker_failing_relaunches_them_and_reloads() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit(4)
     out = run.kill(0, 1, 2, 3)
     (launch,) = of(out, m.Launch)
@@ -510,7 +552,7 @@ def test_every_worker_failing_without_rejoin_stops_with_the_reason() -> None:
 
 
 def test_an_idle_workers_death_aborts_nothing() -> None:
-    run = Run(replace(PARAMS, num_workers=5, num_local=5), workers=5).start()
+    run = Run(replace(SETTINGS, num_workers=5, num_local=5), workers=5).start()
     run.commit()
     out = run.kill(4)
     assert not of(out, m.Abort) and of(out, m.Failure)[0].idle
@@ -530,7 +572,7 @@ def test_a_drain_that_outlasts_its_grace_aborts_the_step() -> None:
     run = Run().start()
     run.commit(3)
     run.feed(m.StopAsked(run.at(), "SIGINT"))
-    run.now += PARAMS.drain_grace_s + 0.1
+    run.now += SETTINGS.drain_grace_s + 0.1
     out = run.feed(m.Tick(run.at()))
     assert m.Abort(0, 3) in out and of(out, m.Stop)[0].step == 3
 
@@ -560,7 +602,7 @@ def test_joining_failed_starts_then_deadline() -> None:
             assert stop.bad_input and "3 times" in stop.reason
     late = Run()
     late.launch(range(4))
-    late.now += PARAMS.join_timeout_s + 1
+    late.now += SETTINGS.join_timeout_s + 1
     (stop,) = of(late.feed(m.Tick(late.at())), m.Stop)
     assert stop.bad_input and "only 0 of the 4 workers" in stop.reason
     stopped = Run()
@@ -570,12 +612,12 @@ def test_joining_failed_starts_then_deadline() -> None:
 
 def test_the_relaunched_workers_deadline_and_death() -> None:
     for how in ("tick", "exits", "stop"):
-        run = Run(replace(PARAMS, rejoin=True)).start()
+        run = Run(replace(SETTINGS, rejoin=True)).start()
         run.commit()
         run.kill(0, 1, 2, 3)
         run.launch(range(4), replacement=True)
         if how == "tick":
-            run.now += PARAMS.join_timeout_s + 1
+            run.now += SETTINGS.join_timeout_s + 1
             out = run.feed(m.Tick(run.at()))
         elif how == "exits":
             out = run.feed(m.Exits(run.at(), {1: 1}))
@@ -611,7 +653,7 @@ def test_unexplained_errors_in_a_healthy_generation() -> None:
     assert of(_unexplained(run, {1: None}), m.Decide) and mode(run.c) is Mode.DECIDING
     spent = Run().start()
     spent.commit()
-    spent.c = replace(spent.c, run=replace(spent.c.run, retries=PARAMS.max_retries + 1))
+    spent.c = replace(spent.c, run=replace(spent.c.run, retries=SETTINGS.max_retries + 1))
     assert of(_unexplained(spent, {}), m.Stop)[0].failed
 
 
@@ -626,13 +668,13 @@ def test_a_drain_ends_at_a_death_or_an_unexplained_generation() -> None:
     assert not of(_unexplained(absent, {1: None}), m.Stop)[0].failed
     spent = Run().start()
     spent.commit()
-    spent.c = replace(spent.c, run=replace(spent.c.run, retries=PARAMS.max_retries + 1))
+    spent.c = replace(spent.c, run=replace(spent.c.run, retries=SETTINGS.max_retries + 1))
     spent.feed(m.StopAsked(spent.at(), "SIGTERM"))
     assert of(_unexplained(spent, {}), m.Stop)[0].failed
 
 
-def _recovering(params: Params = PARAMS) -> Run:
-    run = Run(params).start()
+def _recovering(settings: Settings = SETTINGS) -> Run:
+    run = Run(settings).start()
     run.commit()
     run.kill(3)
     run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
@@ -643,10 +685,10 @@ def _recovering(params: Params = PARAMS) -> Run:
 def test_what_ends_or_interrupts_a_recovery() -> None:
     run = _recovering()
     assert of(run.kill(0, 1, 2), m.Stop)[0].failed  # no rejoin: every worker failed
-    relaunch = _recovering(replace(PARAMS, rejoin=True))
+    relaunch = _recovering(replace(SETTINGS, rejoin=True))
     relaunch.kill(0, 1, 2)
     assert mode(relaunch.c) is Mode.RELAUNCHING
-    last = _recovering(replace(PARAMS, steps=2))
+    last = _recovering(replace(SETTINGS, steps=2))
     assert of(last.commit(), m.Stop)
     for stop in (m.StopAsked(0.0, "SIGINT"), m.TraceEnd(0.0)):
         drained = _recovering()
@@ -655,7 +697,7 @@ def test_what_ends_or_interrupts_a_recovery() -> None:
 
 
 def test_a_relaunched_worker_that_hangs_fails_the_run() -> None:
-    run = Run(replace(PARAMS, rejoin=True)).start()
+    run = Run(replace(SETTINGS, rejoin=True)).start()
     run.commit()
     run.kill(0, 1, 2, 3)
     run.launch(range(4), replacement=True)
@@ -664,6 +706,31 @@ def test_a_relaunched_worker_that_hangs_fails_the_run() -> None:
     run.feed(m.Beats(run.at(), counts))
     run.now += 5.0
     assert of(run.feed(m.Beats(run.at(), counts)), m.Stop)[0].failed
+
+
+def test_a_shell_that_cannot_go_on_stops_training_in_every_mode() -> None:
+    """An exception in the coordinator (a full disk, a policy that raised, a bug) ends
+    through the failure path whatever the run was doing: the workers are told to stop."""
+    runs = {Mode.JOINING: Run(), Mode.TRAINING: Run().start()}
+    runs[Mode.JOINING].launch(range(4))
+    deciding = Run().start()
+    deciding.kill(3)
+    runs[Mode.DECIDING] = deciding
+    runs[Mode.RECOVERING] = _recovering()
+    relaunching = Run(replace(SETTINGS, rejoin=True)).start()
+    relaunching.kill(0, 1, 2, 3)
+    runs[Mode.RELAUNCHING] = relaunching
+    draining = Run().start()
+    draining.feed(m.StopAsked(draining.at(), "SIGTERM"))
+    runs[Mode.DRAINING] = draining
+    for k, run in runs.items():
+        assert mode(run.c) is k
+        (stop,) = of(run.feed(m.ShellFailed(run.at(), "OSError: No space left")), m.Stop)
+        assert stop.failed and stop.reason == "OSError: No space left" and run.c.closed
+    bad = Run()
+    bad.launch(range(4))
+    (stop,) = of(bad.feed(m.ShellFailed(bad.at(), "port: taken", bad_input=True)), m.Stop)
+    assert stop.bad_input
 
 
 # ---------------------------------------------------------------------- the diagram
@@ -687,6 +754,7 @@ SCENARIOS: list[Callable[[], None]] = [
     test_unexplained_errors_in_a_healthy_generation,
     test_a_drain_ends_at_a_death_or_an_unexplained_generation,
     test_what_ends_or_interrupts_a_recovery, test_a_relaunched_worker_that_hangs_fails_the_run,
+    test_a_shell_that_cannot_go_on_stops_training_in_every_mode,
 ]
 
 
@@ -702,14 +770,17 @@ def test_each_transition_names_modes_and_a_known_cause(edge: tuple[Mode, str, Mo
     before, cause, after = edge
     assert before is not after
     assert cause in {"tick", "exits", "death", "registered", "reduced", "stop", "software",
-                     "trace-end", "decision", "unexplained"}
+                     "trace-end", "decision", "unexplained", "crash"}
 
 
 # ---------------------------------------------------------------------- state on disk
 def test_a_checkpoint_is_complete_only_once_its_manifest_is_written() -> None:
-    run = Run(replace(PARAMS, keep_checkpoints=2)).start()
+    run = Run(replace(SETTINGS, keep_checkpoints=2, checkpoint_every=10)).start()
     run.commit(10)
-    (save,) = of(run.feed(m.CheckpointWritten(run.at(), 10, 0)), m.SaveCheckpoint)
+    assert not of(run.feed(m.CheckpointLayers(run.at(), 10, 0, frozenset({0, 1}))),
+                  m.SaveCheckpoint)  # two layers of four
+    (save,) = of(run.feed(m.CheckpointLayers(run.at(), 10, 0, frozenset({2, 3}))),
+                 m.SaveCheckpoint)
     assert save.accepted and run.c.run.checkpoints == (0,)  # not complete yet
     run.feed(m.CheckpointDone(run.at(), 10, 0))
     assert run.c.run.checkpoints == (0, 10)
@@ -717,11 +788,14 @@ def test_a_checkpoint_is_complete_only_once_its_manifest_is_written() -> None:
         run.commit(10)
         run.feed(m.CheckpointDone(run.at(), step, 0))
     assert run.c.run.checkpoints == (20, 30)  # the older ones are deleted: forgotten
-    # one written by an abandoned timeline (before a restart) is discarded
+    # one being written by an abandoned timeline (before a restart) is dropped quietly, and
+    # what arrives of it later is ignored
+    run.commit(10)
+    run.feed(m.CheckpointLayers(run.at(), 40, 0, frozenset({0, 2})))  # the dying ones' layers
     run.kill(0, 2)
-    run.answer(Chosen("restart", two_stage((1, 3))))
-    (stale,) = of(run.feed(m.CheckpointWritten(run.at(), 30, 0)), m.SaveCheckpoint)
-    assert not stale.accepted
+    out = run.answer(Chosen("restart", two_stage((1, 3))))
+    assert m.DropCheckpoint(40, 0, "abandoned timeline", quiet=True) in out
+    assert run.feed(m.CheckpointLayers(run.at(), 40, 0, frozenset(range(4)))) == []
 
 
 def test_a_disk_that_refuses_drops_that_checkpoint_and_training_goes_on() -> None:
@@ -756,9 +830,153 @@ def test_a_corrupt_checkpoint_falls_back_to_the_one_before_and_is_set_aside() ->
                       "its sha256 in the manifest", corrupt_step=20)
     out = run.feed(m.Errors(run.at(), gen, (bad,)))
     assert of(out, m.MarkCorrupt) == [m.MarkCorrupt(20, bad.message)]
-    assert m.Abort(gen, 20) in out and m.Publish(gen + 1) in out
+    assert m.Abort(gen, 20) in out and published(out) == [gen + 1]
     assert "corrupt" in logs(out) and "the one after 10 steps" in logs(out)
     assert run.c.run.load == st.Load("restore", 10) and run.c.run.next_step == 10
     assert 20 not in run.c.run.checkpoints and not of(out, m.Failure)
     # a report about a checkpoint the generation does not load changes nothing
     assert run.feed(m.Errors(run.at(), gen + 1, (bad,))) == []
+
+
+# ---------------------------------------------------------------------- found by properties
+def test_the_votes_of_a_broken_generation_commit_nothing() -> None:
+    """A step every worker had reduced before a death broke its generation was committed
+    while the policy was being asked (its abort was written already)."""
+    run = Run().start()
+    run.commit(2)
+    run.kill(3)
+    assert mode(run.c) is Mode.DECIDING
+    assert run.feed(m.Reduced(run.at(), 0, 2, 4)) == [] and run.c.run.next_step == 2
+
+
+def test_what_only_a_running_generation_acts_on_is_ignored_while_joining() -> None:
+    """A software fault restarted, and unexplained errors were judged, before any
+    generation was published."""
+    run = Run()
+    run.launch(range(4))
+    for obs in (m.SoftwareFault(run.at()), m.Absent(run.at(), 0, {1: None}),
+                m.Errors(run.at(), 0, (ErrorReport(1, True, None, "x"),)),
+                m.Relaunch(run.at(), (1,)), m.Ready(run.at(), 0, 4)):
+        assert run.feed(obs) == [] and mode(run.c) is Mode.JOINING
+
+
+def test_a_dead_members_late_registration_does_not_bring_it_back() -> None:
+    run = Run(replace(SETTINGS, rejoin=True)).start()
+    run.commit()
+    run.kill(3)
+    run.answer(Chosen("reroute", two_stage((0, 2), (1, 2))))
+    run.commit()
+    run.feed(m.Tick(run.at()))  # the repair is launched
+    run.launch([3], replacement=True)
+    run.kill(3)  # and dies before it registered
+    assert run.feed(m.Registered(run.at(), (3,))) == []
+    assert 3 not in run.c.run.alive and run.c.members.by_worker[3].gone
+
+
+# ---------------------------------------------------------------------- the checkpoint protocol
+CKPT = replace(SETTINGS, steps=6, checkpoint_every=4, checkpoint_deadline_s=5.0)
+ALL = frozenset(range(4))
+
+
+def test_a_due_checkpoint_is_expected_before_its_verdict_is_written() -> None:
+    """The verdict was written before the coordinator expected the checkpoint it made due:
+    a worker's upload could arrive first and be refused."""
+    run = Run(CKPT).start()
+    out = run.commit(4)
+    kinds = [type(e) for e in out if isinstance(e, m.ExpectCheckpoint | m.Commit)]
+    assert kinds == [m.Commit] * 3 + [m.ExpectCheckpoint, m.Commit]  # before step 3's
+    (expect,) = of(out, m.ExpectCheckpoint)
+    assert (expect.step, expect.gen) == (4, 0) and expect.deadline_s == run.now + 5.0
+    assert expect.writers == {0: 0, 1: 1, 2: 2, 3: 3}  # replicas take turns by layer
+
+
+def test_a_checkpoint_fails_at_its_deadline_or_when_a_writer_dies() -> None:
+    run = Run(CKPT).start()
+    run.commit(4)
+    run.now += 6.0
+    out = run.feed(m.Tick(run.at()))
+    (drop,) = of(out, m.DropCheckpoint)
+    assert drop.step == 4 and "not written within its deadline; 0 of 4" in drop.reason
+    dying = Run(replace(CKPT, steps=20)).start()
+    dying.commit(4)
+    dying.feed(m.CheckpointLayers(dying.at(), 4, 0, frozenset({0, 1})))
+    out = dying.feed(m.Exits(dying.at(), {1: -9}))  # layer 1 is written: nothing lost
+    assert not of(out, m.DropCheckpoint)
+    dying.answer(Chosen("reroute", two_stage((0, 2), (3, 2))))
+    dying.commit(4)  # the next one, written by the new plan
+    out = dying.kill(3)  # it writes layer 3 of the first and layer 1 of the second
+    drops = of(out, m.DropCheckpoint)
+    assert [d.step for d in drops] == [4, 8]
+    assert all("worker(s) [3] exited before writing" in d.reason for d in drops)
+
+
+def _finished(settings: Settings = CKPT) -> tuple[Run, list[m.Effect]]:
+    """A run that just committed its last step (6, no checkpoint of it)."""
+    run = Run(settings).start()
+    out = run.commit(settings.steps)
+    assert mode(run.c) is Mode.FINISHED
+    return run, out
+
+
+def test_the_final_checkpoint_is_written_by_the_final_holders() -> None:
+    run, out = _finished()
+    (stop,) = of(out, m.Stop)
+    assert stop.write and stop.step == 6 and stop.final_timeout_s > 3 * 5.0
+    expect = [e for e in out if isinstance(e, m.ExpectCheckpoint) and e.step == 6]
+    assert expect and out.index(expect[0]) < out.index(stop)  # expected before asked
+    (save,) = of(run.feed(m.CheckpointLayers(run.at(), 6, stop.gen, ALL)), m.SaveCheckpoint)
+    assert save.accepted and not save.fallback
+    (done,) = of(run.feed(m.CheckpointDone(run.at(), 6, stop.gen)), m.FinalDone)
+    assert done.folder == "checkpoints" and run.c.closed and 6 in run.c.run.checkpoints
+    assert run.feed(m.Tick(run.at() + 100)) == []
+
+
+def test_a_final_checkpoint_the_folder_refuses_is_uploaded_into_the_run_folder() -> None:
+    """A full checkpoint folder lost the trained model: the final checkpoint could not be
+    written and the run ended without params.pt."""
+    run, out = _finished()
+    gen = of(out, m.Stop)[0].gen
+    out = run.feed(m.CheckpointFailed(run.at(), 6, gen, "worker 0: No space left on device"))
+    assert of(out, m.DropCheckpoint)[0].step == 6  # listed in the report
+    (expect,) = of(out, m.ExpectCheckpoint)
+    assert expect.fallback and (expect.step, expect.gen) == (6, gen)
+    asks = of(out, m.AskFinal)
+    assert sorted(a.worker for a in asks) == [0, 1, 2, 3] and all(a.upload for a in asks)
+    assert "upload it into the run folder" in logs(out)
+    (save,) = of(run.feed(m.CheckpointLayers(run.at(), 6, gen, ALL)), m.SaveCheckpoint)
+    assert save.fallback and save.accepted
+    (done,) = of(run.feed(m.CheckpointDone(run.at(), 6, gen)), m.FinalDone)
+    assert done.folder == "fallback" and 6 not in run.c.run.checkpoints  # never reloaded
+    lost, out = _finished()
+    lost.feed(m.CheckpointFailed(lost.at(), 6, gen, "No space left on device"))
+    lost.now += 6.0  # the upload does not finish in time either
+    (done,) = of(lost.feed(m.Tick(lost.at())), m.FinalDone)
+    assert done.folder is None and "could not be written" in done.reason
+
+
+def test_a_final_writer_that_leaves_hands_its_layer_to_the_next_holder() -> None:
+    run, out = _finished()
+    gen = of(out, m.Stop)[0].gen
+    run.feed(m.CheckpointLayers(run.at(), 6, gen, frozenset({1, 2, 3})))
+    (ask,) = of(run.feed(m.Exits(run.at(), {0: 0})), m.AskFinal)  # it missed a commit
+    assert (ask.worker, ask.layers, ask.upload) == (1, (0,), False)
+    (done,) = of(run.feed(m.Exits(run.at(), {1: 0})), m.FinalDone)  # the last holder too
+    assert done.folder is None and "every holder of its final state is gone" in done.reason
+
+
+def test_a_final_step_with_a_checkpoint_complete_or_in_flight_is_not_written_again() -> None:
+    every = replace(CKPT, checkpoint_every=3)  # 6 is due: its checkpoint is in flight
+    run, out = _finished(every)
+    (stop,) = of(out, m.Stop)
+    assert not stop.write and not of(out, m.FinalDone)
+    gen = stop.gen
+    out = run.feed(m.CheckpointFailed(run.at(), 6, 0, "worker 3: disk error"))
+    assert [e.gen for e in of(out, m.ExpectCheckpoint)] == [gen]  # the holders write it
+    assert not any(a.upload for a in of(out, m.AskFinal))
+    done = Run(every).start()
+    out = done.commit(5)
+    done.feed(m.CheckpointDone(done.at(), 3, 0))
+    out = done.commit()
+    done.feed(m.CheckpointLayers(done.at(), 6, 0, ALL))
+    (final,) = of(done.feed(m.CheckpointDone(done.at(), 6, 0)), m.FinalDone)
+    assert final.folder == "checkpoints"

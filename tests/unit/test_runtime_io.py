@@ -8,6 +8,7 @@ import select
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -241,15 +242,21 @@ def test_blob_connections_wait_in_the_listen_queue_while_the_server_is_busy(
 # ---------------------------------------------------------------- joins
 
 
-def test_join_proof_binds_token_job_and_nonces() -> None:
+def test_join_proof_binds_token_job_nonces_and_fields() -> None:
     token = "a-test-token-of-enough-length"
-    request = auth.JoinRequest(wnonce="w1", proof=auth.join_proof(token, "job1", "n1", "w1"),
-                               job="", host="h", address="10.0.0.2")
+    request = auth.JoinRequest(wnonce="w1", proof="", job="", host="h",
+                               address="10.0.0.2").proved(token, "job1", "n1")
     assert auth.check_join(request, token=token, job_name="tiny", job_id="job1",
                            nonce="n1") is None
     for kwargs in ({"token": "another-token-of-length"}, {"job_id": "job2"}, {"nonce": "n2"}):
         args = {"token": token, "job_name": "tiny", "job_id": "job1", "nonce": "n1", **kwargs}
         assert "wrong token" in str(auth.check_join(request, **args))
+    # a copied proof cannot carry other fields: another address or GPU index is refused
+    for change in ({"address": "10.0.0.66"}, {"host": "elsewhere"}, {"local_index": 3},
+                   {"wnonce": "w2"}):
+        forged = replace(request, **change)
+        assert "wrong token" in str(auth.check_join(forged, token=token, job_name="tiny",
+                                                    job_id="job1", nonce="n1"))
 
 
 def test_join_for_another_job_names_both() -> None:

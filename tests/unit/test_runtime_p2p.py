@@ -31,6 +31,7 @@ from p2p_plans import (
     schedule_actions,
     tiny_decisions,
 )
+from rerouted_step import FULLY_REROUTED, fully_rerouted_plan
 
 from chameleon_ft.perf import build_schedule
 from chameleon_ft.plan import ExecutionPlan, Pipeline, Stage
@@ -121,22 +122,10 @@ def test_the_issues_1f1b_deadlock_on_one_shared_group_and_none_on_two() -> None:
     assert "worker 0 at" in findings[0] and "send activation (0, 1, 1) 0->1" in findings[0]
 
 
-FULLY_REROUTED = {
-    2: (("F", 0, 0, 0), ("F", 0, 0, 1), ("F", 1, 0, 0), ("F", 1, 0, 1), ("B", 0, 0, 0),
-        ("F", 0, 0, 2), ("B", 0, 0, 1), ("B", 0, 0, 2), ("B", 1, 0, 0), ("F", 1, 0, 2),
-        ("B", 1, 0, 1), ("B", 1, 0, 2)),
-    3: (("F", 0, 1, 0), ("B", 0, 1, 0), ("F", 0, 1, 1), ("B", 0, 1, 1), ("F", 0, 1, 2),
-        ("B", 0, 1, 2), ("F", 1, 1, 0), ("B", 1, 1, 0), ("F", 1, 1, 1), ("B", 1, 1, 1),
-        ("F", 1, 1, 2), ("B", 1, 1, 2)),
-}
-"""Pipeline 0's two workers dead, both its stages rerouted onto pipeline 1's workers
-(the list scheduler's merge of a 3-micro-batch step): the pair 2 -> 3 carries two
-logical streams, which worker 2 sends interleaved and worker 3 takes one after the
-other."""
-
-
 def fully_rerouted() -> ExecutionPlan:
-    return two_by_two(3, (Reroute(0, 0, ((2, 3),)), Reroute(0, 1, ((3, 3),))))
+    plan = fully_rerouted_plan()
+    assert plan == two_by_two(3, (Reroute(0, 0, ((2, 3),)), Reroute(0, 1, ((3, 3),))))
+    return plan
 
 
 def test_a_receiver_posting_in_its_own_order_takes_another_microbatch() -> None:

@@ -184,7 +184,7 @@ def test_retries_are_bounded_then_restart_then_stop() -> None:
             s = st.stopped(s, "errors persist")
     assert actions == [st.RetryAction.RETRY, st.RetryAction.RETRY, st.RetryAction.RESTART,
                        st.RetryAction.STOP]
-    assert s.phase is st.Phase.FAILED and s.reason == "errors persist"
+    assert s.mode is st.Mode.FAILED and s.reason == "errors persist"
 
 
 def test_a_commit_resets_the_retry_count() -> None:
@@ -203,6 +203,19 @@ def test_rejoin_ready_then_planned_then_switched() -> None:
         st.rejoin_planned(s2, plan, None, [4])
     s3 = st.switched(st.committed(s2, s2.next_step))
     assert s3.plan == plan and 4 not in s3.idle and 3 in s3.world  # 3 sends its state
+
+
+def test_an_idle_worker_that_dies_before_the_switch_stays_dead() -> None:
+    """A re-join folded in every idle worker; one the new plan does not use died before the
+    switch, and the switch brought it back to life (found by the generated sequences of
+    ``test_runtime_control_properties.py``): later decisions could hand it a stage."""
+    s = st.rejoin_ready(_training(), [4, 5])
+    s = st.rejoin_planned(s, _plan((0, 2), (1, 4)), _migration(3, 4), [4, 5])
+    assert s.pending is not None and s.pending.rejoin == (4, 5)
+    s, broken = st.workers_died(s, [5])
+    assert not broken and s.pending is not None and s.pending.rejoin == (4,)
+    s = st.switched(st.committed(s, s.next_step))
+    assert 5 not in s.alive and 5 not in s.idle and 3 in s.world  # 3 sends its state
 
 
 def test_idle_workers_stay_available_to_later_decisions() -> None:
@@ -233,12 +246,12 @@ def test_checkpoints_of_an_abandoned_timeline_are_refused() -> None:
 def test_drain_finish_and_stop() -> None:
     s = _training()
     d = st.draining(s, "SIGTERM")
-    assert d.phase is st.Phase.DRAINING and d.reason == "SIGTERM"
+    assert d.mode is st.Mode.DRAINING and d.reason == "SIGTERM"
     assert st.draining(d, "SIGINT") is d
     f = st.finished(d)
-    assert f.phase is st.Phase.FINISHED and f.gen == s.gen + 1
+    assert f.mode is st.Mode.FINISHED and f.gen == s.gen + 1
     failed = st.stopped(s, "no replica")
-    assert failed.phase is st.Phase.FAILED and failed.gen == s.gen + 1
+    assert failed.mode is st.Mode.FAILED and failed.gen == s.gen + 1
 
 
 def test_a_replacement_under_a_placed_id_holds_nothing() -> None:

@@ -5,7 +5,11 @@ Progress goes to stdout (stderr with ``--json``, so stdout holds only the report
 time, the decision with every candidate, and the measured transition time. SIGINT or
 SIGTERM drains the run: the step in flight commits (or is aborted), the state is
 checkpointed, the workers stop, and the command exits 130 / 143 saying how to resume.
-torch is imported only inside :func:`run`.
+
+Exit statuses: 0 trained; 1 training could not go on (one line says why, ``report.json``
+too); 2 bad input; 3 trained and ``params.pt`` written, but the checkpoint folder refused
+the final checkpoint (the final state is in the run folder's ``final-state/``); 130 / 143
+stopped by SIGINT / SIGTERM. torch is imported only inside :func:`run`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from typing import Any
 from chameleon_ft import logs
 from chameleon_ft.runtime import auth
 from chameleon_ft.spec.train import TRAIN_DTYPES, parse_fault
+
+EXIT_FAILED = 1
+"""Training could not go on (``report.json`` says why)."""
+EXIT_FINAL_ELSEWHERE = 3
+"""Training completed and ``params.pt`` was written, but the checkpoint folder refused the
+final checkpoint: the final state is in the run folder's ``final-state/`` instead, and a
+resume starts from the last complete checkpoint (listed in the report, with the dropped
+ones)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,17 +197,28 @@ def run(args: argparse.Namespace) -> int:
         report = coord.run()
     except WorkerFailure as exc:
         print(f"chameleon train: training failed: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     for line in _summary(report):
         log(line)
     log(f"report, parameters and checkpoints in {report['run_dir']}")
     if args.json:
         print(json.dumps(report, indent=2))
+    return _exit_status(report, args.config)
+
+
+def _exit_status(report: dict[str, Any], config_path: str) -> int:
+    """The command's exit status for a finished run, with the line that explains any but 0."""
     if report["interrupted"]:
         name = report["interrupted"]
-        again = ["chameleon", "train", "--config", args.config, "--out", report["run_dir"],
+        again = ["chameleon", "train", "--config", config_path, "--out", report["run_dir"],
                  "--resume"]
         print(f"chameleon train: stopped by {name} after {report['committed_steps']} steps; "
               f"resume with: {shlex.join(again)}", file=sys.stderr, flush=True)
         return 128 + int(getattr(signal, name))
+    if report["final_state"] not in (None, "checkpoints"):
+        print(f"chameleon train: trained {report['committed_steps']} steps and wrote "
+              f"params.pt, but the checkpoint folder refused the final checkpoint: the final "
+              f"state is in {report['run_dir']}/{report['final_state']}; a resume starts "
+              "from the last complete checkpoint", file=sys.stderr, flush=True)
+        return EXIT_FINAL_ELSEWHERE
     return 0

@@ -99,35 +99,63 @@ def _join(store: dist.TCPStore, job: JobInfo, token: str, wanted_job: str, addre
     Raises:
         ValueError: when the coordinator refuses or does not answer.
     """
-    import torch.distributed as dist
-
     from chameleon_ft.runtime import protocol as proto
+    from chameleon_ft.runtime.signing import SignedStore, Signer, control_key
 
-    wnonce = auth.new_nonce()
+    signed = SignedStore(store, Signer(control_key(auth.secret_of(token)), job.job_id))
+    nonce = signed.raw_peek(proto.JOIN_NONCE_KEY)  # unsealed here: a forged one only fails
     request = auth.JoinRequest(
-        wnonce=wnonce, proof=auth.join_proof(token, job.job_id, job.nonce, wnonce),
-        job=wanted_job, host=socket.gethostname(), address=address, local_index=local_index)
+        wnonce=auth.new_nonce(), proof="", job=wanted_job, host=socket.gethostname(),
+        address=address, local_index=local_index).proved(
+            token, job.job_id, job.nonce if nonce is None else _payload(nonce))
     index = store.add(proto.JOIN_SLOTS_KEY, 1) - 1
     store.set(proto.join_request_key(index), request.to_json())
-    key = proto.join_reply_key(wnonce)
+    key = proto.join_reply_key(request.wnonce)
     deadline = time.monotonic() + timeout_s
-    reply = None
-    while reply is None:
+    try:
+        reply = _await_reply(signed, key, deadline, timeout_s)
+    finally:
+        with contextlib.suppress(Exception):
+            store.delete_key(key)
+    if not reply.ok:
+        raise ValueError(f"refused by the coordinator: {reply.reason}")
+    return reply
+
+
+def _payload(raw: bytes) -> str:
+    from chameleon_ft.runtime.signing import Forged, payload_of
+
+    try:
+        return payload_of(raw).decode()
+    except (Forged, UnicodeDecodeError):
+        return ""
+
+
+def _await_reply(signed: Any, key: str, deadline: float, timeout_s: float) -> auth.JoinReply:
+    """The coordinator's reply at ``key``: an admission only with its seal (a forged one
+    is waited past); a refusal whatever its seal (a joiner with a wrong token cannot check
+    it, and a refusal only stops the joiner).
+
+    Raises:
+        ValueError: when no answer comes by ``deadline``.
+    """
+    import torch.distributed as dist
+
+    while True:
         try:  # short polls: a long server-side wait is at the mercy of one connection
-            if store.check([key]):
-                reply = auth.JoinReply.from_json(store.get(key))
-                break
+            raw = signed.raw_peek(key)
+            if raw is not None:
+                opened = signed.open(key, raw)
+                reply = auth.JoinReply.from_json(opened.payload if opened is not None
+                                                 else _payload(raw))
+                if opened is not None or not reply.ok:
+                    return reply
         except (dist.DistError, ValueError):
             pass
         if time.monotonic() > deadline:
             raise ValueError(f"--coordinator: no answer to the join request within "
                              f"{timeout_s:g} s")
         time.sleep(0.05)
-    with contextlib.suppress(Exception):
-        store.delete_key(key)
-    if not reply.ok:
-        raise ValueError(f"refused by the coordinator: {reply.reason}")
-    return reply
 
 
 def coordinator_address(flag: str | None, env: Mapping[str, str]) -> tuple[str, int]:
@@ -220,10 +248,12 @@ def _connect(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, Job
 
     from chameleon_ft.runtime import protocol as proto
     from chameleon_ft.runtime.protocol import JobInfo
+    from chameleon_ft.runtime.signing import payload_of
 
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        return store, JobInfo.from_json(store.get(proto.JOB_KEY))
+        # unchecked until the token is known to be right (the workers check its seal)
+        return store, JobInfo.from_json(payload_of(store.get(proto.JOB_KEY)))
     except (dist.DistStoreError, RuntimeError, ValueError):
         raise ValueError(f"--coordinator: {host}:{port} is not a chameleon coordinator of "
                          "this version") from None

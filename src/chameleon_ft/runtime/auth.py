@@ -1,20 +1,25 @@
 """Who may join a job: tokens, the join handshake, advertised addresses.
 
-Threat model (README, "Security"): the ``TCPStore`` and gloo have no encryption and no
-authentication of their own; run a job on a trusted network. The token keeps out workers
-that do not belong to the job (a stale worker of another job on the same port, a typo in
-an address, a stranger probing the port): a worker proves it knows the token without
-sending it, by an HMAC over a nonce the coordinator chose and one it chose itself. The
-same token keys the HMAC of every bulk transfer (``runtime.blobs``). Someone who can
-read the traffic or speak the store's protocol can still disturb the job.
+Threat model (docs/design.md 4.5): the ``TCPStore`` and gloo have no encryption and no
+authentication of their own. The token keeps out workers that do not belong to the job (a
+stale worker of another job on the same port, a typo in an address, a stranger probing
+the port): a worker proves it knows the token without sending it, by an HMAC over a nonce
+the coordinator chose, one it chose itself and its request's fields. Keys derived from
+the token seal every control value (``runtime.signing``) and authenticate every bulk
+transfer (``runtime.blobs``). Someone who reaches the store can still deny service
+(flood it, delete or overwrite keys); nobody without the token can steer the job.
 
 Handshake through the store::
 
-    worker: i = add(join/slots, 1) - 1;
+    worker: nonce = join/nonce (the coordinator's current one);
+            i = add(join/slots, 1) - 1;
             join/req/{i} = {wnonce, proof, job, host, address, local_index}
-    coordinator: join/reply/{wnonce} = {ok, worker, incarnation} or {ok: false, reason}
+    coordinator: join/reply/{wnonce} = sealed {ok, worker, incarnation} or
+                 {ok: false, reason}
 
-``proof = HMAC-SHA256(token, "join|{job_id}|{nonce}|{wnonce}")``.
+``proof = HMAC-SHA256(token, "join|{job_id}|{nonce}|{wnonce}|{fields}")``, ``fields``
+the request's job, host, address and local index (:meth:`JoinRequest.fields`). The
+coordinator accepts each proof once (``coordinator.admission``).
 
 Pure Python (no torch).
 """
@@ -28,7 +33,7 @@ import json
 import os
 import secrets
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from chameleon_ft.runtime.placement import MAX_LOCAL_INDEX
@@ -71,9 +76,10 @@ def secret_of(token: str) -> bytes:
     return hashlib.sha256(b"chameleon-blobs|" + token.encode()).digest()
 
 
-def join_proof(token: str, job_id: str, nonce: str, wnonce: str) -> str:
-    """What a worker sends to prove it knows ``token``."""
-    msg = f"join|{job_id}|{nonce}|{wnonce}".encode()
+def join_proof(token: str, job_id: str, nonce: str, wnonce: str, fields: str = "") -> str:
+    """What a worker sends to prove it knows ``token`` (``fields``: the request's own,
+    :meth:`JoinRequest.fields`, so that a copied proof cannot carry other ones)."""
+    msg = f"join|{job_id}|{nonce}|{wnonce}|{fields}".encode()
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
@@ -105,6 +111,14 @@ class JoinRequest:
     def to_json(self) -> str:
         """Serialise."""
         return json.dumps(asdict(self))
+
+    def fields(self) -> str:
+        """What the proof binds besides the nonces: the job, host, address and index."""
+        return json.dumps([self.job, self.host, self.address, self.local_index])
+
+    def proved(self, token: str, job_id: str, nonce: str) -> JoinRequest:
+        """This request with its proof made with ``token``."""
+        return replace(self, proof=join_proof(token, job_id, nonce, self.wnonce, self.fields()))
 
     @classmethod
     def from_json(cls, text: bytes | str) -> JoinRequest:
@@ -170,7 +184,7 @@ def check_join(request: JoinRequest, *, token: str, job_name: str, job_id: str,
     if request.job and request.job != job_name:
         return (f"this coordinator runs job {job_name!r}, not {request.job!r} (another job "
                 "on the same port?)")
-    expected = join_proof(token, job_id, nonce, request.wnonce)
+    expected = join_proof(token, job_id, nonce, request.wnonce, request.fields())
     if not hmac.compare_digest(expected, request.proof):
         return "wrong token (check --token or CHAMELEON_TOKEN on both sides)"
     return None

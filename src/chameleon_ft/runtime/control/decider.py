@@ -177,7 +177,7 @@ def rejoin_question(state: st.RunState) -> tuple[ExecutionPlan, frozenset[int]] 
     """The re-join question to ask the policy now, if any: idle workers while training
     runs and no switch is pending (the same question is asked once: the caller keeps the
     last one asked)."""
-    if state.pending is not None or not state.idle or state.phase is not st.Phase.TRAINING:
+    if state.pending is not None or not state.idle or state.mode is not st.Mode.TRAINING:
         return None
     return state.plan, state.idle
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from chameleon_ft.runtime.protocol import MISSING, ErrorReport
+from chameleon_ft.runtime.protocol import ErrorReport
 
 SETUP_WAIT_DEADLINES = 2
 """A member inside a superseded generation's group set-up is waited for this many of that
@@ -34,8 +34,11 @@ UNEXPLAINED_BEATS = 4
 the generation is given up (a death that explains them is seen by then)."""
 
 
-Slot = ErrorReport | str
-"""One error slot as the shell read it: a report, ``MISSING`` or ``MALFORMED``."""
+Report = ErrorReport | str
+"""One error report as the shell read it: a report, or ``MALFORMED`` (sealed by a member,
+not a report)."""
+MAX_MESSAGES = 8
+"""First lines of a generation's error reports kept for its log line."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,8 @@ class Watch:
     """What detection remembers about the running generation (fresh for each one)."""
 
     gen: int
-    errors_seen: int = 0
-    """Error slots of the generation read so far (in slot order)."""
-    error_wait_since_s: float | None = None
-    """Since when the next slot is reserved but unwritten (its writer may have died)."""
+    errors_read: int = 0
+    """The generation's error reports read so far (in the order the shell found them)."""
     suspects: frozenset[int] = frozenset()
     """Peers named by failed transfers: dead as soon as their heartbeat stalls briefly."""
     unexplained_since_s: float | None = None
@@ -62,14 +63,15 @@ class Watch:
     recheck_at_s: float = 0.0
     """While absent members are waited for: when to look again."""
     messages: tuple[str, ...] = ()
-    """First lines of the generation's error reports, in order (for the log)."""
+    """First lines of the generation's first error reports, in order (for the log; at
+    most ``MAX_MESSAGES``)."""
     waits_logged: frozenset[int] = frozenset()
     """Absent members whose wait was announced already."""
 
 
 @dataclass(frozen=True)
 class Seen:
-    """What one reading of the error slots found."""
+    """What one reading of the error reports found."""
 
     watch: Watch
     deaths: dict[int, str] = field(default_factory=dict)
@@ -78,51 +80,38 @@ class Seen:
     """Checkpoints (by committed steps) a worker found corrupt while loading, and why."""
 
 
-def read_errors(watch: Watch, slots: tuple[Slot, ...], *, alive: frozenset[int],
-                now_s: float, hang_s: float) -> Seen:
-    """Read the generation's error slots from ``watch.errors_seen`` on, in order.
-
-    A slot reserved but not written stops the reading until the hang deadline (its writer
-    may still write it), then is skipped with a log line; a malformed one is logged and
-    ignored. A fatal report is its writer's death; a report naming a peer makes that peer
-    a suspect.
+def read_errors(watch: Watch, reports: tuple[Report, ...], *, alive: frozenset[int],
+                now_s: float) -> Seen:
+    """Read the generation's error reports from the ``watch.errors_read``-th on, in order
+    (a malformed one is logged and ignored). A fatal report is its writer's death; a
+    report naming a peer makes that peer a suspect.
 
     Args:
         watch: the generation's detection state.
-        slots: the slots from ``watch.errors_seen`` up to the reserved count, as read.
+        reports: the reports from the ``watch.errors_read``-th on, as read.
         alive: workers believed alive (reports of others are stale).
         now_s: the run clock.
-        hang_s: the hang deadline.
     """
     deaths: dict[int, str] = {}
-    logs: list[str] = []
     corrupt: dict[int, str] = {}
-    w = watch
-    for slot in slots:
-        if slot == MISSING:
-            since = now_s if w.error_wait_since_s is None else w.error_wait_since_s
-            if now_s - since < hang_s:
-                w = replace(w, error_wait_since_s=since)
-                break
-            logs.append(f"generation {w.gen}: error report {w.errors_seen} was never written "
-                        "(its writer died); skipped")
-            w = replace(w, errors_seen=w.errors_seen + 1, error_wait_since_s=None)
-            continue
-        w = replace(w, errors_seen=w.errors_seen + 1, error_wait_since_s=None)
-        if not isinstance(slot, ErrorReport):
+    logs: list[str] = []
+    w = replace(watch, errors_read=watch.errors_read + len(reports))
+    for report in reports:
+        if not isinstance(report, ErrorReport):
             logs.append(f"generation {w.gen}: ignored a malformed error report")
             continue
-        first_line = slot.message.splitlines()[0] if slot.message else "?"
-        w = replace(w, messages=(*w.messages, first_line))
-        if slot.worker not in alive:
+        first_line = report.message.splitlines()[0] if report.message else "?"
+        if len(w.messages) < MAX_MESSAGES:
+            w = replace(w, messages=(*w.messages, first_line))
+        if report.worker not in alive:
             continue
-        if slot.corrupt_step is not None:
-            corrupt.setdefault(slot.corrupt_step, first_line)
+        if report.corrupt_step is not None:
+            corrupt.setdefault(report.corrupt_step, first_line)
             continue
-        if slot.fatal:
-            deaths[slot.worker] = "error: " + first_line
-        elif slot.peer is not None:
-            w = replace(w, suspects=w.suspects | {slot.peer})
+        if report.fatal:
+            deaths[report.worker] = "error: " + first_line
+        elif report.peer is not None:
+            w = replace(w, suspects=w.suspects | {report.peer})
         if w.unexplained_since_s is None:
             w = replace(w, unexplained_since_s=now_s)
     return Seen(w, deaths, tuple(logs), corrupt)

@@ -62,18 +62,25 @@ def empty() -> Members:
 
 def launched(members: Members, incarnations: Mapping[int, str], *, local: bool,
              replacement: bool = False, now_s: float = 0.0) -> Members:
-    """New processes hold ``incarnations``' worker ids (launched here or admitted)."""
+    """New processes hold ``incarnations``' worker ids (launched here or admitted). An id
+    whose member is up (registered and not gone) keeps it: no launch or admission hands
+    out such an id, so a report of one is stale."""
     by = dict(members.by_worker)
     for w, inc in incarnations.items():
+        held = by.get(w)
+        if held is not None and held.registered and not held.gone:
+            continue
         by[w] = Member(w, inc, local=local, replacement=replacement, handed_at_s=now_s)
     return replace(members, by_worker=by)
 
 
 def registered(members: Members, workers: Iterable[int]) -> Members:
-    """These members connected and announced themselves."""
+    """These members connected and announced themselves (a member already gone stays
+    gone: its announcement came too late)."""
     by = dict(members.by_worker)
     for w in workers:
-        by[w] = replace(by[w], registered=True)
+        if w in by and not by[w].gone:
+            by[w] = replace(by[w], registered=True)
     return replace(members, by_worker=by)
 
 
@@ -126,6 +133,26 @@ def died(members: Members, workers: Iterable[int], *,
                             "plan using them committed a step; no more repairs of this worker")
     return replace(members, by_worker=by, failed_starts=starts,
                    given_up=frozenset(given_up)), logs
+
+
+def start_failed(members: Members, workers: Iterable[int]) -> tuple[Members, list[str]]:
+    """Processes for these worker ids could not be started: each counts as a failed start
+    (given up after ``MAX_FAILED_STARTS``, so a launch that keeps failing is not retried
+    for ever).
+
+    Returns:
+        The members and a log line for each id given up.
+    """
+    starts = dict(members.failed_starts)
+    given_up = set(members.given_up)
+    logs = []
+    for w in workers:
+        starts[w] = starts.get(w, 0) + 1
+        if starts[w] >= MAX_FAILED_STARTS and w not in given_up:
+            given_up.add(w)
+            logs.append(f"worker {w}: could not be started {MAX_FAILED_STARTS} times; no more "
+                        "repairs of this worker")
+    return replace(members, failed_starts=starts, given_up=frozenset(given_up)), logs
 
 
 def to_relaunch(members: Members, alive: frozenset[int], num_local: int) -> list[int]:

@@ -1,37 +1,55 @@
-"""The handlers of :func:`chameleon_ft.runtime.control.machine.step`, one per observation.
+"""The handlers of :func:`chameleon_ft.runtime.control.machine.step` for the running
+generation: time, deaths, error reports, readiness, votes, decisions, signals and the
+replayed trace (members coming and going: :mod:`.joining`; checkpoints: :mod:`.saving`).
 
-Each takes the control value, the observation and the job's parameters and returns the new
+Each takes the control value, the observation and the job's settings and returns the new
 value and the effects, in order. Shared moves (a new generation, a failure, the end of the
 run) are functions of their own, so each rule is written once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
-from chameleon_ft.runtime.control import decider, detector
+from chameleon_ft.runtime.control import checkpoints as ck
+from chameleon_ft.runtime.control import decider, detector, saving
 from chameleon_ft.runtime.control import members as mb
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, GenInfo, Mode, Params, final_holders, mode
+from chameleon_ft.runtime.control.model import (
+    PUBLISHED,
+    RUNNING,
+    Control,
+    GenInfo,
+    Mode,
+    Settings,
+    final_holders,
+    incarnations,
+    mode,
+)
+
+FINAL_ATTEMPT_SLACK = 2
+"""The workers wait for the final checkpoint's attempts plus this many hang deadlines."""
 
 Out = tuple[Control, list[m.Effect]]
 
 
 # ---------------------------------------------------------------------- shared moves
-def new_generation(c: Control, run: st.RunState, now_s: float, p: Params) -> Out:
+def new_generation(c: Control, run: st.RunState, now_s: float, p: Settings) -> Out:
     """Publish ``run``'s generation (whatever made it): drop checkpoint assemblies of
     abandoned timelines, record the generation, reset what detection remembers."""
     collective_s, raised = p.deadline_of(run.plan, run.migration)
-    effects: list[m.Effect] = [] if raised is None else [m.Log(raised)]
-    effects += [m.DropTimelines(run.epoch), m.Publish(run.gen)]
+    c, effects = saving.drop_timelines(replace(c, run=run), run.epoch)
+    if raised is not None:
+        effects.insert(0, m.Log(raised))
+    world = tuple(sorted(run.world))
+    effects.append(m.Publish(run.gen, run.plan, run.migration, run.load, run.next_step, world,
+                             incarnations(c, run.alive), collective_s, run.idle))
     gens = dict(c.gens)
-    gens[run.gen] = GenInfo(published_s=now_s, collective_s=collective_s,
-                            world=tuple(sorted(run.world)), first_step=run.next_step,
-                            last_step=run.next_step - 1)
-    return replace(c, run=run, gens=gens, watch=detector.Watch(gen=run.gen), ready_s=None,
+    gens[run.gen] = GenInfo(published_s=now_s, collective_s=collective_s, world=world,
+                            first_step=run.next_step, last_step=run.next_step - 1)
+    return replace(c, gens=gens, watch=detector.Watch(gen=run.gen), ready_s=None,
                    last_commit_s=None), effects
 
 
@@ -39,21 +57,28 @@ def fail(c: Control, reason: str, *, bad_input: bool = False) -> Out:
     """Training cannot go on: the final generation tells every worker to stop, uploading
     nothing; the report gives the reason."""
     run = st.stopped(c.run, reason)
-    return replace(c, run=run, ask=None, joining_until_s=None, relaunching_until_s=None), [
+    return replace(c, run=run, ask=None, joining_until_s=None, relaunching_until_s=None,
+                   closed=True), [
         m.Stop(gen=run.gen, step=run.next_step, final={}, reason=reason, failed=True,
                bad_input=bad_input)]
 
 
-def finish(c: Control, p: Params) -> Out:
+def finish(c: Control, now_s: float, p: Settings) -> Out:
     """Every step committed, or a drain ended: the final generation tells the workers whose
-    state is at the committed step to upload it, then everyone leaves."""
-    interrupted = c.run.phase is st.Phase.DRAINING and not c.trace_ended
+    state is at the committed step to write it (unless a checkpoint of that step is
+    complete or being written), then to leave once it is complete."""
+    interrupted = c.run.mode is Mode.DRAINING and not c.trace_ended
     reason = c.run.reason
-    final = final_holders(c.run, p.num_layers)
+    holders = final_holders(c.run, p.num_layers)
     run = st.finished(c.run)
-    return replace(c, run=run, ask=None), [
-        m.Stop(gen=run.gen, step=run.next_step, final=final, reason=reason,
-               interrupted=interrupted)]
+    c, before, write = saving.start_final(replace(c, run=run, ask=None), holders, run.gen,
+                                          now_s, p)
+    wait_s = len(ck.FINAL_ATTEMPTS) * p.checkpoint_deadline_s + \
+        FINAL_ATTEMPT_SLACK * p.hang_s
+    stop = m.Stop(gen=run.gen, step=run.next_step, final=holders, reason=reason,
+                  interrupted=interrupted, write=write, final_timeout_s=wait_s)
+    done = [e for e in before if isinstance(e, m.FinalDone)]
+    return c, [*(e for e in before if not isinstance(e, m.FinalDone)), stop, *done]
 
 
 def _since_checkpoint(c: Control, now_s: float) -> float | None:
@@ -61,7 +86,7 @@ def _since_checkpoint(c: Control, now_s: float) -> float | None:
     return None if done is None else now_s - done
 
 
-def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Params) -> Out:
+def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Settings) -> Out:
     """Workers died: fence them, abort the generation if they were in it, and recover."""
     s = c.run
     failed = frozenset(dead) & s.alive
@@ -77,10 +102,14 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Params) -> Out:
                 for g, i in gens.items()}
     run, broken = st.workers_died(s, failed)
     members, logs = mb.died(c.members, failed)
-    c = replace(c, run=run, members=members, gens=gens)
+    fenced = incarnations(c, failed)
+    beats = {k: v for k, v in c.beats.items() if k[0] not in failed}
+    c = replace(c, run=run, members=members, gens=gens, beats=beats)
     cause = "; ".join(f"w{w}: {dead[w]}" for w in sorted(failed))
     workers = tuple(sorted(failed))
-    effects: list[m.Effect] = [m.Fence(workers), *(m.Log(x) for x in logs)]
+    effects: list[m.Effect] = [m.Fence(workers, fenced), *(m.Log(x) for x in logs)]
+    c, more = saving.writers_gone(c, failed, now_s, p)
+    effects += more
     if not broken:
         return c, [*effects, m.Failure(workers, cause, s.gen, s.next_step, now_s, idle=True,
                                        strategy="none",
@@ -88,8 +117,8 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Params) -> Out:
                    m.Log(f"idle worker(s) {list(workers)} died ({cause}); training goes on")]
     effects += [m.Abort(s.gen, s.next_step),
                 m.Failure(workers, cause, s.gen, s.next_step, now_s)]
-    if run.phase is st.Phase.DRAINING:
-        c, more = finish(c, p)
+    if run.mode is Mode.DRAINING:
+        c, more = finish(c, now_s, p)
         return c, [*effects, m.Resolved("none", "stopping: the drain ends here"), *more]
     if not run.alive:
         c, more = relaunch_everything(c, now_s, p)
@@ -98,7 +127,7 @@ def deaths(c: Control, dead: Mapping[int, str], now_s: float, p: Params) -> Out:
     return c, effects + more
 
 
-def decide(c: Control, now_s: float, p: Params) -> Out:
+def decide(c: Control, now_s: float, p: Settings) -> Out:
     """Ask the policy, or decide without it (keep an intact placement, reload again)."""
     request = decider.request(c.run)
     if isinstance(request, decider.Decided):
@@ -107,7 +136,7 @@ def decide(c: Control, now_s: float, p: Params) -> Out:
 
 
 def recover(c: Control, ask: decider.Ask | None, decision: decider.DecisionLike,
-            now_s: float, decide_s: float, p: Params) -> Out:
+            now_s: float, decide_s: float, p: Settings) -> Out:
     """Start the generation a decision asks for."""
     c = replace(c, ask=None)
     out = decider.recovery(c.run, ask, decision)
@@ -129,7 +158,7 @@ def recover(c: Control, ask: decider.Ask | None, decision: decider.DecisionLike,
     return c, [resolved, *effects]
 
 
-def relaunch_everything(c: Control, now_s: float, p: Params) -> Out:
+def relaunch_everything(c: Control, now_s: float, p: Settings) -> Out:
     """No worker is left: relaunch every local one and wait (with remote replacements)
     for the initial plan's workers, then reload the last checkpoint."""
     if not p.rejoin:
@@ -141,7 +170,7 @@ def relaunch_everything(c: Control, now_s: float, p: Params) -> Out:
         m.Launch(local, replacement=True)]
 
 
-def restart_everything(c: Control, now_s: float, p: Params) -> Out:
+def restart_everything(c: Control, now_s: float, p: Settings) -> Out:
     """Every worker of the initial plan is back: reload the last checkpoint on it."""
     restored = c.run.latest_checkpoint()
     lost = c.run.next_step - restored
@@ -152,9 +181,16 @@ def restart_everything(c: Control, now_s: float, p: Params) -> Out:
 
 
 # ---------------------------------------------------------------------- observations
-def on_tick(c: Control, obs: m.Tick, p: Params) -> Out:
-    """Deadlines: joining, relaunching, draining; errors that stay unexplained; repairs."""
+def on_tick(c: Control, obs: m.Tick, p: Settings) -> Out:
+    """Deadlines: joining, relaunching, draining, checkpoints; errors that stay
+    unexplained; repairs."""
     now = obs.now_s
+    c, effects = saving.expire(c, now, p)
+    c, more = _deadlines(c, now, p)
+    return c, effects + more
+
+
+def _deadlines(c: Control, now: float, p: Settings) -> Out:
     k = mode(c)
     if k is Mode.JOINING and c.joining_until_s is not None and now > c.joining_until_s:
         joined = sum(1 for x in c.members.by_worker.values() if x.registered)
@@ -169,22 +205,24 @@ def on_tick(c: Control, obs: m.Tick, p: Params) -> Out:
     if k is Mode.DRAINING and c.drain_since_s is not None \
             and now - c.drain_since_s > p.drain_grace_s:
         s = c.run
-        c, effects = finish(c, p)
+        c, effects = finish(c, now, p)
         return c, [m.Abort(s.gen, s.next_step),
                    m.Log(f"the step in flight ({s.next_step}) did not finish in time: "
                          "aborted"), *effects]
-    if k in (Mode.TRAINING, Mode.RECOVERING, Mode.DRAINING) and detector.unexplained_due(
-            c.watch, now_s=now, hang_s=p.hang_s, heartbeat_s=p.heartbeat_s):
-        return c, [m.ProbeAbsent(c.run.gen)]
+    if k in RUNNING and detector.unexplained_due(c.watch, now_s=now, hang_s=p.hang_s,
+                                                 heartbeat_s=p.heartbeat_s):
+        info = c.gens.get(c.run.gen)
+        world = info.world if info is not None else tuple(sorted(c.run.world))
+        return c, [m.ProbeAbsent(c.run.gen, incarnations(c, world))]
     if k is Mode.TRAINING:
         return repairs(c, p)
     return c, []
 
 
-def repairs(c: Control, p: Params) -> Out:
+def repairs(c: Control, p: Settings) -> Out:
     """Relaunch dead local workers (``[train] rejoin``) once training runs again; a failure
     trace brings them back with its repair rows instead."""
-    if not p.rejoin or p.replay or c.run.phase is not st.Phase.TRAINING:
+    if not p.rejoin or p.replay or c.run.mode is not Mode.TRAINING:
         return c, []
     ids = tuple(mb.to_relaunch(c.members, c.run.alive, p.num_local))
     if not ids:
@@ -193,7 +231,7 @@ def repairs(c: Control, p: Params) -> Out:
                *(m.Log(f"relaunched worker {w} (repair); it rejoins when ready") for w in ids)]
 
 
-def on_exits(c: Control, obs: m.Exits, p: Params) -> Out:
+def on_exits(c: Control, obs: m.Exits, p: Settings) -> Out:
     """Local processes exited: alive workers are dead; others failed to start."""
     statuses = {w: code for w, code in obs.statuses.items()
                 if w in c.members.by_worker and not c.members.by_worker[w].gone}
@@ -228,8 +266,11 @@ def _start_failed(c: Control, statuses: Mapping[int, int]) -> Out:
     return c, effects
 
 
-def on_beats(c: Control, obs: m.Beats, p: Params) -> Out:
-    """Heartbeats: hung workers and suspects whose heartbeat stalled are dead."""
+def on_beats(c: Control, obs: m.Beats, p: Settings) -> Out:
+    """Heartbeats: hung workers and suspects whose heartbeat stalled are dead (no process
+    holds a worker id before the first workers joined)."""
+    if mode(c) is Mode.JOINING:
+        return c, []
     counts = {w: v for w, v in obs.counts.items() if w in c.run.alive}
     beats, dead = detector.check_beats(c.beats, counts, suspects=c.watch.suspects,
                                        now_s=obs.now_s, hang_s=p.hang_s,
@@ -237,54 +278,27 @@ def on_beats(c: Control, obs: m.Beats, p: Params) -> Out:
     return deaths(replace(c, beats=beats), dead, obs.now_s, p)
 
 
-def on_errors(c: Control, obs: m.Errors, p: Params) -> Out:
-    """The generation's error reports: fatal ones are deaths, others make suspects."""
-    if obs.gen != c.run.gen or obs.gen != c.watch.gen:
+def on_errors(c: Control, obs: m.Errors, p: Settings) -> Out:
+    """The generation's error reports: fatal ones are deaths, others make suspects, and a
+    checkpoint the generation loads found corrupt is set aside before the deaths are
+    answered (a restart decided for them must not load it again)."""
+    if obs.gen != c.run.gen or obs.gen != c.watch.gen or mode(c) not in PUBLISHED:
         return c, []
-    seen = detector.read_errors(c.watch, obs.slots, alive=c.run.alive, now_s=obs.now_s,
-                                hang_s=p.hang_s)
-    c, effects = deaths(replace(c, watch=seen.watch), seen.deaths, obs.now_s, p)
-    if seen.corrupt and obs.gen == c.run.gen:
-        c, more = corrupt_fallback(c, seen.corrupt, obs.now_s, p)
+    seen = detector.read_errors(c.watch, obs.reports, alive=c.run.alive, now_s=obs.now_s)
+    c, effects = set_aside(replace(c, watch=seen.watch), seen.corrupt)
+    marked = [e for e in effects if isinstance(e, m.MarkCorrupt)]
+    c, more = deaths(c, seen.deaths, obs.now_s, p)
+    effects += more
+    if marked and c.run.gen == obs.gen and mode(c) in RUNNING:
+        c, more = corrupt_fallback(c, marked[0], obs.now_s, p)  # nobody died meanwhile
         effects += more
     return c, [*(m.Log(x) for x in seen.logs), *effects]
 
 
-def on_launched(c: Control, obs: m.Launched, p: Params) -> Out:
-    """Processes now hold these ids (a launch, or an admitted remote worker)."""
-    members = mb.launched(c.members, obs.incarnations, local=obs.local,
-                          replacement=obs.replacement, now_s=obs.now_s)
-    return replace(c, members=members), []
-
-
-def on_registered(c: Control, obs: m.Registered, p: Params) -> Out:
-    """Members announced themselves: the first generation starts when all are there;
-    a replacement comes up idle."""
-    members = mb.registered(c.members, obs.workers)
-    c = replace(c, members=members)
-    k = mode(c)
-    if k is Mode.JOINING:
-        if sum(1 for x in members.by_worker.values() if x.registered) < p.num_workers:
-            return c, []
-        c = replace(c, joining_until_s=None)
-        return new_generation(c, c.run, obs.now_s, p)
-    effects: list[m.Effect] = []
-    up = [w for w in sorted(obs.workers) if members.by_worker[w].replacement
-          and w not in c.run.alive]
-    if up:
-        c = replace(c, members=mb.made_ready(c.members, up), run=st.rejoin_ready(c.run, up))
-        for w in up:
-            effects += [m.StartFrom(w, c.run.gen + 1),
-                        m.Log(f"worker {w} (repaired) is up; idle until a plan uses it")]
-    if k is Mode.RELAUNCHING and frozenset(p.initial_plan.workers) <= c.run.alive:
-        c, more = restart_everything(c, obs.now_s, p)
-        effects += more
-    return c, effects
-
-
-def on_ready(c: Control, obs: m.Ready, p: Params) -> Out:
+def on_ready(c: Control, obs: m.Ready, p: Settings) -> Out:
     """Every member of the running generation is ready: older generations are over."""
-    if obs.gen != c.run.gen or c.ready_s is not None:
+    if obs.gen != c.run.gen or c.ready_s is not None or mode(c) not in PUBLISHED \
+            or obs.count < len(c.run.world):
         return c, []
     retired = tuple((g, i.first_step, i.last_step, i.world) for g, i in sorted(c.gens.items())
                     if g < obs.gen)
@@ -293,20 +307,23 @@ def on_ready(c: Control, obs: m.Ready, p: Params) -> Out:
     return c, [m.Retire(retired)] if retired else []
 
 
-def on_reduced(c: Control, obs: m.Reduced, p: Params) -> Out:
+def on_reduced(c: Control, obs: m.Reduced, p: Settings) -> Out:
     """Every worker of the plan reduced the step in flight: commit it (a step that commits
-    shows the generation works: earlier error reports were stale)."""
+    shows the generation works: earlier error reports were stale), its checkpoint expected
+    first when one is due."""
     s = c.run
-    if obs.gen != s.gen or obs.step != s.next_step or mode(c) is Mode.JOINING:
-        return c, []
-    draining = s.phase is st.Phase.DRAINING
+    if obs.gen != s.gen or obs.step != s.next_step or mode(c) not in RUNNING \
+            or obs.count < len(s.plan.workers):
+        return c, []  # not every vote yet; or a broken generation's, which was aborted
+    draining = s.mode is Mode.DRAINING
     end = s.switch_due or draining
     info = c.gens.get(s.gen)
     start = c.last_commit_s if c.last_commit_s is not None else (
         c.ready_s if c.ready_s is not None else (info.published_s if info else obs.now_s))
     forget = info is not None and obs.step - 1 >= info.first_step
-    effects: list[m.Effect] = [m.Commit(s.gen, obs.step, end, start,
-                                        tuple(sorted(s.plan.workers)), forget)]
+    c, effects = saving.on_commit(c, obs.step, s.gen, obs.now_s, p)
+    effects.append(m.Commit(s.gen, obs.step, end, start, tuple(sorted(s.plan.workers)),
+                            forget, recovered=c.recovering))
     gens = dict(c.gens)
     if info is not None:
         gens[s.gen] = replace(info, last_step=obs.step)
@@ -314,17 +331,18 @@ def on_reduced(c: Control, obs: m.Reduced, p: Params) -> Out:
                 recovering=False, members=mb.proven(c.members, s.plan.workers),
                 watch=replace(c.watch, unexplained_since_s=None, suspects=frozenset()))
     if draining or c.run.next_step >= p.steps:
-        c, more = finish(c, p)
+        c, more = finish(c, obs.now_s, p)
         return c, effects + more
     if end:
         return switch(c, obs.now_s, p, effects)
     question = decider.rejoin_question(c.run)
     if question is None or question == c.rejoin_asked:
         return c, effects
-    return replace(c, rejoin_asked=question), [*effects, m.DecideRejoin(*question)]
+    return replace(c, rejoin_asked=question), [*effects,
+                                               m.DecideRejoin(*question, alive=c.run.alive)]
 
 
-def switch(c: Control, now_s: float, p: Params, effects: list[m.Effect]) -> Out:
+def switch(c: Control, now_s: float, p: Settings, effects: list[m.Effect]) -> Out:
     """The pending plan change happens at this boundary: migrate, then train on it."""
     pending = c.run.pending
     assert pending is not None
@@ -336,7 +354,7 @@ def switch(c: Control, now_s: float, p: Params, effects: list[m.Effect]) -> Out:
     return c, effects + more
 
 
-def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Params) -> Out:
+def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Settings) -> Out:
     """The policy's answer about idle workers: keep them idle, or switch at the next
     boundary to a plan that uses them."""
     s = c.run
@@ -356,98 +374,59 @@ def on_rejoin_decision(c: Control, obs: m.RejoinDecision, p: Params) -> Out:
     return replace(c, run=run), effects
 
 
-def on_checkpoint_written(c: Control, obs: m.CheckpointWritten, p: Params) -> Out:
-    """Every layer file of a checkpoint is written: write its manifest, unless it belongs
-    to an abandoned timeline (or exists already)."""
-    accepted = st.checkpoint_acceptable(c.run, obs.step, obs.gen)
-    return c, [m.SaveCheckpoint(obs.step, obs.gen, accepted)]
-
-
-def on_checkpoint(c: Control, obs: m.CheckpointDone, p: Params) -> Out:
-    """The manifest is written: the checkpoint is complete (a restart may load it)."""
-    run, accepted = st.checkpoint_complete(c.run, obs.step, obs.gen, p.keep_checkpoints)
-    if not accepted:
-        return c, []
-    times = dict(c.checkpoint_times)
-    times[obs.step] = obs.now_s
-    return replace(c, run=run, checkpoint_times=times), []
-
-
-def on_checkpoint_failed(c: Control, obs: m.CheckpointFailed, p: Params) -> Out:
-    """A checkpoint could not be written: drop it (never complete); the previous one
-    stays valid and the next is tried as usual."""
-    latest = c.run.latest_checkpoint()
-    return c, [m.DropCheckpoint(obs.step, obs.gen, obs.reason),
-               m.Log(f"warning: checkpoint after {obs.step} steps dropped ({obs.reason}); "
-                     f"the last complete one holds {latest} steps; training goes on")]
-
-
-def corrupt_fallback(c: Control, corrupt: dict[int, str], now_s: float, p: Params) -> Out:
-    """A worker found the checkpoint the running generation loads corrupt: set it aside
-    and load the newest one before it instead (on the same plan)."""
+def set_aside(c: Control, corrupt: Mapping[int, str]) -> Out:
+    """A worker found the checkpoint the running generation loads corrupt: forget it (it
+    is never loaded again) and have it set aside on disk."""
     s = c.run
     if s.load is None or s.load.kind != "restore" or s.load.step not in corrupt:
         return c, []
     bad = s.load.step
-    run = st.checkpoint_corrupt(s, bad)
-    run = st.recovered(run, st.Recovery("restart", s.plan,
-                                        restored_step=run.latest_checkpoint(bad - 1)))
+    return replace(c, run=st.checkpoint_corrupt(s, bad)), [m.MarkCorrupt(bad, corrupt[bad])]
+
+
+def corrupt_fallback(c: Control, bad: m.MarkCorrupt, now_s: float, p: Settings) -> Out:
+    """The running generation loads a checkpoint just set aside as corrupt: load the newest
+    one before it instead, on the same plan."""
+    s = c.run
+    run = st.recovered(s, st.Recovery("restart", s.plan,
+                                      restored_step=s.latest_checkpoint(bad.step - 1)))
     effects: list[m.Effect] = [
-        m.Abort(s.gen, s.next_step), m.MarkCorrupt(bad, corrupt[bad]),
-        m.Log(f"warning: the checkpoint after {bad} steps is corrupt ({corrupt[bad]}); "
+        m.Abort(s.gen, s.next_step),
+        m.Log(f"warning: the checkpoint after {bad.step} steps is corrupt ({bad.reason}); "
               f"loading the one after {run.next_step} steps instead")]
     c, more = new_generation(replace(c, recovering=True), run, now_s, p)
     return c, effects + more
 
 
-def on_join(c: Control, obs: m.JoinAsked, p: Params) -> Out:
-    """A remote worker asks to join: a free id, a dead one (re-join), or a refusal."""
-    if obs.refusal is not None:
-        return c, [m.Reply(None, reason=obs.refusal)]
-    answer = mb.admit(c.members, alive=c.run.alive, num_local=p.num_local,
-                      num_workers=p.num_workers, rejoin=p.rejoin,
-                      started=mode(c) is not Mode.JOINING, now_s=obs.now_s,
-                      join_timeout_s=p.join_timeout_s)
-    return c, [m.Reply(answer.worker, answer.replacement, answer.reason)]
-
-
-def on_stop(c: Control, obs: m.StopAsked, p: Params) -> Out:
+def on_stop(c: Control, obs: m.StopAsked, p: Settings) -> Out:
     """SIGINT/SIGTERM: drain a running generation; give up joining or relaunching."""
     k = mode(c)
     if k in (Mode.JOINING, Mode.RELAUNCHING):
         return fail(c, f"interrupted ({obs.signal}) while workers were "
                        f"{'joining' if k is Mode.JOINING else 'being relaunched'}")
-    if c.run.phase is not st.Phase.TRAINING:
+    if c.run.mode is not Mode.TRAINING:
         return c, []
     c = replace(c, run=st.draining(c.run, obs.signal), drain_since_s=obs.now_s)
     return c, [m.Log(f"{obs.signal} received: finishing the step in flight, then writing a "
                      "checkpoint and stopping")]
 
 
-def on_trace_end(c: Control, obs: m.TraceEnd, p: Params) -> Out:
+def on_trace_end(c: Control, obs: m.TraceEnd, p: Settings) -> Out:
     """A replayed trace ended: stop at the next step boundary, as a drain does (not
     reported as an interruption)."""
-    if c.run.phase is not st.Phase.TRAINING or mode(c) is Mode.JOINING:
+    if c.run.mode is not Mode.TRAINING or mode(c) is Mode.JOINING:
         return c, []
     c = replace(c, run=st.draining(c.run, "end of trace"), drain_since_s=obs.now_s,
                 trace_ended=True)
     return c, [m.Log("end of trace: stopping at the next step boundary")]
 
 
-def on_relaunch(c: Control, obs: m.Relaunch, p: Params) -> Out:
-    """A replayed repair: relaunch the named local workers whose process is gone."""
-    ids = tuple(w for w in obs.workers if w < p.num_local and w not in c.run.alive
-                and w in c.members.by_worker and c.members.by_worker[w].gone)
-    if not ids:
-        return c, []
-    return c, [m.Launch(ids, replacement=True),
-               m.Log(f"trace: relaunched worker(s) {list(ids)} (repair); idle until a plan "
-                     "uses them")]
-
-
-def on_software(c: Control, obs: m.SoftwareFault, p: Params) -> Out:
+def on_software(c: Control, obs: m.SoftwareFault, p: Settings) -> Out:
     """A replayed job-level fault: abort the step in flight; the running plan reloads the
-    last checkpoint in the running processes."""
+    last checkpoint in the running processes (a generation must run: one broken by a
+    failure is being recovered already)."""
+    if mode(c) not in RUNNING:
+        return c, []
     s = c.run
     try:
         run = st.software_restart(s)
@@ -466,18 +445,18 @@ def on_software(c: Control, obs: m.SoftwareFault, p: Params) -> Out:
     return c, effects + more
 
 
-def on_decision(c: Control, obs: m.Decision, p: Params) -> Out:
+def on_decision(c: Control, obs: m.Decision, p: Settings) -> Out:
     """The policy answered the question in :attr:`Control.ask`."""
     if c.ask is None:
         return c, []
     return recover(c, c.ask, obs.decision, obs.now_s, obs.decide_s, p)
 
 
-def on_absent(c: Control, obs: m.Absent, p: Params) -> Out:
+def on_absent(c: Control, obs: m.Absent, p: Settings) -> Out:
     """Errors went unexplained: wait for members still in an older set-up, declare absent
     members failed, or redo the generation (boundedly)."""
     s = c.run
-    if obs.gen != s.gen:
+    if obs.gen != s.gen or mode(c) not in RUNNING:
         return c, []
     verdict = detector.judge_unexplained(
         obs.setup, world=s.world, gen=s.gen,
@@ -493,7 +472,7 @@ def on_absent(c: Control, obs: m.Absent, p: Params) -> Out:
 
 
 def _wait_for_setup(c: Control, verdict: detector.WaitForSetup, now_s: float,
-                    p: Params) -> Out:
+                    p: Settings) -> Out:
     new = sorted(set(verdict.until_s) - c.watch.waits_logged)
     watch = replace(c.watch, recheck_at_s=now_s + p.heartbeat_s,
                     waits_logged=c.watch.waits_logged | frozenset(new))
@@ -507,7 +486,7 @@ def _wait_for_setup(c: Control, verdict: detector.WaitForSetup, now_s: float,
     return replace(c, watch=watch), effects
 
 
-def _retry(c: Control, now_s: float, p: Params) -> Out:
+def _retry(c: Control, now_s: float, p: Settings) -> Out:
     """Every member joined and still errors no death explains: the generation's own."""
     s = c.run
     summary = "; ".join(dict.fromkeys(c.watch.messages))[:300]
@@ -529,17 +508,6 @@ def _retry(c: Control, now_s: float, p: Params) -> Out:
     return c, effects + more
 
 
-_HANDLERS: dict[type, Callable[[Control, Any, Params], Out]] = {
-    m.Tick: on_tick, m.Exits: on_exits, m.Beats: on_beats, m.Errors: on_errors,
-    m.Launched: on_launched, m.Registered: on_registered, m.Ready: on_ready,
-    m.Reduced: on_reduced, m.CheckpointWritten: on_checkpoint_written,
-    m.CheckpointDone: on_checkpoint, m.CheckpointFailed: on_checkpoint_failed,
-    m.JoinAsked: on_join,
-    m.StopAsked: on_stop, m.TraceEnd: on_trace_end, m.Relaunch: on_relaunch,
-    m.SoftwareFault: on_software, m.Decision: on_decision,
-    m.RejoinDecision: on_rejoin_decision, m.Absent: on_absent}
-
-
-def apply(c: Control, obs: m.Observation, p: Params) -> Out:
-    """Dispatch an observation to its handler."""
-    return _HANDLERS[type(obs)](c, obs, p)
+def on_shell_failed(c: Control, obs: m.ShellFailed, p: Settings) -> Out:
+    """The shell cannot go on: stop training through the failure path with its reason."""
+    return fail(c, obs.reason, bad_input=obs.bad_input)

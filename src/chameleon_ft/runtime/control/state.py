@@ -3,7 +3,7 @@
 Everything the coordinator knows about the run that decides what happens next (the
 generation, its plan and migration, which placement the workers' state really has, who is
 alive or idle, the pending second phase of a two-phase recovery, the checkpoints, the
-retry count) lives in one frozen :class:`RunState`. Each event is a pure function from the
+retry count, the mode) lives in one frozen :class:`RunState`. Each event is a pure function from the
 old state to the new one, so a half-applied change cannot exist and each transition is
 tested without processes (tests/unit/test_runtime_state.py). The coordinator does the I/O
 that a new state implies: when the generation number changes it ends the old generation
@@ -22,18 +22,28 @@ from chameleon_ft.plan import ExecutionPlan
 from chameleon_ft.recovery.types import Migration
 
 
-class Phase(StrEnum):
-    """Where the run is."""
+class Mode(StrEnum):
+    """Where the run is. The run's state holds the modes it knows itself (training,
+    draining, finished, failed: :attr:`RunState.mode`); the control value refines training
+    into joining, relaunching, deciding and recovering
+    (:func:`chameleon_ft.runtime.control.model.mode`)."""
 
+    JOINING = "joining"
+    """Workers are launched or admitted; nothing is published yet."""
     TRAINING = "training"
-    """Generations run steps; failures are recovered."""
+    """A generation runs steps."""
+    DECIDING = "deciding"
+    """A failure broke the generation; the policy is asked."""
+    RECOVERING = "recovering"
+    """A generation after a failure runs, and has not committed a step yet."""
+    RELAUNCHING = "relaunching"
+    """Every worker failed: they are relaunched, the checkpoint is reloaded when all are up."""
     DRAINING = "draining"
-    """A stop was asked (SIGINT/SIGTERM): the step in flight commits or aborts, then the
-    state is checkpointed and the workers stop."""
+    """A stop was asked: the step in flight commits or is aborted, then the run ends."""
     FINISHED = "finished"
-    """Every step committed (or the drain ended); the workers were told to stop."""
+    """The run ended; the workers upload the final state and leave."""
     FAILED = "failed"
-    """Training cannot go on; ``reason`` says why."""
+    """Training cannot go on; the workers were told to stop."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,8 @@ class RunState:
     """Committed-step counts with a complete checkpoint (0: the initial state), ascending."""
     retries: int = 0
     """Recoveries from errors no death explains since the last commit."""
-    phase: Phase = Phase.TRAINING
+    mode: Mode = Mode.TRAINING
+    """Training, draining, finished or failed (the control value refines training)."""
     reason: str = ""
     """Why training stopped (``FAILED``) or drains."""
 
@@ -168,6 +179,8 @@ def workers_died(state: RunState, dead: Iterable[int]) -> tuple[RunState, bool]:
     pending = state.pending
     if pending is not None and pending.workers & gone:
         pending = None
+    elif pending is not None and set(pending.rejoin) & gone:  # an idle worker it folds in
+        pending = replace(pending, rejoin=tuple(w for w in pending.rejoin if w not in gone))
     new = replace(state, alive=state.alive - gone, idle=state.idle - gone, pending=pending,
                   stateless=state.stateless | gone)
     return new, bool(gone & state.world)
@@ -298,8 +311,8 @@ def software_restart(state: RunState) -> RunState:
         ValueError: when training is not running, or the running plan names a worker that
             is not alive (that death is a failure to recover from first).
     """
-    if state.phase is not Phase.TRAINING:
-        raise ValueError(f"no software restart while {state.phase.value}")
+    if state.mode is not Mode.TRAINING:
+        raise ValueError(f"no software restart while {state.mode.value}")
     return recovered(state, Recovery("restart", state.plan,
                                      restored_step=state.latest_checkpoint()))
 
@@ -326,10 +339,10 @@ def switched(state: RunState) -> RunState:
     pending = state.pending
     if pending is None:
         raise ValueError("no switch is pending")
-    alive = state.alive | frozenset(pending.rejoin)
+    # the workers it folds in are idle, so alive already (one that died since is not)
     return replace(state, gen=state.gen + 1, plan=pending.plan, migration=pending.migration,
-                   load=None, pending=None, alive=alive,
-                   idle=alive - world_of(pending.plan, pending.migration))
+                   load=None, pending=None,
+                   idle=state.alive - world_of(pending.plan, pending.migration))
 
 
 def rejoin_ready(state: RunState, workers: Iterable[int]) -> RunState:
@@ -392,16 +405,16 @@ def checkpoint_corrupt(state: RunState, step: int) -> RunState:
 
 def draining(state: RunState, reason: str) -> RunState:
     """A stop was asked: finish (or abort) the step in flight, checkpoint, stop."""
-    if state.phase is not Phase.TRAINING:
+    if state.mode is not Mode.TRAINING:
         return state
-    return replace(state, phase=Phase.DRAINING, reason=reason, pending=None)
+    return replace(state, mode=Mode.DRAINING, reason=reason, pending=None)
 
 
 def finished(state: RunState) -> RunState:
     """Training is over: the final generation tells every worker to stop."""
-    return replace(state, gen=state.gen + 1, phase=Phase.FINISHED, pending=None)
+    return replace(state, gen=state.gen + 1, mode=Mode.FINISHED, pending=None)
 
 
 def stopped(state: RunState, reason: str) -> RunState:
     """Training cannot go on."""
-    return replace(state, gen=state.gen + 1, phase=Phase.FAILED, reason=reason, pending=None)
+    return replace(state, gen=state.gen + 1, mode=Mode.FAILED, reason=reason, pending=None)

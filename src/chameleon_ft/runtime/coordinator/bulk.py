@@ -2,24 +2,26 @@
 manifest it writes, and the bulk channel for workers on hosts without the shared folder.
 
 Workers write their layers themselves (``worker.checkpoints``) and report each file's size
-and sha256 through the store; this handle gathers the reports of each checkpoint it
-expects, notices failures and deadlines, and writes the manifest when the control plane
-accepts the checkpoint. It never reads a layer file, except to serve a worker that does not
-see the folder (``get restore``: one layer at a time, verified) or to write one such a
-worker sends (``put checkpoint``). It decides nothing about the run: the control plane says
-which checkpoints are accepted (``SaveCheckpoint``), dropped (``DropCheckpoint``) and which
-timelines are abandoned (``DropTimelines``).
+and sha256 through the store; this handle gathers the reports of each checkpoint the
+control plane expects (``ExpectCheckpoint``), says which layers arrived and which worker's
+disk refused, and writes the manifest when the control plane accepts the checkpoint. It
+never reads a layer file, except to serve a worker that does not see the folder (``get
+restore``: one layer at a time, verified) or to write one a worker sends (``put
+checkpoint``: a worker without the folder, or the final state uploaded into the run folder
+when the checkpoint folder refused it). It decides nothing about the run: the control
+plane says which checkpoints are expected, complete (``SaveCheckpoint``), dropped
+(``DropCheckpoint``; deadlines and writers that died are its to judge) and which timelines
+are abandoned (``DropTimelines``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from chameleon_ft.runtime.coordinator.store import ControlStore
 from chameleon_ft.runtime.deadlines import Deadline
-from chameleon_ft.runtime.protocol import ControlStore
 from chameleon_ft.runtime.storage.blobs import BlobError, BlobServer
 from chameleon_ft.runtime.storage.checkpoint import (
     Assembly,
@@ -29,21 +31,26 @@ from chameleon_ft.runtime.storage.checkpoint import (
     Manifest,
 )
 
+FALLBACK_FOLDER = "final-state"
+"""The run folder's subfolder that takes the final state when the checkpoint folder
+refused it (written only then)."""
+
 
 @dataclass
 class Pending:
-    """A checkpoint the coordinator expects: its assembly and its deadline."""
+    """A checkpoint the coordinator expects: its assembly."""
 
     assembly: Assembly
-    deadline_s: float
     expected_s: float = 0.0
     """When the step it holds committed (run clock)."""
     written_s: float | None = None
     """When every layer file was reported (the control plane was told then)."""
     writers: dict[int, list[float]] = field(default_factory=dict)
     """Per worker: bytes written and seconds spent writing them."""
-    assigned: dict[int, int] = field(default_factory=dict)
-    """Layer -> the worker expected to write it (empty: not followed)."""
+    reported: frozenset[int] = frozenset()
+    """Layers the control plane was told of."""
+    fallback: bool = False
+    """The final state uploaded into the run folder (only uploads count)."""
 
     @property
     def written(self) -> bool:
@@ -66,6 +73,8 @@ class BulkState:
     def __init__(self, host: str, secret: bytes, ckpt: CheckpointStore, num_layers: int, *,
                  timeout_s: float, deadline: Deadline | None = None) -> None:
         self.ckpt = ckpt
+        self.fallback_ckpt: CheckpointStore | None = None
+        """The run folder's store for the final state (made when first needed)."""
         self.num_layers = num_layers
         self.lock = threading.Lock()
         self.pending: dict[tuple[int, int], Pending] = {}
@@ -85,16 +94,20 @@ class BulkState:
         with self.lock:
             return {k: v.assembly for k, v in self.pending.items()}
 
-    def expect(self, step: int, gen: int, deadline_s: float, now_s: float = 0.0,
-               assigned: dict[int, int] | None = None) -> None:
-        """Generation ``gen`` writes the checkpoint after ``step`` steps, by ``deadline_s``
-        (run clock); ``assigned`` says which worker writes each layer (a layer whose writer
-        is gone fails the checkpoint at once instead of at its deadline)."""
+    def expect(self, step: int, gen: int, now_s: float = 0.0, *,
+               fallback: bool = False) -> None:
+        """Generation ``gen`` writes the checkpoint after ``step`` steps (``fallback``: the
+        final state, uploaded into the run folder's ``final-state``)."""
+        store = self.ckpt
+        if fallback:
+            if self.fallback_ckpt is None:
+                self.fallback_ckpt = CheckpointStore(self.ckpt.root.parent, keep=1,
+                                                     folder=FALLBACK_FOLDER)
+            store = self.fallback_ckpt
         with self.lock:
             if (step, gen) not in self.pending:
                 self.pending[(step, gen)] = Pending(
-                    self.ckpt.begin(step, gen, self.num_layers), deadline_s, now_s,
-                    assigned=dict(assigned or {}))
+                    store.begin(step, gen, self.num_layers), now_s, fallback=fallback)
 
     def get(self, step: int, gen: int) -> Assembly | None:
         """The assembly of a checkpoint being written, if it is expected."""
@@ -102,48 +115,42 @@ class BulkState:
             entry = self.pending.get((step, gen))
         return None if entry is None else entry.assembly
 
-    def is_pending(self, step: int) -> bool:
-        """Whether a checkpoint after ``step`` steps is being written."""
-        with self.lock:
-            return any(k[0] == step and not v.written for k, v in self.pending.items())
-
     def poll(self, store: ControlStore, now_s: float,
-             gone: Callable[[int], bool] = lambda _w: False,
-             ) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]:
-        """The checkpoints whose every layer is now written, and those that failed (a
-        worker's disk refused, a layer's writer is gone, or the deadline passed):
-        ``(step, gen[, reason])``."""
-        written, failed = [], []
+             ) -> tuple[list[tuple[int, int, frozenset[int]]], list[tuple[int, int, str]]]:
+        """The expected checkpoints whose layers arrived since the last call, with every
+        layer arrived so far, and those a worker could not write (its disk refused):
+        ``(step, gen, layers | reason)``."""
+        progress, failed = [], []
         with self.lock:
-            pending = [(k, v) for k, v in self.pending.items() if not v.written]
+            pending = list(self.pending.items())
         for (step, gen), entry in pending:
-            why = store.checkpoint_failure(gen, step)
-            if why is None and not entry.assembly.complete and \
-                    store.checkpoint_progress(gen, step) > 0:
-                for layer, doc in store.checkpoint_files(gen, step, self.num_layers).items():
-                    if layer in entry.assembly.layers:
-                        continue
-                    held = doc.get("memory")
-                    entry.assembly.report(layer, LayerFile(str(doc["file"]), int(doc["size"]),
-                                                           str(doc["sha256"])),
-                                          None if held is None else int(held))
-                    share = entry.writers.setdefault(int(doc.get("worker", -1)), [0.0, 0.0])
-                    share[0] += int(doc["size"])
-                    share[1] += float(doc.get("write_s", 0.0))
-            lost = sorted({w for layer, w in entry.assigned.items()
-                           if layer not in entry.assembly.layers and gone(w)})
-            if why is None and lost:
-                why = f"worker(s) {lost} exited before writing their layers"
+            why = None if entry.fallback else store.checkpoint_failure(gen, step)
             if why is not None:
                 failed.append((step, gen, why))
-            elif entry.assembly.complete:
-                entry.written_s = now_s
-                written.append((step, gen))
-            elif now_s > entry.deadline_s:
-                failed.append((step, gen, f"not written within its deadline; "
-                               f"{len(entry.assembly.layers)} of {self.num_layers} layers "
-                               "were"))
-        return written, failed
+                continue
+            if not entry.fallback and not entry.assembly.complete and \
+                    store.checkpoint_progress(gen, step) > 0:
+                self._gather(store, step, gen, entry)
+            layers = frozenset(entry.assembly.layers)
+            if layers != entry.reported:
+                entry.reported = layers
+                progress.append((step, gen, layers))
+                if entry.assembly.complete and entry.written_s is None:
+                    entry.written_s = now_s
+        return progress, failed
+
+    def _gather(self, store: ControlStore, step: int, gen: int, entry: Pending) -> None:
+        """The layer files workers reported through the store."""
+        for layer, doc in store.checkpoint_files(gen, step, self.num_layers).items():
+            if layer in entry.assembly.layers:
+                continue
+            held = doc.get("memory")
+            entry.assembly.report(layer, LayerFile(str(doc["file"]), int(doc["size"]),
+                                                   str(doc["sha256"])),
+                                  None if held is None else int(held))
+            share = entry.writers.setdefault(int(doc.get("worker", -1)), [0.0, 0.0])
+            share[0] += int(doc["size"])
+            share[1] += float(doc.get("write_s", 0.0))
 
     def save(self, step: int, gen: int, *, accepted: bool, plan: dict[str, Any],
              meta: dict[str, Any],
@@ -159,13 +166,14 @@ class BulkState:
         store.forget_checkpoint(gen, step, self.num_layers)
         if entry is None:
             return None
+        target = self._store_of(entry)
         if not accepted:
-            self.ckpt.discard(entry.assembly)
+            target.discard(entry.assembly)
             return None
         try:
-            return self.ckpt.commit(entry.assembly, plan=plan, meta=meta), entry.record()
+            return target.commit(entry.assembly, plan=plan, meta=meta), entry.record()
         except (OSError, CheckpointError):
-            self.ckpt.discard(entry.assembly)
+            target.discard(entry.assembly)
             raise
 
     def drop(self, step: int, gen: int, store: ControlStore) -> None:
@@ -174,16 +182,16 @@ class BulkState:
             entry = self.pending.pop((step, gen), None)
         store.forget_checkpoint(gen, step, self.num_layers)
         if entry is not None:
-            self.ckpt.discard(entry.assembly)
+            self._store_of(entry).discard(entry.assembly)
 
-    def drop_before(self, epoch: int) -> None:
-        """Discard checkpoints of abandoned timelines; refuse their later uploads."""
+    def _store_of(self, entry: Pending) -> CheckpointStore:
+        return self.fallback_ckpt if entry.fallback and self.fallback_ckpt else self.ckpt
+
+    def refuse_before(self, epoch: int) -> None:
+        """Refuse uploads of generations before ``epoch`` (an abandoned timeline: the
+        control plane drops its checkpoints)."""
         with self.lock:
             self.epoch = max(self.epoch, epoch)
-            stale = [k for k in self.pending if k[1] < self.epoch]
-            entries = [self.pending.pop(k) for k in stale]
-        for entry in entries:
-            self.ckpt.discard(entry.assembly)
 
     # ------------------------------------------------------------------ the bulk channel
     def on_blob(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
@@ -230,4 +238,4 @@ class BulkState:
                 entries = list(self.pending.values())
                 self.pending.clear()
             for entry in entries:
-                self.ckpt.discard(entry.assembly)
+                self._store_of(entry).discard(entry.assembly)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from chameleon_ft.runtime.protocol import ControlStore
+from chameleon_ft.runtime.coordinator.store import ControlStore
 from chameleon_ft.spec.train import Fault
 
 

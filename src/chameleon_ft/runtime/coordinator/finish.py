@@ -1,18 +1,24 @@
-"""The end of a run: the final checkpoint written by the workers that hold the final
-state, ``params.pt`` and the model's own format exported from it by a process of its own
-(the coordinator never holds the model), and the report; or, when training could not go
-on, the reason."""
+"""The end of a run as the coordinator does it: ``params.pt`` and the model's own format
+exported from the final state by a process of its own (the coordinator never holds the
+model), and the report; or, when training could not go on, the reason.
+
+Where the final state is was decided by the control plane
+(:class:`~chameleon_ft.runtime.control.messages.FinalDone`): the final checkpoint in the
+checkpoint folder, or the copy the final holders uploaded into the run folder when the
+checkpoint folder refused it. Whatever fails here is said in one line and the report is
+written if the run folder takes it.
+"""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chameleon_ft.runtime.control import messages as m
+from chameleon_ft.runtime.coordinator.bulk import FALLBACK_FOLDER
 from chameleon_ft.runtime.coordinator.launcher import ChildError, run_in_child
 from chameleon_ft.runtime.report.records import Event
-from chameleon_ft.runtime.storage.checkpoint import step_dir_name, writer_of
+from chameleon_ft.runtime.storage.checkpoint import step_dir_name
 from chameleon_ft.runtime.storage.export import export_workload
 
 if TYPE_CHECKING:
@@ -27,9 +33,11 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
                   for r in steps],
         "loss": [r.loss for r in steps],
         "step_s": [r.step_s for r in steps],
-        "rejoins": coord.report.rejoins,
-        "refused": coord.report.refused,
-        "faults": coord.fault_report(),
+        "rejoins": list(coord.report.rejoins),
+        "refused": list(coord.report.refused),
+        "refused_total": coord.report.refused_total,
+        "forgeries": _forgeries(coord),
+        "faults": _faults(coord),
         "initial_plan": job.plan0.to_dict(),
         "final_plan": coord.state.plan.to_dict(),
         "dtype": coord.train.dtype,
@@ -41,10 +49,11 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
         "committed_steps": stop.step,
         "interrupted": stop.reason if stop.interrupted else None,
         "failed": stop.reason if stop.failed else None,
-        "checkpoints": job.ckpt.steps(),
-        "dropped_checkpoints": coord.report.dropped,
-        "checkpoint_writes": coord.report.checkpoint_writes,
-        "corrupt_checkpoints": coord.report.corrupt,
+        "checkpoints": _steps_on_disk(coord),
+        "final_state": _final_folder(coord),
+        "dropped_checkpoints": list(coord.report.dropped),
+        "checkpoint_writes": list(coord.report.checkpoint_writes),
+        "corrupt_checkpoints": list(coord.report.corrupt),
     }
     if job.trace is not None:
         report.update(job.trace.report([r.committed_at_s for r in steps],
@@ -52,15 +61,58 @@ def _base_report(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
     return report
 
 
+def _final_folder(coord: Coordinator) -> str | None:
+    """The run folder's subfolder that holds the final state (None: none does)."""
+    final = coord.final
+    if final is None or final.folder is None:
+        return None
+    return coord.job.ckpt.root.name if final.folder == "checkpoints" else FALLBACK_FOLDER
+
+
+def _faults(coord: Coordinator) -> list[dict[str, Any]]:
+    try:
+        return coord.fault_report()
+    except Exception:  # the store is gone (the coordinator failed on it)
+        return [{"fault": f.to_text(), "fired": None} for f in coord.faults]
+
+
+def _forgeries(coord: Coordinator) -> dict[str, Any]:
+    try:
+        return coord.cs.forgeries()
+    except Exception:  # the store is gone: the workers' counts cannot be read
+        mine = coord.cs.refusals.counts()
+        return {"coordinator": mine, "workers": {}, "total": mine}
+
+
+def _steps_on_disk(coord: Coordinator) -> list[int]:
+    try:
+        return coord.job.ckpt.steps()
+    except OSError:
+        return []
+
+
+def _write_report(coord: Coordinator, report: dict[str, Any]) -> str | None:
+    """Write the report; returns why it could not be (None: written)."""
+    try:
+        coord.report.write(report)
+    except OSError as exc:
+        why = f"report.json not written ({exc.strerror or exc})"
+        coord.log(why)
+        return why
+    return None
+
+
 def _failed(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
     """Training could not go on: every worker was told to stop; wait (at most the hang
-    deadline) for them to leave, write the report with the reason, raise."""
+    deadline) for them to leave (the rest are killed), write the report with the reason,
+    raise."""
     from chameleon_ft.runtime.coordinator.shell import WorkerFailure
 
     coord.launcher.join(sorted(coord.launcher.procs), coord.job.hang_s)
+    coord.launcher.kill(sorted(coord.launcher.procs))
     coord.log(f"training stopped: {stop.reason}")
     _settle_events(coord)
-    coord.report.write(_base_report(coord, stop) | {"param_hash": None})
+    _write_report(coord, _base_report(coord, stop) | {"param_hash": None})
     if stop.bad_input:
         raise ValueError(stop.reason)
     raise WorkerFailure(stop.reason)
@@ -72,112 +124,48 @@ def _settle_events(coord: Coordinator) -> None:
             event.strategy = "none"
 
 
-def finish(coord: Coordinator, stop: m.Stop) -> dict[str, Any]:
-    """Write the final state and the report (or, for a failed run, the reason)."""
+def finish(coord: Coordinator) -> dict[str, Any]:
+    """Export the final state and write the report (or, for a failed run, the reason).
+
+    Raises:
+        WorkerFailure: when training failed, or its final state could not be written
+            anywhere (``report.json`` says why when the run folder takes it).
+        ValueError: when the job could not start as given.
+    """
     from chameleon_ft.runtime.coordinator.shell import WorkerFailure
 
+    stop = coord.stopped
+    assert stop is not None, "the run ended without a stop"
     if stop.failed:
         return _failed(coord, stop)
     _settle_events(coord)
-    try:
-        _final_checkpoint(coord, stop)
-    finally:
-        coord.cs.final_done(stop.gen)  # the workers leave, whatever happened
     _wait_exits(coord)
+    final = coord.final
+    if final is None or final.folder is None:
+        reason = final.reason if final is not None else (coord.crash or "no final state")
+        return _failed(coord, m.Stop(stop.gen, stop.step, {}, reason=reason, failed=True))
     job = coord.job
-    digest, exported = _export(coord, job.ckpt.root / step_dir_name(stop.step))
+    root = job.ckpt.root if final.folder == "checkpoints" else job.out_dir / FALLBACK_FOLDER
+    digest, exported = _export(coord, root / step_dir_name(stop.step))
     if exported:
         coord.log(f"model exported in its own format under {job.out_dir}")
+    report = _base_report(coord, stop) | {"param_hash": digest}
     if digest is None:
-        raise WorkerFailure("params.pt not written: see the line above")
-    return coord.report.write(_base_report(coord, stop) | {"param_hash": digest})
-
-
-def _final_checkpoint(coord: Coordinator, stop: m.Stop) -> None:
-    """Wait (by the checkpoint's bytes) until the final step has a complete checkpoint:
-    one written in the background, or the one the stop directive asked for. A layer
-    whose writer is gone is asked of its next holder.
-
-    Raises:
-        WorkerFailure: when no holder of some layer is left, or the time is up.
-    """
-    from chameleon_ft.runtime.coordinator.shell import WorkerFailure
-
-    job = coord.job
-    deadline = time.monotonic() + 2 * job.checkpoint_deadline_s()
-    asked: dict[int, set[int]] = {}
-    """Per worker: every layer asked of it so far (each ask repeats the earlier ones: a
-    worker that reads only the latest still writes them all)."""
-    tried: dict[int, set[int]] = {}
-    retried = False
-    while stop.step not in job.ckpt.steps():
-        coord.poll_checkpoints()
-        if stop.step in job.ckpt.steps():
-            return
-        entry = coord.bulk.get(stop.step, stop.gen)
-        if entry is None and not coord.bulk.is_pending(stop.step):
-            if retried:
-                raise WorkerFailure(f"the final checkpoint after {stop.step} steps could not "
-                                    f"be written: {coord.report.dropped[-1]['reason']}"
-                                    if coord.report.dropped else "no final checkpoint")
-            # the one being written in the background was dropped: the holders write it
-            retried = True
-            coord.bulk.expect(stop.step, stop.gen, coord.now() + job.checkpoint_deadline_s())
-            for worker, layers in _primaries(stop).items():
-                _ask(coord, stop, asked, worker, layers)
-            continue
-        if entry is not None:
-            _ask_more(coord, stop, set(entry.layers), asked, tried)
-        if time.monotonic() > deadline:
-            raise WorkerFailure(f"the final checkpoint after {stop.step} steps was not "
-                                "written in time")
-        time.sleep(0.005)
-
-
-def _primaries(stop: m.Stop) -> dict[int, list[int]]:
-    """Each final holder's share of the final checkpoint (replicas take turns by layer)."""
-    out: dict[int, list[int]] = {}
-    for layer, holders in stop.final.items():
-        if holders:
-            out.setdefault(writer_of(holders, layer), []).append(layer)
-    return out
-
-
-def _ask(coord: Coordinator, stop: m.Stop, asked: dict[int, set[int]], worker: int,
-         layers: list[int]) -> None:
-    asked.setdefault(worker, set()).update(layers)
-    coord.cs.final_more(stop.gen, worker, sorted(asked[worker]))
-
-
-def _ask_more(coord: Coordinator, stop: m.Stop, have: set[int], asked: dict[int, set[int]],
-              tried: dict[int, set[int]]) -> None:
-    """Layers whose writer exited go to their next live holder (once per holder).
-
-    Raises:
-        WorkerFailure: when every holder of a missing layer is gone.
-    """
-    from chameleon_ft.runtime.coordinator.shell import WorkerFailure
-
-    gone = coord.launcher.gone
-    for layer, holders in stop.final.items():
-        if layer in have or not holders:
-            continue
-        first = writer_of(holders, layer)
-        if not gone(first):
-            continue
-        seen = tried.setdefault(layer, {first})
-        if all(gone(w) for w in holders):
-            raise WorkerFailure(f"layer {layer}: every holder of its final state is gone "
-                                f"(holders {list(holders)})")
-        live = [w for w in holders if w not in seen and not gone(w)]
-        if live:
-            seen.add(live[0])
-            _ask(coord, stop, asked, live[0], [layer])
+        report["failed"] = "params.pt not written: see the line above"
+    unwritten = _write_report(coord, report)
+    if digest is None:
+        raise WorkerFailure(report["failed"])
+    if unwritten is not None:
+        raise WorkerFailure(f"trained, params.pt written, but {unwritten}")
+    if final.folder != "checkpoints":
+        coord.log(f"warning: the final checkpoint is not in {job.ckpt.root} (it refused it); "
+                  f"the final state is in {root}, params.pt was written from it")
+    return report
 
 
 def _export(coord: Coordinator, folder: Any) -> tuple[str | None, bool]:
-    """``params.pt`` and the model's own format, from the final checkpoint, by a child
-    process (its memory, not the coordinator's, holds the parameters)."""
+    """``params.pt`` and the model's own format, from the final state, by a child process
+    (its memory, not the coordinator's, holds the parameters)."""
     try:
         digest, exported = run_in_child(
             export_workload,
@@ -190,8 +178,8 @@ def _export(coord: Coordinator, folder: Any) -> tuple[str | None, bool]:
 
 
 def _wait_exits(coord: Coordinator) -> None:
-    """Workers exit once the final checkpoint is complete; a death after the last commit
-    is reported."""
+    """Workers exit once the final checkpoint is over; a death after the last commit is
+    reported."""
     alive = sorted(coord.state.alive)
     coord.launcher.join(alive, max(5.0, 2 * coord.job.hang_s))
     for w, code in sorted(coord.launcher.exits().items()):
@@ -199,7 +187,7 @@ def _wait_exits(coord: Coordinator) -> None:
             continue
         now = coord.now()
         fault_at = coord.book.fault_time(coord.cs, [w], now)
-        coord.report.events.append(Event(
+        coord.report.failed(Event(
             workers=[w], cause=f"w{w}: exit (status {code}) after the last step committed",
             gen=coord.state.gen, step=coord.state.next_step, fault_at_s=fault_at,
             detected_at_s=now, detected_after_s=None if fault_at is None else now - fault_at,
@@ -207,4 +195,3 @@ def _wait_exits(coord: Coordinator) -> None:
             "final parameters"))
         coord.log(f"worker {w} died after the last step; its replicas supplied the final "
                   "parameters")
-

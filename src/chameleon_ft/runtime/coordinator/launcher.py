@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ POLL_S = 0.002
 """Coordinator poll interval: bounds the commit latency it adds to every step."""
 REAP_S = 5.0
 """How long the end of a run waits for its processes before killing them."""
+PIDS_KEPT = 4096
+"""Pids of launched processes remembered (the newest)."""
 
 
 def forkserver_context(preload: Iterable[str] = ()) -> Any:
@@ -166,7 +169,11 @@ class Launcher:
         self.procs: dict[int, Proc] = {}
         """The current process of each worker id (local or remote)."""
         self.all_procs: list[Any] = []
-        """Every local process launched, replaced ones included (all reaped at the end)."""
+        """The local processes launched that have not been reaped: the current ones, and
+        replaced ones until they exit (each launch reaps those that did)."""
+        self.launched_pids: deque[int] = deque(maxlen=PIDS_KEPT)
+        """The pids of the newest local processes launched (for harnesses that check none
+        is left behind)."""
 
     def launch(self, ids: Iterable[int], *, replacement: bool) -> dict[int, str]:
         """Start a process for each worker id; returns their incarnations."""
@@ -174,6 +181,9 @@ class Launcher:
 
         ctx = forkserver_context(self.preload)
         address = auth.advertise_address(self.host, self.port)
+        # reap the replaced processes that exited (polling the exit status reaps one)
+        self.all_procs = [p for p in self.all_procs if p.exitcode is None
+                          or any(q.process is p for q in self.procs.values())]
         out = {}
         for w in ids:
             incarnation = auth.new_nonce()
@@ -187,21 +197,21 @@ class Launcher:
             self.procs[w] = Proc(w, incarnation, proc, host=socket.gethostname(),
                                  local_index=w)
             self.all_procs.append(proc)
+            self.launched_pids.append(proc.pid)
             out[w] = incarnation
         return out
 
-    def admitted(self, worker: int, host: str, alive: Iterable[int],
-                 wanted: int | None = None) -> tuple[str, int]:
-        """A remote process on ``host`` takes ``worker``: its incarnation, and its
+    def admitted(self, worker: int, host: str, incarnation: str, alive: Iterable[int],
+                 wanted: int | None = None) -> int:
+        """A remote process on ``host`` takes ``worker`` as ``incarnation``; returns its
         node-local index there: ``wanted`` when its launcher gave it one (``LOCAL_RANK``,
         ``SLURM_LOCALID``: the cluster knows which GPU is whose), else the lowest index no
         other live worker of the host holds, so two workers of a host never share a GPU."""
         index = wanted if wanted is not None else free_index(
             p.local_index for w, p in self.procs.items()
             if w != worker and w in set(alive) and p.host == host)
-        incarnation = auth.new_nonce()
         self.procs[worker] = Proc(worker, incarnation, host=host, local_index=index)
-        return incarnation, index
+        return index
 
     def pids(self, ids: Iterable[int]) -> list[int]:
         """The pids of local workers."""

@@ -127,7 +127,7 @@ def checkpoint_copy_bytes(config: Config, plan: ExecutionPlan,
     weights and optimizer state of the layers it writes (replicas take turns by layer),
     kept from one checkpoint to the next. None without periodic checkpoints (the final
     one is written from the live state)."""
-    from chameleon_ft.runtime.storage.checkpoint import writer_of
+    from chameleon_ft.runtime.control.checkpoints import writer_of
 
     if config.train.checkpoint_every <= 0:
         return {}

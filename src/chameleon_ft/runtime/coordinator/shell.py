@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -28,12 +29,10 @@ import torch.distributed as dist
 
 from chameleon_ft import logs
 from chameleon_ft.profile import Profile
-from chameleon_ft.runtime import auth
-from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control import machine
 from chameleon_ft.runtime.control import messages as m
 from chameleon_ft.runtime.control import state as st
-from chameleon_ft.runtime.control.model import Control, Mode, Params, initial, mode
+from chameleon_ft.runtime.control.model import Control, Settings, Wanted, initial, wanted
 from chameleon_ft.runtime.coordinator import effects as fx
 from chameleon_ft.runtime.coordinator.bulk import BulkState
 from chameleon_ft.runtime.coordinator.faults import FaultBook
@@ -41,10 +40,14 @@ from chameleon_ft.runtime.coordinator.finish import finish
 from chameleon_ft.runtime.coordinator.launcher import POLL_S, Launcher, Proc, adapter_modules
 from chameleon_ft.runtime.coordinator.policy import Decide, PlannerDecide
 from chameleon_ft.runtime.coordinator.setup import Job, prepare
+from chameleon_ft.runtime.coordinator.start import announce
+from chameleon_ft.runtime.coordinator.store import ControlStore
 from chameleon_ft.runtime.deadlines import Deadline
+from chameleon_ft.runtime.protocol import message_kind
 from chameleon_ft.runtime.replay import TraceDriver
 from chameleon_ft.runtime.report.records import Event, StepRecord
 from chameleon_ft.runtime.report.run import RunReport
+from chameleon_ft.runtime.signing import Refusals, Signer, control_key
 from chameleon_ft.runtime.worker.groups import resolve_backend, resolve_device
 from chameleon_ft.spec.config import Config
 from chameleon_ft.spec.train import Fault
@@ -58,11 +61,6 @@ def log_line(message: str) -> None:
     """The default ``log`` of a coordinator: one of its lines as a record of this module's
     logger (a warning or a stop at its level, the rest as information)."""
     _log.log(logs.level_of(message), message)
-
-
-GENERATION_MODES = frozenset({Mode.TRAINING, Mode.DECIDING, Mode.RECOVERING, Mode.DRAINING})
-"""The modes in which a published generation runs: its heartbeats, readiness and votes
-are observed only then."""
 
 
 class WorkerFailure(RuntimeError):
@@ -184,9 +182,16 @@ class Coordinator:
         self.signals: list[str] = []
         self.signals_fed = 0
         self.checkpoint_logged_s = -fx.CHECKPOINT_LOG_S
-        self._request: auth.JoinRequest | None = None
         self.stopped: m.Stop | None = None
         """The run's end, once the control plane decided it."""
+        self.final: m.FinalDone | None = None
+        """Where the final state is, once the control plane said so."""
+        self.crash: str | None = None
+        """Why the coordinator failed, when an exception ended the run."""
+        self._feeding = False
+        self._wanted: tuple[Control | None, Wanted] = (None, Wanted(None))
+        self._counts: dict[str, tuple[tuple[int, ...], int]] = {}
+        """The last readiness, vote and join slot counts fed."""
 
     # ------------------------------------------------------------------ for harnesses
     @property
@@ -212,14 +217,21 @@ class Coordinator:
 
     @property
     def all_procs(self) -> list[Any]:
-        """Every local process launched, replaced ones included."""
+        """The local processes launched and not reaped yet (current ones, and replaced
+        ones until they exit)."""
         launcher = getattr(self, "launcher", None)
         return [] if launcher is None else launcher.all_procs
 
     @property
+    def launched_pids(self) -> list[int]:
+        """The pids of the newest local processes launched (every one, up to thousands)."""
+        launcher = getattr(self, "launcher", None)
+        return [] if launcher is None else list(launcher.launched_pids)
+
+    @property
     def events(self) -> list[Event]:
-        """Every failure so far."""
-        return self.report.events
+        """The failures so far (the newest thousand)."""
+        return list(self.report.events)
 
     @property
     def steps(self) -> dict[int, StepRecord]:
@@ -301,36 +313,48 @@ class Coordinator:
     def run(self) -> dict[str, Any]:
         """Train to the end (or to a drain on SIGINT/SIGTERM) and return the report.
 
+        Every exception in the coordinator ends through the failure path: the workers are
+        told to stop (and killed after the hang deadline), ``report.json`` gives the
+        reason, and :class:`WorkerFailure` (or ``ValueError`` for a job that could not
+        start as given) says it in one line.
+
         Raises:
-            ValueError: when workers do not join or start.
+            ValueError: when workers do not join or start, or the address is taken.
             WorkerFailure: when the job cannot continue (``report.json`` says why).
         """
         job = self.job
         job.out_dir.mkdir(parents=True, exist_ok=True)
         if not job.out_dir_given:
             self.log(f"run directory: {job.out_dir} (checkpoints, report, parameters)")
-        self.store = bound_store(self.host, self.port, self.train.join_timeout_s)
+        try:
+            self.store = bound_store(self.host, self.port, self.train.join_timeout_s)
+        except OSError as exc:
+            raise ValueError(f"port: the coordinator cannot listen on {self.host}:{self.port} "
+                             f"({exc.strerror or exc}); give another --port or 0") from None
         self.port = self.store.port
-        self.cs = proto.ControlStore(self.store)
+        self.cs = ControlStore(
+            self.store, Signer(control_key(job.secret), job.job_id),
+            Refusals(lambda line: self.log(f"warning: {line}"), kind_of=message_kind))
         self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
                               timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
                               deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
-        job.ckpt.mark_job(job.job_id)
         self.launcher = Launcher(self.host, self.port, job.secret,
                                  preload=adapter_modules(job.model), num_local=job.num_local)
-        self.params_m = self._params()
-        self.control = initial(self._start_state(), now_s=self.now(), params=self.params_m)
+        self.settings = self._settings()
+        self.control = initial(self._start_state(), now_s=self.now(), settings=self.settings)
         old_handlers = self._install_signal_handlers()
         try:
-            fx.announce(self)
-            self.report.open()
-            self.perform(m.Launch(tuple(range(job.num_local)), replacement=False))
-            if job.num_local:
-                pids = " ".join(map(str, self.launcher.pids(range(job.num_local))))
-                self.log(f"launched workers 0-{job.num_local - 1} (pids {pids})")
-            self._loop()
-            assert self.stopped is not None
-            return finish(self, self.stopped)
+            try:
+                self._start()
+                self._loop()
+            except Exception as exc:  # whatever it was, the run ends through the failure path
+                self._crashed(exc)
+            try:
+                return finish(self)
+            except (WorkerFailure, ValueError):
+                raise
+            except Exception as exc:  # the end itself failed: still one line
+                raise WorkerFailure(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._restore_signal_handlers(old_handlers)
             close = getattr(self.decide, "close", None)
@@ -343,6 +367,34 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 del self.store
 
+    def _start(self) -> None:
+        """Publish the job, open the streamed files, launch the local workers."""
+        job = self.job
+        job.ckpt.mark_job(job.job_id)
+        announce(self)
+        self.report.open()
+        launched = fx.perform(self, m.Launch(tuple(range(job.num_local)), replacement=False))
+        if launched is not None:
+            self.feed(launched)
+        if job.num_local and isinstance(launched, m.Launched):
+            pids = " ".join(map(str, self.launcher.pids(range(job.num_local))))
+            self.log(f"launched workers 0-{job.num_local - 1} (pids {pids})")
+
+    def _crashed(self, exc: Exception) -> None:
+        """An exception in the coordinator: training stops with its reason (through the
+        control plane, which tells the workers; if even that fails, they are killed)."""
+        reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        _log.debug("the coordinator failed", exc_info=exc)
+        self.crash = reason
+        try:
+            self.feed(m.ShellFailed(self.now(), reason, bad_input=isinstance(exc, ValueError)))
+        except Exception as again:  # the store itself is gone: nobody can be told
+            _log.debug("the failure could not be published", exc_info=again)
+        if self.stopped is None:
+            self.launcher.kill(sorted(self.launcher.procs))
+            self.stopped = m.Stop(gen=self.ctl.run.gen, step=self.ctl.run.next_step, final={},
+                                  reason=reason, failed=True)
+
     def _start_state(self) -> st.RunState:
         step = self.job.start_step
         start = st.start(self.job.plan0, range(self.job.num_workers), step=step,
@@ -351,9 +403,9 @@ class Coordinator:
         older = [s for s in self.job.ckpt.steps() if s <= step]
         return replace(start, checkpoints=tuple(sorted({*older, step})))
 
-    def _params(self) -> Params:
+    def _settings(self) -> Settings:
         job = self.job
-        return Params(
+        return Settings(
             steps=self.train.steps, num_workers=job.num_workers, num_local=job.num_local,
             num_layers=job.num_layers, hang_s=job.hang_s, heartbeat_s=self.train.heartbeat_s,
             max_retries=self.train.max_retries, rejoin=self.train.rejoin,
@@ -362,7 +414,9 @@ class Coordinator:
             keep_checkpoints=self.train.keep_checkpoints,
             deadline_of=job.collective_deadline,
             join_hint=f"; start the rest with `chameleon worker --coordinator "
-                      f"{self.host}:{self.port}`")
+                      f"{self.host}:{self.port}`",
+            checkpoint_every=self.train.checkpoint_every,
+            checkpoint_deadline_s=job.checkpoint_deadline_s())
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -391,75 +445,105 @@ class Coordinator:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        """Observe, step, perform, until the run is over."""
+        """Observe, step, perform, until nothing more is waited for."""
         beats_due = 0.0
-        while mode(self.ctl) not in (Mode.FINISHED, Mode.FAILED):
+        while not self.ctl.closed:
             beats_due = self.poll(beats_due)
-            if mode(self.ctl) in (Mode.FINISHED, Mode.FAILED):
+            if self.ctl.closed:
                 return
             self.launcher.wait(self.state.alive, POLL_S)
 
     def poll(self, beats_due: float) -> float:
         """One pass over everything observable; returns when heartbeats are due next.
 
-        Each observation carries the clock reading taken when it was made. Completed
-        checkpoints come before deaths (a restart decided in this pass reloads the newest),
-        error reports before exits (a failing worker reports, then exits);
-        the step's votes come before time (a step every worker reduced commits, whatever
-        errors came before it).
+        What to read comes from the control value (:func:`~.model.wanted`, asked again
+        after each step). Each observation carries the clock reading taken when it was
+        made. Completed checkpoints come before deaths (a restart decided in this pass
+        reloads the newest), error reports before exits (a failing worker reports, then
+        exits); the step's votes come before time (a step every worker reduced commits,
+        whatever errors came before it).
         """
-        fx.admit_joins(self, self.now())
-        if self.job.trace is not None and mode(self.ctl) is not Mode.JOINING:
+        self._observe_joins()
+        if self.job.trace is not None and self.wanted().gen is not None:
             self.job.trace.poll(self)
         self.poll_checkpoints()
         exited = self.launcher.exits()
-        if exited and mode(self.ctl) not in (Mode.JOINING, Mode.RELAUNCHING):
+        if exited and self.wanted().gen is not None:
             # A worker that failed reports why before its process exits: read the reports
             # first, so the exit is explained by its error, not only by its status.
             self._observe_errors()
-        self.feed(m.Exits(self.now(), exited))
-        self.feed(m.Registered(self.now(), fx.newly_registered(self)))
+        if exited:
+            self.feed(m.Exits(self.now(), exited))
+        unregistered = self.wanted().unregistered
+        registered = tuple(w for w, inc in unregistered.items() if self.cs.registered(w, inc))
+        if registered:
+            self.feed(m.Registered(self.now(), registered))
         if self.signals_fed < len(self.signals):
             self.signals_fed = len(self.signals)
             self.feed(m.StopAsked(self.now(), self.signals[-1]))
-        # Only a running generation has members to watch: while workers join (or are
-        # relaunched) the plan's ids may have no process yet, and a stop or a failed start
-        # earlier in this pass may have ended the run before any generation ran.
-        if mode(self.ctl) in GENERATION_MODES:
+        if self.wanted().gen is not None:
             beats_due = self._observe_generation(beats_due)
         self.feed(m.Tick(self.now()))
         return beats_due
 
     def poll_checkpoints(self) -> None:
-        """Checkpoints whose every layer file is written, and those that failed."""
-        written, failed = self.bulk.poll(self.cs, self.now(), self.launcher.gone)
-        for step, gen in written:
-            self.feed(m.CheckpointWritten(self.now(), step, gen))
+        """The layer files of the checkpoints being written, and the workers' refusals."""
+        progress, failed = self.bulk.poll(self.cs, self.now())
+        for step, gen, layers in progress:
+            self.feed(m.CheckpointLayers(self.now(), step, gen, layers))
         for step, gen, why in failed:
             self.feed(m.CheckpointFailed(self.now(), step, gen, why))
 
+    def _observe_joins(self) -> None:
+        """The join slots reserved, when that count moved or unwritten slots are due again
+        (the control plane then asks for the slots to read)."""
+        want = self.wanted()
+        if not want.joins:
+            return
+        reserved = self.cs.join_slots()
+        now = self.now()
+        due = want.joins_recheck_at_s is not None and now >= want.joins_recheck_at_s
+        if self._news("joins", (), reserved) or due:
+            self.feed(m.JoinSlots(now, reserved))
+
     def _observe_errors(self) -> None:
         """The running generation's error reports not seen yet."""
-        gen = self.state.gen
-        self.feed(m.Errors(self.now(), gen, self.cs.error_slots(gen, self.ctl.watch.errors_seen)))
+        want = self.wanted()
+        if want.gen is None:
+            return
+        reports = self.cs.error_reports(want.gen, want.errors_from)
+        if reports:
+            self.feed(m.Errors(self.now(), want.gen, reports))
 
     def _observe_generation(self, beats_due: float) -> float:
         """The running generation: error reports, heartbeats, readiness, the step's votes."""
         self._observe_errors()
         now = self.now()
-        if now >= beats_due:
+        want = self.wanted()
+        if now >= beats_due and want.beats:
             beats_due = now + self.train.heartbeat_s / 2
-            alive = {w: self.ctl.members.incarnation(w) for w in sorted(self.state.alive)}
-            self.feed(m.Beats(now, self.cs.beats(alive)))
-        run = self.state
-        if self.ready_s is None and self.cs.ready(run.gen) >= len(run.world):
-            self._note_memory_reload(run.gen)
-            self.feed(m.Ready(self.now(), run.gen))
-        run = self.state
-        if run.phase in (st.Phase.TRAINING, st.Phase.DRAINING) and \
-                self.cs.reduced(run.gen, run.next_step) >= len(run.plan.workers):
-            self.feed(m.Reduced(self.now(), run.gen, run.next_step))
+            self.feed(m.Beats(now, self.cs.beats(dict(want.beats))))
+        want = self.wanted()
+        if want.gen is not None and want.ready:
+            count = self.cs.ready(want.gen)
+            if self._news("ready", (want.gen,), count):
+                self.feed(m.Ready(self.now(), want.gen, count))
+            if self.ctl.ready_s is not None:
+                self._note_memory_reload(want.gen)
+        want = self.wanted()
+        if want.gen is not None and want.votes_step is not None:
+            count = self.cs.reduced(want.gen, want.votes_step, want.voters)
+            if self._news("votes", (want.gen, want.votes_step), count):
+                self.feed(m.Reduced(self.now(), want.gen, want.votes_step, count))
         return beats_due
+
+    def _news(self, kind: str, of: tuple[int, ...], count: int) -> bool:
+        """Whether a counter changed since it was last fed (only news is fed: each poll
+        would otherwise step the control plane for nothing)."""
+        if self._counts.get(kind) == (of, count):
+            return False
+        self._counts[kind] = (of, count)
+        return True
 
     def _note_memory_reload(self, gen: int) -> None:
         """With checkpoints in memory: how many layers the recovery that made ``gen`` read
@@ -470,15 +554,35 @@ class Coordinator:
         if not event.idle and event.gen < gen:
             event.from_memory_layers = self.cs.memory_fetched(gen)
 
-    def feed(self, obs: m.Observation) -> None:
-        """One observation through the control plane, then its effects."""
-        before = self.ctl.run.next_step
-        self.control, effects = machine.step(self.ctl, obs, self.params_m)
-        if self.control.run.next_step < before:
-            self.report.rewind(self.control.run.next_step)
-        for effect in effects:
-            self.perform(effect)
+    def wanted(self) -> Wanted:
+        """What to read next (:func:`~.model.wanted` of the current control value, kept
+        until the value changes)."""
+        if self._wanted[0] is not self.control:
+            self._wanted = (self.control, wanted(self.ctl))
+        return self._wanted[1]
 
-    def perform(self, effect: m.Effect) -> None:
-        """Do what an effect says."""
-        fx.perform(self, effect)
+    def feed(self, obs: m.Observation) -> None:
+        """One observation through the control plane, then its effects. The answers
+        effects bring (a launch's incarnations, the policy's decision...) go through the
+        same way once every effect of the step was performed: performing never re-enters
+        the step.
+
+        Raises:
+            RuntimeError: when called while effects are performed (a defect).
+        """
+        if self._feeding:
+            raise RuntimeError("the control plane was fed while its effects were performed")
+        self._feeding = True
+        try:
+            queue: deque[m.Observation | None] = deque([obs])
+            while queue:
+                item = queue.popleft()
+                if item is None:
+                    continue
+                before = self.ctl.run.next_step
+                self.control, out = machine.step(self.ctl, item, self.settings)
+                if self.control.run.next_step < before:
+                    self.report.rewind(self.control.run.next_step)
+                queue.extend(fx.perform(self, effect) for effect in out)
+        finally:
+            self._feeding = False

@@ -3,7 +3,6 @@ transition of each recovery (pure Python)."""
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -72,27 +71,82 @@ class Event:
         return dict(vars(self))
 
 
-def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:
-    """Set each event's transition: fault to first commit after it, minus the new plan's step.
+MEDIAN_STEPS = 32
+"""Steps of the new plan whose median is its own step time (the first ones after the
+first commit of its generation)."""
 
-    ``commits`` is every commit in time order, steps that a later restart redid included:
-    the first commit after an event ends its recovery even if a restart threw it away.
+
+@dataclass
+class _Measuring:
+    event: Event
+    gen: int
+    first_step_s: float
+    after: list[float] = field(default_factory=list)
+
+
+class TransitionMeter:
+    """Measures each recovery's transition as commits arrive, holding only the recoveries
+    not measured yet (a bounded sample of each one's steps), never the commits.
+
+    An event's transition is from the fault (or its detection) to the first commit after
+    it, minus the new plan's own step time: the median of the steps its generation
+    committed after that first one (at most ``MEDIAN_STEPS``), or the first one's when it
+    committed no other. The first commit after an event ends its recovery even if a later
+    restart threw it away.
     """
-    times = [r.committed_at_s for r in commits]
-    for event in events:
-        if event.idle:
-            continue
-        i = bisect.bisect_right(times, event.detected_at_s)
-        if i == len(commits):
-            continue
-        first = commits[i]
-        # generations follow one another in time: the first's later commits are the run
-        # that follows it
-        end = i + 1
-        while end < len(commits) and commits[end].gen == first.gen:
-            end += 1
-        same_gen = commits[i + 1:end]
-        own_s = statistics.median(r.step_s for r in same_gen) if same_gen else first.step_s
-        event.resumed_at_s = first.committed_at_s
-        start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
-        event.transition_s = first.committed_at_s - start - own_s
+
+    def __init__(self) -> None:
+        self.waiting: list[Event] = []
+        """Events whose recovery committed nothing yet."""
+        self.measuring: list[_Measuring] = []
+
+    def failed(self, event: Event) -> None:
+        """A failure was detected (an idle worker's death is never measured)."""
+        if not event.idle:
+            self.waiting.append(event)
+
+    def committed(self, record: StepRecord) -> list[Event]:
+        """A step committed; returns the events whose recovery it ends."""
+        still = []
+        for m in self.measuring:
+            if m.gen == record.gen:
+                m.after.append(record.step_s)
+            if m.gen == record.gen and len(m.after) < MEDIAN_STEPS:
+                still.append(m)
+            else:  # its generation ended, or the sample is full
+                _finish(m)
+        self.measuring = still
+        resumed = [e for e in self.waiting if record.committed_at_s > e.detected_at_s]
+        self.waiting = [e for e in self.waiting if e not in resumed]
+        for event in resumed:
+            if event.idle:  # made idle after it was recorded: nothing to measure
+                continue
+            event.resumed_at_s = record.committed_at_s
+            self.measuring.append(_Measuring(event, record.gen, record.step_s))
+        return resumed
+
+    def close(self) -> None:
+        """The run ended: measure what is open."""
+        for m in self.measuring:
+            _finish(m)
+        self.measuring = []
+
+
+def _finish(m: _Measuring) -> None:
+    own_s = statistics.median(m.after) if m.after else m.first_step_s
+    event = m.event
+    start = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
+    assert event.resumed_at_s is not None
+    event.transition_s = event.resumed_at_s - start - own_s
+
+
+def measure_transitions(events: list[Event], commits: list[StepRecord]) -> None:
+    """Set each event's transition from every commit in time order (steps a later restart
+    redid included): what :class:`TransitionMeter` measures as they arrive."""
+    meter = TransitionMeter()
+    pending = sorted(events, key=lambda e: e.detected_at_s)
+    for record in commits:
+        while pending and pending[0].detected_at_s < record.committed_at_s:
+            meter.failed(pending.pop(0))
+        meter.committed(record)
+    meter.close()

@@ -3,24 +3,53 @@ the files a user reads (``metrics.jsonl`` and ``op_times.jsonl`` appended as ste
 so a run that dies keeps them, and with ``tensorboard`` the same scalars as TensorBoard
 event files; ``report.json`` and ``report.png`` at the end).
 
-Nothing here steers the run: the control plane decides from its own state.
+Nothing here steers the run: the control plane decides from its own state. Memory stays
+bounded however long the run: the newest ``MAX_RECORDS`` steps (every step is in
+``metrics.jsonl``, read back for the report), each recovery held only until its
+transition is measured, and at most ``MAX_RECORDS`` of each kind of event (the newest; the
+report counts those left out). A streamed file the disk refuses loses its lines with one
+warning; training goes on.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from chameleon_ft.runtime.report.board import Board
-from chameleon_ft.runtime.report.records import Event, StepRecord, measure_transitions
+from chameleon_ft.runtime.report.records import Event, StepRecord, TransitionMeter
 from chameleon_ft.runtime.storage.checkpoint import write_atomic
 
 Log = Callable[[str], None]
 
 PLOT_S = 120.0
 """How long drawing ``report.png`` may take."""
+MAX_RECORDS = 1000
+"""Failures, re-joins, refused joins, dropped, corrupt and written checkpoints kept for the
+report, each (the newest)."""
+
+
+class Records(deque[dict[str, Any]]):
+    """The newest ``maxlen`` records of one kind (default ``MAX_RECORDS``), and how many
+    were left out."""
+
+    def __init__(self, maxlen: int | None = None) -> None:
+        super().__init__(maxlen=maxlen or MAX_RECORDS)
+        self.left_out = 0
+
+    def add(self, record: Any) -> None:
+        """Keep ``record`` (the oldest goes when full)."""
+        if len(self) == self.maxlen:
+            self.left_out += 1
+        self.append(record)
+
+MAX_REFUSED = 100
+"""Refused join requests the report lists (the newest; it counts them all)."""
+MAX_REFUSED_SOURCES = 16
+"""Sources (claimed hosts) whose first refusal is logged."""
 
 
 class RunReport:
@@ -39,20 +68,29 @@ class RunReport:
         self.log = log
         self.every = log_every or (max(1, steps // 25) if steps > 50 else 1)
         self.resumed = resumed
-        self.events: list[Event] = []
+        self.events: deque[Event] = deque(maxlen=MAX_RECORDS)
+        self.events_left_out = 0
+        self.meter = TransitionMeter()
+        """Measures each recovery's transition as steps commit."""
         self.steps: dict[int, StepRecord] = {}
-        """The last commit of each step (a restart's redone steps replace the first)."""
-        self.commits: list[StepRecord] = []
-        """Every commit in order, redone steps too."""
-        self.rejoins: list[dict[str, Any]] = []
-        self.refused: list[dict[str, Any]] = []
-        self.dropped: list[dict[str, Any]] = []
+        """The last commit of each of the newest steps (a restart's redone steps replace
+        the first); every step is in ``metrics.jsonl``."""
+        self.low = start_step
+        """This run's first step (lower after a restart to an older checkpoint)."""
+        self.rejoins = Records()
+        self.refused = Records(MAX_REFUSED)
+        """The newest ``MAX_REFUSED`` join requests refused (:attr:`refused_total`: all)."""
+        self._refusing: set[str] = set()
+        """Sources whose refusals were logged."""
+        self.dropped = Records()
         """Checkpoints that could not be written (the disk refused, or too slow)."""
-        self.corrupt: list[dict[str, Any]] = []
+        self.corrupt = Records()
         """Complete checkpoints found corrupt when loaded (set aside)."""
-        self.checkpoint_writes: list[dict[str, Any]] = []
+        self.checkpoint_writes = Records()
         """Each complete checkpoint: its bytes, how long after its commit every layer was
         written and the manifest too, each writer's bytes and seconds."""
+        self.unwritten: set[str] = set()
+        """Streamed files the disk refused (warned once each)."""
         self.metrics_path = out_dir / "metrics.jsonl"
         self.op_times_path = out_dir / "op_times.jsonl"
         self.board = Board(out_dir / "tensorboard") if tensorboard else None
@@ -63,57 +101,105 @@ class RunReport:
         write_atomic(self.op_times_path, b"")
 
     def _earlier_metrics(self) -> str:
-        """The metrics lines of the steps before a resumed run's first."""
-        if not self.resumed or not self.metrics_path.exists():
+        """The metrics lines of the steps before this run's first (a resumed run's)."""
+        if not self.resumed:
             return ""
-        lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
-        return "".join(f"{ln}\n" for ln in lines
-                       if json.loads(ln).get("step", -1) < self.start_step)
+        return "".join(f"{json.dumps(doc)}\n" for doc in self._lines()
+                       if doc.get("step", -1) < self.low)
 
-    @property
-    def recovering(self) -> bool:
-        """A failure's recovery has not committed a step yet."""
-        return bool(self.events) and self.events[-1].resumed_at_s is None and \
-            not self.events[-1].idle
+    def _lines(self) -> list[dict[str, Any]]:
+        """The metrics file's lines (none when it cannot be read; a torn line skipped)."""
+        try:
+            text = self.metrics_path.read_text()
+        except OSError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                out.append(doc)
+        return out
 
-    def committed(self, record: StepRecord, timings: list[dict[str, Any]]) -> None:
-        """A step committed: record it, append its metrics and timings, log it."""
-        recovering = self.recovering
+    def failed(self, event: Event) -> None:
+        """A failure was detected."""
+        if len(self.events) == self.events.maxlen:
+            self.events_left_out += 1
+        self.events.append(event)
+        self.meter.failed(event)
+
+    def rejoined(self, record: dict[str, Any]) -> None:
+        """The policy answered about idle workers."""
+        self.rejoins.add(record)
+
+    def dropped_checkpoint(self, record: dict[str, Any]) -> None:
+        """A checkpoint could not be written."""
+        self.dropped.add(record)
+
+    def checkpoint_written(self, record: dict[str, Any]) -> None:
+        """A checkpoint is complete."""
+        self.checkpoint_writes.add(record)
+
+    def committed(self, record: StepRecord, timings: list[dict[str, Any]],
+                  recovered: bool = False) -> None:
+        """A step committed (``recovered``: the first since a failure): record it, append
+        its metrics and timings, log it."""
+        self.steps.pop(record.step, None)
         self.steps[record.step] = record
-        self.commits.append(record)
-        with self.metrics_path.open("a") as f:
-            f.write(self._metrics_line(record) + "\n")
+        if len(self.steps) > MAX_RECORDS:
+            del self.steps[next(iter(self.steps))]
+        self._append(self.metrics_path, [self._metrics_line(record)])
         if self.board is not None:
             self.board.add(record, self._metrics(record))
         if timings:
-            with self.op_times_path.open("a") as f:
-                f.writelines(json.dumps(t) + "\n" for t in timings)
+            self._append(self.op_times_path, [json.dumps(t) for t in timings])
         if record.step % self.every == 0 or record.step == self.total_steps - 1 or \
-                record.step == self.start_step or recovering:
+                record.step == self.start_step or recovered:
             norm = "" if record.grad_norm is None else f"  grad norm {record.grad_norm:.3f}"
             self.log(f"step {record.step:4d}  loss {record.loss:.4f}{norm}  step "
                      f"{record.step_s:.3f} s  gen {record.gen}")
-        for event in self.events:
-            if event.resumed_at_s is None and not event.idle:
-                event.resumed_at_s = record.committed_at_s
-                origin = event.fault_at_s if event.fault_at_s is not None \
-                    else event.detected_at_s
-                self.log(f"recovered: first step after the failure committed "
-                         f"{record.committed_at_s - origin:.3f} s after it ({event.strategy})")
+        for event in self.meter.committed(record):
+            origin = event.fault_at_s if event.fault_at_s is not None else event.detected_at_s
+            self.log(f"recovered: first step after the failure committed "
+                     f"{record.committed_at_s - origin:.3f} s after it ({event.strategy})")
+
+    def _append(self, path: Path, lines: list[str]) -> None:
+        """Append lines to a streamed file; a disk that refuses loses them (one warning
+        per file until it takes lines again), training goes on."""
+        try:
+            with path.open("a") as f:
+                f.writelines(line + "\n" for line in lines)
+        except OSError as exc:
+            if path.name not in self.unwritten:
+                self.unwritten.add(path.name)
+                self.log(f"warning: {path.name} not appended ({exc.strerror or exc}); "
+                         "training goes on")
+            return
+        self.unwritten.discard(path.name)
 
     def _metrics(self, r: StepRecord) -> dict[str, Any]:
         tokens_per_s = self.tokens_per_step / r.step_s if r.step_s > 0 else None
         return {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                 "step_s": r.step_s, "tokens_per_s": tokens_per_s, "gen": r.gen,
-                "plan_workers": r.num_workers}
+                "plan_workers": r.num_workers, "at_s": r.committed_at_s}
 
     def _metrics_line(self, r: StepRecord) -> str:
         return json.dumps(self._metrics(r))
 
     def rewind(self, to_step: int) -> None:
-        """A restart threw the steps from ``to_step`` on away: they will be redone."""
+        """A restart threw the steps from ``to_step`` on away: they will be redone (their
+        lines leave ``metrics.jsonl`` too)."""
         for step in [s for s in self.steps if s >= to_step]:
             del self.steps[step]
+        self.low = min(self.low, to_step)
+        kept = "".join(f"{json.dumps(doc)}\n" for doc in self._lines()
+                       if doc.get("step", -1) < to_step)
+        try:
+            write_atomic(self.metrics_path, kept.encode())
+        except OSError as exc:
+            self.log(f"warning: {self.metrics_path.name} not rewound ({exc.strerror or exc})")
 
     def op_times(self) -> list[dict[str, Any]]:
         """Every committed step's per-op compute times, read back from the file."""
@@ -122,20 +208,57 @@ class RunReport:
         return [json.loads(ln) for ln in self.op_times_path.read_text().splitlines()
                 if ln.strip()]
 
+    def refuse(self, entry: dict[str, Any], source: str) -> bool:
+        """Record a refused join request; whether to log it (the first refusal of each
+        source, for at most ``MAX_REFUSED_SOURCES`` sources: a flood writes nothing
+        without bound)."""
+        self.refused.add(entry)
+        if source in self._refusing or len(self._refusing) >= MAX_REFUSED_SOURCES:
+            return False
+        self._refusing.add(source)
+        return True
+
+    @property
+    def refused_total(self) -> int:
+        """Join requests refused in all (listed or left out)."""
+        return len(self.refused) + self.refused.left_out
+
     def ordered_steps(self) -> list[StepRecord]:
-        """The committed steps in order."""
-        return [self.steps[k] for k in sorted(self.steps)]
+        """This run's committed steps in order (a redone step's last commit): read back
+        from ``metrics.jsonl``, the newest from memory."""
+        steps: dict[int, StepRecord] = {}
+        for doc in self._lines():
+            step = doc.get("step")
+            if not isinstance(step, int) or step < self.low:
+                continue
+            try:
+                steps[step] = StepRecord(step, float(doc["loss"]), float(doc["step_s"]),
+                                         int(doc["gen"]), float(doc.get("at_s", 0.0)),
+                                         int(doc.get("plan_workers", 0)), doc.get("grad_norm"),
+                                         doc.get("lr"))
+            except (KeyError, TypeError, ValueError):
+                continue  # a line of another version
+        steps.update(self.steps)
+        return [steps[k] for k in sorted(steps)]
 
     def write(self, report: dict[str, Any]) -> dict[str, Any]:
         """Measure the transitions, then write ``report.json``, the compacted metrics
         (one line per step, a redone step's last commit) and ``report.png``."""
-        measure_transitions(self.events, self.commits)
+        self.meter.close()
         if self.board is not None:
             self.board.close()
         report["events"] = [e.to_dict() for e in self.events]
+        report["records_left_out"] = {
+            "events": self.events_left_out, "rejoins": self.rejoins.left_out,
+            "refused": self.refused.left_out, "dropped_checkpoints": self.dropped.left_out,
+            "corrupt_checkpoints": self.corrupt.left_out,
+            "checkpoint_writes": self.checkpoint_writes.left_out}
         write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2).encode())
         lines = "".join(self._metrics_line(r) + "\n" for r in self.ordered_steps())
-        write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())
+        try:
+            write_atomic(self.metrics_path, (self._earlier_metrics() + lines).encode())
+        except OSError as exc:  # the lines streamed as steps committed stay
+            self.log(f"warning: {self.metrics_path.name} not compacted ({exc.strerror or exc})")
         try:  # matplotlib's ~40 MB live and die with a child, not the coordinator
             from chameleon_ft.runtime.coordinator.launcher import run_in_child
             from chameleon_ft.runtime.report.plots import write_report_png

@@ -77,13 +77,6 @@ def partial_dir(root: Path, step: int, gen: int) -> Path:
     return root / f".partial-{step_dir_name(step)}-g{gen}"
 
 
-def writer_of(holders: tuple[int, ...] | list[int], layer: int) -> int:
-    """Which of a layer's holders writes it into a checkpoint: replicas take turns by
-    layer, so they share the writing."""
-    ordered = sorted(set(holders))
-    return ordered[layer % len(ordered)]
-
-
 JOB_MARKER = ".job"
 """A file in ``checkpoints/`` holding the job id: a worker that reads it there shares the
 coordinator's folder and writes and reads layer files itself."""
@@ -276,14 +269,15 @@ class Assembly:
 class CheckpointStore:
     """The ``checkpoints/`` folder of a run directory."""
 
-    def __init__(self, run_dir: Path, keep: int) -> None:
+    def __init__(self, run_dir: Path, keep: int, folder: str = "checkpoints") -> None:
         """Open (and create) the folder; leftovers of interrupted assemblies are removed.
 
         Args:
             run_dir: the run directory.
             keep: complete checkpoints to keep.
+            folder: the folder's name in the run directory.
         """
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / folder
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         for leftover in self.root.glob(".partial-*"):

@@ -19,7 +19,6 @@ the bytes over the authenticated bulk channel instead, and the coordinator write
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import mmap
 import os
@@ -32,7 +31,6 @@ from typing import Any
 
 import torch
 
-from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.storage import diskwriter
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
@@ -47,6 +45,7 @@ from chameleon_ft.runtime.storage.checkpoint import (
 )
 from chameleon_ft.runtime.storage.packing import pack_parts, pack_pieces, pack_to
 from chameleon_ft.runtime.worker import device as dev
+from chameleon_ft.runtime.worker.channel import Channel
 from chameleon_ft.runtime.worker.memcopies import MemoryCopies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
 
@@ -246,20 +245,20 @@ class CheckpointIO:
         worker: this worker's id.
         folder: the shared checkpoint folder, or None (send bytes over ``blobs``).
         blobs: the bulk channel to the coordinator.
-        store: a store connection of its own for the writer thread.
+        store: makes a channel over a store connection of its own, for the writer thread.
         memory: checkpoints in memory (``worker/memcopies.py``), or None.
         device: the worker's device (its threads work on it; snapshots of a GPU's layers
             are copied on a stream of their own).
     """
 
     def __init__(self, worker: int, folder: Path | None, blobs: BlobClient,
-                 store: Callable[[], Any], memory: MemoryCopies | None = None,
+                 store: Callable[[], Channel], memory: MemoryCopies | None = None,
                  device: torch.device | None = None) -> None:
         self.worker, self.folder, self.blobs = worker, folder, blobs
         self.memory = memory
         self.device = device or torch.device("cpu")
         self._store_of = store
-        self._store: Any = None
+        self._store: Channel | None = None
         self.thread: threading.Thread | None = None
         self.copied = threading.Event()
         self.copied.set()
@@ -365,25 +364,34 @@ class CheckpointIO:
         self.write(step, gen, layers, inject, peer)
 
     def write(self, step: int, gen: int, layers: dict[int, dict[str, Any]],
-              inject: OSError | None = None, peer: int | None = None) -> bool:
+              inject: OSError | None = None, peer: int | None = None,
+              upload: bool = False) -> bool:
         """Write ``layers`` now and report each (a copy in ``peer``'s memory first, with
-        checkpoints in memory); returns whether all were written."""
+        checkpoints in memory; ``upload``: over the bulk channel, the coordinator writes
+        them); returns whether all were written."""
         try:
             for layer, tree in sorted(layers.items()):
                 if inject is not None:
                     raise inject
+                if upload:
+                    self._upload(step, gen, layer, tree)
+                    continue
                 self._write_one(step, gen, layer, tree, peer)
         except (OSError, BlobError) as exc:
             self._fail(gen, step, f"worker {self.worker}: {diskwriter.describe(exc)}")
             return False
         return True
 
+    def _upload(self, step: int, gen: int, layer: int, tree: dict[str, Any]) -> None:
+        """Send a layer's bytes over the bulk channel: the coordinator writes them."""
+        self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
+                            "worker": self.worker, "step": step, "gen": gen},
+                           pack_pieces(tree))
+
     def _write_one(self, step: int, gen: int, layer: int, tree: dict[str, Any],
                    peer: int | None) -> None:
         if self.folder is None:  # no shared folder: the coordinator writes the bytes
-            self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
-                                "worker": self.worker, "step": step, "gen": gen},
-                               pack_pieces(tree))
+            self._upload(step, gen, layer, tree)
             return
         start = time.perf_counter()
         folder, name = partial_dir(self.folder, step, gen), f"layer{layer}.bin"
@@ -415,22 +423,20 @@ class CheckpointIO:
                                        {arena.id: arena.fd})
         return LayerFile(name, size, sha256)
 
-    def _client(self) -> Any:
+    def _client(self) -> Channel:
         if self._store is None:
             self._store = self._store_of()
         return self._store
 
     def _report(self, gen: int, step: int, layer: int, file: LayerFile,
                 write_s: float, held: int | None = None) -> None:
-        store = self._client()
-        store.set(proto.checkpoint_layer_key(gen, step, layer), json.dumps(
-            {"file": file.name, "size": file.size, "sha256": file.sha256,
-             "worker": self.worker, "write_s": write_s, "memory": held}))
-        store.add(proto.checkpoint_count_key(gen, step), 1)
+        self._client().layer_written(gen, step, layer, {
+            "file": file.name, "size": file.size, "sha256": file.sha256,
+            "worker": self.worker, "write_s": write_s, "memory": held})
 
     def _fail(self, gen: int, step: int, why: str) -> None:
         with contextlib.suppress(Exception):  # the coordinator's deadline covers a silence
-            self._client().set(proto.checkpoint_failed_key(gen, step), why)
+            self._client().checkpoint_failed(gen, step, why)
 
     # ------------------------------------------------------------------ reading
     def read(self, step: int, layer: int, gen: int) -> bytes:
@@ -467,21 +473,27 @@ class CheckpointIO:
             raise CorruptCheckpoint(step, str(exc)) from None
 
 
-def wait_final(store: Any, gen: int, worker: int, write: Callable[[list[int]], None],
+def wait_final(chan: Channel, gen: int, write: Callable[[list[int], bool], None],
                deadline_s: float, slice_s: float = 0.05) -> None:
-    """After writing its share of the final checkpoint: write more layers when the
-    coordinator asks (their first writer is gone), leave when it says the checkpoint is
-    complete, or at the deadline."""
-    more = proto.final_more_key(gen, worker)
-    done = proto.final_done_key(gen)
+    """After writing its share of the final checkpoint: write the layers the coordinator
+    asks for (their first writer is gone, or an attempt failed: the next uploads them),
+    leave when it says the final checkpoint is over, or at the deadline.
+
+    ``write(layers, upload)`` writes layers into the checkpoint folder, or with ``upload``
+    over the bulk channel into the run folder.
+    """
     end = time.monotonic() + deadline_s
-    written: set[int] = set()
+    written: set[tuple[int, int]] = set()
+    """(attempt, layer) written."""
     while time.monotonic() < end:
-        if store.check([done]):
+        done, ask = chan.final(gen)
+        if done:
+            chan.flush_refusals()  # the last word: the coordinator reports them
             return
-        if store.check([more]):
-            wanted = [i for i in json.loads(store.get(more)) if i not in written]
+        if ask is not None:
+            attempt = int(ask["attempt"])
+            wanted = [int(i) for i in ask["layers"] if (attempt, int(i)) not in written]
             if wanted:
-                write(wanted)
-                written.update(wanted)
+                write(wanted, bool(ask["upload"]))
+                written.update((attempt, i) for i in wanted)
         time.sleep(slice_s)

@@ -1,21 +1,20 @@
 """Injected faults, on the worker's side: armed through the store, fired once.
 
 A fault ``(rank, step, kind, phase)`` fires the first time the process holding the rank
-reaches the phase at a step at or after ``step``; a store counter decides who fires it, so
-a fault on a rank that was repaired fires in the replacement (docs/design.md 4.3).
+reaches the phase at a step at or after ``step``; a sealed claim decides who fires it, so
+a fault on a rank that was repaired fires in the replacement (docs/design.md 4.3). The
+list is sealed too: a stranger can neither arm a fault nor claim one first.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
-from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.channel import Channel
 from chameleon_ft.runtime.worker.comm import CommError
 
 DISK_ERRNO = {"disk-full": errno.ENOSPC, "disk-error": errno.EIO, "read-only": errno.EROFS}
@@ -29,9 +28,9 @@ class InjectedError(RuntimeError):
 class Faults:
     """The armed faults of one rank."""
 
-    def __init__(self, store: Any, worker: int, incarnation: str,
+    def __init__(self, chan: Channel, worker: int, incarnation: str,
                  stall: Callable[[], None] | None = None) -> None:
-        self.store, self.worker, self.incarnation = store, worker, incarnation
+        self.chan, self.worker, self.incarnation = chan, worker, incarnation
         self.stall = stall
         """Hangs the worker's device (the ``stall`` kind; never returns)."""
         self.armed: list[tuple[int, int, str, str]] = []
@@ -40,14 +39,12 @@ class Faults:
 
     def refresh(self) -> None:
         """Re-read the fault list if it changed."""
-        version = self.store.add(proto.FAULTS_VERSION_KEY, 0)
+        version = self.chan.faults_version()  # a hint: the list itself is sealed
         if version == self.version:
             return
         self.version = version
-        faults = json.loads(self.store.get(proto.FAULTS_KEY)) \
-            if self.store.check([proto.FAULTS_KEY]) else []
         self.armed = [(index, int(step), str(kind), str(phase))
-                      for index, (rank, step, kind, phase) in enumerate(faults)
+                      for index, (rank, step, kind, phase) in enumerate(self.chan.faults())
                       if rank == self.worker]
 
     def maybe_fire(self, step: int, phase: str, gen: int) -> OSError | None:
@@ -66,11 +63,11 @@ class Faults:
             if fphase != phase or step < fstep:
                 continue
             self.armed.remove(fault)
-            if self.store.add(proto.fault_claim_key(index), 1) != 1:
+            if not self.chan.claim_fault(index, os.getpid()):
                 continue  # another process of this rank fired it already
-            self.store.set(proto.fault_fired_key(index), json.dumps(
-                {"time": time.time(), "step": step, "gen": gen, "worker": self.worker,
-                 "incarnation": self.incarnation, "pid": os.getpid()}))
+            self.chan.fired(index, {"time": time.time(), "step": step, "gen": gen,
+                                    "worker": self.worker, "incarnation": self.incarnation,
+                                    "pid": os.getpid()})
             if kind in DISK_ERRNO:
                 code = DISK_ERRNO[kind]
                 return OSError(code, f"{os.strerror(code)} (injected)")

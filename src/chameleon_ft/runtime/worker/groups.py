@@ -236,7 +236,7 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
           address: str, device: torch.device,
           extra: list[tuple[int, ...]] | None = None, nccl_like: bool = False,
-          peers: Iterable[int] | None = None) -> Comm:
+          peers: Iterable[int] | None = None, tag: str = "") -> Comm:
     """Build a generation's groups (the two world groups, one per direction of the
     point-to-point messages, then one per all-reduce bucket and per ``extra`` member set
     this worker belongs to, one group per distinct member set, in one global order so no
@@ -252,7 +252,9 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
     ``extra``: the members of the step's other reductions (tied pairs, the norm:
     ``runtime.step_sync.extra_groups``). ``peers``: the workers this one exchanges
     messages with in the generation (``runtime.traffic.peers_of``; default every member):
-    only those pairs are warmed up.
+    only those pairs are warmed up. ``tag``: the hidden part of the generation's
+    rendezvous prefixes (``protocol.rendezvous_tag``; ``store`` then seals what the
+    rendezvous writes: ``worker.channel.RendezvousStore``).
 
     Raises:
         CommError: when a group cannot be built or warmed up in time, or the generation
@@ -266,9 +268,9 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
 
     def connect() -> None:
         try:
-            built["groups"] = _connect(store, generation, me, world, members, backend=backend,
-                                       timeout_s=timeout_s, address=address, device=device,
-                                       nccl_like=nccl_like)
+            built["groups"] = _connect(store, generation, me, world, members, tag,
+                                       backend=backend, timeout_s=timeout_s, address=address,
+                                       device=device, nccl_like=nccl_like)
         except BaseException as exc:  # handed to the waiting thread
             built["error"] = exc
 
@@ -288,19 +290,20 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
 
 
 def _connect(store: dist.Store, generation: Generation, me: int, world: list[int],
-             members: list[tuple[int, ...]], **options: Any
+             members: list[tuple[int, ...]], tag: str, **options: Any
              ) -> tuple[list[Any], dict[tuple[int, ...], Any]]:
     """The generation's two world groups and its bucket groups, each tracked by
     ``generation`` as soon as it exists (``options``: :func:`make_group`'s)."""
     gen, rank, size = generation.gen, world.index(me), len(world)
     worlds = []
     for prefix in (proto.world_prefix(gen), proto.reverse_world_prefix(gen)):
-        group = make_group(store, prefix, rank, size, **options)
+        group = make_group(store, proto.hidden_prefix(prefix, tag), rank, size, **options)
         generation.add(group, rank, size)
         worlds.append(group)
     buckets = {}
     for m in members:
-        group = make_group(store, proto.bucket_prefix(gen, m), m.index(me), len(m), **options)
+        group = make_group(store, proto.hidden_prefix(proto.bucket_prefix(gen, m), tag),
+                           m.index(me), len(m), **options)
         generation.add(group, m.index(me), len(m))
         buckets[m] = group
     return worlds, buckets

@@ -20,11 +20,13 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.worker.channel import WAIT_SLICE_S, Channel
 from chameleon_ft.runtime.worker.device import DeviceWatch, thread
 from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable from here
     EXIT_COORDINATOR_GONE,
@@ -36,9 +38,7 @@ from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable 
 )
 from chameleon_ft.runtime.worker.groups import Generation
 
-WAIT_SLICE_S = 0.5
-"""Granularity of the worker's waits on the coordinator: each slice it checks that the
-coordinator still answers and that its generation is still current."""
+__all__ = ["WAIT_SLICE_S", "Liveness", "client", "refused"]
 
 
 def refused(host: str, port: int) -> bool:
@@ -76,14 +76,17 @@ class Liveness:
         changed: notified whenever ``current`` changes.
         watch: the work given to the worker's device.
         device: the worker's device (the threads work on it).
+        link: the process's channel over a store connection of a thread here.
     """
 
     def __init__(self, worker: int, incarnation: str, host: str, port: int, *,
                  heartbeat_s: float, hang_s: float,
                  current: Callable[[], Generation | None],
-                 changed: threading.Condition, watch: DeviceWatch | None = None,
+                 changed: threading.Condition, link: Callable[[Any], Channel],
+                 watch: DeviceWatch | None = None,
                  device: torch.device | None = None) -> None:
         self.worker, self.incarnation = worker, incarnation
+        self.link = link
         self.device = device or torch.device("cpu")
         self.watch = watch or DeviceWatch(self.device)
         self.host, self.port = host, port
@@ -107,7 +110,7 @@ class Liveness:
         gen = self.current()
         return max(self.hang_s, gen.abort_s if gen is not None else 0.0)
 
-    def _stalled(self, store: dist.TCPStore) -> None:
+    def _stalled(self, chan: Channel) -> None:
         """The device stopped completing its work: report a fatal error (the coordinator
         sees the death at once, also for a remote worker) and leave."""
         pending = self.watch.pending_s()
@@ -117,8 +120,7 @@ class Liveness:
         if gen is not None:
             report = proto.ErrorReport(worker=self.worker, fatal=True, peer=None, message=why)
             with contextlib.suppress(Exception):
-                index = store.add(proto.error_slot_key(gen.gen), 1) - 1
-                store.set(proto.error_key(gen.gen, index), report.to_json())
+                chan.report(gen.gen, report)
         exit_now(EXIT_DEVICE_STALLED, f"chameleon {why}")
 
     def _beat(self) -> None:
@@ -126,15 +128,16 @@ class Liveness:
         means the coordinator is gone. A slow answer under load is not a death: a beat may
         time out, only the watchdog decides."""
         try:
-            store = client(self.host, self.port, max(self.hang_s / 2, 0.2))
+            chan = self.link(client(self.host, self.port, max(self.hang_s / 2, 0.2)))
         except Exception:
             exit_now(EXIT_COORDINATOR_GONE, self.gone)
-        key = proto.heartbeat_key(self.worker, self.incarnation)
+        count = 0
         while True:
             if self.watch.pending_s() > self.stall_limit_s():
-                self._stalled(store)
+                self._stalled(chan)
+            count += 1
             try:
-                store.add(key, 1)  # the answer is not used: a late one read later is harmless
+                chan.beat(count)  # numbered: a beat replayed later is refused
                 self.last_ok = time.monotonic()
             except Exception:
                 if refused(self.host, self.port):
@@ -155,9 +158,9 @@ class Liveness:
 
         Waits on the abort key of the current generation in short slices and re-reads
         which generation is current after each, so it follows the worker from generation
-        to generation whatever way the previous one ended.
+        to generation whatever way the previous one ended. A forged abort is waited past.
         """
-        store = client(self.host, self.port, max(self.hang_s / 2, 0.2))
+        chan = self.link(client(self.host, self.port, max(self.hang_s / 2, 0.2)))
         while True:
             with self.changed:
                 self.changed.wait_for(lambda: (g := self.current()) is not None
@@ -166,9 +169,8 @@ class Liveness:
             if gen is None or gen.broken:
                 continue
             try:
-                store.wait([proto.abort_key(gen.gen)], timedelta(seconds=WAIT_SLICE_S))
-            except dist.DistStoreError:
-                continue  # not aborted yet (or the store is slow): look again
+                if not chan.aborted(gen.gen):
+                    continue  # not aborted yet (or the store is slow): look again
             except Exception:
                 time.sleep(WAIT_SLICE_S)  # the watchdog decides whether the coordinator died
                 continue

@@ -16,13 +16,13 @@ The worker loop (docs/design.md section 4):
    to step 1 with the next generation. The old generation's groups are destroyed.
 
 Beside training, ``worker.liveness`` runs the heartbeat, the watchdog of the coordinator
-and the watcher of abort keys.
+and the watcher of abort keys. Every value read from or written to the store goes through
+the job's seal (``worker.channel``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -40,13 +40,14 @@ import torch.distributed as dist
 from chameleon_ft import logs
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
+from chameleon_ft.runtime.control.checkpoints import writer_of
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
-from chameleon_ft.runtime.storage.checkpoint import writer_of
 from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
 from chameleon_ft.runtime.worker import groups
+from chameleon_ft.runtime.worker.channel import Channel, GenerationOver, Shared, read_job
 from chameleon_ft.runtime.worker.checkpoints import (
     CheckpointIO,
     CorruptCheckpoint,
@@ -64,7 +65,6 @@ from chameleon_ft.runtime.worker.liveness import (
     EXIT_ERROR,
     EXIT_FENCED,
     EXIT_OK,
-    WAIT_SLICE_S,
     Liveness,
     client,
     exit_now,
@@ -81,11 +81,7 @@ from chameleon_ft.spec.train import ActivationCheckpointing
 # kept importable from here (harnesses and the profiler build groups the same way)
 make_group = groups.make_group
 break_connections = groups.break_connections
-
-
-class GenerationOver(RuntimeError):
-    """The coordinator moved on past the generation this worker waits in."""
-
+__all__ = ["GenerationOver", "Worker", "break_connections", "make_group", "worker_main"]
 
 _log = logging.getLogger(__name__)
 
@@ -136,7 +132,7 @@ class Worker:
         self.last_commit_wait_s: float | None = None
         """Seconds from reporting "reduced" to reading the verdict, last step."""
         self.stage = StageModel(checkpointing=self.checkpointing)
-        self.faults = Faults(self.store, self.id, incarnation, stall=self.watch.stall)
+        self.faults = Faults(self.chan, self.id, incarnation, stall=self.watch.stall)
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
@@ -164,11 +160,14 @@ class Worker:
         """The store, the job, the bulk channel, the device and the checkpoint folder."""
         self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=timedelta(seconds=connect_timeout_s))
-        self.job = proto.JobInfo.from_json(self.store.get(proto.JOB_KEY))
+        self.job, signer = read_job(self.store, secret)
+        self.chan = Channel(self.store, Shared(signer, self.id, self.incarnation, _log.warning))
         self.hang_s = self.job.hang_timeout_s
         # the watchdog decides whether the coordinator is gone; the training thread's
         # requests may take longer on a loaded host without that meaning anything
         self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
+        self.rendezvous = self.chan.rendezvous(max(5.0, 2 * self.hang_s))
+        """The store this process's groups meet in (kept: torch calls it)."""
         self.blobs = BlobClient(self.host, self.job.blob_port, secret,
                                 timeout_s=self.job.control_timeout_s,
                                 deadline=Deadline(self.hang_s, self.job.bulk_gb_per_s))
@@ -182,7 +181,11 @@ class Worker:
         self.optimizer_timer = StepTimer(self.device)
         """Times the optimizer step (read with the next step's timings)."""
         self.storage = Deadline(self.hang_s, self.job.storage_gb_per_s)
-        own_store = functools.partial(client, self.host, self.port, max(5.0, self.hang_s))
+        connect = functools.partial(client, self.host, self.port, max(5.0, self.hang_s))
+
+        def own_store() -> Channel:
+            return self.chan.on(connect())
+
         self.memory = MemoryCopies(self.id, self.address, secret, own_store,
                                    Deadline(self.hang_s, self.job.bulk_gb_per_s),
                                    self.job.control_timeout_s) if self.job.memory_copies else None
@@ -265,76 +268,32 @@ class Worker:
             self.loss(self.module(last).to(self.dtype)(inp), y).backward()
 
     # ------------------------------------------------------------------ the coordinator
-    def _await(self, key: str, gen: int | None = None) -> bytes:
-        """Wait for a key the coordinator writes, in slices, for as long as it answers.
-
-        Args:
-            key: the key.
-            gen: the generation the wait belongs to; once the coordinator has published a
-                later one, this generation is over and the wait is abandoned, unless the
-                key was written meanwhile (the coordinator writes a step's verdict before
-                it publishes the next generation: a verdict that lands between a slice's
-                timeout and the look at the current generation must still be read, or a
-                committed step would be skipped here and applied everywhere else).
-
-        Raises:
-            GenerationOver: when the coordinator moved on.
-        """
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=WAIT_SLICE_S))
-                return bytes(self.store.get(key))
-            except dist.DistStoreError:
-                if gen is not None and self._current_gen() > gen:
-                    if self.store.check([key]):
-                        return bytes(self.store.get(key))
-                    raise GenerationOver(f"generation {gen} is over") from None
-
-    def _current_gen(self) -> int:
-        if not self.store.check([proto.CURRENT_GEN_KEY]):
-            return 0
-        return int(self.store.get(proto.CURRENT_GEN_KEY))
-
-    def _directive(self, gen: int) -> tuple[int, dict[str, Any]]:
-        """The directive of ``gen``, or of the newest generation if the coordinator has
-        moved past ``gen`` (this worker was slow, or idle while generations came and went):
-        a generation that is not the newest is over, and joining it would only delay."""
-        while True:
-            gen = max(gen, self._current_gen())
-            key = proto.directive_key(gen)
-            try:
-                self.store.wait([key], timedelta(seconds=WAIT_SLICE_S))
-                return gen, json.loads(self.store.get(key))
-            except dist.DistStoreError:
-                continue
-
     def _report(self, fatal: bool, peer: int | None, message: str, gen: int,
                 corrupt_step: int | None = None) -> None:
-        """Tell the coordinator: reserve a slot, then write the report into it."""
+        """Tell the coordinator what went wrong (a report key of this worker's own)."""
         report = proto.ErrorReport(worker=self.id, fatal=fatal, peer=peer, message=message,
                                    corrupt_step=corrupt_step)
         try:
-            index = self.store.add(proto.error_slot_key(gen), 1) - 1
-            self.store.set(proto.error_key(gen, index), report.to_json())
+            self.chan.report(gen, report)
         except Exception as exc:  # the coordinator is gone or slow: the watchdog decides
             _log.debug("error report not written: %s", exc)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Register, then follow the coordinator's generations until told to stop."""
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "address": self.address}
-        self.store.set(proto.worker_info_key(self.id, self.incarnation), json.dumps(info))
+        self.chan.register({"host": socket.gethostname(), "pid": os.getpid(),
+                            "address": self.address})
         Liveness(self.id, self.incarnation, self.host, self.port,
                  heartbeat_s=self.job.heartbeat_s, hang_s=self.hang_s,
-                 current=lambda: self.current, changed=self.gen_changed,
+                 current=lambda: self.current, changed=self.gen_changed, link=self.chan.on,
                  watch=self.watch, device=self.device).start()
         gen = 0
         if self.replacement:
             # a repaired worker: the coordinator says from which generation on it follows
-            gen = int(self._await(proto.start_gen_key(self.id, self.incarnation)))
+            gen = self.chan.start_gen()
         previous: groups.Generation | None = None
         while True:
-            gen, directive = self._directive(gen)
+            gen, directive = self.chan.directive(gen)
             _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
                        directive.get("world"))
             if directive["action"] == "stop":
@@ -376,18 +335,19 @@ class Worker:
                                        device=self.device)
         self._enter(generation)
         try:
-            self.store.set(proto.setup_key(self.id, self.incarnation), str(gen))
+            self.chan.began(gen)
             actions = actions_of(d["ops"])
             transfers = (d.get("migration") or {}).get("transfers", [])
-            comm = groups.build(self.store, generation, self.id, world, d["rounds"],
+            comm = groups.build(self.rendezvous, generation, self.id, world, d["rounds"],
                                 extra=extra_groups(d), backend=self.backend,
                                 timeout_s=float(d["collective_timeout_s"]),
                                 address=self.address, device=self.device,
                                 nccl_like=self.job.nccl_semantics,
-                                peers=peers_of(plan, actions, transfers, self.id))
+                                peers=peers_of(plan, actions, transfers, self.id),
+                                tag=self.chan.rendezvous_tag(gen, d))
             self.faults.maybe_fire(d["step"], "recovery", gen)
             self._load_state(gen, d, plan, comm)
-            self.store.add(proto.ready_key(gen), 1)
+            self.chan.ready(gen)
             if previous is not None:  # the old groups are no longer needed: free them
                 groups.close_later(previous)
                 previous = None
@@ -424,7 +384,7 @@ class Worker:
                                 f"after {step} steps failed: {exc}", None) from None
             layers[i] = self.layer_from_bytes(i, blob)
         if self.memory is not None and self.memory.fetched > fetched:
-            self.store.add(proto.memory_fetched_key(gen), self.memory.fetched - fetched)
+            self.chan.fetched(gen, self.memory.fetched - fetched)
         return layers
 
     def _load_state(self, gen: int, d: dict[str, Any], plan: ExecutionPlan,
@@ -470,8 +430,8 @@ class Worker:
         reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
         self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
-        self.store.add(proto.reduced_key(gen, step), 1)
-        verdict = self._await(proto.verdict_key(gen, step), gen).decode()
+        self.chan.reduced(gen, step)
+        verdict = self.chan.await_value(proto.verdict_key(gen, step), gen).decode()
         self.last_commit_wait_s = time.perf_counter() - t_reduced
         if verdict not in (proto.COMMIT, proto.COMMIT_END):
             return False
@@ -495,18 +455,16 @@ class Worker:
 
     def _report_step(self, gen: int, step: int, result: StepResult, reduced: Reduced) -> None:
         """The step's losses, and its timings, memory, norm share and learning rate."""
-        if result.losses:
-            self.store.set(proto.loss_key(gen, step, self.id), json.dumps(result.losses))
         held = self.stage.indices()
         self.optimizer_timer.resolve()
         optimizer_s = self.pending_optimizer_s[0] if self.pending_optimizer_s else None
-        self.store.set(proto.timing_key(gen, step, self.id), json.dumps(
-            {"layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
-             "b_s": result.backward_s, "optimizer_s": optimizer_s,
-             "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
-             "rss_peak_bytes": peak_resident_bytes(), **device_memory(self.device),
-             "grad_norm_sq": reduced.norm_squared,
-             "lr": self.layers[held[0]].lr(step) if held else None}))
+        self.chan.step_report(gen, step, result.losses, {
+            "layers": [held[0], held[-1] + 1] if held else [], "f_s": result.forward_s,
+            "b_s": result.backward_s, "optimizer_s": optimizer_s,
+            "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
+            "rss_peak_bytes": peak_resident_bytes(), **device_memory(self.device),
+            "grad_norm_sq": reduced.norm_squared,
+            "lr": self.layers[held[0]].lr(step) if held else None})
 
     # ------------------------------------------------------------------ checkpoints
     def _maybe_checkpoint(self, num_steps: int, plan: ExecutionPlan, gen: int) -> None:
@@ -533,18 +491,22 @@ class Worker:
         the final checkpoint (its primary layers, and more if their first writer is gone),
         then leave when the coordinator says the final checkpoint is complete."""
         self.ckpt.finish(self.storage)
+        self.chan.flush_refusals()
         final = directive.get("final") or {}
         if directive.get("failed") or self.held_steps != directive["step"]:
             return  # nothing to write (a failed run, or this worker missed a commit)
         gen, step = int(directive["gen"]), int(directive["step"])
 
-        def write(layers: list[int]) -> None:
-            self.ckpt.write(step, gen, {i: self.held[i].state_tree() for i in layers
-                                        if i in self.held})
+        def write(layers: list[int], upload: bool = False) -> None:
+            states = {i: self.held[i].state_tree() for i in layers if i in self.held}
+            # an injected disk fault fails the final checkpoint's write into the folder too
+            inject = None if upload or not states else \
+                self.faults.maybe_fire(step - 1, "checkpoint", gen)
+            self.ckpt.write(step, gen, states, inject=inject, upload=upload)
 
         if directive.get("write"):
             write([int(i) for i, ws in final.items() if ws and writer_of(ws, int(i)) == self.id])
-        wait_final(self.store, gen, self.id, write, float(directive["final_timeout_s"]))
+        wait_final(self.chan, gen, write, float(directive["final_timeout_s"]))
 
 
 def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,

@@ -3,7 +3,8 @@ host memory of a worker on another node, so a reload reads it from there, not fr
 storage, unless that worker died too (``[recovery] memory_checkpoint``; Gemini's idea).
 
 Each worker serves the copies it holds on an authenticated bulk channel of its own
-(``storage.blobs``; its address in the store under ``memory_copies_key``). After writing
+(``storage.blobs``; its address sealed in the store under ``memory_copies_key``, so a
+stranger cannot send a writer's layers elsewhere). After writing
 a layer's file, the writer sends the same bytes to its *peer*: the first worker of the
 running plan on the next node, the one with its index there (``peer_of``). The layer's
 report, and
@@ -18,14 +19,15 @@ reload then reads); a copy lives as long as its holder's process.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError, BlobServer, Payload
+
+if TYPE_CHECKING:
+    from chameleon_ft.runtime.worker.channel import Channel
 
 KEEP_STEPS = 2
 """Checkpoints of each layer a holder keeps: the newest and the one before."""
@@ -54,16 +56,16 @@ class MemoryCopies:
         worker: this worker's id.
         address: the address other workers reach this one at (the server binds to it).
         secret: the job secret (every message is authenticated).
-        store: a store connection for the writer and restore threads.
+        store: makes a channel over a store connection, for the writer and restore threads.
         deadline: transfer deadlines by size.
         timeout_s: deadline of connecting and of a reply's header.
     """
 
-    def __init__(self, worker: int, address: str, secret: bytes, store: Callable[[], Any],
-                 deadline: Deadline, timeout_s: float) -> None:
+    def __init__(self, worker: int, address: str, secret: bytes,
+                 store: Callable[[], Channel], deadline: Deadline, timeout_s: float) -> None:
         self.worker, self.address, self.secret = worker, address, secret
         self._store_of = store
-        self._store: Any = None
+        self._store: Channel | None = None
         self.deadline, self.timeout_s = deadline, timeout_s
         self.copies: dict[int, dict[int, bytes]] = {}
         """Layer -> checkpoint step -> the packed bytes held for another worker."""
@@ -81,15 +83,14 @@ class MemoryCopies:
         self.server = BlobServer(self.address, self.secret, self._handle,
                                  timeout_s=self.timeout_s, deadline=self.deadline)
         with self._store_lock:
-            self._client().set(proto.memory_copies_key(self.worker),
-                               json.dumps([self.address, self.server.port]))
+            self._client().serve_copies(self.address, self.server.port)
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
 
-    def _client(self) -> Any:
+    def _client(self) -> Channel:
         if self._store is None:
             self._store = self._store_of()
         return self._store
@@ -110,12 +111,11 @@ class MemoryCopies:
         return {}, data
 
     def _channel(self, holder: int) -> BlobClient:
-        key = proto.memory_copies_key(holder)
         with self._store_lock:
-            store = self._client()
-            if not store.check([key]):  # never published: do not wait for it
-                raise BlobError(f"worker {holder} serves no copies")
-            host, port = json.loads(store.get(key))
+            where = self._client().copies_of(holder)
+        if where is None:  # never published (or refused): do not wait for it
+            raise BlobError(f"worker {holder} serves no copies")
+        host, port = where
         return BlobClient(str(host), int(port), self.secret, timeout_s=self.timeout_s,
                           attempts=1, deadline=self.deadline)
 

@@ -74,6 +74,7 @@ class Block(nn.Module):
         super().__init__()
         h = shape.hidden_size
         self.num_heads = shape.num_heads
+        self.head_dim = h // shape.num_heads
         self.ln1 = nn.LayerNorm(h)
         self.qkv = nn.Linear(h, 3 * h, bias=False)
         self.proj = nn.Linear(h, h, bias=False)
@@ -82,14 +83,18 @@ class Block(nn.Module):
         self.out = nn.Linear(shape.ffn_size, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, H) -> (B, T, H)."""
-        b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)  # 3 x (B, T, H)
-        # (B, T, H) -> (B, heads, T, H / heads)
-        q, k, v = (z.view(b, t, self.num_heads, h // self.num_heads).transpose(1, 2)
-                   for z in (q, k, v))
+        """``x`` (B, T, H) -> (B, T, H).
+
+        Head counts are read from the projections' outputs, not the shape: sharded over
+        ``k`` tensor-parallel ranks (``workload.tensor_parallel``), ``qkv`` gives this rank's
+        ``heads / k`` heads, ``[q_r; k_r; v_r]``, and ``proj`` takes their outputs.
+        """
+        qkv = self.qkv(self.ln1(x))  # (B, T, 3 H), or (B, T, 3 H / k) on one of k ranks
+        b, t, _ = qkv.shape
+        # 3 x (B, T, H) -> (B, heads, T, H / heads)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, H/heads)
-        y = y.transpose(1, 2).contiguous().view(b, t, h)  # (B, T, H)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, H)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))  # MLP: (B,T,H)->(B,T,F)->(B,T,H)
 
