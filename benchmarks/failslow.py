@@ -4,8 +4,14 @@ production-shaped fault trace replayed on a job the size of its cluster (docs/de
 sections 3.4 and 6).
 
     PYTHONPATH=src .venv/bin/python benchmarks/failslow.py             # 3 seeds, both parts
-    PYTHONPATH=src .venv/bin/python benchmarks/failslow.py --quick     # 1 seed
+    PYTHONPATH=src .venv/bin/python benchmarks/failslow.py --quick     # a smoke run
     PYTHONPATH=src .venv/bin/python benchmarks/failslow.py --part trace
+
+The whole measurement is long: every fail-slow is a decision for each of the seven
+planner-backed policies (about 820 of them in the 54 days of a seed), each pricing plans at
+the slow speeds. ``--quick`` runs one seed over the first 14 days of the scenario and the
+first 60 days of the trace, in minutes on two cores: a check that everything runs, whose
+must-hold verdict is only indicative.
 
 Part ``scenario`` (``llama3-16k-slow``: llama3-16k's failures with fail-slows at the
 published durations, 1.3x to 3x, at the rate that delays the job 1.34x left alone): every
@@ -101,9 +107,12 @@ def run(scenario: Scenario, slow_policy: str, policies: tuple[str, ...], *, seed
     return Runs(ett=ett, slow_h=slow, seconds=seconds)
 
 
-def scenario_part(name: str, seeds: int, jobs: int) -> bool:
-    """Print the scenario's two tables; returns whether the must-hold holds."""
+def scenario_part(name: str, seeds: int, jobs: int, days: float | None) -> bool:
+    """Print the scenario's two tables (over its first ``days``, default all); returns
+    whether the must-hold holds."""
     scenario = preset_scenario(name)
+    if days is not None:
+        scenario = replace(scenario, simulation=replace(scenario.simulation, days=days))
     policies = default_policies(scenario.config.cluster.spare_nodes)
     with_ = run(scenario, "chameleon", policies, seeds=seeds, jobs=jobs)
     without = run(scenario, "keep", policies, seeds=seeds, jobs=jobs)
@@ -112,7 +121,8 @@ def scenario_part(name: str, seeds: int, jobs: int) -> bool:
         answers[answer] = run(scenario, answer, ("chameleon",), seeds=seeds, jobs=jobs)
     seconds = with_.seconds + without.seconds + sum(answers[a].seconds for a in ANSWERS)
     first = scenario.simulation.seed
-    print(f"## {name}: seeds {first}..{first + seeds - 1}, medians ({seconds:.0f} s)\n")
+    print(f"## {name}: {scenario.simulation.days:g} days, seeds {first}..{first + seeds - 1}, "
+          f"medians ({seconds:.0f} s)\n")
     print("| policy | effective training time, with fail-slow handling | without | "
           "with - without | slow time lost, with (h) | without (h) |")
     print("|---|---|---|---|---|---|")
@@ -147,8 +157,16 @@ def scenario_part(name: str, seeds: int, jobs: int) -> bool:
     return at_least and gains
 
 
-def trace_part(jobs: int, factor: float) -> None:
-    """Print every policy on the imported production-shaped trace."""
+def _first(trace: Trace, days: float | None) -> Trace:
+    """The events of ``trace``'s first ``days`` (all: ``None``)."""
+    if days is None or days * 86400.0 >= trace.duration_s:
+        return trace
+    end_s = days * 86400.0
+    return Trace(events=tuple(e for e in trace.events if e.time_s < end_s), duration_s=end_s)
+
+
+def trace_part(jobs: int, factor: float, days: float | None) -> None:
+    """Print every policy on the imported production-shaped trace (its first ``days``)."""
     scenario = scenario_from_config(TRACE_JOB.stem, load_config(TRACE_JOB))
     text = TRACE_JSON.read_text(encoding="utf-8")
     nodes = scenario.config.cluster.num_nodes
@@ -156,6 +174,7 @@ def trace_part(jobs: int, factor: float) -> None:
     as_failures, summary = import_node_json(text, workers_per_node=per_node, num_nodes=nodes)
     as_slows, slow_summary = import_node_json(text, workers_per_node=per_node,
                                               num_nodes=nodes, degraded_factor=factor)
+    as_failures, as_slows = _first(as_failures, days), _first(as_slows, days)
     days = as_failures.duration_s / 86400.0
     scenario = replace(scenario, simulation=replace(scenario.simulation, days=days))
     policies = default_policies(scenario.config.cluster.spare_nodes)
@@ -182,7 +201,8 @@ def main() -> int:
     parser.add_argument("--part", choices=("both", "scenario", "trace"), default="both")
     parser.add_argument("--scenario", default="llama3-16k-slow")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="one seed")
+    parser.add_argument("--quick", action="store_true",
+                        help="one seed, the scenario's first 14 days, the trace's first 60")
     parser.add_argument("--jobs", type=int, default=2, help="simulation processes")
     parser.add_argument("--degraded-factor", type=float, default=2.0,
                         help="the trace part's reading of degradations as fail-slows")
@@ -190,9 +210,9 @@ def main() -> int:
     seeds = 1 if args.quick else args.seeds
     holds = True
     if args.part in ("both", "scenario"):
-        holds = scenario_part(args.scenario, seeds, args.jobs)
+        holds = scenario_part(args.scenario, seeds, args.jobs, 14.0 if args.quick else None)
     if args.part in ("both", "trace"):
-        trace_part(args.jobs, args.degraded_factor)
+        trace_part(args.jobs, args.degraded_factor, 60.0 if args.quick else None)
     return 0 if holds else 1
 
 
