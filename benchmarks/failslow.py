@@ -40,6 +40,7 @@ Prints Markdown tables, the seconds each part took, and whether the must-hold ho
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -174,6 +175,7 @@ def trace_part(jobs: int, factor: float, days: float | None) -> None:
     as_failures, summary = import_node_json(text, workers_per_node=per_node, num_nodes=nodes)
     as_slows, slow_summary = import_node_json(text, workers_per_node=per_node,
                                               num_nodes=nodes, degraded_factor=factor)
+    whole_days = as_failures.duration_s / 86400.0
     as_failures, as_slows = _first(as_failures, days), _first(as_slows, days)
     days = as_failures.duration_s / 86400.0
     scenario = replace(scenario, simulation=replace(scenario.simulation, days=days))
@@ -185,7 +187,13 @@ def trace_part(jobs: int, factor: float, days: float | None) -> None:
     print(f"\n## {TRACE_JSON.name} on {TRACE_JOB.name} ({nodes} nodes, {days:.0f} days; "
           f"{seconds:.0f} s)\n")
     print(f"degradations as node failures: {summary.line()}")
-    print(f"degradations as {factor:g}x fail-slows: {slow_summary.line()}\n")
+    print(f"degradations as {factor:g}x fail-slows: {slow_summary.line()}")
+    if days < whole_days:
+        counts = collections.Counter(e.kind.value for e in as_slows.events)
+        print(f"replayed: the first {days:g} days, "
+              + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+              + " (degradations as fail-slows)")
+    print()
     print("| policy | effective training time, degradations as failures "
           f"| as {factor:g}x fail-slows, with handling | without | slow time lost, with (h) "
           "| without (h) |")
