@@ -139,3 +139,28 @@ def test_factors_of_one_change_no_schedule_s_estimate(schedule: str) -> None:
             assert estimate_plan(p, planner.profile, planner.topology,
                                  slow={**ones, 2: 1.5}, brute_force=brute) == slow
         assert planner.estimate_slow(p, ones) == planner.estimate_slow(p, {})
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 3), st.integers(2, 4), st.integers(1, 4), st.data())
+def test_slow_estimates_with_shared_timelines_are_brute_force_s(
+        dp: int, pp: int, m: int, data: st.DataObject) -> None:
+    # An estimator that has already timed the plan at unit speed reuses those timelines
+    # for every pipeline and rerouted component without a slow worker: the estimate at the
+    # slow speeds is the brute-force one (each pipeline simulated afresh), exactly.
+    from chameleon_ft.perf import Estimator
+
+    plan = ExecutionPlan.uniform(dp=dp, pp=pp, num_layers=8, num_microbatches=m * dp)
+    if data.draw(st.booleans()):
+        plan = reroute_plan(plan, {data.draw(st.sampled_from(list(plan.workers)))})
+    live = sorted(plan.stage_of_worker)
+    slow = {w: data.draw(st.sampled_from([1.5, 2.0, 3.0]))
+            for w in data.draw(st.sets(st.sampled_from(live), min_size=1, max_size=2))}
+    topo = topology(dp * pp, per_node=data.draw(st.sampled_from([1, 2])))
+    shared = Estimator(PROFILE, topo)
+    shared.estimate(plan)  # every unit-speed timeline kept
+    fast = shared.estimate(plan, speeds_from_factors(slow, plan.stage_of_worker))
+    brute = estimate(plan, PROFILE, topo, slow=slow, brute_force=True)
+    assert fast.step_s == brute.step_s
+    assert fast.breakdown == brute.breakdown
+    assert dict(fast.peak_memory_bytes) == dict(brute.peak_memory_bytes)

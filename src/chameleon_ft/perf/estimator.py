@@ -31,7 +31,7 @@ import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +220,9 @@ class Estimator:
         """Timeline of a pipeline without reroutes on workers ``0..S-1`` (stage indices),
         shared by all identical pipelines. Its op lists are built only when asked for
         (estimates need the timings alone), then kept."""
+        if speeds and not brute_force:
+            # a pipeline none of whose workers is slow is its unit-speed self, exactly
+            speeds = _own_speeds(speeds, plan.pipelines[p].workers)
         key = None if brute_force else self._pipeline_key(plan, p, speeds)
         cached = None if key is None else self._pipelines.get(key)
         if cached is None or (with_ops and not cached.ops):
@@ -275,6 +278,11 @@ class Estimator:
 
         if brute_force or with_ops:
             return best_timeline(plan, self.profile, self.topology, group, speeds, costs())
+        if speeds:
+            # only its own workers' speeds shape a component: without a slow one it is
+            # its unit-speed self (and shares that simulation)
+            speeds = _own_speeds(speeds, itertools.chain.from_iterable(
+                plan.pipelines[p].workers for p in group))
         # The simulation builds and ranks the pipelines in this order, never by index, so
         # a shared simulation is exactly the one this component would get.
         order = component_order(plan, group)
@@ -474,6 +482,12 @@ class Estimator:
             sync_rounds=sync_rounds,
             tie_workers=tie,
         )
+
+def _own_speeds(speeds: Mapping[int, float], workers: Iterable[int]) -> dict[int, float]:
+    """The speeds of ``workers`` among ``speeds`` (a timeline depends on its own workers'
+    speeds alone: every other worker's is not read)."""
+    return {w: speeds[w] for w in workers if w in speeds}
+
 
 _ESTIMATORS: OrderedDict[tuple[int, int], Estimator] = OrderedDict()
 
