@@ -139,7 +139,7 @@ class Worker:
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
-        self.probe = Probe(*probe_inputs(self), self.device)
+        self.probe = Probe(functools.partial(probe_inputs, self), self.device)
         """What this worker times while a slow worker out of the plan."""
         if reset_peak():  # what training adds is measured from here
             self.rss_base_bytes = resident_bytes()
@@ -301,6 +301,8 @@ class Worker:
         while True:
             gen, directive = self.chan.directive(gen, self._probe_once if probing else None)
             probing = self.id in directive.get("probe", ())
+            if not probing:
+                self.probe.release()
             _log.debug("read directive %d (%s, world %s)", gen, directive["action"],
                        directive.get("world"))
             if directive["action"] == "stop":
