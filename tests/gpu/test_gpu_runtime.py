@@ -98,6 +98,6 @@ def test_a_slowdown_is_measured_on_the_device() -> None:
         else:
             assert 2.5 <= min(times) / base <= 3.5, (times, base)
     layer = torch.nn.Linear(4096, 4096).to(device)
-    probe = Probe(layer, torch.randn(64, 4096, device=device), device)
+    probe = Probe(lambda: (layer, torch.randn(64, 4096, device=device)), device)
     assert probe.base_s > 0
     assert 2.5 <= probe.time_s(3.0) / probe.base_s <= 3.5

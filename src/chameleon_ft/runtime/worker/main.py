@@ -126,7 +126,7 @@ class Worker:
         self.current: groups.Generation | None = None
         self.gen_changed = threading.Condition()
         self._warm_up_kernels()
-        self.probe = Probe(*probe_inputs(self), self.device)
+        self.probe = Probe(functools.partial(probe_inputs, self), self.device)
         """What this worker times while a slow worker out of the plan."""
         if reset_peak():  # what training adds is measured from here
             self.rss_base_bytes = resident_bytes()
@@ -323,6 +323,8 @@ class Worker:
                     self.again, prober(self) if probing else None))
                 self.again = None
                 probing = self.id in directive.get("probe", ())
+                if not probing:
+                    self.probe.release()
                 if self._follow(gen, directive, previous):
                     return
                 previous = self._run_generation(gen, directive, previous)

@@ -79,32 +79,44 @@ class Slowdown:
 class Probe:
     """What an idle worker times to tell whether it is slow (module docstring).
 
+    The layer is built only while it is timed (at start, then while the worker probes):
+    a worker holds no extra layer while it trains.
+
     Args:
-        layer: the layer timed (in the compute dtype, on the device).
-        inputs: its input (a micro-batch's shape).
+        make: builds the layer timed (in the compute dtype, on the device) and its input
+            (a micro-batch's shape).
         device: the worker's device.
     """
 
-    def __init__(self, layer: torch.nn.Module, inputs: torch.Tensor,
+    def __init__(self, make: Callable[[], tuple[torch.nn.Module, torch.Tensor]],
                  device: torch.device) -> None:
-        self.layer, self.inputs, self.device = layer, inputs, device
+        self.make, self.device = make, device
+        self._held: tuple[torch.nn.Module, torch.Tensor] | None = None
         self.base_s = min(self.time_s(1.0) for _ in range(BASELINE_PROBES))
+        self.release()
         self.seq = 0
         self.last_s = 0.0
+
+    def release(self) -> None:
+        """Drop the layer (the worker trains, or waits without probing)."""
+        self._held = None
 
     def time_s(self, stretch: float) -> float:
         """One probe's seconds: the fastest of ``PROBE_REPEATS`` passes (on a GPU,
         measured on the device)."""
+        if self._held is None:
+            self._held = self.make()
+        layer, inputs = self._held
         timer = StepTimer(self.device)
         seconds: list[float] = []
         for _ in range(PROBE_REPEATS):
-            x = self.inputs.detach().requires_grad_(self.inputs.is_floating_point())
+            x = inputs.detach().requires_grad_(inputs.is_floating_point())
             with timer.time(seconds, stretch=stretch):
-                out = self.layer(x)
+                out = layer(x)
                 if out.requires_grad:
                     out.backward(torch.ones_like(out))
         timer.resolve()
-        self.layer.zero_grad(set_to_none=True)
+        layer.zero_grad(set_to_none=True)
         return min(seconds)
 
     def due(self) -> bool:
