@@ -136,6 +136,100 @@ def adapter_modules(model: Any) -> tuple[str, ...]:
     return (module,) if module.startswith("chameleon_ft.") else ()
 
 
+class Unit:
+    """A worker's processes, started as one (design 4.11): one per tensor-parallel rank,
+    rank 0 first; to its launcher it looks like one process.
+
+    Any rank's end that is not a clean one (an exit with a non-zero status, a kill),
+    and rank 0's end whatever its status, ends the unit: the first look at
+    :attr:`exitcode` that finds it kills the other ranks (SIGKILL, by pid) and reports one
+    status, rank 0's when it ended, else the failed rank's. A sibling that exits 0 only
+    finished (after the final checkpoint) ahead of rank 0.
+
+    Args:
+        procs: the started processes, by rank.
+        beats: their shared heartbeat slots (``worker.unit.UnitBeats``), or None at tp 1.
+    """
+
+    def __init__(self, procs: Sequence[Any], beats: Any = None) -> None:
+        self.procs = list(procs)
+        self.beats = beats
+
+    @property
+    def pid(self) -> int | None:
+        """Rank 0's pid."""
+        pid: int | None = self.procs[0].pid
+        return pid
+
+    @property
+    def pids(self) -> list[int]:
+        """Every rank's pid."""
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    @property
+    def sentinels(self) -> list[Any]:
+        """What ``multiprocessing.connection.wait`` waits on: every rank's end."""
+        return [p.sentinel for p in self.procs]
+
+    @property
+    def exitcode(self) -> int | None:
+        """The unit's status once it ended (None while it runs); ending it at the first
+        look (see the class)."""
+        codes = [p.exitcode for p in self.procs]
+        failed = next((c for c in codes[1:] if c not in (None, 0)), None)
+        if codes[0] is None and failed is None:
+            return None
+        if any(c is None for c in codes):
+            self.kill()
+        code: int | None = codes[0] if codes[0] is not None else failed
+        return code
+
+    def is_alive(self) -> bool:
+        """Whether any rank still runs."""
+        return any(p.exitcode is None for p in self.procs)
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running."""
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait (at most ``timeout_s`` in all) for every rank to end."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def start_unit(ctx: Any, target: Callable[..., Any], args: tuple[Any, ...], *, tp: int,
+               name: str) -> Unit:
+    """Start a worker's ``tp`` processes: ``target(*args, tp_rank, beats)`` for each rank,
+    rank 0 first, sharing heartbeat slots (``worker.unit.UnitBeats``) when ``tp > 1``.
+    ``args``' ``Place`` (its 8th item) is the worker's; each rank gets its own device's
+    (``placement.rank_place``).
+
+    Raises:
+        OSError: when the OS refuses a process (those already started are killed).
+    """
+    from chameleon_ft.runtime.placement import rank_place
+    from chameleon_ft.runtime.worker.unit import UnitBeats
+
+    beats = UnitBeats.create(ctx, tp) if tp > 1 else None
+    procs: list[Any] = []
+    try:
+        for rank in range(tp):
+            rank_args = (*args[:7], rank_place(args[7], tp, rank), *args[8:], rank, beats)
+            proc = ctx.Process(target=target, args=rank_args, daemon=False,
+                               name=name if rank == 0 else f"{name}-tp{rank}")
+            proc.start()
+            procs.append(proc)
+    except BaseException:
+        Unit(procs).kill()
+        raise
+    return Unit(procs, beats)
+
+
 @dataclass
 class Proc:
     """The process currently holding a worker id (``process`` None: a remote worker)."""
@@ -160,10 +254,12 @@ class Launcher:
     """Starts local worker processes and keeps a handle on every one of them."""
 
     def __init__(self, host: str, port: int, secret: bytes, preload: Iterable[str] = (),
-                 num_local: int = 0) -> None:
+                 num_local: int = 0, tp: int = 1) -> None:
         self.host, self.port, self.secret = host, port, secret
         self.num_local = num_local
         """Workers this coordinator runs on its host (its task's workers)."""
+        self.tp = tp
+        """Processes per worker (``[job] tp``): each worker is a :class:`Unit`."""
         self.preload = tuple(preload)
         """Modules the workers' forkserver imports once (see :func:`forkserver_context`)."""
         self.procs: dict[int, Proc] = {}
@@ -189,15 +285,14 @@ class Launcher:
             incarnation = auth.new_nonce()
             # local workers are ids 0..num_local-1: their node-local index is the id
             place = Place(w, task_index=w, task_workers=max(self.num_local, w + 1))
-            proc = ctx.Process(target=worker_main,
-                               args=(w, self.host, self.port, address, incarnation,
-                                     self.secret, replacement, place, logs.current_level()),
-                               daemon=False, name=f"chameleon-worker-{w}")
-            proc.start()
-            self.procs[w] = Proc(w, incarnation, proc, host=socket.gethostname(),
+            unit = start_unit(ctx, worker_main,
+                              (w, self.host, self.port, address, incarnation, self.secret,
+                               replacement, place, logs.current_level()),
+                              tp=self.tp, name=f"chameleon-worker-{w}")
+            self.procs[w] = Proc(w, incarnation, unit, host=socket.gethostname(),
                                  local_index=w)
-            self.all_procs.append(proc)
-            self.launched_pids.append(proc.pid)
+            self.all_procs.append(unit)
+            self.launched_pids.extend(unit.pids)
             out[w] = incarnation
         return out
 
@@ -229,15 +324,15 @@ class Launcher:
         return p is not None and p.process is not None and p.process.exitcode is not None
 
     def kill(self, workers: Iterable[int]) -> list[int]:
-        """SIGKILL the running local processes of ``workers``; returns those signalled."""
+        """SIGKILL the running local processes of ``workers`` (every rank of each);
+        returns those signalled."""
         killed = []
         for w in workers:
             p = self.procs.get(w)
-            proc = None if p is None else p.process
-            if proc is None or proc.pid is None or proc.exitcode is not None:
+            unit = None if p is None else p.process
+            if unit is None or unit.pid is None or not unit.is_alive():
                 continue
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
+            unit.kill()
             killed.append(w)
         return killed
 
@@ -251,8 +346,8 @@ class Launcher:
 
     def wait(self, workers: Iterable[int], timeout_s: float = POLL_S) -> None:
         """Sleep until one of these workers' local processes exits, or ``timeout_s``."""
-        sentinels = [p.process.sentinel for w in workers
-                     if (p := self.procs.get(w)) is not None and p.process is not None]
+        sentinels = [s for w in workers if (p := self.procs.get(w)) is not None
+                     and p.process is not None for s in p.process.sentinels]
         if sentinels:
             multiprocessing.connection.wait(sentinels, timeout=timeout_s)
         else:
@@ -261,10 +356,9 @@ class Launcher:
     def reap(self, timeout_s: float = REAP_S) -> None:
         """Leave no process behind: wait briefly, then SIGKILL by pid and join."""
         deadline = time.monotonic() + timeout_s
-        for proc in self.all_procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.all_procs:
-            if proc.exitcode is None and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.join(5.0)
+        for unit in self.all_procs:
+            unit.join(max(0.0, deadline - time.monotonic()))
+        for unit in self.all_procs:
+            if unit.is_alive():
+                unit.kill()
+                unit.join(5.0)

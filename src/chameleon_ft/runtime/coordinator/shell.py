@@ -337,9 +337,11 @@ class Coordinator:
             Refusals(lambda line: self.log(f"warning: {line}"), kind_of=message_kind))
         self.bulk = BulkState(self.host, job.secret, job.ckpt, job.num_layers,
                               timeout_s=max(self.train.join_timeout_s, 10 * job.hang_s),
-                              deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s))
+                              deadline=Deadline(job.hang_s, self.train.bulk_gb_per_s),
+                              tp=self.config.job.tp)
         self.launcher = Launcher(self.host, self.port, job.secret,
-                                 preload=adapter_modules(job.model), num_local=job.num_local)
+                                 preload=adapter_modules(job.model), num_local=job.num_local,
+                                 tp=self.config.job.tp)
         self.settings = self._settings()
         self.control = initial(self._start_state(), now_s=self.now(), settings=self.settings)
         old_handlers = self._install_signal_handlers()

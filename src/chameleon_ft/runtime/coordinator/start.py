@@ -36,7 +36,8 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
         checkpoint_dir=str(job.ckpt.root), device=coord.device,
         storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s,
         memory_copies=coord.config.recovery.memory_checkpoint,
-        workers_per_node=coord.config.workers_per_node, nccl_semantics=coord.nccl_semantics)
+        workers_per_node=coord.config.workers_per_node, tp=coord.config.job.tp,
+        nccl_semantics=coord.nccl_semantics)
 
 
 PROBE_S = 600.0

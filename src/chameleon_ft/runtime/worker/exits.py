@@ -26,6 +26,10 @@ EXIT_DEVICE_STALLED = 6
 """Work enqueued on the device did not complete within the hang deadline (a hung kernel
 or collective): nothing in the process can interrupt it."""
 
+EXIT_UNIT_BROKEN = 7
+"""Another process of this worker (``[job] tp > 1``) failed, went silent or left: the
+worker fails whole (design 4.11)."""
+
 
 def exit_now(code: int, message: str) -> None:
     """Leave at once (no destructors: abandoned groups could block), saying why."""
