@@ -81,6 +81,10 @@ def test_gpt_survives_a_kill_as_one_process(tmp_path: Path, policy: str) -> None
     assert [s["step"] for s in report["steps"]] == list(range(train["steps"]))
     assert max_abs_diff(params, reference.params) < 1e-9
     assert _norms(tmp_path) == pytest.approx(reference.grad_norms, rel=1e-9)
+    timings = [json.loads(line) for line in
+               (tmp_path / "op_times.jsonl").read_text().splitlines()]
+    peaks = [t["rss_peak_bytes_ranks"] for t in timings]  # every rank's, with rank 0's
+    assert peaks and all(len(p) == 2 and min(p) > 100 * 2**20 for p in peaks)
 
 
 def test_a_relaunched_worker_rejoins_with_its_shards(tmp_path: Path) -> None:

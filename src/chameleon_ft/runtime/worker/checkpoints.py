@@ -451,6 +451,29 @@ class CheckpointIO:
             self._client().checkpoint_failed(gen, step, why)
 
     # ------------------------------------------------------------------ reading
+    def restore(self, step: int, wanted: list[int], gen: int,
+                build: Callable[[int, list[bytes]], LayerTrainState]
+                ) -> dict[int, LayerTrainState]:
+        """Layers ``wanted`` of the checkpoint after ``step`` steps, each verified against
+        the manifest before ``build(layer, parts)`` decodes it (a corrupt file is
+        reported, never loaded).
+
+        Raises:
+            CorruptCheckpoint: when a file does not match the manifest.
+            CommError: when the coordinator cannot send a layer (no shared folder).
+        """
+        from chameleon_ft.runtime.worker.comm import CommError
+
+        layers = {}
+        for i in wanted:
+            try:
+                parts = self.read_parts(step, i, gen)
+            except BlobError as exc:
+                raise CommError(f"worker {self.worker}: reading layer {i} of the checkpoint "
+                                f"after {step} steps failed: {exc}", None) from None
+            layers[i] = build(i, parts)
+        return layers
+
     def read_parts(self, step: int, layer: int, gen: int) -> list[bytes]:
         """What this process loads of layer ``layer`` of the checkpoint after ``step``
         steps (:meth:`read`; at ``tp > 1`` ``Manifest.read_parts``: its own shard when

@@ -28,6 +28,7 @@ from torch import nn
 
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime.worker.comm import Comm
+from chameleon_ft.runtime.worker.memory import peak_resident_bytes
 from chameleon_ft.runtime.workload.models import param_name
 from chameleon_ft.runtime.workload.optim import (
     LayerTrainState,
@@ -184,6 +185,9 @@ class Reduced:
     """This worker's share of the squared global norm (the coordinator adds them up)."""
     global_norm: float | None
     """The global norm before clipping, when clipping made every worker compute it."""
+    rank_peaks: list[int] | None = None
+    """At ``tp > 1``: each rank's peak resident memory (bytes), carried by the vote's
+    all-reduce (``op_times.jsonl`` reports every rank's)."""
 
 
 def reduce_step(comm: Comm, directive: dict[str, Any], plan: ExecutionPlan,
@@ -223,6 +227,11 @@ def reduce_step(comm: Comm, directive: dict[str, Any], plan: ExecutionPlan,
     global_norm = None
     if norm is not None and norm["clip"] > 0:
         global_norm = clip(comm, norm, partial, layers, device)
-    if sharded:  # every rank reduced: rank 0 may vote
-        comm.tp_all_reduce(torch.ones(1, device=device), "the worker's vote")
-    return Reduced(float(partial), global_norm)
+    peaks = None
+    if sharded:  # every rank reduced: rank 0 may vote (each rank's peak memory with it)
+        vote = torch.zeros(comm.tp.size(), dtype=torch.float64)
+        vote[tp_rank] = float(peak_resident_bytes() or 0)
+        vote = vote.to(device)
+        comm.tp_all_reduce(vote, "the worker's vote")
+        peaks = [int(v) for v in vote.cpu().tolist()]
+    return Reduced(float(partial), global_norm, peaks)

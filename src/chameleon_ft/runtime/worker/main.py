@@ -44,7 +44,7 @@ from chameleon_ft.runtime.control.checkpoints import writer_of
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
-from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
+from chameleon_ft.runtime.storage.blobs import BlobClient
 from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
 from chameleon_ft.runtime.worker import groups, tp_group
 from chameleon_ft.runtime.worker.channel import Channel, GenerationOver, Shared, read_job
@@ -401,18 +401,9 @@ class Worker:
             self.make.mesh = tensor_parallel_mesh(comm.tp, self.device.type, gen)
 
     def _restore(self, gen: int, step: int, wanted: list[int]) -> dict[int, LayerTrainState]:
-        """This worker's layers of the checkpoint after ``step`` steps, each verified
-        against the manifest before it is decoded (a corrupt file is reported, never
-        loaded)."""
-        layers = {}
+        """This worker's layers of the checkpoint after ``step`` steps (verified)."""
         fetched = self.memory.fetched if self.memory is not None else 0
-        for i in wanted:
-            try:
-                blobs = self.ckpt.read_parts(step, i, gen)
-            except BlobError as exc:
-                raise CommError(f"worker {self.id}: reading layer {i} of the checkpoint "
-                                f"after {step} steps failed: {exc}", None) from None
-            layers[i] = self.layer_from(i, blobs)
+        layers = self.ckpt.restore(step, wanted, gen, self.layer_from)
         if self.memory is not None and self.memory.fetched > fetched:
             self.chan.fetched(gen, self.memory.fetched - fetched)
         return layers
@@ -504,6 +495,7 @@ class Worker:
             "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
             "rss_peak_bytes": peak_resident_bytes(), **device_memory(self.device),
             "grad_norm_sq": reduced.norm_squared,
+            **({"rss_peak_bytes_ranks": reduced.rank_peaks} if reduced.rank_peaks else {}),
             "lr": self.layers[held[0]].lr(step) if held else None})
 
     # ------------------------------------------------------------------ checkpoints
