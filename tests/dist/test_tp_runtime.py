@@ -20,6 +20,7 @@ import pytest
 import torch
 from dist_harness import alive, max_abs_diff, run_job, tiny_config
 from hf_jobs import exported, max_diff
+from test_train_numerics import BF16_STEP_LOSS_REL
 
 import chameleon_ft
 from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks
@@ -100,6 +101,24 @@ def test_a_relaunched_worker_rejoins_with_its_shards(tmp_path: Path) -> None:
     assert 3 in {w for p in report["final_plan"]["pipelines"] for w, _, _ in p["stages"]}
     config = tiny_config(None, CLUSTER, None, TP, {"clip_grad_norm": CLIP}, **train)
     assert max_abs_diff(params, train_reference(config).params) < 1e-9
+
+
+def test_bf16_at_tp2_is_plain_bf16_training(tmp_path: Path) -> None:
+    """Mixed precision at tp 2: each rank's bf16 compute copy of its shards, fp32 masters,
+    a kill under dynamic (bf16 copies rebuilt from the moved masters): every step's loss
+    within the bf16 test's tolerance of plain bf16 training, the masters exported."""
+    train = {**TRAIN, "dtype": "bfloat16"}
+    report, params, pids = run_job(tmp_path, policy="dynamic", faults=(KILL,), job=TP,
+                                   cluster=CLUSTER, optimizer={"clip_grad_norm": CLIP},
+                                   **train)
+    _clean(pids)
+    assert [e["workers"] for e in report["events"]] == [[3]]
+    config = tiny_config(None, CLUSTER, None, TP, {"clip_grad_norm": CLIP}, **train)
+    reference = train_reference(config)
+    assert len(report["loss"]) == len(reference.losses) == train["steps"]
+    for got, want in zip(report["loss"], reference.losses, strict=True):
+        assert got == pytest.approx(want, rel=BF16_STEP_LOSS_REL)
+    assert {p.dtype for p in params.values()} == {torch.float32}
 
 
 class SignalSibling(Hooks):
