@@ -117,7 +117,8 @@ class Liveness:
             # on the worker's device: a CUDA call here must not open a context on GPU 0
             thread(target, self.device, name).start()
         if self.unit is not None:
-            self.unit.arm(self.hang_s, self.start_s, self._device_ok, self._unit_broken)
+            self.unit.arm(self.hang_s, self.start_s, self._device_ok, self._unit_broken,
+                          self.device)
 
     def _device_ok(self) -> bool:
         return self.watch.pending_s() <= self.stall_limit_s()

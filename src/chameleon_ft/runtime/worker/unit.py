@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from chameleon_ft.runtime.worker.device import thread
+from chameleon_ft.runtime.worker.device import thread, use_device
 
 FAILED = -1.0
 """A slot's value once its rank left on an error."""
@@ -108,7 +108,7 @@ class UnitWatch:
         thread(self._run, self.device, f"unit-{self.rank}").start()
 
     def arm(self, limit_s: float, start_s: float, healthy: Callable[[], bool],
-            on_gone: Callable[[str], None]) -> None:
+            on_gone: Callable[[str], None], device: torch.device | None = None) -> None:
         """Watch the others from now on.
 
         Args:
@@ -119,8 +119,11 @@ class UnitWatch:
             healthy: whether this rank's device completes its work (it beats only then).
             on_gone: called once with the reason when a watched rank is gone (it leaves
                 the process).
+            device: the worker's device, known by now (``healthy`` may ask it about its
+                work: the thread makes it its own first, 4.3's CUDA hygiene).
         """
         with self.lock:
+            self.device = device or self.device
             self.limit_s, self.healthy, self.on_gone = limit_s, healthy, on_gone
             self.since = time.monotonic() + max(0.0, start_s - limit_s)
 
@@ -134,10 +137,14 @@ class UnitWatch:
         return list(range(1, self.beats.size)) if self.rank == 0 else [0]
 
     def _run(self) -> None:
+        current = self.device
         while True:
             with self.lock:
                 limit_s, healthy, on_gone = self.limit_s, self.healthy, self.on_gone
-                since = self.since
+                since, device = self.since, self.device
+            if device != current:  # armed with the worker's device: work on it
+                use_device(device)
+                current = device
             if healthy():
                 self.beats.beat(self.rank)
             if limit_s is not None:
