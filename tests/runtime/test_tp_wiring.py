@@ -87,6 +87,62 @@ def test_a_damaged_shard_fails_its_layer(tmp_path: Path) -> None:
         store.manifest(2).read_parts(1, (1, 2))
 
 
+def test_shards_travel_the_bulk_channel(tmp_path: Path) -> None:
+    """A worker without the shared folder uploads its shard (``put`` with ``shard``) and
+    fetches the files it needs by ``index``; the coordinator writes and serves them."""
+    from chameleon_ft.runtime.coordinator.bulk import BulkState
+    from chameleon_ft.runtime.storage.blobs import BlobError
+
+    store = CheckpointStore(tmp_path, keep=2)
+    bulk = BulkState("127.0.0.1", b"s" * 32, store, 1, timeout_s=5.0, tp=2)
+    try:
+        bulk.expect(2, 0)
+        put = {"op": "put", "kind": "checkpoint", "layer": 0, "step": 2, "gen": 0}
+        for rank in (1, 0):
+            bulk.on_blob({**put, "shard": [rank, 2]}, f"shard {rank}".encode())
+        assembly = bulk.get(2, 0)
+        assert assembly is not None and assembly.complete
+        assert [f for f, _, _ in assembly.layers[0]] == ["layer0.tp0of2.bin",
+                                                         "layer0.tp1of2.bin"]
+        store.commit(assembly, plan={}, meta={})
+        get = {"op": "get", "kind": "restore", "layer": 0, "step": 2}
+        assert bulk.on_blob({**get, "index": 1}, b"") == ({"files": 2}, b"shard 1")
+        with pytest.raises(BlobError, match="no file 2"):
+            bulk.on_blob({**get, "index": 2}, b"")
+        with pytest.raises(BlobError, match="malformed shard"):
+            bulk.expect(4, 0)
+            bulk.on_blob({**put, "step": 4, "shard": [3, 2]}, b"x")
+    finally:
+        bulk.close()
+
+
+class _Files:
+    """The bulk channel as a worker sees it, over a layer stored as ``files``."""
+
+    def __init__(self, files: list[bytes]) -> None:
+        self.files, self.asked = files, []
+
+    def request(self, header: dict[str, Any], payload: bytes = b"") -> tuple[Any, bytes]:
+        self.asked.append(header["index"])
+        return {"files": len(self.files)}, self.files[header["index"]]
+
+
+@pytest.mark.parametrize(("stored", "shard", "asked", "got"), [
+    (2, (1, 2), [0, 1], ["1"]),        # written at its degree: its own shard
+    (2, (0, 2), [0], ["0"]),
+    (1, (1, 2), [0], ["0"]),           # a whole layer: split by the reader
+    (4, (1, 2), [0, 1, 2, 3], ["0", "1", "2", "3"]),  # another degree: every file
+])
+def test_a_worker_without_the_folder_fetches_what_its_degree_needs(
+        stored: int, shard: tuple[int, int], asked: list[int], got: list[str]) -> None:
+    from chameleon_ft.runtime.worker.checkpoints import CheckpointIO
+
+    blobs = _Files([str(k).encode() for k in range(stored)])
+    io = CheckpointIO(0, None, blobs, lambda: None, shard=shard)  # type: ignore[arg-type]
+    assert io.read_parts(2, 0, 1) == [g.encode() for g in got]
+    assert blobs.asked == asked
+
+
 # ---------------------------------------------------------------- names and places
 
 
