@@ -197,8 +197,8 @@ def _rank(*args: Any) -> None:
 def _unit(failing: int, status: int, finish: bool = False) -> Any:
     ctx = forkserver_context()
     place = Place(0)
-    return start_unit(ctx, _rank, (failing, status, finish, None, None, None, None, place,
-                                   0), tp=3, name="test-unit")
+    return start_unit(ctx, _rank, (failing, status, finish, None, None, None, None), place,
+                      (0,), tp=3, name="test-unit")
 
 
 def _ended(unit: Any, timeout_s: float = 20.0) -> int:

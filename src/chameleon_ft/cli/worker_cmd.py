@@ -323,7 +323,7 @@ def _start(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo, tok
         # a worker of [job] tp = k is k processes, one per device, started as one unit
         proc = start_unit(ctx, worker_main,
                           (reply.worker, host, port, address, reply.incarnation, secret,
-                           reply.replacement, place, logs.current_level()),
+                           reply.replacement), place, (logs.current_level(),),
                           tp=job.tp, name=f"chameleon-worker-{reply.worker}")
         procs.append((reply.worker, proc))
         _log.info("worker %d started (pid %s), reachable at %s%s", reply.worker, proc.pid,

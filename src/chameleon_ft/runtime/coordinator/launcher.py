@@ -202,12 +202,12 @@ class Unit:
             p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-def start_unit(ctx: Any, target: Callable[..., Any], args: tuple[Any, ...], *, tp: int,
-               name: str) -> Unit:
-    """Start a worker's ``tp`` processes: ``target(*args, tp_rank, beats)`` for each rank,
-    rank 0 first, sharing heartbeat slots (``worker.unit.UnitBeats``) when ``tp > 1``.
-    ``args``' ``Place`` (its 8th item) is the worker's; each rank gets its own device's
-    (``placement.rank_place``).
+def start_unit(ctx: Any, target: Callable[..., Any], head: tuple[Any, ...], place: Place,
+               tail: tuple[Any, ...], *, tp: int, name: str) -> Unit:
+    """Start a worker's ``tp`` processes: ``target(*head, place_r, *tail, r, beats)`` for
+    each rank ``r``, rank 0 first, ``place_r`` its own device's place
+    (``placement.rank_place`` of the worker's ``place``), ``beats`` the heartbeat slots
+    they share (``worker.unit.UnitBeats``; None at ``tp = 1``).
 
     Raises:
         OSError: when the OS refuses a process (those already started are killed).
@@ -219,7 +219,7 @@ def start_unit(ctx: Any, target: Callable[..., Any], args: tuple[Any, ...], *, t
     procs: list[Any] = []
     try:
         for rank in range(tp):
-            rank_args = (*args[:7], rank_place(args[7], tp, rank), *args[8:], rank, beats)
+            rank_args = (*head, rank_place(place, tp, rank), *tail, rank, beats)
             proc = ctx.Process(target=target, args=rank_args, daemon=False,
                                name=name if rank == 0 else f"{name}-tp{rank}")
             proc.start()
@@ -287,7 +287,7 @@ class Launcher:
             place = Place(w, task_index=w, task_workers=max(self.num_local, w + 1))
             unit = start_unit(ctx, worker_main,
                               (w, self.host, self.port, address, incarnation, self.secret,
-                               replacement, place, logs.current_level()),
+                               replacement), place, (logs.current_level(),),
                               tp=self.tp, name=f"chameleon-worker-{w}")
             self.procs[w] = Proc(w, incarnation, unit, host=socket.gethostname(),
                                  local_index=w)

@@ -17,7 +17,9 @@ The worker loop (docs/design.md section 4):
 
 Beside training, ``worker.liveness`` runs the heartbeat, the watchdog of the coordinator
 and the watcher of abort keys. Every value read from or written to the store goes through
-the job's seal (``worker.channel``).
+the job's seal (``worker.channel``). At ``[job] tp = k`` (design 4.11) this loop runs in
+each of the worker's k processes on its plane, with its shards (``worker.layers``); rank 0
+alone speaks for the worker to the coordinator.
 """
 
 from __future__ import annotations
@@ -549,7 +551,8 @@ def worker_main(worker_id: int, host: str, port: int, address: str, incarnation:
 
     Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
     coordinator disappeared, 4 when fenced, 5 when an NCCL abort could not finish, 6 when
-    the device stopped completing its work (``worker.exits``). ``os._exit`` skips the
+    the device stopped completing its work, 7 when another process of the worker failed
+    (``worker.exits``). ``os._exit`` skips the
     destructors of abandoned process groups, which could block on connections to dead
     peers or on kernels that never finish.
 
