@@ -140,9 +140,14 @@ class Liveness:
     def stall_limit_s(self) -> float:
         """How long device work may stay pending: the hang deadline, or the running
         generation's collective deadline where that is longer (it is at least ten of the
-        plan's estimated steps: one action's compute is never that long)."""
+        plan's estimated steps: one action's compute is never that long). In a worker of
+        several processes one more collective deadline: the compute holds DTensor's
+        collectives, in which a rank may wait for a sibling that itself waits for a plane
+        peer's message up to that deadline (design 4.11)."""
         gen = self.current()
-        return max(self.hang_s, gen.abort_s if gen is not None else 0.0)
+        collective_s = gen.abort_s if gen is not None else 0.0
+        extra_s = collective_s if self.unit is not None else 0.0
+        return max(self.hang_s, collective_s) + extra_s
 
     def _stalled(self, chan: Channel | None) -> None:
         """The device stopped completing its work: report a fatal error (the coordinator
