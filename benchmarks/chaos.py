@@ -16,7 +16,10 @@ declared and found at full speed again.
 Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos.py --workers 8 --faults 20 \\
-        --runs 15 --seed 1 [--json out/chaos8.json] [--no-resume]
+        --runs 15 --seed 1 [--json out/chaos8.json] [--no-resume] [--tp 2]
+
+``--tp 2``: every worker is two processes sharding its layers (design 4.11), on twice the
+devices per node, with the hang deadline a loaded host keeps for twice the processes.
 """
 
 from __future__ import annotations
@@ -40,15 +43,15 @@ LAYOUTS = {4: (2, 2, 2, 2), 8: (2, 4, 2, 4), 16: (4, 4, 4, 4), 32: (8, 4, 4, 8)}
 """workers -> (nodes, devices per node, pp, dp)."""
 
 
-def chaos_doc(workers: int, steps: int) -> dict[str, Any]:
-    """The job: a 2-block GPT in float64 on ``workers`` worker processes."""
+def chaos_doc(workers: int, steps: int, tp: int = 1) -> dict[str, Any]:
+    """The job: a 2-block GPT in float64 on ``workers`` workers of ``tp`` processes."""
     nodes, per_node, pp, dp = LAYOUTS[workers]
-    big = workers >= 16  # many processes on few cores: heartbeats arrive later
+    big = workers * tp >= 16  # many processes on few cores: heartbeats arrive later
     return {
         "model": {"name": f"chaos{workers}", "num_blocks": max(2, pp), "hidden_size": 32,
                   "num_heads": 2, "vocab_size": 256, "seq_len": 32},
-        "cluster": {"num_nodes": nodes, "devices_per_node": per_node, "device": "cpu"},
-        "job": {"pp": pp, "dp": dp, "global_batch": 4 * dp, "micro_batch": 2},
+        "cluster": {"num_nodes": nodes, "devices_per_node": per_node * tp, "device": "cpu"},
+        "job": {"pp": pp, "dp": dp, "tp": tp, "global_batch": 4 * dp, "micro_batch": 2},
         "profile": {"kind": "analytic"},
         # the runtime's own transition terms, as measured for examples/tiny_cpu.toml
         "recovery": {"detect_s": 0.03, "comm_init_s": 0.0017, "comm_per_rank_s": 0.0095,
@@ -56,7 +59,9 @@ def chaos_doc(workers: int, steps: int) -> dict[str, Any]:
                      "layer_build_gb_per_s": 0.74, "warmup_steps": 0.4, "restart_s": 0.1,
                      "checkpoint_load_s": 0.05, "checkpoint_interval_s": 3.0},
         "train": {"steps": steps, "dtype": "float64", "lr": 3e-3,
-                  "hang_timeout_s": 3.0 if big else 1.0,
+                  "hang_timeout_s": 6.0 if tp > 1 else 3.0 if big else 1.0,
+                  # DTensor's first operations on a loaded host outlast the 3 s floor
+                  **({"collective_timeout_s": 6.0} if tp > 1 else {}),
                   "heartbeat_s": 0.1 if big else 0.05, "checkpoint_every": 5,
                   "rejoin": True, "max_retries": 3, "join_timeout_s": 300.0},
     }
@@ -83,7 +88,8 @@ def run_reference(doc: dict[str, Any], out: Path) -> dict[str, Any]:
 
     coord = Coordinator(config_from_mapping(doc), out_dir=out, nccl_semantics=NCCL_SEMANTICS)
     report = coord.run()
-    assert not report["events"], "the failure-free reference had failures"
+    assert not report["events"], ("the failure-free reference had failures: "
+                                  f"{[(e['workers'], e['cause']) for e in report['events']]}")
     return coord.params
 
 
@@ -233,6 +239,8 @@ def main() -> int:
                         help="the workers' gloo groups complete operations as NCCL's do "
                              "(wait returns at once, a dead peer's transfers hang until "
                              "an abort): the NCCL completion path on CPU")
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2),
+                        help="processes per worker, sharding its layers (default 1)")
     parser.add_argument("--json", metavar="FILE", help="write every run's figures here")
     parser.add_argument("--log", metavar="FILE", help="append every run's coordinator log here")
     args = parser.parse_args()
@@ -242,7 +250,7 @@ def main() -> int:
     from chameleon_ft.runtime.chaos import summarize
 
     steps = args.steps or 12 * args.faults + 40
-    doc = chaos_doc(args.workers, steps)
+    doc = chaos_doc(args.workers, steps, args.tp)
     with tempfile.TemporaryDirectory(prefix="chameleon-chaos-") as tmp:
         root = Path(tmp)
         t = time.monotonic()

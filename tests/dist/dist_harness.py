@@ -29,14 +29,18 @@ from chameleon_ft.spec.train import parse_fault
 def tiny_config(model_override: dict[str, Any] | None = None,
                 cluster: dict[str, Any] | None = None,
                 recovery: dict[str, Any] | None = None,
-                job: dict[str, Any] | None = None, **train: Any) -> Any:
+                job: dict[str, Any] | None = None,
+                optimizer: dict[str, Any] | None = None, **train: Any) -> Any:
     """The tiny job with ``[train]`` overrides (optionally another ``[model]``, and
-    ``[cluster]``, ``[recovery]`` and ``[job]`` overrides such as ``spare_nodes``)."""
+    ``[cluster]``, ``[recovery]``, ``[job]`` and ``[optimizer]`` overrides such as
+    ``spare_nodes``)."""
     doc = copy.deepcopy(TINY)
     doc["train"].update(train)
     doc["cluster"].update(cluster or {})
     doc["recovery"].update(recovery or {})
     doc["job"].update(job or {})
+    if optimizer:
+        doc["optimizer"] = {**doc.get("optimizer", {}), **optimizer}
     if model_override is not None:
         doc["model"] = dict(model_override)
     return config_from_mapping(doc)
@@ -74,6 +78,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
             cluster: dict[str, Any] | None = None,
             recovery: dict[str, Any] | None = None,
             job: dict[str, Any] | None = None,
+            optimizer: dict[str, Any] | None = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -88,10 +93,11 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         coordinator: more keyword arguments of :class:`Coordinator` (hooks, decide...).
         cluster: ``[cluster]`` overrides (``spare_nodes``).
         recovery: ``[recovery]`` overrides (``memory_checkpoint``).
-        job: ``[job]`` overrides (``pp``, ``dp``).
+        job: ``[job]`` overrides (``pp``, ``dp``, ``tp``).
+        optimizer: ``[optimizer]`` overrides (``clip_grad_norm``).
         train: ``[train]`` overrides.
     """
-    config = tiny_config(model_override, cluster, recovery, job, **train)
+    config = tiny_config(model_override, cluster, recovery, job, optimizer, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 

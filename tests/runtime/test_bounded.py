@@ -107,7 +107,8 @@ class Bulk:
             if why is not None:
                 failed.append((step, gen, why))
                 continue
-            layers = frozenset(cs.checkpoint_files(gen, step, self.num_layers))
+            layers = frozenset(layer for layer, _ in
+                               cs.checkpoint_files(gen, step, self.num_layers))
             if layers != seen:
                 self.pending[(step, gen)] = layers
                 progress.append((step, gen, layers))

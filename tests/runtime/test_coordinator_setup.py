@@ -111,10 +111,11 @@ class _Reports:
     def checkpoint_progress(self, gen: int, step: int) -> int:
         return len(self.files)
 
-    def checkpoint_files(self, gen: int, step: int, num_layers: int) -> dict[int, Any]:
-        return dict(self.files)
+    def checkpoint_files(self, gen: int, step: int, num_layers: int,
+                         tp: int = 1) -> dict[tuple[int, int | None], Any]:
+        return {(layer, None): doc for layer, doc in self.files.items()}
 
-    def forget_checkpoint(self, gen: int, step: int, num_layers: int) -> None:
+    def forget_checkpoint(self, gen: int, step: int, num_layers: int, tp: int = 1) -> None:
         self.forgotten += 1
 
 

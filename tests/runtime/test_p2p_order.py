@@ -49,6 +49,7 @@ class TinyStage:
         with torch.no_grad():  # no shared random generator: the threads run at once
             self.stage.weight.copy_(torch.linspace(-1, 1, 16).reshape(4, 4) / worker)
             self.stage.bias.fill_(0.1 * worker)
+        self.runner = self.stage
 
     def microbatch(self, step: int, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.arange(8, dtype=torch.float64).reshape(2, 4) + first_sample

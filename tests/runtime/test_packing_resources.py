@@ -198,3 +198,38 @@ def test_the_memory_check_counts_the_checkpoint_copies() -> None:
                         available=int(need) + 1) == []
     with pytest.raises(ValueError, match="checkpoint's copy"):
         check_memory(config, plan, profile, 4, backend="gloo", available=int(need) + 1)
+
+
+def test_a_tensor_parallel_worker_is_counted_per_process() -> None:
+    """At tp 2 each of a worker's two processes holds half of the sharded tensors, the
+    replicated ones whole (norms, row-parallel biases, the GPT's position table), half the
+    activations and its own process: each rank a little over half the tp-1 worker's state,
+    the worker's two processes together one more process."""
+    from chameleon_ft.runtime.coordinator.resources import (
+        PROCESS_BYTES,
+        replicated_parameters,
+    )
+
+    needs, configs = {}, {}
+    for tp in (1, 2):
+        config: Any = config_from_mapping({
+            "model": {"name": "g", "num_blocks": 2, "hidden_size": 256, "num_heads": 4,
+                      "vocab_size": 4096, "seq_len": 128},
+            "cluster": {"num_nodes": 2, "devices_per_node": 2 * tp, "device": "cpu"},
+            "job": {"pp": 2, "dp": 2, "tp": tp, "global_batch": 8, "micro_batch": 2}})
+        profile = build_profile(config, runtime=True)
+        plan = initial_plan(config, profile)
+        needs[tp] = worker_bytes(config, plan, profile, layer_parameters(config, profile))
+        configs[tp] = config
+    replicated = replicated_parameters(configs[2], 4)
+    assert replicated[0] == 128 * 256 and all(r > 0 for r in replicated)
+    assert replicated_parameters(configs[1], 4) == [0, 0, 0, 0]
+    for w in range(4):
+        whole, rank = needs[1][w] - PROCESS_BYTES, needs[2][w] - PROCESS_BYTES
+        assert whole / 2 < rank < 0.6 * whole
+    assert check_memory(configs[2], initial_plan(configs[2], build_profile(configs[2])),
+                        build_profile(configs[2]), 4, backend="gloo",
+                        available=8 * 2**30) == []
+    with pytest.raises(ValueError, match="4 local workers need"):  # 8 processes of 300 MiB
+        check_memory(configs[2], initial_plan(configs[2], build_profile(configs[2])),
+                     build_profile(configs[2]), 4, backend="gloo", available=2 * 2**30)

@@ -310,8 +310,8 @@ def _start(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo, tok
            wanted_job: str, address: str, coordinator: tuple[str, int],
            wanted: list[int | None], timeout_s: float, drain: Drain) -> None:
     """Join once per worker and start its process (none after a drain began)."""
-    from chameleon_ft.runtime.coordinator.launcher import forkserver_context
-    from chameleon_ft.runtime.worker.main import worker_main
+    from chameleon_ft.runtime.coordinator.launcher import forkserver_context, start_unit
+    from chameleon_ft.runtime.worker.process import worker_main
 
     ctx = forkserver_context()
     secret = auth.secret_of(token)
@@ -321,11 +321,11 @@ def _start(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo, tok
             return
         reply = _join(store, job, token, wanted_job, address, timeout_s, index)
         place = placement.Place(reply.local_index, task_index=k, task_workers=len(wanted))
-        proc = ctx.Process(target=worker_main,
-                           args=(reply.worker, host, port, address, reply.incarnation,
-                                 secret, reply.replacement, place, logs.current_level()),
-                           name=f"chameleon-worker-{reply.worker}")
-        proc.start()
+        # a worker of [job] tp = k is k processes, one per device, started as one unit
+        proc = start_unit(ctx, worker_main,
+                          (reply.worker, host, port, address, reply.incarnation, secret,
+                           reply.replacement), place, (logs.current_level(),),
+                          tp=job.tp, name=f"chameleon-worker-{reply.worker}")
         procs.append((reply.worker, proc))
         _log.info("worker %d started (pid %s), reachable at %s%s", reply.worker, proc.pid,
                   address, " (replacement)" if reply.replacement else "")
@@ -341,7 +341,7 @@ def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
     from chameleon_ft.runtime import protocol as proto
     from chameleon_ft.runtime.worker.link import client, refused
 
-    sentinels = [proc.sentinel for _, proc in procs]
+    sentinels = [sentinel for _, proc in procs for sentinel in proc.sentinels]
     silent_since: float | None = None
     announced = False
     while any(proc.exitcode is None for _, proc in procs):
@@ -370,13 +370,13 @@ def _wait(procs: list[tuple[int, Any]], store: dist.TCPStore, job: JobInfo,
 
 
 def _reap(procs: list[tuple[int, Any]], patience_s: float) -> None:
-    """Leave no process behind: wait ``patience_s`` in all, then SIGKILL by pid."""
+    """Leave no process behind: wait ``patience_s`` in all, then SIGKILL by pid (every
+    process of each worker: ``launcher.Unit``)."""
     deadline = time.monotonic() + patience_s
     for _, proc in procs:
-        if proc.exitcode is None and proc.pid is not None:
+        if proc.is_alive():
             proc.join(max(0.0, deadline - time.monotonic()))
     for _, proc in procs:
-        if proc.exitcode is None and proc.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
+        if proc.is_alive():
+            proc.kill()
             proc.join(5.0)

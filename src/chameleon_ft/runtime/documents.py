@@ -62,6 +62,9 @@ class JobInfo:
     also copied into a worker's memory on another node."""
     workers_per_node: int = 1
     """Workers per node (``worker // workers_per_node`` is a worker's node)."""
+    tp: int = 1
+    """Processes per worker (``[job] tp``): each rank holds its shard of the stage's layers
+    (design 4.11)."""
     nccl_semantics: bool = False
     """Run gloo groups behind NCCL's completion semantics (``worker.nccl_like``): how the
     tests exercise the NCCL path on CPU."""

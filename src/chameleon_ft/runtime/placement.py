@@ -113,3 +113,15 @@ def device_index(place: Place, num_visible: int, backend: str) -> int:
                          "give each task its own GPUs (CUDA_VISIBLE_DEVICES, --gpus-per-task), "
                          "start fewer workers per host, or use backend = \"gloo\" to share")
     return place.local_index % num_visible
+
+
+def rank_place(place: Place, tp: int, rank: int) -> Place:
+    """Where rank ``rank`` of a worker of ``tp`` processes sits (design 4.11): the
+    worker's node-local index ``i`` and task place ``t`` of ``n`` become device ``tp * i +
+    rank``, place ``tp * t + rank`` of ``tp * n``, so the rule of :func:`device_index`
+    gives each rank a device of its own (a task that sees exactly its workers' ``tp * n``
+    GPUs owns them; otherwise the host's)."""
+    if tp == 1:
+        return place
+    return Place(tp * place.local_index + rank, task_index=tp * place.task_index + rank,
+                 task_workers=tp * place.task_workers)

@@ -70,7 +70,9 @@ def message_kind(key: str) -> str:
     parts = key.split("/")
     head = parts[0]
     if head.startswith("gen") and head[3:].isdigit() and len(parts) > 1:
-        return "rendezvous" if parts[1] in ("world", "world-down", "bucket") else parts[1]
+        group = parts[1].startswith(("plane", "tp")) or parts[1] in ("world", "world-down",
+                                                                     "bucket")
+        return "rendezvous" if group else parts[1]
     if head in ("gen", "faults", "join", "coordinator") and len(parts) > 1:
         return f"{head}-{parts[1]}"
     return {"hb": "heartbeat"}.get(head, head)
@@ -148,6 +150,21 @@ def bucket_prefix(gen: int, members: tuple[int, ...] | list[int]) -> str:
     return f"gen{gen}/bucket/{'_'.join(map(str, members))}/"
 
 
+def in_plane(prefix: str, plane: int | None) -> str:
+    """Where a generation's group of prefix ``prefix`` (one of the three above) lives for
+    the ranks of tensor-parallel plane ``plane`` (``gen{g}/plane{r}/...``: design 4.11;
+    None: a job without tensor parallelism, the prefix itself)."""
+    if plane is None:
+        return prefix
+    head, rest = prefix.split("/", 1)
+    return f"{head}/plane{plane}/{rest}"
+
+
+def tp_prefix(gen: int, worker: int) -> str:
+    """The store prefix of ``worker``'s tensor-parallel group in generation ``gen``."""
+    return f"gen{gen}/tp{worker}/"
+
+
 def rendezvous_tag(signer: Signer, gen: int, salt: str) -> str:
     """The part of generation ``gen``'s rendezvous prefixes only holders of the job key
     can compute, from the ``salt`` its directive carries (a stranger cannot write them
@@ -167,10 +184,12 @@ def rendezvous_keys(groups: list[tuple[str, int]]) -> list[str]:
     return [f"{prefix}/0/{rank}" for prefix, size in groups for rank in range(size)]
 
 
-def checkpoint_layer_key(gen: int, step: int, layer: int) -> str:
+def checkpoint_layer_key(gen: int, step: int, layer: int, shard: int | None = None) -> str:
     """JSON ``{"file", "size", "sha256", "worker"}``: ``gen`` wrote ``layer`` of the
-    checkpoint after ``step`` steps."""
-    return f"gen{gen}/ckpt/{step}/layer/{layer}"
+    checkpoint after ``step`` steps (``shard``: tensor-parallel rank ``shard`` wrote its
+    shard of it, ``{..., "shard", "degree"}``)."""
+    key = f"gen{gen}/ckpt/{step}/layer/{layer}"
+    return key if shard is None else f"{key}/tp{shard}"
 
 
 def checkpoint_count_key(gen: int, step: int) -> str:

@@ -59,7 +59,8 @@ class Pending:
 
     def record(self) -> dict[str, Any]:
         """What the report says of this checkpoint's writing."""
-        total = float(sum(size for _, size, _ in self.assembly.layers.values()))
+        total = float(sum(size for files in self.assembly.layers.values()
+                          for _, size, _ in files))
         took = (self.written_s or self.expected_s) - self.expected_s
         return {"step": self.assembly.step, "gen": self.assembly.gen, "bytes": total,
                 "committed_at_s": self.expected_s, "written_after_s": took,
@@ -71,8 +72,11 @@ class BulkState:
     """The checkpoints being written, and the bulk channel."""
 
     def __init__(self, host: str, secret: bytes, ckpt: CheckpointStore, num_layers: int, *,
-                 timeout_s: float, deadline: Deadline | None = None) -> None:
+                 timeout_s: float, deadline: Deadline | None = None, tp: int = 1) -> None:
         self.ckpt = ckpt
+        self.tp = tp
+        """Processes per worker: at ``tp > 1`` each rank writes and reports its shard of
+        a layer (design 4.11)."""
         self.fallback_ckpt: CheckpointStore | None = None
         """The run folder's store for the final state (made when first needed)."""
         self.num_layers = num_layers
@@ -141,13 +145,19 @@ class BulkState:
 
     def _gather(self, store: ControlStore, step: int, gen: int, entry: Pending) -> None:
         """The layer files workers reported through the store."""
-        for layer, doc in store.checkpoint_files(gen, step, self.num_layers).items():
-            if layer in entry.assembly.layers:
+        done = entry.assembly.layers
+        files = store.checkpoint_files(gen, step, self.num_layers, self.tp)
+        for (layer, rank), doc in files.items():
+            if layer in done:
                 continue
             held = doc.get("memory")
-            entry.assembly.report(layer, LayerFile(str(doc["file"]), int(doc["size"]),
-                                                   str(doc["sha256"])),
-                                  None if held is None else int(held))
+            try:
+                entry.assembly.report(layer, LayerFile(str(doc["file"]), int(doc["size"]),
+                                                       str(doc["sha256"])),
+                                      None if held is None else int(held),
+                                      None if rank is None else (rank, self.tp))
+            except CheckpointError:
+                continue  # sealed by a worker, so never: the deadline drops it
             share = entry.writers.setdefault(int(doc.get("worker", -1)), [0.0, 0.0])
             share[0] += int(doc["size"])
             share[1] += float(doc.get("write_s", 0.0))
@@ -163,7 +173,7 @@ class BulkState:
         """
         with self.lock:
             entry = self.pending.pop((step, gen), None)
-        store.forget_checkpoint(gen, step, self.num_layers)
+        store.forget_checkpoint(gen, step, self.num_layers, self.tp)
         if entry is None:
             return None
         target = self._store_of(entry)
@@ -180,7 +190,7 @@ class BulkState:
         """Discard a checkpoint that failed."""
         with self.lock:
             entry = self.pending.pop((step, gen), None)
-        store.forget_checkpoint(gen, step, self.num_layers)
+        store.forget_checkpoint(gen, step, self.num_layers, self.tp)
         if entry is not None:
             self._store_of(entry).discard(entry.assembly)
 
@@ -207,9 +217,13 @@ class BulkState:
             self._put_checkpoint(header, layer, payload)
             return {}, b""
         if op == "get" and kind == "restore":
-            try:
-                return {}, self.ckpt.manifest(int(header["step"])).read_layer(layer)
-            except CheckpointError as exc:
+            try:  # a whole layer's file, or (``index``) one of a sharded layer's files
+                manifest = self.ckpt.manifest(int(header["step"]))
+                index = int(header.get("index", 0))
+                if not 0 <= index < manifest.degree(layer):
+                    raise BlobError(f"layer {layer} has no file {index}")
+                return {"files": manifest.degree(layer)}, manifest.read_file(layer, index)
+            except (CheckpointError, TypeError, ValueError) as exc:
                 raise BlobError(str(exc)) from None
         raise BlobError(f"unknown request {op} {kind}")
 
@@ -223,8 +237,12 @@ class BulkState:
         if entry is None:
             raise BlobError(f"no checkpoint after {step} steps is expected from generation "
                             f"{gen}")
+        shard = header.get("shard")
         try:
-            entry.assembly.add(layer, payload)
+            entry.assembly.add(layer, payload, None if shard is None
+                               else (int(shard[0]), int(shard[1])))
+        except (TypeError, ValueError, IndexError, CheckpointError):
+            raise BlobError(f"layer {layer}: malformed shard {shard!r}") from None
         except OSError as exc:
             raise BlobError(f"the coordinator could not write layer {layer}: "
                             f"{exc.strerror or exc}") from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from chameleon_ft.runtime import auth
@@ -32,6 +32,22 @@ CHECKPOINT_LOG_S = 10.0
 """At most one "checkpoint written" line per this many seconds."""
 
 Answer = m.Observation | None
+
+
+def _groups(gen: int, world: Sequence[int], rounds: list[Any], directive: dict[str, Any],
+            tp: int) -> list[tuple[str, int]]:
+    """Every group of a generation as ``(prefix, size)`` (its rendezvous keys are deleted
+    when it retires): the world groups and buckets, once per tensor-parallel plane, and
+    each worker's tensor-parallel group (design 4.11)."""
+    size = len(world)
+    groups = [(proto.world_prefix(gen), size), (proto.reverse_world_prefix(gen), size)]
+    groups += [(proto.bucket_prefix(gen, b), len(b))
+               for b in sorted({tuple(b[0]) for rnd in rounds for b in rnd if len(b[0]) > 1}
+                               | set(extra_groups(directive)))]
+    if tp == 1:
+        return groups
+    planes = [(proto.in_plane(prefix, r), n) for r in range(tp) for prefix, n in groups]
+    return planes + [(proto.tp_prefix(gen, w), tp) for w in world]
 
 
 def _do_publish(coord: Coordinator, e: m.Publish) -> Answer:
@@ -55,12 +71,8 @@ def _do_publish(coord: Coordinator, e: m.Publish) -> Answer:
         **step_reductions(e.plan, tied_parameters(coord.job.model),
                           coord.config.optimizer.clip_grad_norm)}
     coord.hooks.before_publish(coord, directive)
-    size = len(e.world)
-    groups = [(proto.world_prefix(e.gen), size), (proto.reverse_world_prefix(e.gen), size)]
-    groups += [(proto.bucket_prefix(e.gen, b), len(b))
-               for b in sorted({tuple(b[0]) for rnd in rounds for b in rnd if len(b[0]) > 1}
-                               | set(extra_groups(directive)))]
-    coord.cs.publish(e.gen, directive, groups)
+    coord.cs.publish(e.gen, directive, _groups(e.gen, e.world, rounds, directive,
+                                              coord.config.job.tp))
     precompute = getattr(coord.decide_fn(), "precompute", None)
     if precompute is not None:
         precompute(e.plan, idle=e.idle)

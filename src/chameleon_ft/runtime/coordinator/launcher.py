@@ -184,6 +184,101 @@ class Adopted:
             self.fd = -1
 
 
+class Unit:
+    """A worker's processes, started as one (design 4.11): one per tensor-parallel rank,
+    rank 0 first; to its launcher it looks like one process.
+
+    Any rank's end that is not a clean one (an exit with a non-zero status, a kill),
+    and rank 0's end whatever its status, ends the unit: the first look at
+    :attr:`exitcode` that finds it kills the other ranks (SIGKILL, by pid) and reports one
+    status, rank 0's when it ended, else the failed rank's. A sibling that exits 0 only
+    finished (after the final checkpoint) ahead of rank 0.
+
+    Args:
+        procs: the started processes, by rank.
+        beats: their shared heartbeat slots (``worker.unit.UnitBeats``), or None at tp 1.
+    """
+
+    def __init__(self, procs: Sequence[Any], beats: Any = None) -> None:
+        self.procs = list(procs)
+        self.beats = beats
+
+    @property
+    def pid(self) -> int | None:
+        """Rank 0's pid."""
+        pid: int | None = self.procs[0].pid
+        return pid
+
+    @property
+    def pids(self) -> list[int]:
+        """Every rank's pid."""
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    @property
+    def sentinels(self) -> list[Any]:
+        """What ``multiprocessing.connection.wait`` waits on: every rank's end."""
+        return [p.sentinel for p in self.procs]
+
+    @property
+    def exitcode(self) -> int | None:
+        """The unit's status once it ended (None while it runs); ending it at the first
+        look (see the class)."""
+        codes = [p.exitcode for p in self.procs]
+        failed = next((c for c in codes[1:] if c not in (None, 0)), None)
+        if codes[0] is None and failed is None:
+            return None
+        if any(c is None for c in codes):
+            self.kill()
+        code: int | None = codes[0] if codes[0] is not None else failed
+        return code
+
+    def is_alive(self) -> bool:
+        """Whether any rank still runs."""
+        return any(p.exitcode is None for p in self.procs)
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running (each by its own handle: an adopted one's
+        pid file descriptor)."""
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait (at most ``timeout_s`` in all) for every rank to end."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def start_unit(ctx: Any, target: Callable[..., Any], head: tuple[Any, ...], place: Place,
+               tail: tuple[Any, ...], *, tp: int, name: str) -> Unit:
+    """Start a worker's ``tp`` processes: ``target(*head, place_r, *tail, r, beats)`` for
+    each rank ``r``, rank 0 first, ``place_r`` its own device's place
+    (``placement.rank_place`` of the worker's ``place``), ``beats`` the heartbeat slots
+    they share (``worker.unit.UnitBeats``; None at ``tp = 1``).
+
+    Raises:
+        OSError: when the OS refuses a process (those already started are killed).
+    """
+    from chameleon_ft.runtime.placement import rank_place
+    from chameleon_ft.runtime.worker.unit import UnitBeats
+
+    beats = UnitBeats.create(ctx, tp) if tp > 1 else None
+    procs: list[Any] = []
+    try:
+        for rank in range(tp):
+            rank_args = (*head, rank_place(place, tp, rank), *tail, rank, beats)
+            proc = ctx.Process(target=target, args=rank_args, daemon=False,
+                               name=name if rank == 0 else f"{name}-tp{rank}")
+            proc.start()
+            procs.append(proc)
+    except BaseException:
+        Unit(procs).kill()
+        raise
+    return Unit(procs, beats)
+
+
 @dataclass
 class Proc:
     """The process currently holding a worker id (``process`` None: a remote worker)."""
@@ -208,10 +303,12 @@ class Launcher:
     """Starts local worker processes and keeps a handle on every one of them."""
 
     def __init__(self, host: str, port: int, secret: bytes, preload: Iterable[str] = (),
-                 num_local: int = 0) -> None:
+                 num_local: int = 0, tp: int = 1) -> None:
         self.host, self.port, self.secret = host, port, secret
         self.num_local = num_local
         """Workers this coordinator runs on its host (its task's workers)."""
+        self.tp = tp
+        """Processes per worker (``[job] tp``): each worker is a :class:`Unit`."""
         self.preload = tuple(preload)
         """Modules the workers' forkserver imports once (see :func:`forkserver_context`)."""
         self.procs: dict[int, Proc] = {}
@@ -225,7 +322,7 @@ class Launcher:
 
     def launch(self, ids: Iterable[int], *, replacement: bool) -> dict[int, str]:
         """Start a process for each worker id; returns their incarnations."""
-        from chameleon_ft.runtime.worker.main import worker_main
+        from chameleon_ft.runtime.worker.process import worker_main
 
         ctx = forkserver_context(self.preload)
         address = auth.advertise_address(self.host, self.port)
@@ -237,15 +334,14 @@ class Launcher:
             incarnation = auth.new_nonce()
             # local workers are ids 0..num_local-1: their node-local index is the id
             place = Place(w, task_index=w, task_workers=max(self.num_local, w + 1))
-            proc = ctx.Process(target=worker_main,
-                               args=(w, self.host, self.port, address, incarnation,
-                                     self.secret, replacement, place, logs.current_level()),
-                               daemon=False, name=f"chameleon-worker-{w}")
-            proc.start()
-            self.procs[w] = Proc(w, incarnation, proc, host=socket.gethostname(),
+            unit = start_unit(ctx, worker_main,
+                              (w, self.host, self.port, address, incarnation, self.secret,
+                               replacement), place, (logs.current_level(),),
+                              tp=self.tp, name=f"chameleon-worker-{w}")
+            self.procs[w] = Proc(w, incarnation, unit, host=socket.gethostname(),
                                  local_index=w)
-            self.all_procs.append(proc)
-            self.launched_pids.append(proc.pid)
+            self.all_procs.append(unit)
+            self.launched_pids.extend(unit.pids)
             out[w] = incarnation
         return out
 
@@ -263,20 +359,22 @@ class Launcher:
 
     def adopt(self, worker: int, incarnation: str, pid: int, started: int) -> bool:
         """Hold the process ``pid`` of this host (started at ``started``) as ``worker``'s
-        (a re-attached worker); False when it is gone."""
+        (a re-attached worker; at ``tp > 1`` its rank 0, whose siblings follow its unit
+        slot and leave with it); False when it is gone."""
         try:
-            proc = Adopted(pid, started)
+            unit = Unit([Adopted(pid, started)])
         except (OSError, AttributeError):  # gone, or no pid file descriptors here
             return False
-        self.procs[worker] = Proc(worker, incarnation, proc, host=socket.gethostname(),
+        self.procs[worker] = Proc(worker, incarnation, unit, host=socket.gethostname(),
                                   local_index=worker)
-        self.all_procs.append(proc)
+        self.all_procs.append(unit)
         return True
 
     def adopted(self, worker: int) -> bool:
         """Whether ``worker``'s process was adopted (not started here)."""
         p = self.procs.get(worker)
-        return p is not None and isinstance(p.process, Adopted)
+        return p is not None and p.process is not None and \
+            isinstance(p.process.procs[0], Adopted)
 
     def pids(self, ids: Iterable[int]) -> list[int]:
         """The pids of local workers."""
@@ -294,14 +392,15 @@ class Launcher:
         return p is not None and p.process is not None and p.process.exitcode is not None
 
     def kill(self, workers: Iterable[int]) -> list[int]:
-        """SIGKILL the running local processes of ``workers``; returns those signalled."""
+        """SIGKILL the running local processes of ``workers`` (every rank of each);
+        returns those signalled."""
         killed = []
         for w in workers:
             p = self.procs.get(w)
-            proc = None if p is None else p.process
-            if proc is None or proc.pid is None or proc.exitcode is not None:
+            unit = None if p is None else p.process
+            if unit is None or unit.pid is None or not unit.is_alive():
                 continue
-            proc.kill()
+            unit.kill()
             killed.append(w)
         return killed
 
@@ -315,8 +414,8 @@ class Launcher:
 
     def wait(self, workers: Iterable[int], timeout_s: float = POLL_S) -> None:
         """Sleep until one of these workers' local processes exits, or ``timeout_s``."""
-        sentinels = [p.process.sentinel for w in workers
-                     if (p := self.procs.get(w)) is not None and p.process is not None]
+        sentinels = [s for w in workers if (p := self.procs.get(w)) is not None
+                     and p.process is not None for s in p.process.sentinels]
         if sentinels:
             multiprocessing.connection.wait(sentinels, timeout=timeout_s)
         else:
@@ -325,9 +424,9 @@ class Launcher:
     def reap(self, timeout_s: float = REAP_S) -> None:
         """Leave no process behind: wait briefly, then SIGKILL by pid and join."""
         deadline = time.monotonic() + timeout_s
-        for proc in self.all_procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.all_procs:
-            if proc.exitcode is None and proc.pid is not None:
-                proc.kill()
-                proc.join(5.0)
+        for unit in self.all_procs:
+            unit.join(max(0.0, deadline - time.monotonic()))
+        for unit in self.all_procs:
+            if unit.is_alive():
+                unit.kill()
+                unit.join(5.0)

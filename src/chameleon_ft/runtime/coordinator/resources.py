@@ -12,6 +12,12 @@ the number of stages, 1F1B), in the compute dtype (with activation checkpointing
 layer's input, plus one layer's activations while its forward runs again), plus the
 process itself (the Python interpreter and torch). CPU workers of one host share its
 available memory; a GPU worker has its device's memory.
+
+At ``[job] tp = k`` a worker is k processes (design 4.11), each counted on its own: its
+shard of the stage (sharded tensors divided by k, replicated ones whole: norms,
+row-parallel biases, the GPT's position table), their gradients and optimizer state
+alike, the activations at the estimator's sequence-parallel ``1 / k``, its host copy of
+its shards, and the process itself; on GPUs each rank has a device of its own.
 """
 
 from __future__ import annotations
@@ -64,6 +70,26 @@ def layer_parameters(config: Config, profile: Profile,
     return counts
 
 
+def replicated_parameters(config: Config, num_layers: int) -> list[int]:
+    """Parameters of each layer that every tensor-parallel rank holds whole: each
+    block's norms (weight and bias, counted generously) and row-parallel biases, the
+    final norm, and the built-in GPT's position table (0s without an architecture)."""
+    model = config.model
+    if config.job.tp == 1 or model is None or num_layers < 2:
+        return [0] * num_layers
+    h = model.hidden_size
+    first = model.seq_len * h if config.model_source.source == "gpt" else 0
+    return [first, *[2 * (model.block_norms + 1) * h] * (num_layers - 2), 2 * h]
+
+
+def rank_parameters(config: Config, params: list[int]) -> list[float]:
+    """Parameters of each layer one tensor-parallel rank holds: its shard of the sharded
+    tensors and the replicated ones whole (``params`` at ``tp = 1``)."""
+    tp = config.job.tp
+    replicated = replicated_parameters(config, len(params))
+    return [(n - r) / tp + r for n, r in zip(params, replicated, strict=True)]
+
+
 def _activation_elements(model: ModelSpec, micro_batch: int) -> float:
     """Elements autograd keeps per block and micro-batch (no recomputation): the
     Korthikanti et al. count in elements, ``s b h (34 + 5 a s / h) / 2``, rounded up."""
@@ -100,7 +126,9 @@ def _activations(config: Config, profile: Profile, num_layers: int) -> tuple[lis
 
 def worker_bytes(config: Config, plan: ExecutionPlan, profile: Profile,
                  params: list[int]) -> dict[int, float]:
-    """Bytes each worker of ``plan`` needs in the runtime (process included).
+    """Bytes each process of each worker of ``plan`` needs in the runtime (itself
+    included): one rank's (every rank of a worker needs the same); the worker's at
+    ``tp = 1``.
 
     Args:
         config: the job.
@@ -109,29 +137,32 @@ def worker_bytes(config: Config, plan: ExecutionPlan, profile: Profile,
         params: parameters of each layer (:func:`layer_parameters`).
     """
     per_param = state_bytes_per_param(config.train.dtype)
+    tp = config.job.tp
+    held = rank_parameters(config, params)
     kept, running = _activations(config, profile, len(params))
     out: dict[int, float] = {}
     pipe_stages = max(p.num_stages for p in plan.pipelines)
     for _, stage_index, stage in plan.iter_stages():
         in_flight = max(1, pipe_stages - stage_index)
-        state = sum(params[i] for i in stage.layers) * per_param
-        recompute = max(running[i] - kept[i] for i in stage.layers)
+        state = sum(held[i] for i in stage.layers) * per_param
+        recompute = max(running[i] - kept[i] for i in stage.layers) / tp
         out[stage.worker] = out.get(stage.worker, 0.0) + state + in_flight * sum(
-            kept[i] for i in stage.layers) + recompute + PROCESS_BYTES
+            kept[i] for i in stage.layers) / tp + recompute + PROCESS_BYTES
     return out
 
 
 def checkpoint_copy_bytes(config: Config, plan: ExecutionPlan,
                           params: list[int]) -> dict[int, float]:
-    """Host memory each worker of ``plan`` keeps for its checkpoint copies: the master
-    weights and optimizer state of the layers it writes (replicas take turns by layer),
-    kept from one checkpoint to the next. None without periodic checkpoints (the final
-    one is written from the live state)."""
+    """Host memory each worker of ``plan`` keeps for its checkpoint copies (each of its
+    processes, at ``tp > 1``: its shards): the master weights and optimizer state of the
+    layers it writes (replicas take turns by layer), kept from one checkpoint to the next.
+    None without periodic checkpoints (the final one is written from the live state)."""
     from chameleon_ft.runtime.control.checkpoints import writer_of
 
     if config.train.checkpoint_every <= 0:
         return {}
     per_param = _MASTER_BYTES[config.train.dtype] * (1 + OPTIMIZER_COPIES)
+    held = rank_parameters(config, params)  # each rank copies its own shards
     holders: dict[int, list[int]] = {}
     for _, _, stage in plan.iter_stages():
         for layer in stage.layers:
@@ -139,7 +170,7 @@ def checkpoint_copy_bytes(config: Config, plan: ExecutionPlan,
     out: dict[int, float] = {}
     for layer, workers in holders.items():
         writer = writer_of(workers, layer)
-        out[writer] = out.get(writer, 0.0) + params[layer] * per_param
+        out[writer] = out.get(writer, 0.0) + held[layer] * per_param
     return out
 
 
@@ -167,7 +198,7 @@ def _backend(config: Config) -> str:
 
 
 def _check_gpus(local: list[float], gpu_bytes: list[int] | None,
-                dtype: str) -> None:  # pragma: no cover - needs GPUs
+                dtype: str, tp: int = 1) -> None:  # pragma: no cover - needs GPUs
     if gpu_bytes is None:
         import torch
 
@@ -175,7 +206,9 @@ def _check_gpus(local: list[float], gpu_bytes: list[int] | None,
                      for d in range(torch.cuda.device_count())]
     per_gpu: dict[int, float] = {}
     for w, n in enumerate(local):
-        per_gpu[w % len(gpu_bytes)] = per_gpu.get(w % len(gpu_bytes), 0.0) + n
+        for rank in range(tp):  # each rank on its own device: tp * i + rank
+            d = (tp * w + rank) % len(gpu_bytes)
+            per_gpu[d] = per_gpu.get(d, 0.0) + n
     for d, n in per_gpu.items():
         if n > gpu_bytes[d]:
             raise ValueError(f"memory: the workers on GPU {d} need {_fmt(n)} ({dtype} "
@@ -188,7 +221,8 @@ def _local_needs(config: Config, need: dict[int, float], num_local: int) -> list
     """Each local worker's bytes: its stage's; a spare node's worker the largest (it may
     take any stage's place); a worker the plan leaves idle the process alone."""
     spare = max(need.values(), default=float(PROCESS_BYTES))
-    return [need.get(w, spare if w >= config.num_workers else float(PROCESS_BYTES))
+    idle = float(PROCESS_BYTES * config.job.tp)
+    return [need.get(w, spare if w >= config.num_workers else idle)
             for w in range(num_local)]
 
 
@@ -230,10 +264,11 @@ def check_memory(config: Config, plan: ExecutionPlan, profile: Profile, num_loca
                      "not for this machine")
     dtype = config.train.dtype
     if backend == "nccl":  # pragma: no cover - needs GPUs
-        _check_gpus(_local_needs(config, need, num_local), gpu_bytes, dtype)
+        _check_gpus(_local_needs(config, need, num_local), gpu_bytes, dtype, config.job.tp)
         return notes
     copies = checkpoint_copy_bytes(config, plan, params)  # host memory on gloo
-    local = _local_needs(config, {w: n + copies.get(w, 0.0) for w, n in need.items()},
+    tp = config.job.tp  # a worker's processes share its host
+    local = _local_needs(config, {w: tp * (n + copies.get(w, 0.0)) for w, n in need.items()},
                          num_local)
     have = available_bytes() if available is None else available
     total = sum(local)

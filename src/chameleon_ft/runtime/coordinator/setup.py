@@ -165,9 +165,6 @@ class Job:
 
 def _checked_config(config: Config, num_local: int | None, policy: str | None,
                     custom_decide: bool) -> tuple[Config, int, str, list[str]]:
-    if config.job.tp != 1:
-        raise ValueError(f"job.tp: the runtime runs one process per worker without tensor "
-                         f"parallelism; set tp = 1 (got {config.job.tp})")
     fleet = config.total_workers
     local = fleet if num_local is None else num_local
     if not 0 <= local <= fleet:
@@ -192,6 +189,11 @@ def _checked_config(config: Config, num_local: int | None, policy: str | None,
                      "runs fused backward passes and plans for them")
     config, note = _memory_checkpoints(config)
     notes.extend([note] if note else [])
+    if config.job.tp > 1 and config.recovery.memory_checkpoint:
+        # copies per shard, each plane's to its own peer, are not built (design 4.11)
+        config = replace(config, recovery=replace(config.recovery, memory_checkpoint=False))
+        notes.append("note: recovery.memory_checkpoint is off for this run: checkpoints "
+                     "in memory are not kept per tensor-parallel shard yet (job.tp > 1)")
     return config, local, name, notes
 
 
@@ -237,6 +239,7 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
     built_data = workload.data(built_model := workload.model())
     workload.optimizer()  # a bad optimizer is refused before anything starts
     workload.lr_schedule()
+    _check_tensor_parallel(config, built_model)
     config, num_local, policy_name, notes = _checked_config(config, num_local_workers,
                                                             policy, custom_decide)
     prof = profile if profile is not None else build_profile(config, runtime=True)
@@ -276,6 +279,20 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
                                  build_layer=built_model.build_layer):
             log(line)
     return job
+
+
+def _check_tensor_parallel(config: Config, model: Any) -> None:
+    """A worker of ``[job] tp = k`` is k processes that shard its layers (design 4.11):
+    the model must have a tensor-parallel plan that ``k`` divides.
+
+    Raises:
+        ValueError: one line naming ``job.tp``.
+    """
+    if config.job.tp == 1:
+        return
+    from chameleon_ft.runtime.workload.tp_check import check_tensor_parallel
+
+    check_tensor_parallel(model, config.job.tp, config.seq_len)
 
 
 def _token(token: str | None) -> str:

@@ -78,9 +78,11 @@ def open_run(coord: Coordinator) -> None:
         Refusals(lambda line: coord.log(f"warning: {line}"), kind_of=message_kind))
     coord.bulk = BulkState(coord.host, job.secret, job.ckpt, job.num_layers,
                            timeout_s=max(train.join_timeout_s, 10 * job.hang_s),
-                           deadline=Deadline(job.hang_s, train.bulk_gb_per_s))
+                           deadline=Deadline(job.hang_s, train.bulk_gb_per_s),
+                           tp=coord.config.job.tp)
     coord.launcher = Launcher(coord.host, coord.port, job.secret,
-                              preload=adapter_modules(job.model), num_local=job.num_local)
+                              preload=adapter_modules(job.model), num_local=job.num_local,
+                              tp=coord.config.job.tp)
 
 
 def job_info(coord: Coordinator) -> proto.JobInfo:
@@ -102,8 +104,9 @@ def job_info(coord: Coordinator) -> proto.JobInfo:
         checkpoint_dir=str(job.ckpt.root), device=coord.device,
         storage_gb_per_s=train.storage_gb_per_s, bulk_gb_per_s=train.bulk_gb_per_s,
         memory_copies=coord.config.recovery.memory_checkpoint,
-        workers_per_node=coord.config.workers_per_node, nccl_semantics=coord.nccl_semantics,
-        term=job.term, coordinator_grace_s=train.coordinator_grace_s)
+        workers_per_node=coord.config.workers_per_node, tp=coord.config.job.tp,
+        nccl_semantics=coord.nccl_semantics, term=job.term,
+        coordinator_grace_s=train.coordinator_grace_s)
 
 
 PROBE_S = 600.0

@@ -403,14 +403,17 @@ class ControlStore:
         """Layer files of the checkpoint after ``step`` steps reported so far (a hint)."""
         return int(self.store.add(checkpoint_count_key(gen, step), 0))
 
-    def checkpoint_files(self, gen: int, step: int,
-                         num_layers: int) -> dict[int, dict[str, Any]]:
-        """The layer files reported so far: layer -> ``{file, size, sha256, worker}``."""
+    def checkpoint_files(self, gen: int, step: int, num_layers: int, tp: int = 1
+                         ) -> dict[tuple[int, int | None], dict[str, Any]]:
+        """The layer files reported so far: ``(layer, shard)`` -> ``{file, size, sha256,
+        worker}`` (``shard`` None at ``tp = 1``; else each rank's shard, design 4.11)."""
         out = {}
+        shards: list[int | None] = [None] if tp == 1 else list(range(tp))
         for layer in range(num_layers):
-            doc = self._json(checkpoint_layer_key(gen, step, layer))
-            if isinstance(doc, dict):
-                out[layer] = doc
+            for shard in shards:
+                doc = self._json(checkpoint_layer_key(gen, step, layer, shard))
+                if isinstance(doc, dict):
+                    out[(layer, shard)] = doc
         return out
 
     def memory_fetched(self, gen: int) -> int:
@@ -427,10 +430,12 @@ class ControlStore:
         opened = self.signed.peek(checkpoint_failed_key(gen, step))
         return None if opened is None else opened.text()
 
-    def forget_checkpoint(self, gen: int, step: int, num_layers: int) -> None:
+    def forget_checkpoint(self, gen: int, step: int, num_layers: int, tp: int = 1) -> None:
         """Delete the keys of a checkpoint that completed or was dropped."""
+        shards: list[int | None] = [None] if tp == 1 else list(range(tp))
         self._delete([checkpoint_count_key(gen, step), checkpoint_failed_key(gen, step),
-                      *(checkpoint_layer_key(gen, step, i) for i in range(num_layers))])
+                      *(checkpoint_layer_key(gen, step, i, r) for i in range(num_layers)
+                        for r in shards)])
 
     def final_more(self, gen: int, worker: int, layers: list[int], *, attempt: int = 1,
                    upload: bool = False) -> None:

@@ -7,6 +7,8 @@ Layout of a run directory::
         step00000020/            a complete checkpoint after 20 committed steps
             manifest.json        step, generation, plan, per-layer file, size and sha256
             layer0.bin ...       one file per layer: its parameters and optimizer state
+            layer1.tp0of2.bin    or, written at [job] tp = 2, one file per shard (each
+            layer1.tp1of2.bin    rank writes its own; the manifest says how they join)
         .partial-step00000040-g3/  a checkpoint being written (never read)
         step00000030/manifest.json.corrupt   a checkpoint found corrupt (never tried again)
 
@@ -41,6 +43,20 @@ FORMAT = 1
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or does not match its manifest."""
+
+
+FileEntry = tuple[str, int, str]
+"""A file of a checkpoint: (name, size in bytes, sha256 hex)."""
+Shard = tuple[int, int]
+"""``(rank, degree)``: a tensor-parallel rank's shard of a layer (design 4.11)."""
+
+
+def layer_file_name(layer: int, shard: Shard | None = None) -> str:
+    """The file a layer (or rank ``r`` of ``k``'s shard of it) is stored in."""
+    if shard is None:
+        return f"layer{layer}.bin"
+    rank, degree = shard
+    return f"layer{layer}.tp{rank}of{degree}.bin"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -155,8 +171,10 @@ class Manifest:
     gen: int
     """The generation that uploaded it."""
     num_layers: int
-    layers: dict[int, tuple[str, int, str]]
-    """Layer -> (file name, size in bytes, sha256 hex)."""
+    layers: dict[int, tuple[FileEntry, ...]]
+    """Layer -> its files: one holding the whole layer, or its shards in rank order (the
+    degree it was written at is their number; ``tp_layout.join_state_trees`` joins them,
+    each shard's header says how)."""
     plan: dict[str, Any]
     """The plan that was running (for the record; any plan can load the state)."""
     meta: dict[str, Any]
@@ -166,14 +184,24 @@ class Manifest:
     """Layer -> the worker that holds a copy of it in memory (checkpoints in memory)."""
 
     def to_json(self) -> str:
-        """The manifest file's text."""
+        """The manifest file's text (a whole layer as ``{file, bytes, sha256}``, a sharded
+        one as ``{degree, shards: [{file, bytes, sha256}, ...]}``)."""
+        def entry(i: int, files: tuple[FileEntry, ...]) -> dict[str, Any]:
+            held = {"memory": self.memory[i]} if i in self.memory else {}
+            docs = [{"file": f, "bytes": n, "sha256": h} for f, n, h in files]
+            if len(docs) == 1:
+                return {**docs[0], **held}
+            return {"degree": len(docs), "shards": docs, **held}
+
         return json.dumps({
             "format": FORMAT, "step": self.step, "gen": self.gen,
             "num_layers": self.num_layers,
-            "layers": {str(i): {"file": f, "bytes": n, "sha256": h,
-                                **({"memory": self.memory[i]} if i in self.memory else {})}
-                       for i, (f, n, h) in sorted(self.layers.items())},
+            "layers": {str(i): entry(i, files) for i, files in sorted(self.layers.items())},
             "plan": self.plan, "meta": self.meta}, indent=1, sort_keys=True)
+
+    def degree(self, layer: int) -> int:
+        """How many shards ``layer`` is stored as (1: whole)."""
+        return len(self.layers[layer])
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -186,8 +214,7 @@ class Manifest:
             doc = json.loads((folder / MANIFEST).read_text())
             if doc.get("format") != FORMAT:
                 raise CheckpointError(f"{folder}: unknown checkpoint format {doc.get('format')}")
-            layers = {int(i): (str(v["file"]), int(v["bytes"]), str(v["sha256"]))
-                      for i, v in doc["layers"].items()}
+            layers = {int(i): _files(v) for i, v in doc["layers"].items()}
             memory = {int(i): int(v["memory"]) for i, v in doc["layers"].items()
                       if v.get("memory") is not None}
             manifest = cls(step=int(doc["step"]), gen=int(doc["gen"]),
@@ -201,69 +228,128 @@ class Manifest:
         if sorted(layers) != list(range(manifest.num_layers)):
             raise CheckpointError(f"{folder}: the manifest lists layers {sorted(layers)}, "
                                   f"expected 0..{manifest.num_layers - 1}")
-        for i, (name, size, _) in layers.items():
-            path = folder / name
-            if not path.is_file() or path.stat().st_size != size:
-                raise CheckpointError(f"{folder}: layer {i} file {name} is missing or not "
-                                      f"{size} bytes")
+        for i, files in layers.items():
+            for name, size, _ in files:
+                path = folder / name
+                if not path.is_file() or path.stat().st_size != size:
+                    raise CheckpointError(f"{folder}: layer {i} file {name} is missing or "
+                                          f"not {size} bytes")
         return manifest
 
     def read_layer(self, layer: int) -> bytes:
-        """The bytes of ``layer``, verified against the manifest's sha256.
+        """The bytes of ``layer`` stored whole, verified against the manifest's sha256.
+
+        Raises:
+            CheckpointError: when the file is missing or its contents changed, or the
+                layer is stored as shards (:meth:`read_parts`).
+        """
+        files = self.layers[layer]
+        if len(files) != 1:
+            raise CheckpointError(f"{self.folder}: layer {layer} is stored as "
+                                  f"{len(files)} shards")
+        return self.read_file(layer, 0)
+
+    def read_file(self, layer: int, index: int) -> bytes:
+        """The bytes of ``layer``'s ``index``-th file (its shard ``index``), verified.
 
         Raises:
             CheckpointError: when the file is missing or its contents changed.
         """
-        name, size, digest = self.layers[layer]
+        name, size, digest = self.layers[layer][index]
         return read_layer_file(self.folder / name, size, digest)
+
+    def read_parts(self, layer: int, shard: Shard | None = None) -> list[bytes]:
+        """What a reader needs of ``layer``: at ``shard`` = ``(rank, degree)`` with the
+        layer stored at that degree, its own shard's file; otherwise every file of the
+        layer (the reader joins them, and splits them again for its rank).
+
+        Raises:
+            CheckpointError: when a file is missing or its contents changed.
+        """
+        files = self.layers[layer]
+        if shard is not None and len(files) == shard[1] > 1:
+            return [self.read_file(layer, shard[0])]
+        return [self.read_file(layer, k) for k in range(len(files))]
+
+
+def _files(doc: Any) -> tuple[FileEntry, ...]:
+    """A manifest's entry of one layer: its file, or its shards' in rank order."""
+    if "shards" not in doc:
+        return ((str(doc["file"]), int(doc["bytes"]), str(doc["sha256"])),)
+    shards = tuple((str(v["file"]), int(v["bytes"]), str(v["sha256"])) for v in doc["shards"])
+    if not shards or len(shards) != int(doc["degree"]):
+        raise CheckpointError(f"a layer of {doc['degree']} shards lists {len(shards)}")
+    return shards
 
 
 class Assembly:
-    """One checkpoint being written layer by layer (thread-safe)."""
+    """One checkpoint being written layer by layer, a layer whole or shard by shard
+    (thread-safe)."""
 
     def __init__(self, root: Path, step: int, gen: int, num_layers: int) -> None:
         self.step, self.gen, self.num_layers = step, gen, num_layers
         self.folder = partial_dir(root, step, gen)
-        self.layers: dict[int, tuple[str, int, str]] = {}
+        self.files: dict[int, dict[int, FileEntry]] = {}
+        """Layer -> shard rank (0 for a whole layer) -> its file, as reported so far."""
+        self.degrees: dict[int, int] = {}
+        """Layer -> how many files it is written as."""
         self.memory: dict[int, int] = {}
         """Layer -> the worker holding a copy in memory."""
         self.lock = threading.Lock()
 
-    def report(self, layer: int, file: LayerFile, memory: int | None = None) -> bool:
-        """A layer's file was written, a copy held in ``memory``'s memory if not None (a
-        repeated report of a layer is ignored).
+    def _check(self, layer: int, shard: Shard | None) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise CheckpointError(f"layer {layer}: shard {shard[0]} of {shard[1]}")
+
+    @property
+    def layers(self) -> dict[int, tuple[FileEntry, ...]]:
+        """The layers every file of which arrived: their files, in rank order."""
+        with self.lock:
+            return {i: tuple(files[r] for r in range(self.degrees[i]))
+                    for i, files in self.files.items() if len(files) == self.degrees[i]}
+
+    def report(self, layer: int, file: LayerFile, memory: int | None = None,
+               shard: Shard | None = None) -> bool:
+        """A layer's file (``shard``: one rank's shard of it) was written, a copy held in
+        ``memory``'s memory if not None (a repeated report is ignored).
 
         Returns:
             Whether every layer is now present.
 
         Raises:
-            CheckpointError: for a layer index outside the model.
+            CheckpointError: for a layer index outside the model, or a shard of another
+                degree than its siblings.
         """
-        if not 0 <= layer < self.num_layers:
-            raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        self._check(layer, shard)
+        rank, degree = shard or (0, 1)
         with self.lock:
-            if layer not in self.layers and memory is not None:
+            if self.degrees.setdefault(layer, degree) != degree:
+                raise CheckpointError(f"layer {layer}: a shard of {degree} beside shards of "
+                                      f"{self.degrees[layer]}")
+            if layer not in self.files and memory is not None:
                 self.memory[layer] = memory
-            self.layers.setdefault(layer, (file.name, file.size, file.sha256))
-            return len(self.layers) == self.num_layers
+            self.files.setdefault(layer, {}).setdefault(rank, (file.name, file.size,
+                                                               file.sha256))
+        return self.complete
 
-    def add(self, layer: int, data: bytes) -> bool:
-        """Write one layer's bytes here (a worker without the shared folder sends them)
-        and report it."""
-        if not 0 <= layer < self.num_layers:
-            raise CheckpointError(f"layer {layer} outside 0..{self.num_layers - 1}")
+    def add(self, layer: int, data: bytes, shard: Shard | None = None) -> bool:
+        """Write one layer's bytes (or one shard's) here (a worker without the shared
+        folder sends them) and report it."""
+        self._check(layer, shard)
         with self.lock:
-            known = layer in self.layers
+            known = (shard or (0, 1))[0] in self.files.get(layer, {})
         if known:
             return self.complete
-        file = write_layer(self.folder, f"layer{layer}.bin", lambda write: write(data))
-        return self.report(layer, file)
+        file = write_layer(self.folder, layer_file_name(layer, shard),
+                           lambda write: write(data))
+        return self.report(layer, file, shard=shard)
 
     @property
     def complete(self) -> bool:
         """Whether every layer arrived."""
-        with self.lock:
-            return len(self.layers) == self.num_layers
+        return len(self.layers) == self.num_layers
 
 
 class CheckpointStore:

@@ -4,7 +4,9 @@ Face model), written by a process of their own.
 
 The coordinator never holds the model: at the end of a run it runs :func:`export_workload`
 in a child process that reads the final checkpoint layer by layer (each verified against
-the manifest), writes the files atomically, and sends back the parameters' digest. The
+the manifest; a layer written as tensor-parallel shards joined whole,
+``tp_layout.join_state_trees``), writes the files atomically, and sends back the
+parameters' digest. The
 same function re-exports any complete checkpoint of a run directory.
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from chameleon_ft.runtime.storage.checkpoint import Manifest, write_atomic
+from chameleon_ft.runtime.storage.checkpoint import CheckpointError, Manifest, write_atomic
 from chameleon_ft.runtime.storage.packing import PackError, unpack
 
 
@@ -42,12 +44,16 @@ def params_of(manifest: Manifest) -> dict[str, torch.Tensor]:
         ExportError: when a layer's state does not decode.
     """
     from chameleon_ft.runtime.workload.models import param_name
+    from chameleon_ft.runtime.workload.tp_layout import join_state_trees
 
     params: dict[str, torch.Tensor] = {}
     for i in range(manifest.num_layers):
-        try:
-            module_state = unpack(manifest.read_layer(i))["module"]
-        except (PackError, KeyError, TypeError) as exc:
+        try:  # a layer written as shards (tensor parallelism) is joined: the whole model
+            trees = [unpack(data) for data in manifest.read_parts(i)]
+            module_state = join_state_trees(trees)["module"]
+        except CheckpointError:
+            raise
+        except (PackError, KeyError, TypeError, ValueError) as exc:
             raise ExportError(f"layer {i}: the final state does not decode: {exc}") from None
         for name, tensor in module_state.items():
             params[param_name(i, name)] = tensor

@@ -1,2 +1,2 @@
 """A training worker: group set-up, the schedule executor, migration and the generation
-loop. Its entry point is :func:`chameleon_ft.runtime.worker.main.worker_main`."""
+loop. Its entry point is :func:`chameleon_ft.runtime.worker.process.worker_main`."""

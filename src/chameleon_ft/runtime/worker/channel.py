@@ -75,8 +75,17 @@ class Shared:
     """
 
     def __init__(self, signer: Signer, worker: int, incarnation: str,
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, *, member: bool = True,
+                 shard: int | None = None) -> None:
         self.signer, self.worker, self.incarnation = signer, worker, incarnation
+        self.member = member
+        """Whether this process is its worker in the control plane: rank 0 of a worker
+        of ``[job] tp = k`` (design 4.11). The other ranks read what the coordinator
+        writes and write nothing the control plane counts (no registration, beat,
+        readiness, vote, report); only their checkpoint shards' reports."""
+        self.shard = shard
+        """This process's tensor-parallel rank at ``tp > 1`` (its checkpoint reports are
+        per shard), else None."""
         self.refusals = Refusals(warn, kind_of=proto.message_kind)
         self.lock = threading.Lock()
         self.reports: dict[int, int] = {}
@@ -215,27 +224,40 @@ class Channel:
     # ------------------------------------------------------------------ this worker's
     def register(self, info: dict[str, Any]) -> None:
         """Announce this process (host, pid, address)."""
+        if not self.shared.member:
+            return
         self.signed.put(proto.worker_info_key(self.worker, self.incarnation), json.dumps(info))
 
     def reattach(self, report: str) -> None:
         """Tell a coordinator that took the run over what this worker holds (JSON
-        ``ReattachReport``, sealed for its term)."""
+        ``ReattachReport``, sealed for its term): rank 0's alone at ``tp > 1``, the
+        worker's other ranks hold what it holds (design 4.11)."""
+        if not self.shared.member:
+            return
         self.signed.put(proto.reattach_key(self.worker), report)
 
     def began(self, gen: int) -> None:
         """This process begins to build ``gen``'s groups."""
+        if not self.shared.member:
+            return
         self.signed.put(proto.setup_key(self.worker, self.incarnation), str(gen), seq=gen)
 
     def ready(self, gen: int) -> None:
         """This worker built ``gen``'s groups and loaded its state."""
+        if not self.shared.member:
+            return
         self.signed.put(proto.ready_key(gen, self.worker), self.incarnation)
 
     def reduced(self, gen: int, step: int) -> None:
         """This worker's vote: it reduced ``step``."""
+        if not self.shared.member:
+            return
         self.signed.put(proto.reduced_key(gen, step, self.worker), self.incarnation)
 
     def report(self, gen: int, report: proto.ErrorReport) -> bool:
         """Write an error report of ``gen`` (False: this process wrote its last one)."""
+        if not self.shared.member:
+            return False
         index = self.shared.next_report(gen)
         if index is None:
             return False
@@ -246,6 +268,8 @@ class Channel:
     def step_report(self, gen: int, step: int, losses: list[Any] | None,
                     timing: dict[str, Any]) -> None:
         """The losses of the micro-batches this worker ended, and its timings."""
+        if not self.shared.member:
+            return
         if losses:
             self.signed.put(proto.loss_key(gen, step, self.worker), json.dumps(losses))
         self.signed.put(proto.timing_key(gen, step, self.worker), json.dumps(timing))
@@ -257,11 +281,15 @@ class Channel:
 
     def probe(self, seq: int, factor: float) -> None:
         """Probe number ``seq`` of this idle process: its time over its own at start."""
+        if not self.shared.member:
+            return
         self.signed.put(proto.probe_key(self.worker, self.incarnation),
                         json.dumps({"factor": factor}), seq=seq)
 
     def fetched(self, gen: int, layers: int) -> None:
         """``layers`` more layers reloaded from peers' memory in ``gen``."""
+        if not self.shared.member:
+            return
         with self.shared.lock:
             total = self.shared.fetched[gen] = self.shared.fetched.get(gen, 0) + layers
             for old in sorted(self.shared.fetched)[:-KEPT_GENERATIONS]:
@@ -272,6 +300,8 @@ class Channel:
         """Heartbeat number ``count`` (and the refusals, when they changed); returns once
         the coordinator's store answered (a ``set`` is never answered: the ``check`` after
         it is, so a stopped coordinator is seen here as before)."""
+        if not self.shared.member:
+            return
         key = proto.heartbeat_key(self.worker, self.incarnation)
         self.signed.put(key, "", seq=count)
         self.flush_refusals()
@@ -279,6 +309,8 @@ class Channel:
 
     def flush_refusals(self) -> None:
         """Tell the coordinator what this process refused, when that changed."""
+        if not self.shared.member:
+            return
         refusals = self.shared.refusals
         version = refusals.version
         if version == self.shared.refusals_written:
@@ -288,8 +320,10 @@ class Channel:
         self.shared.refusals_written = version
 
     def layer_written(self, gen: int, step: int, layer: int, doc: dict[str, Any]) -> None:
-        """A layer file of the checkpoint after ``step`` steps is written."""
-        self.signed.put(proto.checkpoint_layer_key(gen, step, layer), json.dumps(doc))
+        """A layer file of the checkpoint after ``step`` steps is written (at ``tp > 1``
+        this rank's shard of it)."""
+        key = proto.checkpoint_layer_key(gen, step, layer, self.shared.shard)
+        self.signed.put(key, json.dumps(doc))
         self.raw.add(proto.checkpoint_count_key(gen, step), 1)
 
     def checkpoint_failed(self, gen: int, step: int, why: str) -> None:

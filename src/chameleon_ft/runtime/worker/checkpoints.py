@@ -14,6 +14,11 @@ the coordinator drops it and training goes on.
 Each layer is written by one of its holders (spread over the replicas, so they share the
 writing). A worker on a host that does not see the coordinator's checkpoint folder sends
 the bytes over the authenticated bulk channel instead, and the coordinator writes them.
+
+At ``[job] tp > 1`` every rank of a writer writes its own shard of the layer
+(``layer<i>.tp<r>of<k>.bin``) and reports it; a layer is complete when its ``k`` shards
+are, and a reader takes its own shard, or, written at another degree, every file of the
+layer to join and split again (design 4.11).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from chameleon_ft.runtime.storage.checkpoint import (
     CheckpointError,
     LayerFile,
     Manifest,
+    Shard,
+    layer_file_name,
     partial_dir,
     step_dir_name,
     write_layer,
@@ -249,12 +256,15 @@ class CheckpointIO:
         memory: checkpoints in memory (``worker/memcopies.py``), or None.
         device: the worker's device (its threads work on it; snapshots of a GPU's layers
             are copied on a stream of their own).
+        shard: ``(rank, degree)`` of this process in a worker of ``[job] tp > 1``: it
+            writes and reads its shards.
     """
 
     def __init__(self, worker: int, folder: Path | None, blobs: BlobClient,
                  store: Callable[[], Channel], memory: MemoryCopies | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, shard: Shard | None = None) -> None:
         self.worker, self.folder, self.blobs = worker, folder, blobs
+        self.shard = shard
         self.memory = memory
         self.device = device or torch.device("cpu")
         self._store_of = store
@@ -384,9 +394,11 @@ class CheckpointIO:
 
     def _upload(self, step: int, gen: int, layer: int, tree: dict[str, Any]) -> None:
         """Send a layer's bytes over the bulk channel: the coordinator writes them."""
-        self.blobs.request({"op": "put", "kind": "checkpoint", "layer": layer,
-                            "worker": self.worker, "step": step, "gen": gen},
-                           pack_pieces(tree))
+        header: dict[str, Any] = {"op": "put", "kind": "checkpoint", "layer": layer,
+                                  "worker": self.worker, "step": step, "gen": gen}
+        if self.shard is not None:
+            header["shard"] = list(self.shard)
+        self.blobs.request(header, pack_pieces(tree))
 
     def _write_one(self, step: int, gen: int, layer: int, tree: dict[str, Any],
                    peer: int | None) -> None:
@@ -394,12 +406,12 @@ class CheckpointIO:
             self._upload(step, gen, layer, tree)
             return
         start = time.perf_counter()
-        folder, name = partial_dir(self.folder, step, gen), f"layer{layer}.bin"
+        folder, name = partial_dir(self.folder, step, gen), layer_file_name(layer, self.shard)
         file = self._write_elsewhere(folder, name, layer, tree)
         if file is None:  # not a snapshot in shared memory (the final checkpoint): from here
             file = write_layer(folder, name, lambda write: pack_to(tree, write))
         held = None
-        if self.memory is not None and peer is not None and \
+        if self.memory is not None and peer is not None and self.shard is None and \
                 self.memory.send(peer, step, layer, pack_pieces(tree)):
             held = peer
         self._report(gen, step, layer, file, time.perf_counter() - start, held)
@@ -451,6 +463,70 @@ class CheckpointIO:
             self._client().checkpoint_failed(gen, step, why)
 
     # ------------------------------------------------------------------ reading
+    def restore(self, step: int, wanted: list[int], gen: int,
+                build: Callable[[int, list[bytes]], LayerTrainState]
+                ) -> dict[int, LayerTrainState]:
+        """Layers ``wanted`` of the checkpoint after ``step`` steps, each verified against
+        the manifest before ``build(layer, parts)`` decodes it (a corrupt file is
+        reported, never loaded).
+
+        Raises:
+            CorruptCheckpoint: when a file does not match the manifest.
+            CommError: when the coordinator cannot send a layer (no shared folder).
+        """
+        from chameleon_ft.runtime.worker.comm import CommError
+
+        layers = {}
+        for i in wanted:
+            try:
+                parts = self.read_parts(step, i, gen)
+            except BlobError as exc:
+                raise CommError(f"worker {self.worker}: reading layer {i} of the checkpoint "
+                                f"after {step} steps failed: {exc}", None) from None
+            layers[i] = build(i, parts)
+        return layers
+
+    def read_parts(self, step: int, layer: int, gen: int) -> list[bytes]:
+        """What this process loads of layer ``layer`` of the checkpoint after ``step``
+        steps (:meth:`read`; at ``tp > 1`` ``Manifest.read_parts``: its own shard when
+        the layer was written at its degree, else every file of the layer), verified.
+
+        Raises:
+            CorruptCheckpoint: when a file does not match the manifest.
+            BlobError: when the coordinator cannot send it (no shared folder).
+        """
+        if self.shard is None:
+            return [self.read(step, layer, gen)]
+        if self.folder is None:
+            return self._fetch_parts(step, layer, gen)
+        try:
+            if step not in self.manifests:
+                self.manifests[step] = Manifest.read(self.folder / step_dir_name(step))
+            return self.manifests[step].read_parts(layer, self.shard)
+        except CheckpointError as exc:
+            self.manifests.pop(step, None)
+            raise CorruptCheckpoint(step, str(exc)) from None
+
+    def _fetch_parts(self, step: int, layer: int, gen: int) -> list[bytes]:
+        """:meth:`read_parts` over the bulk channel (the coordinator reads the files)."""
+        def get(index: int) -> tuple[int, bytes]:
+            try:
+                answer, data = self.blobs.request({"op": "get", "kind": "restore",
+                                                   "step": step, "layer": layer,
+                                                   "gen": gen, "index": index})
+            except BlobError as exc:
+                if "corrupt" in str(exc) or "does not match" in str(exc):
+                    raise CorruptCheckpoint(step, str(exc)) from None
+                raise
+            return int(answer.get("files", 1)), data
+
+        assert self.shard is not None
+        rank, degree = self.shard
+        files, first = get(0)
+        if files == degree:  # written at this degree: this rank's own shard
+            return [first] if rank == 0 else [get(rank)[1]]
+        return [first] + [get(k)[1] for k in range(1, files)]
+
     def read(self, step: int, layer: int, gen: int) -> bytes:
         """Layer ``layer`` of the checkpoint after ``step`` steps, verified: from the
         memory of the worker holding a copy when it still has it (checkpoints in memory),
@@ -475,7 +551,7 @@ class CheckpointIO:
             manifest = self.manifests[step]
             holder = manifest.memory.get(layer)
             if self.memory is not None and holder is not None:
-                _, size, sha256 = manifest.layers[layer]
+                _, size, sha256 = manifest.layers[layer][0]
                 data = self.memory.fetch(holder, step, layer, size, sha256)
                 if data is not None:
                     return data

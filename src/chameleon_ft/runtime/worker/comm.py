@@ -98,13 +98,16 @@ class Comm:
         timeout_s: the deadline of one polled operation (the generation's collective
             deadline; a blocking ``wait`` has its group's own).
         aborted: whether the generation was aborted (a polled wait gives up at once).
+        tp: the worker's tensor-parallel group of the generation (design 4.11; None
+            without tensor parallelism): DTensor's collectives run on it, and the step's
+            few reductions over the worker's ranks.
     """
 
     def __init__(self, me: int, world: dist.ProcessGroup, world_rank: Mapping[int, int],
                  buckets: Mapping[tuple[int, ...], dist.ProcessGroup],
                  stage: bool = False, reverse: dist.ProcessGroup | None = None, *,
                  polled: bool = False, timeout_s: float = 60.0,
-                 aborted: Callable[[], bool] = _never) -> None:
+                 aborted: Callable[[], bool] = _never, tp: Any = None) -> None:
         self.me = me
         self.world = world
         self.reverse = reverse
@@ -114,6 +117,7 @@ class Comm:
         self.polled = polled
         self.timeout_s = timeout_s
         self.aborted = aborted
+        self.tp = tp
 
     def channel(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group a message from ``src`` to ``dst`` travels on."""
@@ -198,3 +202,44 @@ class Comm:
         self.wait(work, None, what)
         if buf is not flat:
             flat.copy_(buf)
+
+    def tp_all_reduce(self, flat: torch.Tensor, what: str) -> None:
+        """Sum ``flat`` in place over this worker's tensor-parallel ranks.
+
+        Raises:
+            CommError: when a rank of the worker left the generation (its groups broke),
+                or the deadline passed.
+        """
+        try:
+            work = self.tp.allreduce([flat])
+        except RuntimeError as exc:
+            raise CommError(f"worker {self.me}: {what} failed: {_first_line(exc)}",
+                            None) from None
+        self.wait(work, None, what)
+
+
+COMM_FAILURE_MARKS = ("gloo", "Connection closed", "Connection reset", "timed out",
+                      "Timed out", "NCCL", "aborted")
+"""Words of the errors a collective raises when a peer left, its group was broken or
+aborted, or it outlived its deadline (torch 2.13, gloo and NCCL)."""
+
+
+def comm_failure(exc: BaseException, broken: bool) -> CommError | None:
+    """``exc``, raised inside a computation whose collectives run on a tensor-parallel
+    group (DTensor's, inside autograd's operations, where :meth:`Comm.wait` cannot reach),
+    as the :class:`CommError` it stands for; None when it is no communication failure
+    (a defect: the worker leaves on it).
+
+    Args:
+        exc: what the computation raised.
+        broken: whether the generation was torn down meanwhile (then any error is its
+            consequence).
+    """
+    if isinstance(exc, CommError):
+        return exc
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if broken or isinstance(exc, dist.DistError) or any(m in text for m in COMM_FAILURE_MARKS):
+        return CommError(f"a tensor-parallel collective failed: {_first_line(exc)}", None)
+    return None

@@ -38,6 +38,9 @@ class Stage(Protocol):
     """What the executor needs of the worker: its layers, data and numerics."""
 
     stage: StageModel
+    runner: torch.nn.Module
+    """What a step computes: the stage (behind ``TensorParallelStage`` at tp > 1: local
+    tensors in and out)."""
     dtype: torch.dtype
     """What the layers compute in (floating-point inputs take it)."""
     loss_dtype: torch.dtype
@@ -177,7 +180,7 @@ class StepRun:
             x.requires_grad_(x.is_floating_point())
         y = self._samples(p, m)[1] if last else None
         with self.timer.time(self.result.forward_s, self.stretch), self.w.watch.computing():
-            out = self.w.stage(x)
+            out = self.w.runner(x)
             if y is not None:
                 out = self.w.loss(out, y) / self.w.loss_count
             payload = out.detach().contiguous()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 EXIT_OK = 0
 """The run ended and this worker's share of the final checkpoint is written."""
@@ -26,9 +27,26 @@ EXIT_DEVICE_STALLED = 6
 """Work enqueued on the device did not complete within the hang deadline (a hung kernel
 or collective): nothing in the process can interrupt it."""
 
+EXIT_UNIT_BROKEN = 7
+"""Another process of this worker (``[job] tp > 1``) failed, went silent or left: the
+worker fails whole (design 4.11)."""
+
+
+_last_words: list[Callable[[], None]] = []
+"""Called by :func:`exit_now` before the process leaves (``before_exit``)."""
+
+
+def before_exit(call: Callable[[], None]) -> None:
+    """Have :func:`exit_now` call ``call`` first (a rank of a tensor-parallel worker marks
+    its unit slot failed: its siblings leave at once instead of after the hang deadline)."""
+    _last_words.append(call)
+
 
 def exit_now(code: int, message: str) -> None:
     """Leave at once (no destructors: abandoned groups could block), saying why."""
     with contextlib.suppress(Exception):
         os.write(2, f"{message}\n".encode())
+    for call in _last_words:
+        with contextlib.suppress(Exception):
+            call()
     os._exit(code)

@@ -29,8 +29,11 @@ class Faults:
     """The armed faults of one rank."""
 
     def __init__(self, chan: Channel, worker: int, incarnation: str,
-                 stall: Callable[[], None] | None = None) -> None:
+                 stall: Callable[[], None] | None = None, active: bool = True) -> None:
         self.chan, self.worker, self.incarnation = chan, worker, incarnation
+        self.active = active
+        """Whether faults fire here: in a worker of several processes only rank 0 arms
+        them (it is the worker the fault names; its end is the worker's)."""
         self.stall = stall
         """Hangs the worker's device (the ``stall`` kind; never returns)."""
         self.armed: list[tuple[int, int, str, str]] = []
@@ -41,6 +44,8 @@ class Faults:
 
     def refresh(self) -> None:
         """Re-read the fault list if it changed."""
+        if not self.active:
+            return
         version = self.chan.faults_version()  # a hint: the list itself is sealed
         if version == self.version:
             return

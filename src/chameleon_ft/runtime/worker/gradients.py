@@ -7,6 +7,14 @@ gradients, the global norm of the whole model's gradient (every parameter once),
 when clipping, every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``. Everything
 here works on the gradients the optimizer steps (the fp32 masters' under mixed
 precision). What to reduce with whom comes from the directive (``runtime.step_sync``).
+
+At ``[job] tp > 1`` (design 4.11) each process holds its shards: the gradients first take
+their parameters' placements (``tp_state.settle_grads``, collective over the worker's
+ranks), then every reduction runs on each rank's local tensors over its plane (rank ``r``
+of every replica holds the same shard), the norm counts sharded gradients whole and
+replicated ones once (``tp_state.local_grad_norm_squared``, summed over the worker's
+ranks), and the step ends with one all-reduce over the worker's ranks: rank 0 votes only
+after every rank reduced.
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from torch import nn
 
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime.worker.comm import Comm
+from chameleon_ft.runtime.worker.memory import peak_resident_bytes
 from chameleon_ft.runtime.workload.models import param_name
 from chameleon_ft.runtime.workload.optim import (
     LayerTrainState,
     clip_coefficient,
     grad_norm_squared,
 )
+from chameleon_ft.runtime.workload.tp_layout import local_tensor
 
 REDUCE_CHUNK_BYTES = 8 * 2**20
 """Largest flattened copy of gradients one all-reduce takes (a larger tensor is reduced in
@@ -56,7 +66,7 @@ def all_reduce(comm: Comm, rounds: list[list[list[list[int]]]],
                 for param in _trainable(layers[i]):
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
-                    grads.append(param.grad)
+                    grads.append(local_tensor(param.grad))
             if len(workers) == 1 or not grads:
                 continue
             for chunk in _chunks(grads):
@@ -92,9 +102,10 @@ def _all_reduce_chunk(comm: Comm, chunk: list[torch.Tensor], members: tuple[int,
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's gradient (a zero one if it has none), this rank's part of it."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    return param.grad
+    return local_tensor(param.grad)
 
 
 def tie_sum(comm: Comm, ties: list[dict[str, Any]], layers: dict[int, LayerTrainState]) -> None:
@@ -120,7 +131,7 @@ def tie_sum(comm: Comm, ties: list[dict[str, Any]], layers: dict[int, LayerTrain
             y.copy_(total)
             continue
         first = next(p for p in here if p is not None)
-        total = torch.zeros_like(first)
+        total = torch.zeros_like(_grad_of(first))
         for param, source in zip(here, tie["sources"], strict=True):
             if param is not None and source == comm.me:
                 total += _grad_of(param)
@@ -131,13 +142,18 @@ def tie_sum(comm: Comm, ties: list[dict[str, Any]], layers: dict[int, LayerTrain
 
 
 def partial_norm_squared(me: int, plan: ExecutionPlan, layers: dict[int, LayerTrainState],
-                         copies: set[str]) -> torch.Tensor:
+                         copies: set[str], tp_rank: int | None = None) -> torch.Tensor:
     """This worker's share of the squared global norm (float64): the gradients of the
-    layers it is the lowest-id holder of, tied copies left out (their original counts)."""
+    layers it is the lowest-id holder of, tied copies left out (their original counts);
+    at ``tp > 1`` (``tp_rank`` given) this rank's part of that share."""
     params = [p for i, state in layers.items() if plan.holders(i)[0] == me
               for name, p in state.master.named_parameters()
               if p.requires_grad and param_name(i, name) not in copies]
-    return grad_norm_squared(params)
+    if tp_rank is None:
+        return grad_norm_squared(params)
+    from chameleon_ft.runtime.workload.tp_state import local_grad_norm_squared
+
+    return local_grad_norm_squared(params, tp_rank)
 
 
 def clip(comm: Comm, norm: dict[str, Any], partial: torch.Tensor,
@@ -156,7 +172,8 @@ def clip(comm: Comm, norm: dict[str, Any], partial: torch.Tensor,
     for state in layers.values():
         for param in _trainable(state):
             if param.grad is not None:
-                param.grad.mul_(factor.to(param.grad.dtype))
+                grad = local_tensor(param.grad)
+                grad.mul_(factor.to(grad.dtype))
     return float(global_norm)
 
 
@@ -168,11 +185,14 @@ class Reduced:
     """This worker's share of the squared global norm (the coordinator adds them up)."""
     global_norm: float | None
     """The global norm before clipping, when clipping made every worker compute it."""
+    rank_peaks: list[int] | None = None
+    """At ``tp > 1``: each rank's peak resident memory (bytes), carried by the vote's
+    all-reduce (``op_times.jsonl`` reports every rank's)."""
 
 
 def reduce_step(comm: Comm, directive: dict[str, Any], plan: ExecutionPlan,
                 layers: dict[int, LayerTrainState], copies: set[str],
-                device: torch.device) -> Reduced:
+                device: torch.device, tp_rank: int = 0) -> Reduced:
     """Everything between the backward passes and the vote: all-reduce, tied sum, norm,
     clipping.
 
@@ -183,15 +203,35 @@ def reduce_step(comm: Comm, directive: dict[str, Any], plan: ExecutionPlan,
         layers: this worker's layers.
         copies: runtime names of the tied copies (``models.tied_copies``).
         device: where the norm's reduction runs.
+        tp_rank: this process's rank in its worker (``comm.tp`` set: ``[job] tp > 1``).
 
     Raises:
-        CommError: when a collective fails.
+        CommError: when a collective fails (one of DTensor's, settling the gradients,
+            raises the ``RuntimeError`` it failed with: the caller turns it into one).
     """
+    sharded = comm.tp is not None
+    if sharded:
+        from chameleon_ft.runtime.workload.tp_state import settle_grads
+
+        for i in sorted(layers):  # every rank in the same order: collectives
+            settle_grads(layers[i].master.parameters())
     all_reduce(comm, directive["rounds"], layers)
     tie_sum(comm, directive.get("ties", []), layers)
-    partial = partial_norm_squared(comm.me, plan, layers, copies)
+    partial = partial_norm_squared(comm.me, plan, layers, copies,
+                                   tp_rank if sharded else None)
+    if sharded:  # the worker's share: every rank's part
+        partial = partial.to(device)
+        comm.tp_all_reduce(partial, "the norm over the worker's ranks")
+        partial = partial.cpu()
     norm = directive.get("norm")
     global_norm = None
     if norm is not None and norm["clip"] > 0:
         global_norm = clip(comm, norm, partial, layers, device)
-    return Reduced(float(partial), global_norm)
+    peaks = None
+    if sharded:  # every rank reduced: rank 0 may vote (each rank's peak memory with it)
+        vote = torch.zeros(comm.tp.size(), dtype=torch.float64)
+        vote[tp_rank] = float(peak_resident_bytes() or 0)
+        vote = vote.to(device)
+        comm.tp_all_reduce(vote, "the worker's vote")
+        peaks = [int(v) for v in vote.cpu().tolist()]
+    return Reduced(float(partial), global_norm, peaks)

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.placement import Place, device_index
 from chameleon_ft.runtime.traffic import Do, warm_up_program
 from chameleon_ft.runtime.worker import device as dev
+from chameleon_ft.runtime.worker import tp_group
 from chameleon_ft.runtime.worker.comm import Comm, CommError
 from chameleon_ft.runtime.worker.exits import EXIT_ABORT_STUCK, exit_now
 from chameleon_ft.runtime.worker.nccl_like import NcclLikeGroup
@@ -194,7 +196,10 @@ class Generation:
         self.device = device
         """The worker's device (threads that set up, abort or close groups work on it)."""
         self.groups: list[tuple[Any, int, int]] = []
+        self.tp_group: Any = None
+        """The worker's tensor-parallel group (``worker.tp_group``), when it has one."""
         self.broken = False
+        self.closed = False
         self.lock = threading.Lock()
 
     def add(self, group: Any, rank: int, size: int) -> None:
@@ -220,9 +225,13 @@ class Generation:
         self.break_all()
         with self.lock:
             groups, self.groups = self.groups, []
+            tp, self.tp_group = self.tp_group, None
+            self.closed = True
         for group, _, _ in groups:
             with contextlib.suppress(Exception):
                 group.shutdown()
+        if tp is not None:
+            tp_group.destroy(tp)
         del groups
 
 
@@ -232,11 +241,21 @@ def close_later(generation: Generation) -> None:
     dev.thread(generation.close, generation.device, f"close-gen{generation.gen}").start()
 
 
+@dataclass(frozen=True)
+class Plane:
+    """Where a process of a worker of ``[job] tp = k`` (k > 1) stands: its rank in its
+    worker, which is also its plane (design 4.11), and the worker's degree."""
+
+    rank: int
+    degree: int
+
+
 def build(store: dist.Store, generation: Generation, me: int, world: list[int],
           rounds: list[list[list[list[int]]]], *, backend: str, timeout_s: float,
           address: str, device: torch.device,
           extra: list[tuple[int, ...]] | None = None, nccl_like: bool = False,
-          peers: Iterable[int] | None = None, tag: str = "") -> Comm:
+          peers: Iterable[int] | None = None, tag: str = "",
+          plane: Plane | None = None) -> Comm:
     """Build a generation's groups (the two world groups, one per direction of the
     point-to-point messages, then one per all-reduce bucket and per ``extra`` member set
     this worker belongs to, one group per distinct member set, in one global order so no
@@ -254,7 +273,9 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
     messages with in the generation (``runtime.traffic.peers_of``; default every member):
     only those pairs are warmed up. ``tag``: the hidden part of the generation's
     rendezvous prefixes (``protocol.rendezvous_tag``; ``store`` then seals what the
-    rendezvous writes: ``worker.channel.RendezvousStore``).
+    rendezvous writes: ``worker.channel.RendezvousStore``). ``plane``: this process's
+    tensor-parallel rank ``r``: the groups are plane ``r``'s (``gen<g>/plane<r>/``), and
+    then the worker's group over its ranks (``gen<g>/tp<w>/``: design 4.11).
 
     Raises:
         CommError: when a group cannot be built or warmed up in time, or the generation
@@ -268,7 +289,7 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
 
     def connect() -> None:
         try:
-            built["groups"] = _connect(store, generation, me, world, members, tag,
+            built["groups"] = _connect(store, generation, me, world, members, tag, plane,
                                        backend=backend, timeout_s=timeout_s, address=address,
                                        device=device, nccl_like=nccl_like)
         except BaseException as exc:  # handed to the waiting thread
@@ -284,29 +305,56 @@ def build(store: dist.Store, generation: Generation, me: int, world: list[int],
     comm = Comm(me, worlds[0], {w: i for i, w in enumerate(world)}, buckets,
                 stage=backend == "gloo" and device.type == "cuda", reverse=worlds[1],
                 polled=nccl_like or backend == "nccl", timeout_s=timeout_s,
-                aborted=lambda: generation.broken)
+                aborted=lambda: generation.broken, tp=generation.tp_group)
     warm_up(comm, world, device, peers)
     return comm
 
 
 def _connect(store: dist.Store, generation: Generation, me: int, world: list[int],
-             members: list[tuple[int, ...]], tag: str, **options: Any
+             members: list[tuple[int, ...]], tag: str, plane: Plane | None, **options: Any
              ) -> tuple[list[Any], dict[tuple[int, ...], Any]]:
-    """The generation's two world groups and its bucket groups, each tracked by
-    ``generation`` as soon as it exists (``options``: :func:`make_group`'s)."""
+    """The generation's two world groups and its bucket groups (``plane``'s), then the
+    worker's tensor-parallel group, each tracked by ``generation`` as soon as it exists
+    (``options``: :func:`make_group`'s)."""
     gen, rank, size = generation.gen, world.index(me), len(world)
+    index = None if plane is None else plane.rank
     worlds = []
     for prefix in (proto.world_prefix(gen), proto.reverse_world_prefix(gen)):
-        group = make_group(store, proto.hidden_prefix(prefix, tag), rank, size, **options)
+        group = make_group(store, proto.hidden_prefix(proto.in_plane(prefix, index), tag),
+                           rank, size, **options)
         generation.add(group, rank, size)
         worlds.append(group)
     buckets = {}
     for m in members:
-        group = make_group(store, proto.hidden_prefix(proto.bucket_prefix(gen, m), tag),
+        prefix = proto.in_plane(proto.bucket_prefix(gen, m), index)
+        group = make_group(store, proto.hidden_prefix(prefix, tag),
                            m.index(me), len(m), **options)
         generation.add(group, m.index(me), len(m))
         buckets[m] = group
+    if plane is not None:
+        _connect_tp(store, generation, me, tag, backend=options["backend"],
+                    timeout_s=options["timeout_s"], address=options["address"],
+                    device=options["device"])
     return worlds, buckets
+
+
+def _connect_tp(store: dist.Store, generation: Generation, me: int, tag: str, *,
+                backend: str, timeout_s: float, address: str, device: torch.device) -> None:
+    """The worker's tensor-parallel group of the generation (``worker.tp_group``), tracked
+    by ``generation`` (its gloo or NCCL group breaks with the others)."""
+    prefixed = dist.PrefixStore(proto.hidden_prefix(proto.tp_prefix(generation.gen, me), tag),
+                                store)
+    group = tp_group.new_group(tp_group.GroupOptions(prefixed, backend, timeout_s, address,
+                                                     device))
+    with generation.lock:
+        closed = generation.closed
+        if not closed:
+            generation.tp_group = group
+    if closed:  # an abandoned set-up finished after its generation was closed
+        tp_group.destroy(group)
+        return
+    underneath = tp_group.backend_of(group, device)
+    generation.add(underneath, group.rank(), group.size())
 
 
 def _within(connect: Any, generation: Generation, timeout_s: float) -> None:
@@ -355,3 +403,5 @@ def warm_up(comm: Comm, world: list[int], device: torch.device,
                 comm.wait(work, peer, "warm-up")
     for members in sorted(comm.buckets):
         comm.all_reduce(torch.zeros(1, device=device), members)
+    if comm.tp is not None:  # the worker's tensor-parallel group, last
+        comm.tp_all_reduce(torch.zeros(1, device=device), "the tensor-parallel warm-up")

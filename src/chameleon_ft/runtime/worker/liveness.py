@@ -31,10 +31,12 @@ from chameleon_ft.runtime.worker.exits import (  # noqa: F401 - kept importable 
     EXIT_ERROR,
     EXIT_FENCED,
     EXIT_OK,
+    EXIT_UNIT_BROKEN,
     exit_now,
 )
 from chameleon_ft.runtime.worker.groups import Generation
 from chameleon_ft.runtime.worker.link import Link, client, refused
+from chameleon_ft.runtime.worker.unit import UnitWatch
 
 __all__ = ["WAIT_SLICE_S", "Liveness", "client", "refused"]
 
@@ -53,6 +55,11 @@ class Liveness:
         watch: the work given to the worker's device.
         device: the worker's device (the threads work on it).
         link: the process's channel over a store connection of a thread here.
+        member: whether this process is its worker in the control plane (rank 0 at
+            ``tp > 1``): it beats the store and watches the coordinator. Another rank
+            beats only its unit's slot (``worker.unit``) and follows rank 0's.
+        unit: this process's watch of its worker's other processes (``tp > 1``).
+        start_s: how long another process of the worker may take to start.
     """
 
     def __init__(self, worker: int, incarnation: str, coordinator: Link, *,
@@ -60,9 +67,12 @@ class Liveness:
                  current: Callable[[], Generation | None],
                  changed: threading.Condition, link: Callable[[Any], Channel],
                  watch: DeviceWatch | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, member: bool = True,
+                 unit: UnitWatch | None = None, start_s: float = 30.0) -> None:
         self.worker, self.incarnation = worker, incarnation
         self.coordinator = coordinator
+        self.member, self.unit = member, unit
+        self.start_s = start_s
         self.link = link
         self.device = device or torch.device("cpu")
         self.watch = watch or DeviceWatch(self.device)
@@ -70,18 +80,48 @@ class Liveness:
         self.current, self.changed = current, changed
 
     def start(self) -> None:
-        """Start the three threads (daemons: they die with the process)."""
-        for target, name in ((self._beat, "heartbeat"), (self._watchdog, "watchdog"),
-                             (self._watch_aborts, "abort-watcher")):
+        """Start the three threads (daemons: they die with the process); a rank of a
+        tensor-parallel worker that is not rank 0 has no watchdog (it follows rank 0's
+        slot instead), and its heartbeat thread only watches the device."""
+        threads = [(self._beat, "heartbeat"), (self._watch_aborts, "abort-watcher")]
+        if self.member:
+            threads.append((self._watchdog, "watchdog"))
+        for target, name in threads:
             # on the worker's device: a CUDA call here must not open a context on GPU 0
             thread(target, self.device, name).start()
+        if self.unit is not None:
+            self.unit.arm(self.hang_s, self.start_s, self._device_ok, self._unit_broken,
+                          self.device)
+
+    def _device_ok(self) -> bool:
+        return self.watch.pending_s() <= self.stall_limit_s()
+
+    def _unit_broken(self, why: str) -> None:
+        """Another process of this worker is gone: rank 0 reports the worker failed (the
+        coordinator sees one death at once) and leaves; another rank just leaves. The
+        launcher stops the rest."""
+        if self.member:
+            gen = self.current()
+            if gen is not None:
+                report = proto.ErrorReport(worker=self.worker, fatal=True, peer=None,
+                                           message=f"worker {self.worker}: {why}")
+                chan = self._connected(max(self.hang_s / 2, 0.2))
+                if chan is not None:
+                    with contextlib.suppress(Exception):
+                        chan.report(gen.gen, report)
+        exit_now(EXIT_UNIT_BROKEN, f"chameleon worker {self.worker}: {why}; exiting")
 
     def stall_limit_s(self) -> float:
         """How long device work may stay pending: the hang deadline, or the running
         generation's collective deadline where that is longer (it is at least ten of the
-        plan's estimated steps: one action's compute is never that long)."""
+        plan's estimated steps: one action's compute is never that long). In a worker of
+        several processes one more collective deadline: the compute holds DTensor's
+        collectives, in which a rank may wait for a sibling that itself waits for a plane
+        peer's message up to that deadline (design 4.11)."""
         gen = self.current()
-        return max(self.hang_s, gen.abort_s if gen is not None else 0.0)
+        collective_s = gen.abort_s if gen is not None else 0.0
+        extra_s = collective_s if self.unit is not None else 0.0
+        return max(self.hang_s, collective_s) + extra_s
 
     def _stalled(self, chan: Channel | None) -> None:
         """The device stopped completing its work: report a fatal error (the coordinator
@@ -94,6 +134,8 @@ class Liveness:
             report = proto.ErrorReport(worker=self.worker, fatal=True, peer=None, message=why)
             with contextlib.suppress(Exception):
                 chan.report(gen.gen, report)
+        if self.unit is not None:
+            self.unit.fail()  # rank 0 sees it at once (and reports the worker failed)
         exit_now(EXIT_DEVICE_STALLED, f"chameleon {why}")
 
     def _connected(self, timeout_s: float) -> Channel | None:
@@ -110,6 +152,8 @@ class Liveness:
     def _beat(self) -> None:
         """Beat every interval while the device completes its work, and read the
         coordinator's progress value; a refused connection means the coordinator is gone.
+        A rank of a tensor-parallel worker that is not rank 0 only watches its device
+        (rank 0 beats for the worker).
         A slow answer under load is not a death: a beat may time out, only the watchdog
         decides. A lost coordinator is still beaten to (one that was only slow takes the
         beats, its progress value moves, and it is no longer lost); once another is
@@ -126,6 +170,9 @@ class Liveness:
         while True:
             if self.watch.pending_s() > self.stall_limit_s():
                 self._stalled(chan)
+            if not self.member:
+                time.sleep(self.heartbeat_s)
+                continue
             if epoch != tie.epoch or chan is None:
                 epoch, chan = tie.epoch, self._connected(max(self.hang_s / 2, 0.2))
                 if chan is None:

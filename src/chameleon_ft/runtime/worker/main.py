@@ -17,17 +17,18 @@ The worker loop (docs/design.md section 4):
 
 Beside training, ``worker.liveness`` runs the heartbeat, the watchdog of the coordinator
 and the watcher of abort keys. Every value read from or written to the store goes through
-the job's seal (``worker.channel``).
+the job's seal (``worker.channel``). At ``[job] tp = k`` (design 4.11) this loop runs in
+each of the worker's k processes on its plane, with its shards (``worker.layers``); rank 0
+alone speaks for the worker to the coordinator.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -37,14 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from chameleon_ft import logs
 from chameleon_ft.plan.plan import ExecutionPlan
 from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.control.checkpoints import writer_of
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.step_sync import extra_groups
-from chameleon_ft.runtime.storage.blobs import BlobClient, BlobError
+from chameleon_ft.runtime.storage.blobs import BlobClient
 from chameleon_ft.runtime.traffic import Instruction, actions_of, peers_of, step_program
 from chameleon_ft.runtime.worker import groups, reattach
 from chameleon_ft.runtime.worker.channel import Channel, GenerationOver, Shared, read_job
@@ -54,18 +54,16 @@ from chameleon_ft.runtime.worker.checkpoints import (
     shared_folder,
     wait_final,
 )
-from chameleon_ft.runtime.worker.comm import Comm, CommError
+from chameleon_ft.runtime.worker.comm import Comm, CommError, comm_failure
 from chameleon_ft.runtime.worker.device import DeviceWatch, StepTimer
 from chameleon_ft.runtime.worker.device import memory as device_memory
 from chameleon_ft.runtime.worker.executor import StepResult, StepRun
-from chameleon_ft.runtime.worker.faults import Faults, InjectedError
+from chameleon_ft.runtime.worker.faults import Faults
 from chameleon_ft.runtime.worker.gradients import Reduced, reduce_step
+from chameleon_ft.runtime.worker.layers import Layers
 from chameleon_ft.runtime.worker.link import Link
 from chameleon_ft.runtime.worker.liveness import (
-    EXIT_COORDINATOR_GONE,
-    EXIT_ERROR,
     EXIT_FENCED,
-    EXIT_OK,
     Liveness,
     client,
     exit_now,
@@ -74,6 +72,7 @@ from chameleon_ft.runtime.worker.memcopies import MemoryCopies, peer_of
 from chameleon_ft.runtime.worker.memory import peak_resident_bytes, reset_peak, resident_bytes
 from chameleon_ft.runtime.worker.migration import Migration
 from chameleon_ft.runtime.worker.slowdown import Probe, Slowdown, between, probe_inputs, prober
+from chameleon_ft.runtime.worker.unit import UnitWatch
 from chameleon_ft.runtime.workload.bundle import Workload, open_workload
 from chameleon_ft.runtime.workload.models import StageModel, tied_copies
 from chameleon_ft.runtime.workload.optim import LayerTrainState
@@ -83,7 +82,7 @@ from chameleon_ft.spec.train import ActivationCheckpointing
 # kept importable from here (harnesses and the profiler build groups the same way)
 make_group = groups.make_group
 break_connections = groups.break_connections
-__all__ = ["GenerationOver", "Worker", "break_connections", "make_group", "worker_main"]
+__all__ = ["GenerationOver", "Worker", "break_connections", "make_group"]
 
 _log = logging.getLogger(__name__)
 
@@ -93,7 +92,8 @@ class Worker:
 
     def __init__(self, worker_id: int, host: str, port: int, *, address: str,
                  incarnation: str, secret: bytes, connect_timeout_s: float = 30.0,
-                 replacement: bool = False, place: Place | None = None) -> None:
+                 replacement: bool = False, place: Place | None = None,
+                 tp_rank: int = 0, unit: UnitWatch | None = None) -> None:
         """Connect to the coordinator's store and read the job.
 
         Args:
@@ -107,12 +107,16 @@ class Worker:
             replacement: a repaired worker rejoining a running job under a dead one's id.
             place: where this worker sits on its host, which picks its GPU
                 (default: the first worker of a task running one).
+            tp_rank: this process's rank in its worker (``[job] tp > 1``, design 4.11):
+                rank 0 is the worker in the control plane.
+            unit: the watch over the worker's other processes (``tp > 1``).
         """
         self.rss_base_bytes = resident_bytes()
         """Resident memory once this worker is set up (before it builds its stage), the
         peak counted from there; where the peak cannot be reset, when it started."""
         self.id, self.incarnation, self.replacement = worker_id, incarnation, replacement
         self.host, self.port, self.address, self.secret = host, port, address, secret
+        self.tp_rank, self.unit = tp_rank, unit
         self._connect(secret, connect_timeout_s, place or Place(0))
         self._open_workload()
         self.micro_batch = self.job.micro_batch
@@ -120,7 +124,11 @@ class Worker:
         """The loss normaliser: target elements in the whole step."""
         self._nothing_held()
         self.stage = StageModel(checkpointing=self.checkpointing)
-        self.faults = Faults(self.chan, self.id, incarnation, stall=self.watch.stall)
+        self.runner: torch.nn.Module = self.stage
+        """What a step computes: the stage, behind ``TensorParallelStage`` at tp > 1."""
+        # injected faults fire in the worker's control-plane process (rank 0) only
+        self.faults = Faults(self.chan, self.id, incarnation, stall=self.watch.stall,
+                             active=tp_rank == 0)
         self.slowdown = Slowdown(self.faults)
         """An injected fail-slow, if one runs (``worker.slowdown``)."""
         self.current: groups.Generation | None = None
@@ -169,6 +177,10 @@ class Worker:
         self.copies = set(tied_copies(self.model))
         """Runtime names of the tied copies (their originals count in the norm)."""
         self.opt_factory, self.lr_schedule = self.work.optimizer(), self.work.lr_schedule()
+        self.tp = self.job.tp
+        self.make = Layers(self.model, self.precision, self.device, self.opt_factory,
+                           self.lr_schedule, (self.tp_rank, self.tp) if self.tp > 1 else None)
+        """How this process builds, loads and packs its layers (its shards at tp > 1)."""
         digest = self.work.data_digest(self.data)
         if digest != self.job.data_digest:
             raise ValueError(f"data: this host's data ({digest}) differs from the "
@@ -180,11 +192,16 @@ class Worker:
         self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=timedelta(seconds=connect_timeout_s))
         self.job, signer = read_job(self.store, secret)
-        self.shared = Shared(signer, self.id, self.incarnation, _log.warning)
+        shard = self.tp_rank if self.job.tp > 1 else None
+        self.shared = Shared(signer, self.id, self.incarnation, _log.warning,
+                             member=self.tp_rank == 0, shard=shard)
         self.chan = Channel(self.store, self.shared)
         self.hang_s = self.job.hang_timeout_s
-        self.link = Link(self.host, self.port, hang_s=self.hang_s,
-                         grace_s=self.job.coordinator_grace_s, term=self.job.term)
+        # rank 0 waits out the grace; its siblings wait as long as it lives (its unit slot
+        # ends them once it gives up: design 4.11)
+        grace_s = self.job.coordinator_grace_s if self.tp_rank == 0 else math.inf
+        self.link = Link(self.host, self.port, hang_s=self.hang_s, grace_s=grace_s,
+                         term=self.job.term)
         # the watchdog decides whether the coordinator is gone; the training thread's
         # requests may take longer on a loaded host without that meaning anything
         self.store.set_timeout(timedelta(seconds=max(5.0, 2 * self.hang_s)))
@@ -217,7 +234,8 @@ class Worker:
             self.memory.start()
         self.ckpt = CheckpointIO(self.id, shared_folder(self.job.checkpoint_dir,
                                                         self.job.job_id), self.blobs,
-                                 own_store, self.memory, self.device)
+                                 own_store, self.memory, self.device,
+                                 shard=None if shard is None else (shard, self.job.tp))
         if self.job.checkpoint_every > 0 and self.ckpt.folder is not None and \
                 self.ckpt.disk is not None:
             self.ckpt.disk.start()
@@ -233,27 +251,26 @@ class Worker:
         out: torch.Tensor = self.model.loss(self.precision.for_loss(output), targets)
         return out
 
-    def boundary_buffer(self, layer: int) -> torch.Tensor:
-        """An empty buffer for the input of ``layer`` (the output of ``layer - 1``)."""
+    def boundary_buffer(self, layer: int, whole: bool = False) -> torch.Tensor:
+        """An empty buffer for the input of ``layer`` (the output of ``layer - 1``; at
+        ``tp > 1`` this rank's sequence shard of it, unless ``whole``)."""
         shape, dtype = self.job.boundaries[layer - 1]
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        local = tuple(shape)
+        if self.tp > 1 and not whole:  # DTensor's modules only where they are used
+            from chameleon_ft.runtime.workload.tensor_parallel import boundary_shape
+
+            local = boundary_shape(local, self.tp)
+        return torch.empty(local, dtype=getattr(torch, dtype), device=self.device)
 
     def module(self, index: int) -> torch.nn.Module:
         """Layer ``index`` with its initial parameters, in the run's master dtype, on the
-        device."""
-        module: torch.nn.Module = self.model.build_layer(index).to(self.precision.master)
-        return module.to(self.device)
+        device (whole)."""
+        return self.make.module(index)
 
-    def new_layer(self, index: int) -> LayerTrainState:
-        """Layer ``index`` with its initial parameters and a fresh optimizer."""
-        return LayerTrainState.create(self.module(index), self.opt_factory, self.lr_schedule,
-                                      self.precision.compute_if_mixed)
-
-    def layer_from_bytes(self, index: int, data: bytes) -> LayerTrainState:
-        """Layer ``index`` with the state in ``data``."""
+    def layer_from(self, index: int, blobs: list[bytes]) -> LayerTrainState:
+        """Layer ``index`` with the state in ``blobs`` (``Layers.from_trees``)."""
         try:
-            return LayerTrainState.from_bytes(self.module(index), self.opt_factory, data,
-                                              self.lr_schedule, self.precision.compute_if_mixed)
+            return self.make.from_trees(index, blobs)
         except ValueError as exc:
             raise RuntimeError(f"worker {self.id}: the state received for layer {index} "
                                f"does not load: {exc}") from None
@@ -263,6 +280,7 @@ class Worker:
         self.stage = StageModel(checkpointing=self.checkpointing)
         for i in sorted(layers):
             self.stage.layers[str(i)] = layers[i].module
+        self.runner = self.make.runner(self.stage)
 
     def _warm_up_kernels(self) -> None:
         """One throw-away forward and backward through every layer kind, before joining.
@@ -281,13 +299,13 @@ class Worker:
         if hidden.requires_grad:
             hidden.backward(torch.ones_like(hidden))
         if last > 1:  # a middle layer: a floating-point input that needs its gradient
-            inp = self.boundary_buffer(1).zero_()
+            inp = self.boundary_buffer(1, whole=True).zero_()
             inp.requires_grad_(inp.is_floating_point())
             out = self.module(1).to(self.dtype)(inp)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
         if last > 0:
-            inp = self.boundary_buffer(last).zero_()
+            inp = self.boundary_buffer(last, whole=True).zero_()
             inp.requires_grad_(inp.is_floating_point())
             self.loss(self.module(last).to(self.dtype)(inp), y).backward()
 
@@ -310,7 +328,8 @@ class Worker:
         Liveness(self.id, self.incarnation, self.link,
                  heartbeat_s=self.job.heartbeat_s, hang_s=self.hang_s,
                  current=lambda: self.current, changed=self.gen_changed, link=self.chan.on,
-                 watch=self.watch, device=self.device).start()
+                 watch=self.watch, device=self.device, member=self.tp_rank == 0,
+                 unit=self.unit, start_s=self.job.control_timeout_s).start()
         gen = 0
         if self.replacement:
             # a repaired worker: the coordinator says from which generation on it follows
@@ -389,7 +408,10 @@ class Worker:
                                 address=self.address, device=self.device,
                                 nccl_like=self.job.nccl_semantics,
                                 peers=peers_of(plan, actions, transfers, self.id),
-                                tag=self.chan.rendezvous_tag(gen, d))
+                                tag=self.chan.rendezvous_tag(gen, d),
+                                plane=groups.Plane(self.tp_rank, self.tp)
+                                if self.tp > 1 else None)
+            self._new_mesh(gen, comm)
             self.faults.maybe_fire(d["step"], "recovery", gen)
             self._load_state(gen, d, plan, comm)
             self.chan.ready(gen)
@@ -415,19 +437,18 @@ class Worker:
         return generation
 
     # ------------------------------------------------------------------ state
+    def _new_mesh(self, gen: int, comm: Comm) -> None:
+        """Make the generation's tensor-parallel mesh current (named for it: design
+        4.11); layers are built on it, and kept ones moved onto it, from now on."""
+        if comm.tp is not None:
+            from chameleon_ft.runtime.workload.tensor_parallel import tensor_parallel_mesh
+
+            self.make.mesh = tensor_parallel_mesh(comm.tp, self.device.type, gen)
+
     def _restore(self, gen: int, step: int, wanted: list[int]) -> dict[int, LayerTrainState]:
-        """This worker's layers of the checkpoint after ``step`` steps, each verified
-        against the manifest before it is decoded (a corrupt file is reported, never
-        loaded)."""
-        layers = {}
+        """This worker's layers of the checkpoint after ``step`` steps (verified)."""
         fetched = self.memory.fetched if self.memory is not None else 0
-        for i in wanted:
-            try:
-                blob = self.ckpt.read(step, i, gen)
-            except BlobError as exc:
-                raise CommError(f"worker {self.id}: reading layer {i} of the checkpoint "
-                                f"after {step} steps failed: {exc}", None) from None
-            layers[i] = self.layer_from_bytes(i, blob)
+        layers = self.ckpt.restore(step, wanted, gen, self.layer_from)
         if self.memory is not None and self.memory.fetched > fetched:
             self.chan.fetched(gen, self.memory.fetched - fetched)
         return layers
@@ -439,18 +460,20 @@ class Worker:
         load = d.get("load")
         layers = dict(self.held) if self.held_steps == d["step"] else {}
         if load is not None and load["kind"] == "init":
-            layers = {i: self.new_layer(i) for i in wanted}
+            layers = {i: self.make.new(i) for i in wanted}
         elif load is not None and load["kind"] == "restore":
             layers = self._restore(gen, load["step"], wanted)
         migration = d.get("migration")
         if migration:
-            Migration(comm, self.device, layers, self.layer_from_bytes,
-                      lambda: self.faults.maybe_fire(d["step"], "migration", gen)
-                      ).run(migration["transfers"], migration["rounds"])
+            Migration(comm, self.device, layers, lambda i, data: self.layer_from(i, [data]),
+                      lambda: self.faults.maybe_fire(d["step"], "migration", gen),
+                      pack=self.make.to_bytes).run(migration["transfers"], migration["rounds"])
         missing = [i for i in wanted if i not in layers]
         if missing:
             raise RuntimeError(f"worker {self.id}: no state for layers {missing} in "
                                f"generation {gen}")
+        # kept layers move onto the generation's mesh (tp > 1; no communication)
+        layers.update(self.make.rebind(self.make.mesh, {i: layers[i] for i in wanted}))
         self.held, self.held_steps = layers, d["step"]
         self.held_gen, self.held_plan = gen, d["plan"]
         self._set_layers({i: layers[i] for i in wanted})
@@ -470,11 +493,19 @@ class Worker:
         stretch = self.slowdown.at_step(step, gen)
         for state in self.layers.values():
             state.zero_grad()
-        result = StepRun(self, comm, plan, step,
-                         lambda phase: self.faults.maybe_fire(step, phase, gen),
-                         stretch).run(program)
-        self.faults.maybe_fire(step, "reduce", gen)
-        reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device)
+        try:
+            result = StepRun(self, comm, plan, step,
+                             lambda phase: self.faults.maybe_fire(step, phase, gen),
+                             stretch).run(program)
+            self.faults.maybe_fire(step, "reduce", gen)
+            reduced = reduce_step(comm, d, plan, self.layers, self.copies, self.device,
+                                  self.tp_rank)
+        except RuntimeError as exc:  # DTensor's collectives fail inside autograd's ops
+            failure = comm_failure(exc, self.current is not None and self.current.broken) \
+                if comm.tp is not None else None
+            if failure is None:
+                raise
+            raise failure from None
         self._report_step(gen, step, result, reduced)
         t_reduced = time.perf_counter()
         self.voted = (gen, step)  # before the vote: a vote written as its store failed
@@ -514,6 +545,7 @@ class Worker:
             "commit_wait_s": self.last_commit_wait_s, "rss_base_bytes": self.rss_base_bytes,
             "rss_peak_bytes": peak_resident_bytes(), **device_memory(self.device),
             "grad_norm_sq": reduced.norm_squared,
+            **({"rss_peak_bytes_ranks": reduced.rank_peaks} if reduced.rank_peaks else {}),
             "lr": self.layers[held[0]].lr(step) if held else None})
 
     # ------------------------------------------------------------------ checkpoints
@@ -527,9 +559,9 @@ class Worker:
         if num_steps % every:
             if self.reserved_gen != gen:  # the generation's first commit: state complete
                 self.reserved_gen = gen
-                self.ckpt.reserve_async(self._writes(plan))
+                self.ckpt.reserve_async(self.make.stored(self._writes(plan)))
             return
-        mine = self._writes(plan)
+        mine = self.make.stored(self._writes(plan))
         inject = self.faults.maybe_fire(num_steps - 1, "checkpoint", gen)
         peer = None if self.memory is None else \
             peer_of(self.id, plan.workers, self.job.workers_per_node)
@@ -548,7 +580,7 @@ class Worker:
         gen, step = int(directive["gen"]), int(directive["step"])
 
         def write(layers: list[int], upload: bool = False) -> None:
-            states = {i: self.held[i].state_tree() for i in layers if i in self.held}
+            states = {i: self.make.tree(i, self.held[i]) for i in layers if i in self.held}
             # an injected disk fault fails the final checkpoint's write into the folder too
             inject = None if upload or not states else \
                 self.faults.maybe_fire(step - 1, "checkpoint", gen)
@@ -558,42 +590,3 @@ class Worker:
             write([int(i) for i, ws in final.items() if ws and writer_of(ws, int(i)) == self.id])
         wait_final(self.chan, gen, write, float(directive["final_timeout_s"]))
 
-
-def worker_main(worker_id: int, host: str, port: int, address: str, incarnation: str,
-                secret: bytes, replacement: bool = False, place: Place | None = None,
-                log_level: int = logging.WARNING) -> None:
-    """Entry point of a worker process; never returns normally (exits with ``os._exit``).
-
-    Exits 0 after the final upload, 1 on an injected or unexpected error, 3 when the
-    coordinator disappeared, 4 when fenced, 5 when an NCCL abort could not finish, 6 when
-    the device stopped completing its work (``worker.exits``). ``os._exit`` skips the
-    destructors of abandoned process groups, which could block on connections to dead
-    peers or on kernels that never finish.
-
-    ``log_level``: this process's records on stderr from that level on (the level of the
-    process that started it), stamped with the worker's id.
-    """
-    logs.configure(log_level, sys.stderr, worker=worker_id)  # the process's edge
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    groups.set_nccl_environment()  # before any communicator exists
-    torch.set_num_threads(1)
-    # Ctrl-C in a terminal (SIGINT) or a scheduler's SIGTERM reach the whole process
-    # group; the coordinator drains the run and tells the workers when to stop, and a
-    # worker whose coordinator is gone exits by its watchdog.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    code = EXIT_OK
-    try:
-        Worker(worker_id, host, port, address=address, incarnation=incarnation,
-               secret=secret, replacement=replacement, place=place).run()
-    except InjectedError:
-        code = EXIT_ERROR
-    except dist.DistError:  # the coordinator went away before the worker followed it
-        code = EXIT_COORDINATOR_GONE
-    except BaseException:
-        _log.error("%s", traceback.format_exc().rstrip())
-        code = EXIT_ERROR
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)

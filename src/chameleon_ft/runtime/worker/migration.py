@@ -31,13 +31,17 @@ class Migration:
         layers: the states this worker holds (a sender's source; a receiver's result).
         rebuild: ``(layer, bytes) -> LayerTrainState`` for a received layer.
         first: called once, at the first transfer (where injected faults fire).
+        pack: ``(layer, state) -> bytes`` of a layer sent (default: its whole state; at
+            ``tp > 1`` this rank's shard, sent to its counterpart rank on its plane).
     """
 
     def __init__(self, comm: Comm, device: torch.device, layers: dict[int, LayerTrainState],
                  rebuild: Callable[[int, bytes], LayerTrainState],
-                 first: Callable[[], None]) -> None:
+                 first: Callable[[], None],
+                 pack: Callable[[int, LayerTrainState], bytes] | None = None) -> None:
         self.comm, self.device, self.layers = comm, device, layers
         self.rebuild, self.first = rebuild, first
+        self.pack = pack or (lambda _layer, state: state.to_bytes())
         self.packed: dict[int, torch.Tensor] = {}
         self.parts: dict[int, dict[int, torch.Tensor]] = {}
         self.totals: dict[int, int] = {}
@@ -80,7 +84,7 @@ class Migration:
     def _send(self, message: Message, num_parts: int) -> tuple[Any, int, Any]:
         _, layer, part = message.key
         if layer not in self.packed:
-            raw = self.layers[layer].to_bytes()
+            raw = self.pack(layer, self.layers[layer])
             self.packed[layer] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         data = self.packed[layer]
         if message.kind is Kind.STATE_SIZE:

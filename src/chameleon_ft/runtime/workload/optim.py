@@ -331,6 +331,17 @@ class LayerTrainState:
         except PackError as exc:  # a truncated or foreign payload
             raise ValueError(f"layer state: unreadable payload of {len(data)} bytes: "
                              f"{exc}") from None
+        return cls.from_tree(module, optimizer_factory, blob, lr_schedule, compute_dtype)
+
+    @classmethod
+    def from_tree(cls, module: nn.Module, optimizer_factory: OptimizerFactory, blob: Any,
+                  lr_schedule: LRScheduleFn | None = None,
+                  compute_dtype: torch.dtype | None = None) -> LayerTrainState:
+        """Rebuild a state from an unpacked :meth:`state_tree` (see :meth:`from_bytes`).
+
+        Raises:
+            ValueError: for a tree that does not hold this layer's state.
+        """
         if not isinstance(blob, dict) or blob.get("format") != _STATE_FORMAT:
             raise ValueError("layer state: not a layer state payload")
         try:

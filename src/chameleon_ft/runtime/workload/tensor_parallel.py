@@ -50,7 +50,16 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from chameleon_ft.runtime.workload.models.gpt import GPTModel
 from chameleon_ft.runtime.workload.models.gpt_layers import Block as GPTBlock
-from chameleon_ft.runtime.workload.tp_layout import LayerLayout, TensorLayout, split_tensor
+from chameleon_ft.runtime.workload.tp_check import (
+    check_tensor_parallel as check_tensor_parallel,  # kept importable from here
+)
+from chameleon_ft.runtime.workload.tp_check import hf_model_class
+from chameleon_ft.runtime.workload.tp_layout import (
+    LayerLayout,
+    TensorLayout,
+    local_tensor,
+    split_tensor,
+)
 
 SEQUENCE_DIM = 1
 """The hidden states' sequence dimension: (B, T, H)."""
@@ -61,59 +70,6 @@ _ROW = ("o_proj", "down_proj")
 """Its row-parallel linears."""
 _HEAD_NORMS = ("q_norm", "k_norm")
 """Norms over each head's width (Qwen3): they run on the rank's own heads."""
-
-
-def _hf_model() -> type[Any] | None:
-    """The Hugging Face adapter's class, when transformers is installed."""
-    try:
-        from chameleon_ft.runtime.workload.models.hf import HFCausalLM
-    except ImportError:  # pragma: no cover - the hf extra is part of `make test`
-        return None
-    return HFCausalLM
-
-
-# ---------------------------------------------------------------------------- checks
-def _divides(degree: int, count: int, what: str) -> None:
-    if count % degree:
-        raise ValueError(f"job.tp: {degree} does not divide the model's {count} {what}; "
-                         f"choose a tp that divides it")
-
-
-def check_tensor_parallel(model: Any, degree: int, seq_len: int) -> None:
-    """Check that ``model`` can be sharded over ``degree`` devices (before any process
-    starts).
-
-    Supported: the built-in GPT and every Hugging Face family of the adapter, with
-    ``degree`` dividing the query heads, the key/value heads (grouped heads are split,
-    never replicated across ranks), the MLP's width and the sequence (sequence-parallel
-    boundaries); any vocabulary (its last shard may be shorter).
-
-    Args:
-        model: the layered model.
-        degree: ``[job] tp``.
-        seq_len: tokens per sample.
-
-    Raises:
-        ValueError: one line naming ``job.tp``.
-    """
-    if degree == 1:
-        return
-    hf_cls = _hf_model()
-    if isinstance(model, GPTModel):
-        s = model.shape
-        _divides(degree, s.num_heads, "attention heads")
-        _divides(degree, s.ffn_size, "MLP columns (ffn)")
-    elif hf_cls is not None and isinstance(model, hf_cls):
-        c: Any = model.config
-        _divides(degree, c.num_attention_heads, "attention heads")
-        _divides(degree, c.num_key_value_heads, "key/value heads (grouped heads are split "
-                 "over the group, not replicated)")
-        _divides(degree, c.intermediate_size, "MLP columns (intermediate_size)")
-    else:
-        raise ValueError(f"job.tp: tensor parallelism shards the built-in GPT and the "
-                         f"Hugging Face families; {type(model).__name__} has no "
-                         f"tensor-parallel plan: set job.tp = 1")
-    _divides(degree, seq_len, "tokens per sample (sequence-parallel boundaries)")
 
 
 def tensor_parallel_mesh(group: Any, device_type: str, generation: int) -> DeviceMesh:
@@ -279,7 +235,7 @@ def shard_layer(model: Any, index: int, layer: nn.Module, mesh: DeviceMesh) -> L
         ValueError: one line naming ``job.tp`` for a model or module without a plan.
     """
     degree = mesh.size()
-    hf_cls = _hf_model()
+    hf_cls = hf_model_class()
     frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
     if isinstance(model, GPTModel):
         plan, root, fused = _gpt_plan(index, layer, model.num_layers, degree)
@@ -364,12 +320,6 @@ class TensorParallelStage(nn.Module):
             x = DTensor.from_local(x, self.mesh, (Shard(SEQUENCE_DIM),), run_check=False)
         y = self.stage(x)
         return y.to_local() if isinstance(y, DTensor) else y
-
-
-def local_tensor(value: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly distributed) tensor: what it sends, reduces over
-    data parallelism and packs."""
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def local_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

@@ -104,6 +104,15 @@ class LayerLayout:
                    params=tuple(params))
 
 
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly distributed) tensor: what it sends, reduces over
+    data parallelism and packs. A DTensor is recognised by its ``to_local`` (the runtime's
+    shared code stays free of DTensor's modules: the coordinator imports it)."""
+    to_local = getattr(value, "to_local", None)
+    local: torch.Tensor = value if to_local is None else to_local()
+    return local
+
+
 def chunk_bounds(size: int, degree: int, rank: int) -> tuple[int, int]:
     """``[start, end)`` of rank ``rank``'s chunk of ``size`` rows split ``torch.chunk``'s
     way over ``degree`` ranks (what DTensor's ``Shard`` holds)."""

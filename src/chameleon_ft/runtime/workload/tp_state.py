@@ -59,19 +59,21 @@ def _map_tree(tree: Any, fn: Any) -> Any:
 
 
 def local_state_tree(state: LayerTrainState, layout: LayerLayout,
-                     mesh: DeviceMesh) -> dict[str, Any]:
+                     mesh: DeviceMesh | tuple[int, int]) -> dict[str, Any]:
     """This rank's shard of a sharded layer's state (master weights and optimizer state),
     as plain tensors with its ``shard`` entry. No communication.
 
     Args:
         state: the sharded layer's state.
         layout: its layout (``shard_layer``'s answer).
-        mesh: the worker's tensor-parallel mesh.
+        mesh: the worker's tensor-parallel mesh, or this rank's ``(rank, degree)`` (the
+            state's group may be gone: a worker writes its final shards after its last
+            generation's groups were closed).
     """
     tree: dict[str, Any] = _map_tree(
         state.state_tree(), lambda t: t.to_local() if isinstance(t, DTensor) else t)
-    tree[SHARD_KEY] = {"rank": mesh.get_local_rank(), "degree": mesh.size(),
-                       "layout": layout.to_json()}
+    rank, degree = mesh if isinstance(mesh, tuple) else (mesh.get_local_rank(), mesh.size())
+    tree[SHARD_KEY] = {"rank": rank, "degree": degree, "layout": layout.to_json()}
     return tree
 
 
