@@ -274,10 +274,9 @@ def prepare(config: Config, *, profile: Profile | None = None, custom_decide: bo
                         workers_per_node=config.workers_per_node,
                         num_workers=config.total_workers, num_local=num_local, resume=resume)
     _check_collective_timeout(job)
-    if check_resources:
-        for line in check_memory(config, plan0, prof, num_local,
-                                 build_layer=built_model.build_layer):
-            log(line)
+    for line in check_memory(config, plan0, prof, num_local, build_layer=built_model.build_layer
+                             ) if check_resources else ():
+        log(line)
     return job
 
 
