@@ -78,6 +78,7 @@ def _coordinator_main(out: str, train: dict[str, Any], options: dict[str, Any]) 
         if match:
             _PIDS.update(enumerate(int(p) for p in match.group(1).split()))
 
+    layout = options.pop("layout", {})  # tiny_config's [cluster] and [job] overrides
     split = options.pop("split_commit", None)
     if split is not None:
         _split_commit(*split)
@@ -87,7 +88,7 @@ def _coordinator_main(out: str, train: dict[str, Any], options: dict[str, Any]) 
         LoopWatch.start = lambda self: None  # type: ignore[method-assign]
     code = 0
     try:
-        Coordinator(tiny_config(**train), out_dir=out, log=log, **options).run()
+        Coordinator(tiny_config(**layout, **train), out_dir=out, log=log, **options).run()
     except WorkerFailure as exc:
         log(f"training failed: {exc}")
         code = 1
@@ -164,6 +165,25 @@ class Coordinating:
         """Its exit status once it ended (None: still running after ``limit_s``)."""
         self.proc.join(limit_s)
         return self.proc.exitcode
+
+
+def siblings_of(pid: int, leave_out: int) -> list[int]:
+    """The other children of ``pid``'s parent (the tests' forkserver), ``leave_out`` (a
+    coordinator it serves) left out: at ``tp > 1`` the worker's processes other than
+    rank 0, whose pids the coordinator does not log."""
+    def parent(of: int) -> int | None:
+        try:
+            return int(Path(f"/proc/{of}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    server = parent(pid)
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) not in (pid, leave_out) and \
+                parent(int(entry.name)) == server:
+            out.append(int(entry.name))
+    return sorted(out)
 
 
 def gone_within(pids: list[int], limit_s: float) -> dict[int, float]:

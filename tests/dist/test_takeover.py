@@ -173,3 +173,48 @@ def test_workers_leave_a_stuck_loop_whose_process_and_store_live_on(tmp_path: Pa
     finally:
         first.kill()
         kill_all(*pids)
+
+
+TP_LAYOUT: dict[str, Any] = {"cluster": {"num_nodes": 1, "devices_per_node": 4},
+                             "job": {"pp": 2, "dp": 1, "tp": 2}}
+"""Two workers of two processes each (pp 2 x tp 2): the fewest a unit's takeover needs."""
+TP_TRAIN = {"steps": 8, "dtype": "float64", "timeout_s": 6.0, "checkpoint_every": 4,
+            "coordinator_grace_s": 30.0}
+"""Deadlines a loaded 2-core host keeps with DTensor's first operations (design 4.11)."""
+
+
+def test_a_tensor_parallel_run_is_taken_over_by_every_process_of_its_workers(
+        tmp_path: Path) -> None:
+    """At tp 2 the coordinator is killed mid-run: each worker's rank 0 reports what it
+    holds, its sibling re-attaches its channel without a report, and the next coordinator
+    trains on with the same four processes, equal to plain training (design 4.11)."""
+    from dist_harness import tiny_config
+    from takeover_harness import siblings_of
+
+    from chameleon_ft.runtime.workload.reference import train_reference
+
+    first = Coordinating(tmp_path, TP_TRAIN, port=0, layout=TP_LAYOUT)
+    pids = first.pids()
+    procs = list(pids)
+    try:
+        procs = sorted({*pids, *siblings_of(pids[0], first.proc.pid)})
+        assert len(procs) == 4, procs  # each worker's rank 0 and its sibling
+        until(lambda: first.committed() >= 3, 120)
+        first.kill()
+        assert all(alive(p) for p in procs), "processes died with their coordinator"
+        second = Coordinating(tmp_path, TP_TRAIN, resume=True, layout=TP_LAYOUT)
+        assert second.wait(150) == 0, [x for _, x in second.mine()][-20:]
+        lines = [x for _, x in second.mine()]
+        assert not [x for x in lines if x.startswith("launched workers")], lines
+        assert any(x.startswith("took the run over at step ") for x in lines), lines
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert [(r["worker"], r["pid"]) for r in report["reattached"]] == \
+            list(enumerate(pids))  # rank 0 of each: nobody was relaunched
+        assert report["coordinator_term"] == 1 and not report["events"]
+        assert [s["step"] for s in report["steps"]] == list(range(TP_TRAIN["steps"]))
+        reference = train_reference(tiny_config(**TP_LAYOUT, **TP_TRAIN))
+        assert max_abs_diff(_params(tmp_path), reference.params) < 1e-9
+        gone = gone_within(procs, 15)
+        assert len(gone) == len(procs), "processes left behind"
+    finally:
+        kill_all(*procs)
