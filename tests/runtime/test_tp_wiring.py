@@ -29,6 +29,7 @@ from chameleon_ft.runtime.storage.checkpoint import (
     LayerFile,
     layer_file_name,
 )
+from chameleon_ft.runtime.worker import exits
 from chameleon_ft.runtime.worker.channel import Channel, Shared
 from chameleon_ft.runtime.worker.comm import CommError, comm_failure
 from chameleon_ft.runtime.worker.unit import UnitBeats, UnitWatch
@@ -235,6 +236,29 @@ def test_siblings_that_finish_cleanly_leave_rank_0_running() -> None:
         unit.join(5.0)
 
 
+def _leaves_early(*args: Any) -> None:
+    """A rank of a test unit: rank 0 leaves by ``exit_now`` with its slot's hook registered
+    as ``worker_main`` registers it (a rank 0 that gave its coordinator up); the others
+    sleep."""
+    rank, beats = args[9], args[10]
+    if rank == 0:
+        exits.before_exit(UnitWatch(beats, rank, torch.device("cpu")).fail)
+        exits.exit_now(exits.EXIT_COORDINATOR_GONE, "test: the coordinator is gone")
+    time.sleep(60)
+
+
+def test_a_rank_that_leaves_early_marks_its_slot_failed() -> None:
+    unit = start_unit(forkserver_context(), _leaves_early, (None,) * 7, Place(0), (0,),
+                      tp=2, name="test-unit")
+    try:
+        assert _ended(unit) == exits.EXIT_COORDINATOR_GONE
+        # its siblings see it at once, not after the hang deadline's silence
+        assert "failed" in (unit.beats.silent(0, 60.0, since=time.monotonic()) or "")
+    finally:
+        unit.kill()
+        unit.join(5.0)
+
+
 def test_the_slots_tell_a_silent_or_failed_rank() -> None:
     beats = UnitBeats.create(forkserver_context(), 2)
     now = time.monotonic()
@@ -278,6 +302,8 @@ def test_a_rank_that_is_not_the_member_writes_no_control_key() -> None:
     sibling.reduced(2, 0)
     sibling.step_report(2, 0, [[0, 1.0]], {"f_s": []})
     sibling.beat(1)
+    sibling.reattach("{}")  # the worker's re-attach report is rank 0's (design 4.1)
+    sibling.probe(1, 1.5)  # and so is an idle slow worker's probe
     assert not sibling.report(2, proto.ErrorReport(3, True, None, "x"))
     assert store.num_keys() == 0
     sibling.layer_written(2, 4, 0, {"file": "f"})  # its own shard's report
