@@ -218,3 +218,33 @@ def test_a_tensor_parallel_run_is_taken_over_by_every_process_of_its_workers(
         assert len(gone) == len(procs), "processes left behind"
     finally:
         kill_all(*procs)
+
+
+def test_at_tp_2_the_siblings_leave_with_rank_0_once_the_grace_is_over(
+        tmp_path: Path) -> None:
+    """No coordinator follows: rank 0 waits out the grace; its sibling, with no grace of
+    its own, waits as long as rank 0 does and leaves with it (rank 0's exit marks its
+    slot failed: not the hang deadline's silence later)."""
+    from takeover_harness import siblings_of
+
+    grace_s = 3.0
+    first = Coordinating(tmp_path, {**TP_TRAIN, "coordinator_grace_s": grace_s}, port=0,
+                         layout=TP_LAYOUT)
+    pids = first.pids()
+    procs = list(pids)
+    try:
+        procs = sorted({*pids, *siblings_of(pids[0], first.proc.pid)})
+        assert len(procs) == 4, procs
+        until(lambda: first.committed() >= 2, 120)
+        killed_at = first.kill()
+        gone = gone_within(procs, grace_s + 15)
+        assert len(gone) == len(procs), "processes outlived the grace"
+        leaders = [gone[p] - killed_at for p in pids]
+        siblings = [gone[p] - killed_at for p in procs if p not in pids]
+        assert grace_s - 0.5 < min(leaders) and max(leaders) < grace_s + 2.0, leaders
+        # none left before its leader gave up, and all within a second after (the hang
+        # deadline is 6 s)
+        assert min(siblings) > min(leaders) - 0.2, (leaders, siblings)
+        assert max(siblings) < max(leaders) + 1.0, (leaders, siblings)
+    finally:
+        kill_all(*procs)
