@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import LAYOUT, TINY_MODEL, cmd, env
+from events import failures
 
 from chameleon_ft.runtime.chaos import alive
 
@@ -226,7 +227,7 @@ def test_who_may_join(job: Path, tmp_path: Path) -> None:
         refused(join("--token", TOKEN), "already has its 4 workers")
         assert run.finish() == 0, run.lines[-20:]
         report = json.loads((tmp_path / "run" / "report.json").read_text())
-        assert [len(report["loss"])] == [120] and not report["events"]
+        assert [len(report["loss"])] == [120] and not failures(report)
         reasons = [r["reason"] for r in report["refused"]]
         assert len(reasons) == 2 and "wrong token" in reasons[0]
         assert "already has" in reasons[1]

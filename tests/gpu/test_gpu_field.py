@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import max_abs_diff, run_job
+from events import failures
 from test_train_numerics import BF16_STEP_LOSS_REL
 
 from chameleon_ft.runtime.coordinator.shell import Coordinator, Hooks
@@ -47,7 +48,7 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if key not in cache:
             report, params, _ = run_job(tmp_path_factory.mktemp(f"cpu-{key}"), device="cpu",
                                         backend="gloo", **kwargs)
-            assert not report["events"]
+            assert not failures(report)
             cache[key] = (report, params)
         return cache[key]
 
