@@ -281,6 +281,10 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
     strategies: dict[str, int] = {}
     for e in events:
         strategies[e["strategy"]] = strategies.get(e["strategy"], 0) + 1
+    # a repaired worker folded back into the plan is a strategy of its own (not an event)
+    rejoins = sum(1 for r in report.get("rejoins", []) if r["strategy"] != "keep")
+    if rejoins:
+        strategies["rejoin"] = rejoins
     stray = 0
     for pid in pids:
         if alive(pid):
