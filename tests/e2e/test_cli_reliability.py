@@ -56,12 +56,12 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(job: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("ref")
-    proc = subprocess.run(cmd("train", "--config", str(job), "--out", str(out)),
-                          capture_output=True, text=True, timeout=180, env=env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return dict(torch.load(out / "params.pt"))
+def reference(job: Path) -> dict[str, torch.Tensor]:
+    """The job trained by plain single-process PyTorch: what every run must end equal to."""
+    from chameleon_ft.runtime.workload.reference import train_reference
+    from chameleon_ft.spec import load_config
+
+    return dict(train_reference(load_config(job)).params)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -129,6 +129,8 @@ def test_every_worker_remote_joins_from_launcher_variables_and_recovers(tmp_path
     assert len(report["loss"]) == STEPS
     (event,) = report["events"]
     assert event["workers"] == [3] and event["strategy"] and event["transition_s"] is not None
+    # the coordinator sees no remote process: the kill is found by silence, in time
+    assert event["detected_after_s"] <= 2.0  # [train] timeout_s
     started = sorted(int(w) for text in outputs
                      for w in re.findall(r"worker (\d+) started .* reachable at 198\.18\.", text))
     assert started == [0, 1, 2, 3], outputs
