@@ -233,3 +233,22 @@ def test_missing_path_and_missing_tensors(family_dirs: dict[str, Path], tmp_path
     model = HFCausalLM.from_pretrained(wider)
     with pytest.raises(ValueError, match=r"^model\.path: layer 1 .* does not match"):
         model.build_layer(1)
+
+
+def test_a_forkserver_started_early_preloads_what_the_launcher_asks(
+        family_dirs: dict[str, Path]) -> None:
+    """``chameleon train`` starts the workers' server before it builds the model (design
+    4.1): the modules it names from ``[model] source`` are the ones the launcher names
+    from the built model, since the server keeps the first list it is given."""
+    from chameleon_ft.runtime.coordinator.forkserver import adapter_modules, source_modules
+    from chameleon_ft.spec import load_config
+    from chameleon_ft.spec.model_source import ModelSourceKind
+
+    hf = _config({"source": "hf", "path": "llama", "seq_len": SEQ_LEN},
+                 family_dirs["llama"].parent)
+    gpt = load_config(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.toml")
+    for config in (hf, gpt):
+        source = config.model_source.source  # type: ignore[attr-defined]
+        model = load_model(config)  # type: ignore[arg-type]
+        assert source_modules(source) == adapter_modules(model), source
+    assert source_modules(ModelSourceKind.PYTHON) is None  # known only once built

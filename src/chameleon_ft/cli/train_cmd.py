@@ -206,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
                                        workers_per_node=config.workers_per_node),
                             config.workers_per_node, path=args.trace)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # the workers' server imports torch while this process does (seconds, on 2 cores)
+    from chameleon_ft.runtime.coordinator.forkserver import start_early
+
+    start_early(config.model_source.source)
     from chameleon_ft.runtime.coordinator.shell import Coordinator, WorkerFailure
 
     coord = Coordinator(config, policy=args.policy, faults=faults, out_dir=args.out,

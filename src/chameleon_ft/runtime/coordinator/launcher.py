@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import select
 import signal
@@ -24,6 +22,7 @@ from typing import Any
 
 from chameleon_ft import logs
 from chameleon_ft.runtime import auth
+from chameleon_ft.runtime.coordinator.forkserver import forkserver_context
 from chameleon_ft.runtime.placement import Place
 from chameleon_ft.runtime.worker.link import process_start
 
@@ -33,46 +32,6 @@ REAP_S = 5.0
 """How long the end of a run waits for its processes before killing them."""
 PIDS_KEPT = 4096
 """Pids of launched processes remembered (the newest)."""
-
-
-def forkserver_context(preload: Iterable[str] = ()) -> Any:
-    """A forkserver context whose server preloads torch, the worker module and
-    ``preload`` (e.g. the model's adapter: transformers takes seconds to import, once in
-    the server instead of once per worker; a module that does not import is skipped).
-    The server starts once per process: the first call's list is the one it keeps."""
-    # Waits in slices make c10d log a warning per timed-out slice; keep errors only.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    ctx = multiprocessing.get_context("forkserver")
-    # Workers fork from a server that already imported torch: ~0.3 s per worker, not 5-10 s.
-    # torch._dynamo too: every worker imports it when it builds its optimizer, and the
-    # coordinator's shape probe (layers on meta) in its child.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                "chameleon_ft.runtime.worker.main", *preload])
-    _start_sheltered()
-    return ctx
-
-
-def _start_sheltered() -> None:
-    """Start the forkserver (once per process) with SIGTERM blocked in it for good.
-
-    A scheduler stops a job by signalling every process of it (Slurm's ``scancel``, a
-    requeue or a preemption; ``kill`` of a process group), the server included, which
-    would die at once, and with it the pipes that report its children's exit statuses
-    and start new ones, in the middle of the drain the signal asked for (the final
-    checkpoint, the parameters' export). Its processes leave by the coordinator's
-    directive or are killed by pid (SIGKILL); none needs SIGTERM (workers ignore it). The
-    signal is blocked in the calling thread only while the server is spawned (a child
-    keeps the mask across fork and exec, and nothing in the server unblocks it), as
-    multiprocessing protects its own resource tracker: one that arrives meanwhile waits,
-    then reaches this process's handler. The tracker is started first, since starting it
-    unblocks the signal.
-    """
-    multiprocessing.resource_tracker.ensure_running()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class ChildError(RuntimeError):
@@ -128,14 +87,6 @@ def run_in_child(fn: Callable[..., Any], args: tuple[Any, ...], *, limit_s: floa
     if answer[0] != "ok":
         raise ChildError(answer[1])
     return answer[1]
-
-
-def adapter_modules(model: Any) -> tuple[str, ...]:
-    """The module of the model's adapter when it is one of ours (the Hugging Face one
-    imports transformers), for the forkserver to preload; a user's own module is left to
-    the workers (importing it may do anything)."""
-    module = type(model).__module__
-    return (module,) if module.startswith("chameleon_ft.") else ()
 
 
 class Adopted:

@@ -17,12 +17,8 @@ from chameleon_ft.runtime import protocol as proto
 from chameleon_ft.runtime.coordinator import record
 from chameleon_ft.runtime.coordinator.admission import JoinDesk
 from chameleon_ft.runtime.coordinator.bulk import BulkState
-from chameleon_ft.runtime.coordinator.launcher import (
-    ChildError,
-    Launcher,
-    adapter_modules,
-    run_in_child,
-)
+from chameleon_ft.runtime.coordinator.forkserver import adapter_modules
+from chameleon_ft.runtime.coordinator.launcher import ChildError, Launcher, run_in_child
 from chameleon_ft.runtime.coordinator.store import ControlStore
 from chameleon_ft.runtime.deadlines import Deadline
 from chameleon_ft.runtime.protocol import message_kind
