@@ -283,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
     wanted = placement.task_places(placement.launcher_index(env), args.num_workers)
     wanted_job = args.job or env.get(auth.JOB_ENV, "")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch is imported
+    # the workers' server imports torch while this process connects and does (seconds)
+    from chameleon_ft.runtime.coordinator.forkserver import forkserver_context
+
+    forkserver_context()
     store, job = _connect(host, port, args.connect_timeout)
     address = auth.advertise_address(host, port, args.address)
     if wanted_job and wanted_job != job.job_name:
