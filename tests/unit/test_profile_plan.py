@@ -255,3 +255,49 @@ def test_analytic_profile_prices_the_runtimes_numerics(dtype: str | None, per_pa
         assert mine.fwd_s == planner.fwd_s
     with pytest.raises(ValueError, match=r"train\.dtype"):
         analytic_profile(model, device, train_dtype="float16")
+
+
+def test_a_uniform_layer_over_a_tp_group_is_its_share_plus_its_collectives() -> None:
+    """A uniform profile's figures are a whole layer's: at tp 2 each device computes and
+    holds half, and forward and input gradient each pay the layer's ring halves over the
+    intra-node link ((k - 1) / k of the bytes plus k - 1 latencies apiece)."""
+    from chameleon_ft.profile import UniformTP
+
+    whole = dict(fwd_s=0.012, bwd_input_s=0.012, bwd_weight_s=0.012, param_bytes=1000.0,
+                 optimizer_bytes=2000.0, activation_bytes=400.0, output_bytes=100.0,
+                 optimizer_step_s=0.004)
+    base = uniform_profile(8, **whole)
+    assert uniform_profile(8, **whole, tp=UniformTP()) == base
+    tp = UniformTP(degree=2, collectives=3, collective_bytes=4096.0, link=(1e-3, 2e9))
+    half = uniform_profile(8, **whole, tp=tp)
+    comm_s = 3 * (0.5 * 4096 / 2e9 + 1e-3)
+    layer = half.layers[0]
+    assert layer.fwd_s == pytest.approx(0.006 + comm_s)
+    assert layer.bwd_input_s == pytest.approx(0.006 + comm_s)
+    assert layer.bwd_weight_s == pytest.approx(0.006)
+    assert (layer.param_bytes, layer.optimizer_bytes, layer.activation_bytes,
+            layer.output_bytes) == (500.0, 1000.0, 200.0, 50.0)
+    assert half.optimizer_step_s == pytest.approx(0.002)
+    free = uniform_profile(8, **whole, tp=UniformTP(degree=2, collectives=3,
+                                                    collective_bytes=4096.0))
+    assert free.layers[0].fwd_s == pytest.approx(0.006)
+
+
+def test_the_testbed_at_tp2_prices_its_collectives_from_the_config() -> None:
+    import tomllib
+
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec.config import config_from_mapping
+
+    root = Path(__file__).resolve().parents[2]
+    doc = tomllib.loads((root / "examples" / "testbed8.toml").read_text())
+    tp1 = build_profile(config_from_mapping(doc, base_dir=str(root / "examples")))
+    doc["job"].update(tp=2, dp=1)
+    doc["profile"].update(tp_collectives=1, tp_collective_bytes=4096.0)
+    tp2 = build_profile(config_from_mapping(doc, base_dir=str(root / "examples")))
+    latency_s, bw = 1600e-6, 2.8e9  # the testbed's intra-node link
+    assert tp2.layers[3].fwd_s == pytest.approx(tp1.layers[3].fwd_s / 2
+                                                + 0.5 * 4096 / bw + latency_s)
+    with pytest.raises(ValueError, match="tp_collectives"):
+        doc["profile"]["tp_collectives"] = -1
+        config_from_mapping(doc, base_dir=str(root / "examples"))

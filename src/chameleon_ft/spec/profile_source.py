@@ -46,7 +46,10 @@ class ProfileSource:
     and of the gradients (ZeRO-2; FSDP as Llama 3 runs it). The memory model only:
     recoveries move a worker's share as if its replicas could supply it."""
     num_layers: int = 0
-    """For ``uniform``: number of identical layers."""
+    """For ``uniform``: number of identical layers. Its figures are a whole layer's on one
+    device; at ``[job] tp = k`` each device holds and computes ``1/k`` of it (times,
+    parameter, optimizer, activation and output bytes and the optimizer step divided by
+    ``k``) plus the layer's collectives in the worker's group (``tp_collectives``)."""
     fwd_s: float = 0.0
     """For ``uniform``: forward seconds per layer per micro-batch."""
     bwd_input_s: float = 0.0
@@ -54,22 +57,33 @@ class ProfileSource:
     bwd_weight_s: float = 0.0
     """For ``uniform``: weight-gradient seconds per layer per micro-batch."""
     param_bytes: float = 0.0
-    """For ``uniform``: parameter bytes per layer per device."""
+    """For ``uniform``: parameter bytes per layer (on one device at tp 1)."""
     optimizer_bytes: float = 0.0
-    """For ``uniform``: optimizer-state bytes per layer per device."""
+    """For ``uniform``: optimizer-state bytes per layer (on one device at tp 1)."""
     activation_bytes: float = 0.0
     """For ``uniform``: activation bytes kept per in-flight micro-batch per layer."""
     output_bytes: float = 0.0
     """For ``uniform``: bytes sent to the next stage per micro-batch."""
     optimizer_step_s: float = 0.0
     """For ``uniform``: optimizer-step seconds for the whole model on one worker."""
+    tp_collectives: int = 0
+    """For ``uniform`` at ``[job] tp > 1``: the collectives one layer runs inside its
+    worker's tensor-parallel group per micro-batch and direction, counted in ring halves
+    (an all-gather or a reduce-scatter 1, an all-reduce 2: a ring runs one of each), each
+    priced over the intra-node link as ``(tp - 1) / tp`` of ``tp_collective_bytes`` plus
+    ``tp - 1`` latencies."""
+    tp_collective_bytes: float = 0.0
+    """For ``uniform``: bytes of the whole tensor each of those collectives gathers or
+    reduces (a layer's ``B x hidden`` output for a row-parallel linear)."""
 
     def __post_init__(self) -> None:
         check_choice("kind", self.kind, [k.value for k in ProfileKind])
         check_choice("recompute", self.recompute, [r.value for r in Recompute])
         for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "param_bytes", "optimizer_bytes",
-                     "activation_bytes", "output_bytes", "optimizer_step_s"):
+                     "activation_bytes", "output_bytes", "optimizer_step_s",
+                     "tp_collective_bytes"):
             check_positive(name, getattr(self, name), allow_zero=True)
+        check_int("tp_collectives", self.tp_collectives, minimum=0)
         if self.kind == ProfileKind.UNIFORM:
             check_int("num_layers", self.num_layers)
         if self.kind == ProfileKind.FILE and not self.path:
