@@ -1,0 +1,171 @@
+"""Benchmark: the estimator's tensor-parallel terms against the runtime's step times.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/tp_estimate.py [--steps N] [--tp 1,2]
+
+Trains the emulated-device testbed (``examples/testbed8.toml``: layers that wait a fixed
+device time per sample, so compute does not depend on the host's load) as one pipeline
+of 4 stages, pp 4 x dp 1, at tp 1 (4 processes) and at tp 2 (8 processes: each worker is
+a tensor-parallel group of two, each rank waiting half of a layer's device time and
+running the group's collectives on gloo), and prints the median failure-free step time
+of each run beside two estimates for the same plan, each with its ratio:
+
+- *declared*: ``perf.estimate`` with the job file's own profile and network, as
+  ``chameleon estimate`` prices it: at tp 2 the uniform profile's sharded compute (each
+  rank half a layer's device time) and its collectives in the group (``[profile]
+  tp_collectives`` ring halves over the intra-node link);
+- *profiled*: the same plan and network with the layers' times per rank measured by the
+  runtime's profiler at that tp (``python -m chameleon_ft.runtime.profiler --from-run``:
+  rank 0's forward and backward seconds per micro-batch in a failure-free run of its
+  own, collectives and the tensor-parallel framework's host work included, and the
+  commit's control time), as ``benchmarks/policies_runtime.py`` profiles the testbed.
+
+Beside them: the forward and backward seconds per micro-batch of each stage, priced and
+measured (rank 0's medians), which say which term misses, and the host's load average
+before and after each run. The claim: every ratio within 15% (``TOLERANCE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from policies_runtime import _chameleon, _env, load_average, write_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTBED = ROOT / "examples" / "testbed8.toml"
+TOLERANCE = 0.15
+"""The largest relative gap between estimate and measurement the check accepts."""
+WARMUP_STEPS = 3
+"""Steps left out of the median: the first steps pay DTensor's and gloo's first use."""
+
+
+def testbed_at(tp: int, steps: int) -> dict[str, Any]:
+    """The testbed as one pipeline of 4 stages at ``tp``: 4 nodes of ``tp`` devices, one
+    worker (``tp`` processes) a node, 8 micro-batches of 4 samples a step."""
+    doc = tomllib.loads(TESTBED.read_text())
+    doc["cluster"]["devices_per_node"] = tp
+    doc["job"].update(pp=4, dp=1, tp=tp)
+    doc["train"].update(steps=steps, checkpoint_every=steps)  # the final checkpoint only
+    return doc
+
+
+def estimated(path: Path) -> dict[str, Any]:
+    """The estimator's step time and breakdown for the job file's failure-free plan, and
+    each stage's forward and backward seconds per micro-batch as the profile prices them."""
+    from chameleon_ft.perf import Topology, estimate
+    from chameleon_ft.plan import initial_plan
+    from chameleon_ft.profile import build_profile, stage_sums
+    from chameleon_ft.spec.config import load_config
+
+    config = load_config(path)
+    profile = build_profile(config)
+    plan = initial_plan(config, profile)
+    out = estimate(plan, profile, Topology.from_config(config))
+    stages = [stage_sums(profile, list(s.layers)) for s in plan.pipelines[0].stages]
+    return {"step_s": out.step_s, **out.breakdown.to_dict(),
+            "stage_f_s": [c.fwd_s for c in stages], "stage_b_s": [c.bwd_s for c in stages]}
+
+
+def profiled(path: Path, out: Path, steps: int, timeout_s: float) -> Path:
+    """The job file with its layers' times per rank measured by the runtime's profiler at
+    the job's tp (its network as the job file states it); returns the new file."""
+    profile = out / f"{path.stem}-profile.json"
+    subprocess.run([sys.executable, "-m", "chameleon_ft.runtime.profiler", "--config",
+                    str(path), "--out", str(profile), "--from-run", str(steps)],
+                   check=True, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    doc = tomllib.loads(path.read_text())
+    doc["profile"] = {"kind": "file", "path": str(profile.resolve())}
+    measured_path = out / f"{path.stem}-profiled.toml"
+    write_toml(doc, measured_path)
+    return measured_path
+
+
+def stage_medians(run: Path) -> tuple[list[float], list[float]]:
+    """Each stage's median forward and backward seconds per micro-batch (rank 0's)."""
+    rows = [json.loads(line) for line in (run / "op_times.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] >= WARMUP_STEPS and r["gen"] == 0]
+    workers = sorted({r["worker"] for r in rows})
+    f = [statistics.median(x for r in rows if r["worker"] == w for x in r["f_s"])
+         for w in workers]
+    b = [statistics.median(x for r in rows if r["worker"] == w for x in r["b_s"])
+         for w in workers]
+    return f, b
+
+
+def measured(path: Path, out: Path, timeout_s: float) -> dict[str, Any]:
+    """One failure-free ``chameleon train`` run: its median step time and the load."""
+    load_before = load_average()
+    proc = subprocess.run(_chameleon("train", "--config", str(path), "--out", str(out),
+                                     "--json"),
+                          capture_output=True, text=True, env=_env(), timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{path.name}: {proc.stderr.strip().splitlines()[-1:]}")
+    report = json.loads(proc.stdout)
+    steps = [s["step_s"] for s in report["steps"][WARMUP_STEPS:] if s["gen"] == 0]
+    stage_f_s, stage_b_s = stage_medians(out)
+    return {"median_step_s": statistics.median(steps), "steps": len(steps),
+            "stage_f_s": stage_f_s, "stage_b_s": stage_b_s,
+            "min_step_s": min(steps), "max_step_s": max(steps),
+            "failures": len(report["events"]), "load_before": load_before,
+            "load_after": load_average()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="steps per run")
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel degrees to run")
+    parser.add_argument("--out", default="", help="run folder (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the profiled estimate (the profiler's own run)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out or tempfile.mkdtemp(prefix="tp_estimate_"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"testbed pp 4 x dp 1, {args.steps} steps, median of steps {WARMUP_STEPS}.., "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores")
+    print(f"{'tp':>3} {'measured s':>11} {'declared s':>11} {'ratio':>6} {'profiled s':>11} "
+          f"{'ratio':>6} {'load before/after':>18}")
+    ok = True
+    notes = []
+    for tp in [int(t) for t in args.tp.split(",")]:
+        path = out / f"testbed-tp{tp}.toml"
+        write_toml(testbed_at(tp, args.steps), path)
+        declared = estimated(path)
+        run = measured(path, out / f"run-tp{tp}", args.timeout)
+        by_rank = estimated(profiled(path, out, args.steps, args.timeout)) \
+            if args.profile else None
+        ratio = run["median_step_s"] / declared["step_s"]
+        ratio_p = run["median_step_s"] / by_rank["step_s"] if by_rank else float("nan")
+        ok = ok and abs(ratio - 1) <= TOLERANCE and not run["failures"]
+        failed = f"  ({run['failures']} failures)" if run["failures"] else ""
+        print(f"{tp:>3} {run['median_step_s']:>11.3f} {declared['step_s']:>11.3f} "
+              f"{ratio:>6.3f} {by_rank['step_s'] if by_rank else float('nan'):>11.3f} "
+              f"{ratio_p:>6.3f} {run['load_before']:>8.1f}/{run['load_after']:<8.1f}{failed}")
+        parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in declared.items()
+                          if isinstance(v, float) and k != "step_s")
+        notes.append(f"tp {tp}: declared estimate {parts}")
+        for name, key in (("forward", "stage_f_s"), ("backward", "stage_b_s")):
+            priced = " ".join(f"{v * 1e3:5.1f}" for v in declared[key])
+            got = " ".join(f"{v * 1e3:5.1f}" for v in run[key])
+            notes.append(f"tp {tp}: {name} ms per micro-batch by stage, priced {priced}, "
+                         f"measured {got}")
+        (out / f"tp{tp}.json").write_text(json.dumps(
+            {"declared": declared, "profiled": by_rank, "run": run}, indent=1))
+    print("\n".join(notes))
+    print(f"within {TOLERANCE:.0%}: {'yes' if ok else 'NO'} (runs in {out})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
