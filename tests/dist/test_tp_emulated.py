@@ -42,6 +42,9 @@ def test_emulated_model_at_tp2_equals_tp1_training(tmp_path: Path) -> None:
     report, params, pids = run_job(tmp_path, policy="dynamic", config=config)
     assert len(pids) == 4 and not [p for p in pids if alive(p)]
     assert [s["step"] for s in report["steps"]] == [0, 1]
+    peaks = report["peak_memory_bytes"]  # each worker's peak per process (rank)
+    assert sorted(peaks) == ["0", "1"] and all(len(r) == 2 and min(r) > 100 * 2**20
+                                               for r in peaks.values())
     reference = train_reference(emulated_job(1))
     assert min(reference.grad_norms) > 0.05, "clipping must be active"
     assert max_abs_diff(params, reference.params) < 1e-9
