@@ -176,14 +176,23 @@ def run_coordinator_kill(doc: dict[str, Any], out: Path,
     assert proc.stdout is not None
     pids: list[int] = []
     killed_at_step = None
-    for line in proc.stdout:
-        m = re.search(r"launched workers 0-\d+ \(pids ([\d ]+)\)", line)
-        if m:
-            pids = [int(p) for p in m.group(1).split()]
-        m = re.search(r"step +(\d+) ", line)
-        if m and int(m.group(1)) >= doc["train"]["steps"] // 2:
-            killed_at_step = int(m.group(1))
-            break
+    lines: list[str] = []
+    with open(out / "train.log", "w") as log:  # kept: a run that ends early says why
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line)
+            m = re.search(r"launched workers 0-\d+ \(pids ([\d ]+)\)", line)
+            if m:
+                pids = [int(p) for p in m.group(1).split()]
+            m = re.search(r"step +(\d+) ", line)
+            if m and int(m.group(1)) >= doc["train"]["steps"] // 2:
+                killed_at_step = int(m.group(1))
+                break
+    if killed_at_step is None or len(pids) < 2 or not _alive(pids[1]):
+        proc.kill()
+        raise RuntimeError(f"the run to kill ended or lost its workers before step "
+                           f"{doc['train']['steps'] // 2} (exit {proc.wait(10)}); its output "
+                           f"ends:\n{''.join(lines[-40:])}")
     stopped = pids[1]
     os.kill(stopped, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -272,7 +281,9 @@ def main() -> int:
                   f"{result['fired']} "
                   f"fired, {result['events']} failures "
                   f"{json.dumps(result['strategies'])}, max diff {result['max_diff']:.2e}, "
-                  f"stray {result['stray']}, {result.get('wall_s', 0):.0f} s"
+                  f"stray {result['stray']}, slow declared {result.get('slow_declared', 0)} "
+                  f"of {result.get('slow_injected', 0)} injected, "
+                  f"{result.get('wall_s', 0):.0f} s"
                   + (f", FAILED: {result['failed']}" if "failed" in result else "")
                   + (f", unfired: {result['unfired']}" if result.get("unfired") else ""),
                   flush=True)

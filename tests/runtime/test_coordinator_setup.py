@@ -168,6 +168,35 @@ def test_checkpoints_layers_arrive_from_reports_or_a_refusal(tmp_path: Path) -> 
         bulk.close()
 
 
+def test_a_dropped_checkpoints_folder_a_late_writer_re_created_is_swept(tmp_path: Path) -> None:
+    """Found on a 1 MiB checkpoint folder: two checkpoints in flight filled it, both were
+    dropped, and a writer still busy when its checkpoint was discarded re-created the
+    folder and wrote on; the space never came back and every later checkpoint failed too.
+    A drop or a save now removes every partial folder but those still expected."""
+    from chameleon_ft.runtime.storage.checkpoint import write_layer
+
+    job = _coord(tmp_path).job
+    bulk = BulkState("127.0.0.1", job.secret, job.ckpt, job.num_layers, timeout_s=5.0)
+    try:
+        reports = _Reports()
+        bulk.expect(2, 0)
+        bulk.expect(4, 0)
+        dropped, expected = bulk.get(2, 0).folder, bulk.get(4, 0).folder  # type: ignore[union-attr]
+        bulk.drop(2, 0, reports)  # type: ignore[arg-type]
+        write_layer(dropped, "layer0.bin", lambda w: w(b"late"))  # the late writer
+        write_layer(expected, "layer0.bin", lambda w: w(b"state"))
+        assert dropped.exists()
+        bulk.expect(6, 0)
+        bulk.drop(6, 0, reports)  # type: ignore[arg-type]
+        assert not dropped.exists() and (expected / "layer0.bin").exists()
+        write_layer(dropped, "layer1.bin", lambda w: w(b"later"))
+        reports.files = {0: {"file": "layer0.bin", "size": 5, "sha256": ""}}
+        bulk.save(4, 0, accepted=False, plan={}, meta={}, store=reports)  # type: ignore[arg-type]
+        assert not list(job.ckpt.root.glob(".partial-*"))
+    finally:
+        bulk.close()
+
+
 def test_a_stop_while_every_worker_is_remote_and_none_joined_fails_cleanly(
         tmp_path: Path) -> None:
     # The coordinator alone on its host (all 4 workers remote), stopped (SIGTERM, as a

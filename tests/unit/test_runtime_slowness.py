@@ -422,3 +422,29 @@ def test_a_window_that_cannot_span_its_time_is_cut_at_the_history_kept() -> None
     # every window is the 30 readings kept: with half of them at 3x their median is
     # sqrt(3), past the 1.4x bar
     assert [(s, type(x).__name__, x.worker) for s, x in seen] == [(114, "Declared", 5)]
+
+
+def test_a_replacement_under_a_rerouted_id_is_not_offered_to_the_slow_answer() -> None:
+    """Chaos found it: worker 3 died and its stage was rerouted, its replacement was up
+    (idle, holding nothing) when worker 2 was declared slow; the eviction's plan took the
+    replacement for the stage's own worker and handed it the layers without copying them
+    ("no state for layers")."""
+    stages = lambda a, b: (Stage(a, 0, 2), Stage(b, 2, 4))  # noqa: E731
+    rerouted = ExecutionPlan(num_layers=4, pipelines=(Pipeline(stages(0, 2), 2),
+                                                      Pipeline(stages(1, 3), 2)),
+                             reroutes=(Reroute(1, 1, ((2, 2),)),))
+    assert rerouted.dead_workers == {3}
+    run = Run(replace(TABLE, rejoin=True)).start()
+    run.commit()
+    run.kill(3)
+    run.answer(Chosen("reroute", rerouted))
+    run.commit()
+    run.feed(m.Tick(run.at()))
+    run.launch([3], replacement=True)
+    run.feed(m.Registered(run.at(), (3,)))
+    assert 3 in run.c.run.alive and 3 in run.c.run.stateless
+    _slow_steps(run, 0, 1.0, 6)
+    out = _slow_steps(run, 2, 3.0, 3)
+    (ask,) = of(out, m.DecideSlow)
+    assert ask.worker == 2 and ask.plan == rerouted
+    assert 3 not in ask.alive and {0, 1, 2} <= ask.alive

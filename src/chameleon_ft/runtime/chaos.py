@@ -258,6 +258,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "detect_median_s": pct(detect, 0.5), "detect_p99_s": pct(detect, 0.99),
         "recover_median_s": pct(recover, 0.5), "recover_p99_s": pct(recover, 0.99),
         "events": sum(r["events"] for r in runs),
+        "slow_injected": sum(r.get("slow_injected", 0) for r in runs),
         "slow_declared": sum(r.get("slow_declared", 0) for r in runs),
         "slow_cleared": sum(r.get("slow_cleared", 0) for r in runs),
         "strategies": {s: sum(r["strategies"].get(s, 0) for r in runs)
@@ -311,6 +312,9 @@ def check_run(report: dict[str, Any], params: dict[str, Any], reference: dict[st
         "stray": stray,
         "detect_s": detect, "recover_s": recover,
         "episodes": [x.episode for x in hooks.injected],
+        "faults": [x.description for x in hooks.injected if not x.retracted],
+        "slow_injected": sum(1 for x in hooks.injected
+                             if "kind=slow" in x.description and not x.retracted),
         "slow_declared": sum(1 for e in slow if e["cause"] == "slow"),
         "slow_cleared": sum(1 for e in slow if e["cause"] == "slow-end"),
     }

@@ -103,7 +103,11 @@ def ask(c: Control) -> Out:
     if not end and worker not in s.plan.workers:  # idle: nothing of the plan runs slower
         return replace(c, slow=sw.answered(c.slow, worker)), []
     slow = c.slow.slow()
-    alive = s.alive - out_of_plan(c)  # a worker fast again is no longer out of it
+    # a worker fast again is no longer out of it; a replacement under the id of a stage
+    # the plan reroutes holds nothing (as for a failure, ``st.decision_inputs``): offered,
+    # the policy would take it for the stage's own worker and hand it its layers without
+    # copying them (it comes back through a re-join, which migrates)
+    alive = s.alive - out_of_plan(c) - (s.plan.dead_workers & s.stateless)
     effect = m.DecideSlow(worker, mark.factor, end, s.gen, s.plan, alive,
                           {w: f for w, f in slow.items() if w != worker})
     return replace(c, slow_ask=(worker, end, s.gen)), [effect]

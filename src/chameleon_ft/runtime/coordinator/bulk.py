@@ -179,12 +179,15 @@ class BulkState:
         target = self._store_of(entry)
         if not accepted:
             target.discard(entry.assembly)
+            self.sweep()
             return None
         try:
             return target.commit(entry.assembly, plan=plan, meta=meta), entry.record()
         except (OSError, CheckpointError):
             target.discard(entry.assembly)
             raise
+        finally:
+            self.sweep()
 
     def drop(self, step: int, gen: int, store: ControlStore) -> None:
         """Discard a checkpoint that failed."""
@@ -193,6 +196,20 @@ class BulkState:
         store.forget_checkpoint(gen, step, self.num_layers, self.tp)
         if entry is not None:
             self._store_of(entry).discard(entry.assembly)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Remove the partial folders of checkpoints no longer expected, in both folders:
+        a writer still busy when its checkpoint was discarded may have re-created the
+        folder, and on a full disk that space must come back (called after every save or
+        drop, and at the run's end once every worker left)."""
+        for store in (self.ckpt, self.fallback_ckpt):
+            if store is None:
+                continue
+            with self.lock:
+                expected = [e.assembly.folder for e in self.pending.values()
+                            if self._store_of(e) is store]
+            store.sweep(expected)
 
     def _store_of(self, entry: Pending) -> CheckpointStore:
         return self.fallback_ckpt if entry.fallback and self.fallback_ckpt else self.ckpt

@@ -159,6 +159,7 @@ def finish(coord: Coordinator) -> dict[str, Any]:
         return _failed(coord, stop)
     _settle_events(coord)
     _wait_exits(coord)
+    coord.bulk.sweep()  # a dropped checkpoint a late writer re-created leaves no files
     final = coord.final
     if final is None or final.folder is None:
         reason = final.reason if final is not None else (coord.crash or "no final state")

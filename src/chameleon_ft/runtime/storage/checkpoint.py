@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -366,8 +366,17 @@ class CheckpointStore:
         self.root = Path(run_dir) / folder
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self.sweep(())
+
+    def sweep(self, expected: Iterable[Path]) -> None:
+        """Remove every partial folder but those of the checkpoints still ``expected``:
+        an interrupted run's, and a dropped checkpoint's that a slow writer re-created
+        after it was discarded (on a full disk the space must come back, or every later
+        checkpoint fails too)."""
+        kept = {Path(folder).name for folder in expected}
         for leftover in self.root.glob(".partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.name not in kept:
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def set_aside_earlier(self) -> Path | None:
         """Move an earlier run's checkpoints out of the way of a run that starts from step
