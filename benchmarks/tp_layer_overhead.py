@@ -10,6 +10,13 @@ host work), and the same layer sharded by its tensor-parallel plan, forward and 
 plus backward (DTensor's host work and the layer's reduce-scatter and all-gather). The
 difference between the sharded and the whole layer is the per-layer time at tp 2 that
 neither the device share nor the collectives account for.
+
+Then the ``[profile]`` lines a uniform profile at tp 2 needs (design 4.11), each measured
+here, none fitted to a step time: ``tp_host_fwd_s``, the sharded layer's forward less its
+device share (0 here: the waits are off) and less its reduce-scatter measured alone;
+``tp_host_bwd_s``, its backward (forward plus backward less forward) less its all-gather;
+``tp_collective_latency_s``, one hop of gloo's reduce-scatter and all-gather (their mean,
+less the bytes over ``examples/testbed8.toml``'s intra-node bandwidth).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +86,35 @@ def _rank(rank: int, port: int, repeats: int) -> None:
         for name, ms in out.items():
             print(f"{name:32} {ms:7.3f} ms")
         print(f"load average {os.getloadavg()[0]:.1f}")
+        print(profile_lines(out, output_bytes=whole_out.numel() * whole_out.element_size()))
     dist.destroy_process_group()
+
+
+def profile_lines(out_ms: dict[str, float], *, output_bytes: int, degree: int = 2) -> str:
+    """The ``[profile]`` lines for the testbed at tp ``degree`` from the timings above.
+
+    Args:
+        out_ms: the medians in milliseconds, by the names :func:`_rank` prints.
+        output_bytes: bytes of the whole output each collective reduces or gathers.
+        degree: the group's size the timings were taken at.
+
+    Returns:
+        TOML lines with ``tp_host_fwd_s``, ``tp_host_bwd_s`` and
+        ``tp_collective_latency_s`` (clamped at 0: a noisy sample can go below).
+    """
+    device_share_s = 0.0  # the emulated device's waits are off in this benchmark
+    scatter_s = out_ms["reduce-scatter 4 KB"] / 1e3
+    gather_s = out_ms["all-gather 4 KB"] / 1e3
+    fwd_s = out_ms["sharded layer forward"] / 1e3
+    bwd_s = out_ms["sharded layer forward+backward"] / 1e3 - fwd_s
+    cluster = tomllib.loads((EXAMPLES / "testbed8.toml").read_text())["cluster"]
+    bytes_s = (degree - 1) / degree * output_bytes / (cluster["intra_node_gb_per_s"] * 1e9)
+    hop_s = ((scatter_s + gather_s) / 2 - bytes_s) / (degree - 1)
+    values = {"tp_host_fwd_s": fwd_s - device_share_s - scatter_s,
+              "tp_host_bwd_s": bwd_s - device_share_s - gather_s,
+              "tp_collective_latency_s": hop_s}
+    return "\n".join([f"# [profile] at tp {degree}, load {os.getloadavg()[0]:.1f}:"]
+                     + [f"{k} = {max(v, 0.0):.5f}" for k, v in values.items()])
 
 
 def main(argv: list[str] | None = None) -> int:

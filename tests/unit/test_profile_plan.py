@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -301,3 +302,65 @@ def test_the_testbed_at_tp2_prices_its_collectives_from_the_config() -> None:
     with pytest.raises(ValueError, match="tp_collectives"):
         doc["profile"]["tp_collectives"] = -1
         config_from_mapping(doc, base_dir=str(root / "examples"))
+
+
+def _testbed_doc() -> tuple[dict[str, Any], Path]:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    return tomllib.loads((root / "examples" / "testbed8.toml").read_text()), root / "examples"
+
+
+def test_a_sharded_layers_host_time_and_collective_latency_are_priced_at_tp2() -> None:
+    """At tp 2 a uniform layer's forward is its device share, its ring halves at the
+    collective's own latency a hop (not the link's) and the framework's host time; its
+    input gradient the same with the backward's host time; its weight gradient its share
+    alone."""
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec.config import config_from_mapping
+
+    doc, base_dir = _testbed_doc()
+    doc["job"].update(tp=2, dp=1)
+    doc["profile"].update(tp_collectives=1, tp_collective_bytes=4096.0,
+                          tp_collective_latency_s=3e-4, tp_host_fwd_s=2e-3,
+                          tp_host_bwd_s=5e-3)
+    layer = build_profile(config_from_mapping(doc, base_dir=str(base_dir))).layers[3]
+    hop_s = 0.5 * 4096 / 2.8e9 + 3e-4  # the testbed's 2.8 GB/s intra-node link
+    assert layer.fwd_s == pytest.approx(0.012 / 2 + hop_s + 2e-3)
+    assert layer.bwd_input_s == pytest.approx(0.012 / 2 + hop_s + 5e-3)
+    assert layer.bwd_weight_s == pytest.approx(0.012 / 2)
+    # latency 0 is the link's (1.6 ms); the host time is paid on an ideal network too
+    doc["profile"]["tp_collective_latency_s"] = 0.0
+    link = build_profile(config_from_mapping(doc, base_dir=str(base_dir))).layers[3]
+    assert link.fwd_s == pytest.approx(0.006 + 0.5 * 4096 / 2.8e9 + 1.6e-3 + 2e-3)
+    doc["cluster"]["ideal_network"] = True
+    ideal = build_profile(config_from_mapping(doc, base_dir=str(base_dir))).layers[3]
+    assert (ideal.fwd_s, ideal.bwd_input_s) == pytest.approx((0.006 + 2e-3, 0.006 + 5e-3))
+
+
+def test_the_tp_host_and_latency_fields_leave_tp1_unchanged() -> None:
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec.config import config_from_mapping
+
+    doc, base_dir = _testbed_doc()
+    plain = build_profile(config_from_mapping(doc, base_dir=str(base_dir)))
+    doc["profile"].update(tp_collective_latency_s=3e-4, tp_host_fwd_s=2e-3,
+                          tp_host_bwd_s=5e-3)
+    with_fields = build_profile(config_from_mapping(doc, base_dir=str(base_dir)))
+    assert with_fields.to_json() == plain.to_json()
+
+
+@pytest.mark.parametrize("name", ["tp_host_fwd_s", "tp_host_bwd_s", "tp_collective_latency_s"])
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf"), "1ms"])
+def test_bad_tp_host_and_latency_values_are_refused(name: str, value: Any) -> None:
+    from chameleon_ft.profile import UniformTP
+    from chameleon_ft.spec.config import config_from_mapping
+
+    doc, base_dir = _testbed_doc()
+    doc["profile"][name] = value
+    with pytest.raises(ValueError, match=rf"^profile\.{name}: ") as err:
+        config_from_mapping(doc, base_dir=str(base_dir))
+    assert "\n" not in str(err.value)
+    if not isinstance(value, str):
+        with pytest.raises(ValueError, match=rf"^profile\.{name}: "):
+            UniformTP(degree=2, **{name.removeprefix("tp_"): value})

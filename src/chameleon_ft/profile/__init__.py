@@ -47,11 +47,15 @@ def build_profile(config: Config, *, runtime: bool = False) -> Profile:
 
 def _uniform_tp(config: Config) -> UniformTP:
     """A uniform profile's layers over a worker of ``[job] tp`` devices: its collectives
-    (``[profile] tp_collectives``) over the intra-node link, free on an ideal network."""
+    (``[profile] tp_collectives``) over the intra-node link at ``tp_collective_latency_s``
+    a hop when set, free on an ideal network, and the framework's host time per sharded
+    layer (``tp_host_fwd_s``, ``tp_host_bwd_s``), which no network makes free."""
     cluster, source = config.cluster, config.profile
     return UniformTP(degree=config.job.tp, collectives=source.tp_collectives,
                      collective_bytes=source.tp_collective_bytes,
-                     link=None if cluster.ideal_network else cluster.link(same_node=True))
+                     link=None if cluster.ideal_network else cluster.link(same_node=True),
+                     collective_latency_s=source.tp_collective_latency_s,
+                     host_fwd_s=source.tp_host_fwd_s, host_bwd_s=source.tp_host_bwd_s)
 
 
 def _model_profile(config: Config, runtime: bool = False) -> Profile:

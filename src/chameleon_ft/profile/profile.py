@@ -273,12 +273,33 @@ class UniformTP:
     """Bytes of the whole tensor each of them gathers or reduces."""
     link: tuple[float, float] | None = None
     """``(latency_s, bandwidth_bytes_s)`` of a device's intra-node link; None: free."""
+    collective_latency_s: float = 0.0
+    """Latency of one hop of a collective inside the group when it differs from the
+    link's (the runtime's pipeline sends, which set the link's, carry per-message work a
+    collective does not); 0: the link's. Unused on a free link."""
+    host_fwd_s: float = 0.0
+    """Host seconds a sharded layer adds to its forward per micro-batch (the
+    tensor-parallel framework's dispatch), beyond its device share and its collectives."""
+    host_bwd_s: float = 0.0
+    """The same for its input gradient."""
+
+    def __post_init__(self) -> None:
+        # the [profile] fields these come from are tp_<name>
+        for name in ("collective_latency_s", "host_fwd_s", "host_bwd_s"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"profile.tp_{name}: must be a finite number >= 0, "
+                                 f"got {value!r}")
 
     def comm_s(self) -> float:
         """A layer's collectives, per micro-batch and direction."""
         if self.link is None:
             return 0.0
-        return self.collectives * ring_half_s(self.collective_bytes, self.degree, *self.link)
+        latency_s, bandwidth_bytes_s = self.link
+        if self.collective_latency_s > 0:
+            latency_s = self.collective_latency_s
+        return self.collectives * ring_half_s(self.collective_bytes, self.degree, latency_s,
+                                              bandwidth_bytes_s)
 
 
 def uniform_profile(
@@ -303,14 +324,18 @@ def uniform_profile(
     devices) each device's share is priced as the analytic profile prices a block: the
     compute, parameters, optimizer state, activations and boundary bytes divided by
     ``k`` (column- and row-parallel layers, sequence- or feature-split activations), the
-    optimizer step too, and the layer's collectives inside the group added to its forward
-    and to its input gradient (the weight gradient needs none).
+    optimizer step too, and the layer's collectives inside the group and the framework's
+    host time per sharded layer (``tp.host_fwd_s``, ``tp.host_bwd_s``) added to its
+    forward and to its input gradient (the weight gradient needs neither).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"profile.num_layers: must be an integer >= 1, got {num_layers!r}")
     t = tp.degree if tp is not None else 1
     comm_s = tp.comm_s() if tp is not None else 0.0
-    layer_args = dict(fwd_s=fwd_s / t + comm_s, bwd_input_s=bwd_input_s / t + comm_s,
+    host_fwd_s = tp.host_fwd_s if tp is not None else 0.0
+    host_bwd_s = tp.host_bwd_s if tp is not None else 0.0
+    layer_args = dict(fwd_s=fwd_s / t + comm_s + host_fwd_s,
+                      bwd_input_s=bwd_input_s / t + comm_s + host_bwd_s,
                       bwd_weight_s=bwd_weight_s / t, param_bytes=param_bytes / t,
                       optimizer_bytes=optimizer_bytes / t,
                       activation_bytes=activation_bytes / t, output_bytes=output_bytes / t)
