@@ -1,12 +1,13 @@
 """Benchmark: the estimator's tensor-parallel terms against the runtime's step times.
 
     PYTHONPATH=src .venv/bin/python benchmarks/tp_estimate.py [--steps N] [--tp 1,2]
+        [--pp N]
 
 Trains the emulated-device testbed (``examples/testbed8.toml``: layers that wait a fixed
 device time per sample, so compute does not depend on the host's load) as one pipeline
-of 4 stages, pp 4 x dp 1, at tp 1 (4 processes) and at tp 2 (8 processes: each worker is
-a tensor-parallel group of two, each rank waiting half of a layer's device time and
-running the group's collectives on gloo), and prints the median step time of each run
+of ``--pp`` stages (4 by default), pp x dp 1, at tp 1 (pp processes) and at tp 2 (2 pp
+processes: each worker is a tensor-parallel group of two, each rank waiting half of a
+layer's device time and running the group's collectives on gloo), and prints the median step time of each run
 (over the generation that committed the most steps, its first ``WARMUP_STEPS`` left out;
 a run's failures are counted and fail the check) beside two estimates for the same plan, each with its ratio:
 
@@ -60,12 +61,18 @@ WARMUP_STEPS = 3
 """Steps left out of the median: the first steps pay DTensor's and gloo's first use."""
 
 
-def testbed_at(tp: int, steps: int) -> dict[str, Any]:
-    """The testbed as one pipeline of 4 stages at ``tp``: 4 nodes of ``tp`` devices, one
-    worker (``tp`` processes) a node, 8 micro-batches of 4 samples a step."""
+def testbed_at(tp: int, steps: int, pp: int = 4) -> dict[str, Any]:
+    """The testbed as one pipeline of ``pp`` stages at ``tp``: ``pp`` nodes of ``tp``
+    devices, one worker (``tp`` processes) a node, 8 micro-batches of 4 samples a step.
+    Below 3 stages a device's memory grows with its share of the 8 layers (the job file's
+    holds 3): memory prices no time, the plan is the same pipeline."""
     doc = tomllib.loads(TESTBED.read_text())
-    doc["cluster"]["devices_per_node"] = tp
-    doc["job"].update(pp=4, dp=1, tp=tp)
+    doc["cluster"].update(num_nodes=pp, devices_per_node=tp)
+    if pp < 3:
+        device = dict(doc["cluster"]["device"])
+        device["memory_bytes"] = device["memory_bytes"] * 4 // pp
+        doc["cluster"]["device"] = device
+    doc["job"].update(pp=pp, dp=1, tp=tp)
     doc["train"].update(steps=steps, checkpoint_every=steps)  # the final checkpoint only
     if tp > 1:
         # DTensor's first operations hold the interpreter for long stretches on a loaded
@@ -168,15 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="steps per run")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel degrees to run")
+    parser.add_argument("--pp", type=int, default=4,
+                        help="pipeline stages (dp 1): pp x tp processes a run")
     parser.add_argument("--out", default="", help="run folder (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled estimate (the profiler's own run)")
     args = parser.parse_args(argv)
+    if not 1 <= args.pp <= 8:
+        parser.error("--pp: give 1 to 8 stages (the testbed has 8 layers)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out or tempfile.mkdtemp(prefix="tp_estimate_"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"testbed pp 4 x dp 1, {args.steps} steps, median of steps {WARMUP_STEPS}.., "
+    print(f"testbed pp {args.pp} x dp 1, {args.steps} steps, median of steps {WARMUP_STEPS}.., "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores")
     print(f"{'tp':>3} {'measured s':>11} {'declared s':>11} {'ratio':>6} {'profiled s':>11} "
           f"{'ratio':>6} {'same-run s':>11} {'ratio':>6} {'load before/after':>18}")
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
     for tp in [int(t) for t in args.tp.split(",")]:
         path = out / f"testbed-tp{tp}.toml"
-        write_toml(testbed_at(tp, args.steps), path)
+        write_toml(testbed_at(tp, args.steps, args.pp), path)
         declared = estimated(path)
         run = measured(path, out / f"run-tp{tp}", args.timeout)
         by_rank = estimated(profiled(path, out, args.steps, args.timeout)) \
