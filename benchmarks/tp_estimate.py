@@ -30,10 +30,14 @@ a run's failures are counted and fail the check) beside two estimates for the sa
 
 Beside them: the forward and backward seconds per micro-batch of each stage, priced and
 measured (rank 0's medians), which say which term misses, and the host's load average
-before and after each run. The claim (design 4.11): the profiled and the same-run
-estimates within 15% (``TOLERANCE``) at both degrees; the declared one is printed with
-its verdict (at tp 2 its host time per sharded layer is measured by two processes alone,
-while a run's eight share the host's two cores, so it under-prices a loaded host).
+before and after each run. The claim (design 4.11), which the exit status follows: the
+profiled and the same-run estimates within 15% (``TOLERANCE``) at both degrees, and the
+declared one too at every run whose processes (pp x tp) are at most the host's cores
+(``os.cpu_count()``): its host time per sharded layer is measured by two processes
+alone, faithful where each rank has a core (``--pp 1`` on a 2-core host). Past that the
+declared verdict is printed only: at pp 4 x tp 2 a run's eight processes share the
+host's two cores, a rank's host work queues behind the others' and the declared
+estimate under-prices it.
 """
 
 from __future__ import annotations
@@ -192,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tp':>3} {'measured s':>11} {'declared s':>11} {'ratio':>6} {'profiled s':>11} "
           f"{'ratio':>6} {'same-run s':>11} {'ratio':>6} {'load before/after':>18}")
     within: dict[str, bool] = {"declared": True, "profiled": True, "same-run": True}
+    # the declared verdict counts where each rank has a core of its own (the emulation's
+    # premise, design 4.11); a contended run's is printed, not checked
+    declared_checked = True
+    cores = os.cpu_count() or 1
     notes = []
     for tp in [int(t) for t in args.tp.split(",")]:
         path = out / f"testbed-tp{tp}.toml"
@@ -207,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in checked + ([("profiled", ratio_p)] if by_rank else []):
             within[name] = (within[name] and abs(r - 1) <= TOLERANCE
                             and not run["failures"])
+        if args.pp * tp <= cores:
+            declared_checked = (declared_checked and abs(ratio - 1) <= TOLERANCE
+                                and not run["failures"])
         failed = f"  ({run['failures']} failures)" if run["failures"] else ""
         print(f"{tp:>3} {run['median_step_s']:>11.3f} {declared['step_s']:>11.3f} "
               f"{ratio:>6.3f} {by_rank['step_s'] if by_rank else float('nan'):>11.3f} "
@@ -227,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in within.items())
     print(f"within {TOLERANCE:.0%}: {verdicts} (runs in {out})")
     # the claim (design 4.11): with the layers' times per rank measured the estimate holds;
-    # the declared profile's host time per sharded layer, measured by one group alone,
-    # misses the contention of a run's eight processes on two cores (not held at tp 2)
-    return 0 if within["profiled"] and within["same-run"] else 1
+    # the declared one where each rank has a core; its host time per sharded layer,
+    # measured by one group alone, misses the contention of more ranks than cores
+    return 0 if within["profiled"] and within["same-run"] and declared_checked else 1
 
 
 if __name__ == "__main__":
