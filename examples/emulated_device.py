@@ -10,6 +10,17 @@ larger share of the cores) instead of the plan; with this model a worker that ca
 rerouted micro-batches really takes longer, as on a cluster, and the trade-off between
 rerouting and re-planning is the one the estimator and the simulator price.
 Communication, commits, checkpoints, migrations and recoveries are the runtime's own.
+
+At ``[job] tp = k`` (design 4.11) each layer is sharded over the worker's ``k`` processes
+(:meth:`EmulatedDeviceModel.tensor_parallel_plan`): every rank waits ``1/k`` of the
+layer's device time, and its real tensors are split as Megatron-LM splits a linear, so the
+group's collectives really run. Between layers each rank holds ``HIDDEN / k`` features of
+the hidden state (the runtime's boundary, dimension 1 split). The first layer is
+column-parallel (each rank computes its features: no communication); a residual layer is
+row-parallel with its output reduce-scattered back to the rank's features (a
+reduce-scatter forward, an all-gather backward: half an all-reduce each way, the ring's
+two halves); the head is row-parallel with its output all-reduced (whole on every rank,
+where the loss runs).
 """
 
 from __future__ import annotations
@@ -54,13 +65,15 @@ class TimedLayer(nn.Module):
         super().__init__()
         self.inner = inner
         self.residual = residual
+        self.share = 1.0
+        """This device's share of the layer's work: ``1/k`` when sharded over ``k``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
         if self.residual:
             y = x + torch.tanh(y)
-        samples = x.shape[0]
-        return DeviceTime.apply(y, FWD_S_PER_SAMPLE * samples, BWD_S_PER_SAMPLE * samples)
+        work = x.shape[0] * self.share  # samples (a DTensor's shape is the whole one)
+        return DeviceTime.apply(y, FWD_S_PER_SAMPLE * work, BWD_S_PER_SAMPLE * work)
 
 
 class EmulatedDeviceModel:
@@ -84,6 +97,31 @@ class EmulatedDeviceModel:
                 bound = 1 / p.shape[-1] ** 0.5
                 p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
         return TimedLayer(inner, residual=0 < index < self.num_layers - 1)
+
+    def check_tensor_parallel(self, degree: int) -> None:
+        """``[job] tp``: ``degree`` must split the hidden features evenly."""
+        if HIDDEN % degree:
+            raise ValueError(f"job.tp: {degree} does not divide the emulated model's "
+                             f"{HIDDEN} hidden features; choose a tp that divides it")
+
+    def tensor_parallel_plan(self, index: int, layer: nn.Module, degree: int) -> dict[str, Any]:
+        """Layer ``index`` sharded over ``degree`` ranks (the module docstring's layout);
+        the layer waits ``1/degree`` of its device time from now on."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        assert isinstance(layer, TimedLayer)
+        layer.share = 1.0 / degree
+        features = Shard(1)  # (B, HIDDEN / degree) on each rank
+        if index == 0:  # (B, 16), the same on every rank -> this rank's features
+            style: Any = ColwiseParallel(output_layouts=features, use_local_output=False)
+        elif index == self.num_layers - 1:  # -> (B, 1), whole on every rank
+            style = RowwiseParallel(input_layouts=features, output_layouts=Replicate(),
+                                    use_local_output=False)
+        else:  # x + tanh(W x + b): W x reduce-scattered to this rank's features
+            style = RowwiseParallel(input_layouts=features, output_layouts=features,
+                                    use_local_output=False)
+        return {"inner": style}
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Squared error summed over the micro-batch (the runtime takes the mean)."""

@@ -79,6 +79,7 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
             recovery: dict[str, Any] | None = None,
             job: dict[str, Any] | None = None,
             optimizer: dict[str, Any] | None = None,
+            config: Any = None,
             **train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
     """Train the tiny job; return the report, the final parameters and the worker pids.
 
@@ -95,9 +96,11 @@ def run_job(out_dir: Path | None, *, policy: str = "chameleon", faults: tuple[st
         recovery: ``[recovery]`` overrides (``memory_checkpoint``).
         job: ``[job]`` overrides (``pp``, ``dp``, ``tp``).
         optimizer: ``[optimizer]`` overrides (``clip_grad_norm``).
+        config: a whole job of its own instead of the tiny one and its overrides.
         train: ``[train]`` overrides.
     """
-    config = tiny_config(model_override, cluster, recovery, job, optimizer, **train)
+    if config is None:
+        config = tiny_config(model_override, cluster, recovery, job, optimizer, **train)
     lines: list[str] = []
     holder: dict[str, Coordinator] = {}
 

@@ -116,6 +116,21 @@ def test_metrics_and_timings_go_to_disk_as_steps_commit(tmp_path: Path) -> None:
     assert [(m["step"], m["gen"]) for m in final] == [(0, 0), (1, 1)]
 
 
+def test_the_report_lists_each_worker_s_peak_memory_per_rank(tmp_path: Path) -> None:
+    """Worker 0 one process (tp 1's ``rss_peak_bytes``), worker 1 two (``..._ranks``):
+    the peak over the steps of each process, not of the last step."""
+    report = RunReport(tmp_path, steps=10, start_step=0, tokens_per_step=64,
+                       log=lambda _line: None, log_every=None, resumed=False)
+    report.open()
+    peaks = [(5, [7, 3]), (9, [4, 8]), (6, [2, 2])]
+    for step, (alone, ranks) in enumerate(peaks):
+        report.committed(StepRecord(step, 1.0, 0.5, 0, float(step), 4),
+                         [{"step": step, "gen": 0, "worker": 0, "rss_peak_bytes": alone},
+                          {"step": step, "gen": 0, "worker": 1, "rss_peak_bytes": 99,
+                           "rss_peak_bytes_ranks": ranks}])
+    assert report.write({}, files=False)["peak_memory_bytes"] == {"0": [9], "1": [7, 8]}
+
+
 class _Fakes:
     """Stand-ins for the shell's handles: one of everything, nothing behind it."""
 

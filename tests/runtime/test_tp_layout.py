@@ -5,6 +5,8 @@ line naming ``job.tp``."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,6 +168,21 @@ def test_what_cannot_be_sharded_is_refused_in_one_line(model: Any, degree: int, 
     with pytest.raises(ValueError, match=match) as info:
         check_tensor_parallel(model, degree, seq_len)
     assert str(info.value).startswith("job.tp: ") and "\n" not in str(info.value)
+
+
+def test_a_user_model_brings_its_own_plan_and_its_own_check() -> None:
+    """The emulated-device testbed's model (examples/): accepted at a degree that splits
+    its 256 features (no sequence to split), refused in its own words otherwise."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        import emulated_device
+    finally:
+        sys.path.pop(0)
+    model = emulated_device.EmulatedDeviceModel(8)
+    check_tensor_parallel(model, 2, 0)
+    check_tensor_parallel(model, 4, 0)
+    with pytest.raises(ValueError, match=r"^job.tp: 3 does not divide the emulated model's 256"):
+        check_tensor_parallel(model, 3, 0)
 
 
 class _Mesh:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -255,3 +256,117 @@ def test_analytic_profile_prices_the_runtimes_numerics(dtype: str | None, per_pa
         assert mine.fwd_s == planner.fwd_s
     with pytest.raises(ValueError, match=r"train\.dtype"):
         analytic_profile(model, device, train_dtype="float16")
+
+
+def test_a_uniform_layer_over_a_tp_group_is_its_share_plus_its_collectives() -> None:
+    """A uniform profile's figures are a whole layer's: at tp 2 each device computes and
+    holds half, and forward and input gradient each pay the layer's ring halves over the
+    intra-node link ((k - 1) / k of the bytes plus k - 1 latencies apiece)."""
+    from chameleon_ft.profile import UniformTP
+
+    whole = dict(fwd_s=0.012, bwd_input_s=0.012, bwd_weight_s=0.012, param_bytes=1000.0,
+                 optimizer_bytes=2000.0, activation_bytes=400.0, output_bytes=100.0,
+                 optimizer_step_s=0.004)
+    base = uniform_profile(8, **whole)
+    assert uniform_profile(8, **whole, tp=UniformTP()) == base
+    tp = UniformTP(degree=2, collectives=3, collective_bytes=4096.0, link=(1e-3, 2e9))
+    half = uniform_profile(8, **whole, tp=tp)
+    comm_s = 3 * (0.5 * 4096 / 2e9 + 1e-3)
+    layer = half.layers[0]
+    assert layer.fwd_s == pytest.approx(0.006 + comm_s)
+    assert layer.bwd_input_s == pytest.approx(0.006 + comm_s)
+    assert layer.bwd_weight_s == pytest.approx(0.006)
+    assert (layer.param_bytes, layer.optimizer_bytes, layer.activation_bytes,
+            layer.output_bytes) == (500.0, 1000.0, 200.0, 50.0)
+    assert half.optimizer_step_s == pytest.approx(0.002)
+    free = uniform_profile(8, **whole, tp=UniformTP(degree=2, collectives=3,
+                                                    collective_bytes=4096.0))
+    assert free.layers[0].fwd_s == pytest.approx(0.006)
+
+
+def test_the_testbed_at_tp2_prices_its_collectives_from_the_config() -> None:
+    import tomllib
+
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec.config import config_from_mapping
+
+    root = Path(__file__).resolve().parents[2]
+    doc = tomllib.loads((root / "examples" / "testbed8.toml").read_text())
+    tp1 = build_profile(config_from_mapping(doc, base_dir=str(root / "examples")))
+    doc["job"].update(tp=2, dp=1)
+    doc["profile"].update(tp_collectives=1, tp_collective_bytes=4096.0)
+    tp2 = build_profile(config_from_mapping(doc, base_dir=str(root / "examples")))
+    # the collectives' own latency a hop and the host time as the job file states them
+    # (benchmarks/tp_layer_overhead.py measures them), over the 2.8 GB/s link
+    stated = doc["profile"]
+    hop_s = 0.5 * 4096 / 2.8e9 + stated["tp_collective_latency_s"]
+    assert 0 < stated["tp_collective_latency_s"] < 1600e-6  # not the link's 1.6 ms
+    assert tp2.layers[3].fwd_s == pytest.approx(tp1.layers[3].fwd_s / 2 + hop_s
+                                                + stated["tp_host_fwd_s"])
+    assert tp2.layers[3].bwd_input_s == pytest.approx(tp1.layers[3].bwd_input_s / 2 + hop_s
+                                                      + stated["tp_host_bwd_s"])
+    with pytest.raises(ValueError, match="tp_collectives"):
+        doc["profile"]["tp_collectives"] = -1
+        config_from_mapping(doc, base_dir=str(root / "examples"))
+
+
+def _testbed_doc() -> tuple[dict[str, Any], Path]:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    return tomllib.loads((root / "examples" / "testbed8.toml").read_text()), root / "examples"
+
+
+def test_a_sharded_layers_host_time_and_collective_latency_are_priced_at_tp2() -> None:
+    """At tp 2 a uniform layer's forward is its device share, its ring halves at the
+    collective's own latency a hop (not the link's) and the framework's host time; its
+    input gradient the same with the backward's host time; its weight gradient its share
+    alone."""
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec.config import config_from_mapping
+
+    doc, base_dir = _testbed_doc()
+    doc["job"].update(tp=2, dp=1)
+    doc["profile"].update(tp_collectives=1, tp_collective_bytes=4096.0,
+                          tp_collective_latency_s=3e-4, tp_host_fwd_s=2e-3,
+                          tp_host_bwd_s=5e-3)
+    layer = build_profile(config_from_mapping(doc, base_dir=str(base_dir))).layers[3]
+    hop_s = 0.5 * 4096 / 2.8e9 + 3e-4  # the testbed's 2.8 GB/s intra-node link
+    assert layer.fwd_s == pytest.approx(0.012 / 2 + hop_s + 2e-3)
+    assert layer.bwd_input_s == pytest.approx(0.012 / 2 + hop_s + 5e-3)
+    assert layer.bwd_weight_s == pytest.approx(0.012 / 2)
+    # latency 0 is the link's (1.6 ms); the host time is paid on an ideal network too
+    doc["profile"]["tp_collective_latency_s"] = 0.0
+    link = build_profile(config_from_mapping(doc, base_dir=str(base_dir))).layers[3]
+    assert link.fwd_s == pytest.approx(0.006 + 0.5 * 4096 / 2.8e9 + 1.6e-3 + 2e-3)
+    doc["cluster"]["ideal_network"] = True
+    ideal = build_profile(config_from_mapping(doc, base_dir=str(base_dir))).layers[3]
+    assert (ideal.fwd_s, ideal.bwd_input_s) == pytest.approx((0.006 + 2e-3, 0.006 + 5e-3))
+
+
+def test_the_tp_host_and_latency_fields_leave_tp1_unchanged() -> None:
+    from chameleon_ft.profile import build_profile
+    from chameleon_ft.spec.config import config_from_mapping
+
+    doc, base_dir = _testbed_doc()
+    plain = build_profile(config_from_mapping(doc, base_dir=str(base_dir)))
+    doc["profile"].update(tp_collective_latency_s=3e-4, tp_host_fwd_s=2e-3,
+                          tp_host_bwd_s=5e-3)
+    with_fields = build_profile(config_from_mapping(doc, base_dir=str(base_dir)))
+    assert with_fields.to_json() == plain.to_json()
+
+
+@pytest.mark.parametrize("name", ["tp_host_fwd_s", "tp_host_bwd_s", "tp_collective_latency_s"])
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf"), "1ms"])
+def test_bad_tp_host_and_latency_values_are_refused(name: str, value: Any) -> None:
+    from chameleon_ft.profile import UniformTP
+    from chameleon_ft.spec.config import config_from_mapping
+
+    doc, base_dir = _testbed_doc()
+    doc["profile"][name] = value
+    with pytest.raises(ValueError, match=rf"^profile\.{name}: ") as err:
+        config_from_mapping(doc, base_dir=str(base_dir))
+    assert "\n" not in str(err.value)
+    if not isinstance(value, str):
+        with pytest.raises(ValueError, match=rf"^profile\.{name}: "):
+            UniformTP(degree=2, **{name.removeprefix("tp_"): value})

@@ -6,6 +6,7 @@ from chameleon_ft.profile.analytic import analytic_profile
 from chameleon_ft.profile.profile import (
     LayerCost,
     Profile,
+    UniformTP,
     chunk_sums,
     fold_profile,
     stage_sums,
@@ -44,6 +45,19 @@ def build_profile(config: Config, *, runtime: bool = False) -> Profile:
     return profile
 
 
+def _uniform_tp(config: Config) -> UniformTP:
+    """A uniform profile's layers over a worker of ``[job] tp`` devices: its collectives
+    (``[profile] tp_collectives``) over the intra-node link at ``tp_collective_latency_s``
+    a hop when set, free on an ideal network, and the framework's host time per sharded
+    layer (``tp_host_fwd_s``, ``tp_host_bwd_s``), which no network makes free."""
+    cluster, source = config.cluster, config.profile
+    return UniformTP(degree=config.job.tp, collectives=source.tp_collectives,
+                     collective_bytes=source.tp_collective_bytes,
+                     link=None if cluster.ideal_network else cluster.link(same_node=True),
+                     collective_latency_s=source.tp_collective_latency_s,
+                     host_fwd_s=source.tp_host_fwd_s, host_bwd_s=source.tp_host_bwd_s)
+
+
 def _model_profile(config: Config, runtime: bool = False) -> Profile:
     source = config.profile
     if source.kind == ProfileKind.UNIFORM:
@@ -58,6 +72,7 @@ def _model_profile(config: Config, runtime: bool = False) -> Profile:
             output_bytes=source.output_bytes,
             optimizer_step_s=source.optimizer_step_s,
             tokens_per_sample=config.model.seq_len if config.model else 0,
+            tp=_uniform_tp(config) if config.job.tp > 1 else None,
         )
     if source.kind == ProfileKind.FILE:
         profile = Profile.load(config.resolve(source.path))
@@ -79,6 +94,7 @@ def _model_profile(config: Config, runtime: bool = False) -> Profile:
 __all__ = [
     "LayerCost",
     "Profile",
+    "UniformTP",
     "analytic_profile",
     "build_profile",
     "chunk_sums",

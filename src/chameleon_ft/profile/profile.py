@@ -251,6 +251,57 @@ def _layers_from_doc(items: Any, where: str) -> tuple[LayerCost, ...]:
     return tuple(layers)
 
 
+def ring_half_s(num_bytes: float, ranks: int, latency_s: float, bw_bytes_s: float) -> float:
+    """Seconds of one ring all-gather or reduce-scatter of a ``num_bytes`` tensor over
+    ``ranks`` devices (each link moves ``(ranks - 1) / ranks`` of it, one latency a hop):
+    half a ring all-reduce, which runs one of each."""
+    if ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    return (ranks - 1) / ranks * num_bytes / bw_bytes_s + (ranks - 1) * latency_s
+
+
+@dataclass(frozen=True)
+class UniformTP:
+    """A uniform profile's layers sharded over a worker of ``degree`` devices."""
+
+    degree: int = 1
+    """``[job] tp``."""
+    collectives: int = 0
+    """Ring halves each layer runs in its group per micro-batch and direction: an
+    all-gather or a reduce-scatter counts 1, an all-reduce 2."""
+    collective_bytes: float = 0.0
+    """Bytes of the whole tensor each of them gathers or reduces."""
+    link: tuple[float, float] | None = None
+    """``(latency_s, bandwidth_bytes_s)`` of a device's intra-node link; None: free."""
+    collective_latency_s: float = 0.0
+    """Latency of one hop of a collective inside the group when it differs from the
+    link's (the runtime's pipeline sends, which set the link's, carry per-message work a
+    collective does not); 0: the link's. Unused on a free link."""
+    host_fwd_s: float = 0.0
+    """Host seconds a sharded layer adds to its forward per micro-batch (the
+    tensor-parallel framework's dispatch), beyond its device share and its collectives."""
+    host_bwd_s: float = 0.0
+    """The same for its input gradient."""
+
+    def __post_init__(self) -> None:
+        # the [profile] fields these come from are tp_<name>
+        for name in ("collective_latency_s", "host_fwd_s", "host_bwd_s"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"profile.tp_{name}: must be a finite number >= 0, "
+                                 f"got {value!r}")
+
+    def comm_s(self) -> float:
+        """A layer's collectives, per micro-batch and direction."""
+        if self.link is None:
+            return 0.0
+        latency_s, bandwidth_bytes_s = self.link
+        if self.collective_latency_s > 0:
+            latency_s = self.collective_latency_s
+        return self.collectives * ring_half_s(self.collective_bytes, self.degree, latency_s,
+                                              bandwidth_bytes_s)
+
+
 def uniform_profile(
     num_layers: int,
     *,
@@ -264,15 +315,32 @@ def uniform_profile(
     optimizer_step_s: float = 0.0,
     tokens_per_sample: int = 0,
     control_s: float = 0.0,
+    tp: UniformTP | None = None,
 ) -> Profile:
-    """``num_layers`` identical layers: for tests and for checking the closed forms."""
+    """``num_layers`` identical layers: for tests, for checking the closed forms, and for
+    models whose layers cost the same (the emulated-device testbed).
+
+    The figures are a whole layer's on one device. With ``tp`` (a worker of ``k``
+    devices) each device's share is priced as the analytic profile prices a block: the
+    compute, parameters, optimizer state, activations and boundary bytes divided by
+    ``k`` (column- and row-parallel layers, sequence- or feature-split activations), the
+    optimizer step too, and the layer's collectives inside the group and the framework's
+    host time per sharded layer (``tp.host_fwd_s``, ``tp.host_bwd_s``) added to its
+    forward and to its input gradient (the weight gradient needs neither).
+    """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"profile.num_layers: must be an integer >= 1, got {num_layers!r}")
-    layer_args = dict(fwd_s=fwd_s, bwd_input_s=bwd_input_s, bwd_weight_s=bwd_weight_s,
-                      param_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
-                      activation_bytes=activation_bytes, output_bytes=output_bytes)
+    t = tp.degree if tp is not None else 1
+    comm_s = tp.comm_s() if tp is not None else 0.0
+    host_fwd_s = tp.host_fwd_s if tp is not None else 0.0
+    host_bwd_s = tp.host_bwd_s if tp is not None else 0.0
+    layer_args = dict(fwd_s=fwd_s / t + comm_s + host_fwd_s,
+                      bwd_input_s=bwd_input_s / t + comm_s + host_bwd_s,
+                      bwd_weight_s=bwd_weight_s / t, param_bytes=param_bytes / t,
+                      optimizer_bytes=optimizer_bytes / t,
+                      activation_bytes=activation_bytes / t, output_bytes=output_bytes / t)
     layers = tuple(LayerCost(name=f"layer{i}", **layer_args) for i in range(num_layers))
-    return Profile(layers=layers, optimizer_step_s=optimizer_step_s, control_s=control_s,
+    return Profile(layers=layers, optimizer_step_s=optimizer_step_s / t, control_s=control_s,
                    tokens_per_sample=tokens_per_sample, source="uniform")
 
 

@@ -98,6 +98,8 @@ class RunReport:
         self.metrics_path = out_dir / "metrics.jsonl"
         self.op_times_path = out_dir / "op_times.jsonl"
         self.board = Board(out_dir / "tensorboard") if tensorboard else None
+        self.peak_memory: dict[int, list[int]] = {}
+        """Each worker's peak resident bytes so far, one per process (rank) of the worker."""
 
     def open(self) -> None:
         """Start the streamed files: a resumed run keeps the metrics of its earlier steps,
@@ -172,6 +174,7 @@ class RunReport:
             self.board.add(record, self._metrics(record))
         if timings:
             self._append(self.op_times_path, [json.dumps(t) for t in timings])
+            self._note_memory(timings)
         if record.step % self.every == 0 or record.step == self.total_steps - 1 or \
                 record.step == self.start_step or recovered:
             norm = "" if record.grad_norm is None else f"  grad norm {record.grad_norm:.3f}"
@@ -217,6 +220,18 @@ class RunReport:
             write_atomic(self.metrics_path, kept.encode())
         except OSError as exc:
             self.log(f"warning: {self.metrics_path.name} not rewound ({exc.strerror or exc})")
+
+    def _note_memory(self, timings: list[dict[str, Any]]) -> None:
+        """Keep each worker's peak resident bytes per rank (``rss_peak_bytes_ranks`` at
+        ``tp > 1``, else its one process's ``rss_peak_bytes``)."""
+        for t in timings:
+            ranks = t.get("rss_peak_bytes_ranks") or [t.get("rss_peak_bytes")]
+            if not all(isinstance(r, int) for r in ranks):
+                continue
+            old = self.peak_memory.get(int(t["worker"]), [])
+            self.peak_memory[int(t["worker"])] = (
+                [max(a, b) for a, b in zip(old, ranks, strict=True)]
+                if len(old) == len(ranks) else list(ranks))
 
     def op_times(self) -> list[dict[str, Any]]:
         """Every committed step's per-op compute times, read back from the file."""
@@ -266,6 +281,8 @@ class RunReport:
         if self.board is not None and files:
             self.board.close()
         report["events"] = [e.to_dict() for e in self.events]
+        report["peak_memory_bytes"] = {str(w): ranks for w, ranks in
+                                       sorted(self.peak_memory.items())}
         report["records_left_out"] = {
             "events": self.events_left_out, "rejoins": self.rejoins.left_out,
             "refused": self.refused.left_out, "dropped_checkpoints": self.dropped.left_out,

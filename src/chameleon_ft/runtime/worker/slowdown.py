@@ -133,9 +133,12 @@ class Probe:
 
 def probe_inputs(worker: Any) -> tuple[torch.nn.Module, torch.Tensor]:
     """The probe's layer and input for ``worker`` (``main.Worker``): its first middle layer
-    on a zero buffer of its input's shape, or layer 0 on the data when there is none."""
+    on a zero buffer of its input's shape, or layer 0 on the data when there is none. The
+    layer is whole at any ``tp``, so is its input (a rank's shard of a layer's input need
+    not fit the whole layer: a boundary split along the features does not)."""
     if worker.job.num_layers > 2:
-        return worker.module(1).to(worker.dtype), worker.boundary_buffer(1).zero_()
+        return (worker.module(1).to(worker.dtype),
+                worker.boundary_buffer(1, whole=True).zero_())
     x, _ = worker.microbatch(0, 0)
     return worker.module(0).to(worker.dtype), worker.precision.inputs(x, worker.device)
 

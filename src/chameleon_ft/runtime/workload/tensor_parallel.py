@@ -53,7 +53,7 @@ from chameleon_ft.runtime.workload.models.gpt_layers import Block as GPTBlock
 from chameleon_ft.runtime.workload.tp_check import (
     check_tensor_parallel as check_tensor_parallel,  # kept importable from here
 )
-from chameleon_ft.runtime.workload.tp_check import hf_model_class
+from chameleon_ft.runtime.workload.tp_check import hf_model_class, user_plan
 from chameleon_ft.runtime.workload.tp_layout import (
     LayerLayout,
     TensorLayout,
@@ -241,6 +241,8 @@ def shard_layer(model: Any, index: int, layer: nn.Module, mesh: DeviceMesh) -> L
         plan, root, fused = _gpt_plan(index, layer, model.num_layers, degree)
     elif hf_cls is not None and isinstance(model, hf_cls):
         plan, root, fused = _hf_plan(index, layer, model.num_layers, model.config, degree)
+    elif user_plan(model):  # a user's model: its own plan (tp_check.PLAN_METHOD)
+        plan, root, fused = dict(model.tensor_parallel_plan(index, layer, degree)), None, {}
     else:
         raise ValueError(f"job.tp: {type(model).__name__} has no tensor-parallel plan; "
                          "set job.tp = 1")
