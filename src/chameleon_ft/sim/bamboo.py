@@ -13,7 +13,7 @@ from chameleon_ft.sim.policies import (
     KEEP,
     Choice,
     EventContext,
-    fail_stop,
+    FailStopOnSlow,
     slowed,
     terms_choice,
 )
@@ -41,7 +41,7 @@ class BambooState:
     """``(pipeline, stage)`` positions run by the worker of ``(pipeline, stage - 1)``."""
 
 
-class BambooPolicy:
+class BambooPolicy(FailStopOnSlow):
     """Bamboo (Thorpe et al., NSDI 2023) as published figures model it.
 
     Rules (docs/design.md, "Sources of the defaults"):
@@ -197,12 +197,3 @@ class BambooPolicy:
             return choice
         return slowed(choice, slow, self._slow_step_time)
 
-    def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
-                ctx: EventContext) -> Choice:
-        """Bamboo has no answer to a slow worker but its failure path (:func:`fail_stop`)."""
-        return fail_stop(self, self._recovery, base, worker, ctx)
-
-    def on_slow_end(self, base: Choice, worker: int, slow: Mapping[int, float],
-                    ctx: EventContext) -> Choice:
-        """Nothing to do: the worker runs at full speed again."""
-        return Choice(strategy=KEEP, plan=None)

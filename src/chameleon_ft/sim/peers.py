@@ -18,7 +18,6 @@ Chameleon's candidates or scores. Neither answers a slow worker but as a failure
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 
 from chameleon_ft.plan import ExecutionPlan
@@ -29,9 +28,9 @@ from chameleon_ft.sim.policies import (
     KEEP,
     Choice,
     EventContext,
+    FailStopOnSlow,
     PlannerPolicy,
-    fail_stop,
-    slowed,
+    PlannerPriced,
     terms_choice,
 )
 from chameleon_ft.spec.job import Schedule
@@ -56,7 +55,7 @@ def oobleck_planner(planner: Planner) -> Planner:
                    cache_size=planner.cache_size)
 
 
-class OobleckPolicy:
+class OobleckPolicy(FailStopOnSlow, PlannerPriced):
     """Oobleck's reconfiguration; restart from the checkpoint when its rules cannot recover
     (a layer without a live replica, fewer than ``f + 1`` pipelines, no template)."""
 
@@ -88,7 +87,7 @@ class OobleckPolicy:
 
     def memory_load_s(self, plan: ExecutionPlan) -> float:
         """A reload of ``plan`` (on Oobleck's own layers) from other hosts' memory."""
-        return self._planner.memory_load_s(plan)
+        return float(self._planner.memory_load_s(plan))
 
     def start(self) -> Choice:
         """The job's pipelines as Oobleck instantiates them (consecutive workers)."""
@@ -117,23 +116,6 @@ class OobleckPolicy:
         if base.plan is not None:
             return Choice(strategy=KEEP, plan=None)
         return self._own_ranks(self._restart.on_rejoin(base, returned, ctx))
-
-    def priced(self, choice: Choice, slow: Mapping[int, float]) -> Choice:
-        """``choice`` at the slow workers' speeds (on Oobleck's own layers)."""
-        return slowed(choice, slow, self._step_s)
-
-    def _step_s(self, plan: ExecutionPlan, slow: Mapping[int, float]) -> float:
-        return float(self._planner.estimate_slow(plan, slow).step_s)
-
-    def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
-                ctx: EventContext) -> Choice:
-        """Oobleck has no answer to a slow worker but its failure path (``fail_stop``)."""
-        return fail_stop(self, self._recovery, base, worker, ctx)
-
-    def on_slow_end(self, base: Choice, worker: int, slow: Mapping[int, float],
-                    ctx: EventContext) -> Choice:
-        """Nothing to do: the worker runs at full speed again."""
-        return Choice(strategy=KEEP, plan=None)
 
     def _own_ranks(self, choice: Choice) -> Choice:
         """A restart's layout with Oobleck's rank assignment (consecutive workers)."""

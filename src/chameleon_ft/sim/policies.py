@@ -159,6 +159,39 @@ def fail_stop(policy: SimPolicy, recovery: RecoverySpec, base: Choice, worker: i
     return policy.on_failure(base, frozenset({worker}), replace(ctx, alive=ctx.alive - {worker}))
 
 
+class FailStopOnSlow:
+    """For a peer with no answer to a slow worker but its failure path (:func:`fail_stop`)
+    and nothing to do when the worker runs at full speed again. Its class has
+    ``_recovery`` and ``on_failure``."""
+
+    _recovery: RecoverySpec
+
+    def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
+                ctx: EventContext) -> Choice:
+        """``worker`` treated as dead (:func:`fail_stop`), or ``keep``."""
+        policy: Any = self  # a SimPolicy: the class that mixes this in has on_failure
+        return fail_stop(policy, self._recovery, base, worker, ctx)
+
+    def on_slow_end(self, base: Choice, worker: int, slow: Mapping[int, float],
+                    ctx: EventContext) -> Choice:
+        """Nothing to do: the worker runs at full speed again."""
+        return Choice(strategy=KEEP, plan=None)
+
+
+class PlannerPriced:
+    """For a policy whose plans are priced at the slow workers' speeds by its own
+    planner's estimate (``estimate_slow``). Its class has ``_planner``."""
+
+    _planner: Any
+
+    def priced(self, choice: Choice, slow: Mapping[int, float]) -> Choice:
+        """``choice`` at the slow workers' speeds (the planner's estimate)."""
+        return slowed(choice, slow, self._step_s)
+
+    def _step_s(self, plan: ExecutionPlan, slow: Mapping[int, float]) -> float:
+        return float(self._planner.estimate_slow(plan, slow).step_s)
+
+
 def terms_choice(strategy: str, plan: ExecutionPlan | None, *, step_s: float,
                  throughput_samples_s: float, transition_s: float, terms: Mapping[str, float],
                  rollback: bool, state: Any = None, from_memory: bool = False) -> Choice:
@@ -299,7 +332,7 @@ def decision_choice(decision: Any, recovery: RecoverySpec) -> Choice:
     return replace(first, then=final, then_after_s=chosen.interim_s)
 
 
-class PlannerPolicy:
+class PlannerPolicy(PlannerPriced):
     """A policy backed by the planner: ``chameleon``, a fixed strategy, or ``oracle``."""
 
     def __init__(self, name: str, planner: PlannerLike, recovery: RecoverySpec) -> None:
@@ -375,13 +408,6 @@ class PlannerPolicy:
         except ValueError:
             return Choice(strategy=DOWN, plan=None)
         return decision_choice(decision, self._recovery)
-
-    def priced(self, choice: Choice, slow: Mapping[int, float]) -> Choice:
-        """``choice`` at the slow workers' speeds (the planner's estimate)."""
-        return slowed(choice, slow, self._step_s)
-
-    def _step_s(self, plan: ExecutionPlan, slow: Mapping[int, float]) -> float:
-        return float(self._planner.estimate_slow(plan, slow).step_s)
 
     def on_slow(self, base: Choice, worker: int, factor: float, slow: Mapping[int, float],
                 ctx: EventContext) -> Choice:
