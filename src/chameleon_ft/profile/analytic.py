@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chameleon_ft.profile.profile import LayerCost, Profile
+from chameleon_ft.profile.profile import LayerCost, Profile, ring_half_s
 from chameleon_ft.spec.cluster import ClusterSpec
 from chameleon_ft.spec.device import DeviceSpec
 from chameleon_ft.spec.model import ModelSpec
@@ -46,9 +46,8 @@ UNFUSED_SCORE_BYTES = 13
 
 
 def _ring_allreduce_s(num_bytes: float, ranks: int, latency_s: float, bw_bytes_s: float) -> float:
-    if ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * num_bytes / bw_bytes_s + 2 * (ranks - 1) * latency_s
+    """A ring all-reduce: one reduce-scatter and one all-gather."""
+    return 2 * ring_half_s(num_bytes, ranks, latency_s, bw_bytes_s)
 
 
 def _gemm(device: DeviceSpec, m: float, k: float, n: float) -> float:

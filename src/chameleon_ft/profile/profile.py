@@ -286,10 +286,7 @@ class UniformTP:
     def __post_init__(self) -> None:
         # the [profile] fields these come from are tp_<name>
         for name in ("collective_latency_s", "host_fwd_s", "host_bwd_s"):
-            value = getattr(self, name)
-            if not 0 <= value < math.inf:
-                raise ValueError(f"profile.tp_{name}: must be a finite number >= 0, "
-                                 f"got {value!r}")
+            _check(f"profile.tp_{name}", getattr(self, name))
 
     def comm_s(self) -> float:
         """A layer's collectives, per micro-batch and direction."""

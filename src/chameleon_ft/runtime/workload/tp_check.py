@@ -65,11 +65,7 @@ def check_tensor_parallel(model: Any, degree: int, seq_len: int) -> None:
     if degree == 1:
         return
     hf_cls = hf_model_class()
-    if user_plan(model):
-        check = getattr(model, CHECK_METHOD, None)
-        if callable(check):
-            check(degree)  # the model's own ValueError, naming job.tp
-        return
+    # the plans in tensor_parallel.shard_layer's order: the one checked is the one applied
     if isinstance(model, GPTModel):
         s = model.shape
         _divides(degree, s.num_heads, "attention heads")
@@ -80,6 +76,11 @@ def check_tensor_parallel(model: Any, degree: int, seq_len: int) -> None:
         _divides(degree, c.num_key_value_heads, "key/value heads (grouped heads are split "
                  "over the group, not replicated)")
         _divides(degree, c.intermediate_size, "MLP columns (intermediate_size)")
+    elif user_plan(model):
+        check = getattr(model, CHECK_METHOD, None)
+        if callable(check):
+            check(degree)  # the model's own ValueError, naming job.tp
+        return
     else:
         raise ValueError(f"job.tp: {type(model).__name__} has no tensor-parallel plan (the "
                          f"built-in GPT, the Hugging Face families and models with a "
