@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
+from chameleon_ft.profile.profile import ring_half_s
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -126,7 +128,8 @@ def profile_lines(out_ms: dict[str, float], *, output_bytes: int,
     fwd_s = out_ms["sharded layer forward"] / 1e3
     bwd_s = out_ms["sharded layer forward+backward"] / 1e3 - fwd_s
     cluster = tomllib.loads((EXAMPLES / "testbed8.toml").read_text())["cluster"]
-    bytes_s = (degree - 1) / degree * output_bytes / (cluster["intra_node_gb_per_s"] * 1e9)
+    # a ring half is its bytes over the link plus ``degree - 1`` hops (the estimator's rule)
+    bytes_s = ring_half_s(output_bytes, degree, 0.0, cluster["intra_node_gb_per_s"] * 1e9)
     hop_s = ((scatter_s + gather_s) / 2 - bytes_s) / (degree - 1)
     values = {"tp_host_fwd_s": fwd_s - device_share_s[0] - scatter_s,
               "tp_host_bwd_s": bwd_s - device_share_s[1] - gather_s,
