@@ -284,18 +284,22 @@ def test_a_uniform_layer_over_a_tp_group_is_its_share_plus_its_collectives() -> 
     assert free.layers[0].fwd_s == pytest.approx(0.006)
 
 
-def test_the_testbed_at_tp2_prices_its_collectives_from_the_config() -> None:
+def _testbed_doc() -> tuple[dict[str, Any], Path]:
     import tomllib
 
+    root = Path(__file__).resolve().parents[2]
+    return tomllib.loads((root / "examples" / "testbed8.toml").read_text()), root / "examples"
+
+
+def test_the_testbed_at_tp2_prices_its_collectives_from_the_config() -> None:
     from chameleon_ft.profile import build_profile
     from chameleon_ft.spec.config import config_from_mapping
 
-    root = Path(__file__).resolve().parents[2]
-    doc = tomllib.loads((root / "examples" / "testbed8.toml").read_text())
-    tp1 = build_profile(config_from_mapping(doc, base_dir=str(root / "examples")))
+    doc, base_dir = _testbed_doc()
+    tp1 = build_profile(config_from_mapping(doc, base_dir=str(base_dir)))
     doc["job"].update(tp=2, dp=1)
     doc["profile"].update(tp_collectives=1, tp_collective_bytes=4096.0)
-    tp2 = build_profile(config_from_mapping(doc, base_dir=str(root / "examples")))
+    tp2 = build_profile(config_from_mapping(doc, base_dir=str(base_dir)))
     # the collectives' own latency a hop and the host time as the job file states them
     # (benchmarks/tp_layer_overhead.py measures them), over the 2.8 GB/s link
     stated = doc["profile"]
@@ -307,14 +311,7 @@ def test_the_testbed_at_tp2_prices_its_collectives_from_the_config() -> None:
                                                       + stated["tp_host_bwd_s"])
     with pytest.raises(ValueError, match="tp_collectives"):
         doc["profile"]["tp_collectives"] = -1
-        config_from_mapping(doc, base_dir=str(root / "examples"))
-
-
-def _testbed_doc() -> tuple[dict[str, Any], Path]:
-    import tomllib
-
-    root = Path(__file__).resolve().parents[2]
-    return tomllib.loads((root / "examples" / "testbed8.toml").read_text()), root / "examples"
+        config_from_mapping(doc, base_dir=str(base_dir))
 
 
 def test_a_sharded_layers_host_time_and_collective_latency_are_priced_at_tp2() -> None:
